@@ -1,0 +1,103 @@
+"""`elasjax train | plan | compare`: parsing and wiring only; the work lives in the library."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _ensure_devices(n: int = 8) -> None:
+    """Fake CPU devices must be requested before JAX starts; keep a user's own setting."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={n}").strip()
+
+
+def _train(args) -> int:
+    from . import config, trainer
+
+    cfg = config.load(args.config, args.set)
+    trainer.run(cfg, args.out, progress=not args.quiet)
+    return 0
+
+
+def _plan(args) -> int:
+    from . import config
+    from .planner import Topology, initial_plan, rank_candidates
+
+    cfg = config.load(args.config, args.set)
+    n = args.devices
+    topo = Topology(tuple(range(n)), cfg.parallel.devices_per_host)
+    fail = {int(x) for x in args.fail.split(",")} if args.fail else set()
+    bad = sorted(fail - set(topo.device_ids))
+    if bad:
+        raise config.ConfigError(f"--fail names devices {bad}; allowed values: 0 .. {n - 1}")
+    init = initial_plan(topo, cfg)
+    print(f"initial plan on {n} devices: {init.describe()}")
+    print(f"  predicted step {init.predicted_step_s * 1e3:.3f} ms (nominal cost model)")
+    if fail:
+        live = [d for d in topo.device_ids if d not in fail]
+        from . import config as c
+
+        tensors = c.allowed_tensor_degrees(cfg.model)
+        if cfg.parallel.replan == "keep_tensor":
+            tensors = [init.tensor]
+        mmb = cfg.train.max_micro_batch or init.micro_batch
+        ranked = rank_candidates(live, topo, cfg, tensors=tensors, max_micro_batch=mmb)
+        if not ranked:
+            print(f"no plan fits the {len(live)} survivors")
+            return 1
+        print(f"after failing {sorted(fail)} ({len(live)} live): {ranked[0][0].describe()}")
+        print(f"  {'plan':<22}{'devices':>8}{'step ms':>10}{'compute':>10}{'tp comm':>10}{'dp comm':>10}{'overhead':>10}")
+        for p, c_ in ranked[: args.top]:
+            print(
+                f"  {p.name:<22}{p.n_devices:>8}{c_.total_s * 1e3:>10.3f}{c_.compute_s * 1e3:>10.3f}"
+                f"{c_.tensor_comm_s * 1e3:>10.3f}{c_.data_comm_s * 1e3:>10.3f}{c_.overhead_s * 1e3:>10.3f}"
+            )
+    return 0
+
+
+def _compare(args) -> int:
+    from .compare import compare_runs, format_report
+
+    print(format_report(compare_runs(args.run, args.reference)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="elasjax", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train with the config's fault schedule")
+    t.add_argument("config")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=10")
+    t.add_argument("--out", default=None, help="output directory (config.yaml, metrics.jsonl, events.jsonl)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
+    p = sub.add_parser("plan", help="print the plan for N devices and after failures")
+    p.add_argument("config")
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--fail", default="", help="comma-separated device ids")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--top", type=int, default=8, help="candidates to list")
+    c = sub.add_parser("compare", help="loss deviation of a run against a reference run")
+    c.add_argument("run")
+    c.add_argument("reference")
+    args = ap.parse_args(argv)
+    if args.cmd == "train":
+        _ensure_devices(8)
+    from .config import ConfigError
+    from .planner import NoPlanError
+    from .reshard import UnrecoverableStateError
+
+    try:
+        return {"train": _train, "plan": _plan, "compare": _compare}[args.cmd](args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"elasjax: error: {e}", file=sys.stderr)
+        return 2
+    except (UnrecoverableStateError, NoPlanError) as e:
+        print(f"elasjax: training stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Loss deviation between two runs (a run and its reference, e.g. the fault-free run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .metrics import deviation, losses_by_step, read_jsonl
+
+
+def _first_recovery(run_dir: Path) -> int | None:
+    p = run_dir / "events.jsonl"
+    if not p.exists():
+        return None
+    steps = [e["step"] for e in read_jsonl(p) if e.get("type") == "recovery"]
+    return min(steps) if steps else None
+
+
+def _digests(run_dir: Path) -> dict[int, str]:
+    out = {}
+    for r in read_jsonl(run_dir / "metrics.jsonl"):
+        if "batch_digest" in r:
+            out[int(r["step"])] = r["batch_digest"]
+    return out
+
+
+def compare_runs(run: str | Path, reference: str | Path) -> dict:
+    run, reference = Path(run), Path(reference)
+    for d in (run, reference):
+        if not (d / "metrics.jsonl").exists():
+            raise FileNotFoundError(f"{d}/metrics.jsonl not found: is {d} an elasjax output directory?")
+    a, ref = losses_by_step(run), losses_by_step(reference)
+    out = {"run": str(run), "reference": str(reference), "all": deviation(a, ref)}
+    first = _first_recovery(run)
+    if first is not None:
+        out["first_recovery_step"] = first
+        out["post_failure"] = deviation(a, ref, steps=[s for s in a if s >= first])
+    ea, eref = losses_by_step(run, "eval_loss"), losses_by_step(reference, "eval_loss")
+    if ea and eref:
+        out["eval"] = deviation(ea, eref)
+    da, dref = _digests(run), _digests(reference)
+    common = set(da) & set(dref)
+    out["batches_identical"] = bool(common) and all(da[s] == dref[s] for s in common)
+    out["steps_only_in_one"] = sorted(set(a) ^ set(ref))
+    return out
+
+
+def format_report(r: dict) -> str:
+    lines = [f"run       {r['run']}", f"reference {r['reference']}"]
+
+    def row(name, d):
+        return (
+            f"{name:<34} steps {d['steps']:>5}   max rel dev {d['max_rel']:.3e}   "
+            f"mean rel dev {d['mean_rel']:.3e}"
+        )
+
+    lines.append(row("train loss, all steps", r["all"]))
+    if "post_failure" in r:
+        lines.append(row(f"train loss, steps >= {r['first_recovery_step']} (post-failure)", r["post_failure"]))
+        lines.append(
+            "  convergence deviation = mean over post-failure steps of |loss - loss_ref| / loss_ref"
+            f" = {r['post_failure']['mean_rel']:.3e}"
+        )
+    if "eval" in r:
+        lines.append(row("held-out loss", r["eval"]))
+    lines.append(f"identical sample ids per step: {'yes' if r['batches_identical'] else 'NO'}")
+    if r["steps_only_in_one"]:
+        lines.append(f"steps logged in only one run: {r['steps_only_in_one'][:10]}")
+    return "\n".join(lines)

@@ -1,0 +1,394 @@
+"""Typed, frozen run configuration loaded from YAML with dotted overrides.
+
+Every section of a run is a frozen dataclass, so configs hash (a `Plan` built from them can be a
+static `jit` argument) and every field has exactly one home. YAML files in `configs/` state only
+what differs from the defaults below; `--set a.b=v` overrides are parsed as YAML values
+(`--set faults=[]` turns faults off, `--set train.steps=5` sets an int).
+
+The loader is strict on purpose: an unknown key or a value outside its allowed set is a
+`ConfigError` that names the dotted key and lists what is allowed. Nothing is silently ignored,
+clipped or defaulted, because an elastic run that quietly trains something other than what the
+user asked for is worse than one that refuses to start.
+
+Fields whose values later subsystems will extend (ZeRO stages, pipeline stages, recovery
+strategies) accept only the values implemented in this version; the allowed set in the error
+message is therefore always the truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value is not allowed; the message names the key and the allowed values."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only GPT dimensions. `d_model` must equal `n_heads * head_dim`."""
+
+    type: Literal["gpt"] = "gpt"
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    d_mlp: int = 256
+    dropout: float = 0.1
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Token source. `stdlib`: byte tokens of the standard library's `.py` files (real text that
+    ships with every Python); `synthetic`: a seeded, learnable pattern for unit tests."""
+
+    source: Literal["stdlib", "synthetic"] = "stdlib"
+    seed: int = 0
+    val_fraction: float = 0.05
+    max_bytes: int = 8_000_000
+    synthetic_samples: int = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 40
+    global_batch: int = 32
+    microbatches: int = 1  # micro-batches per data replica in the initial plan
+    max_micro_batch: int = 0  # samples per replica per micro-batch after a change; 0 = initial
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 10
+    eval_batches: int = 2
+    deterministic: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Initial layout and the rules of re-planning.
+
+    `devices`: how many of the visible devices the job owns (-1 = all). `data`, `tensor`: the
+    initial mesh (-1 = whatever the planner picks for the rest). After a failure `replan: cost`
+    lets the planner choose any (data, tensor) shape by its cost model; `keep_tensor` keeps the
+    initial tensor degree and only shrinks `data`.
+    """
+
+    devices: int = -1
+    devices_per_host: int = 1
+    data: int = -1
+    tensor: int = 1
+    stage: int = 1
+    replan: Literal["cost", "keep_tensor"] = "cost"
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    stage: Literal[0] = 0
+    layout: Literal["contiguous", "interleaved"] = "interleaved"
+
+
+@dataclasses.dataclass(frozen=True)
+class RngConfig:
+    """`per_sample`: keys fold in (step, global sample id), independent of the layout.
+    `per_device`: the ablation; keys fold in the sample's slot on the mesh, as rank-seeded
+    frameworks do, so a re-plan changes the random draws."""
+
+    mode: Literal["per_sample", "per_device"] = "per_sample"
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultConfig:
+    """One scripted failure, injected at the boundary before step `at_step` runs.
+
+    Exactly one of: `devices` (device ids), `hosts` (host indices; a host is
+    `parallel.devices_per_host` consecutive devices of the job), or `count` (+ `seed`: that many
+    live devices drawn at random)."""
+
+    at_step: int
+    devices: tuple[int, ...] = ()
+    hosts: tuple[int, ...] = ()
+    count: int = 0
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotConfig:
+    buddy: bool = False
+    host: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax persistent checkpoints: the last rung of recovery. `dir: null` disables them.
+    `resume_step`: start from a checkpoint in `dir` (-1 = the newest) instead of step 0."""
+
+    dir: Optional[str] = None
+    every: int = 10
+    keep: int = 2
+    resume_step: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryConfig:
+    strategy: Literal["elastic"] = "elastic"
+    migration: Literal["blocking"] = "blocking"
+
+
+@dataclasses.dataclass(frozen=True)
+class StandbyConfig:
+    enabled: bool = False
+    max_plans: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    zero: ZeroConfig = ZeroConfig()
+    rng: RngConfig = RngConfig()
+    faults: tuple[FaultConfig, ...] = ()
+    snapshot: SnapshotConfig = SnapshotConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
+    standby: StandbyConfig = StandbyConfig()
+
+    def replace(self, **sections: Any) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building dataclasses from plain data, strictly.
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if value is None:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"config '{key}' must be a mapping, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        fields = {f.name: f for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            where = f"'{key}'" if key else "the top level"
+            raise ConfigError(
+                f"unknown config key '{_join(key, unknown[0])}'; allowed keys in {where}: "
+                f"{', '.join(fields)}"
+            )
+        kwargs = {}
+        for name, f in fields.items():
+            if name in value:
+                kwargs[name] = _build(hints[name], value[name], _join(key, name))
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"config '{_join(key, name)}' is required")
+        return tp(**kwargs)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(
+                f"config '{key}' = {value!r} is not allowed; allowed values: "
+                f"{', '.join(repr(a) for a in args)}"
+            )
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _build(inner[0], value, key)
+    if origin is tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            if args and args[-1] is Ellipsis and not isinstance(value, (str, bytes)):
+                value = [value]  # a single id where a list is expected: `devices: 3`
+            else:
+                raise ConfigError(f"config '{key}' must be a list, got {value!r}")
+        return tuple(_build(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config '{key}' must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config '{key}' must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config '{key}' must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config '{key}' must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config field type {_type_name(tp)} at '{key}'")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain YAML-able data (tuples become lists)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, tuple):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+def apply_override(raw: dict, assignment: str) -> dict:
+    """Apply one `a.b.c=value` override to raw config data; the value is parsed as YAML."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like key.path=value")
+    path, text = assignment.split("=", 1)
+    keys = path.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"override key {path!r} is not a dotted key path")
+    value = yaml.safe_load(text) if text.strip() else None
+    node = raw
+    for i, k in enumerate(keys[:-1]):
+        child = node.get(k)
+        if child is None:
+            child = node[k] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{path}': '{'.'.join(keys[: i + 1])}' is not a section")
+        node = child
+    node[keys[-1]] = value
+    return raw
+
+
+def from_dict(raw: Mapping[str, Any] | None) -> Config:
+    cfg = _build(Config, dict(raw or {}), "")
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load a YAML config (or the defaults when `path` is None) and apply dotted overrides."""
+    raw: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        raw = yaml.safe_load(text) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for o in overrides:
+        apply_override(raw, o)
+    return from_dict(raw)
+
+
+def dump(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantic checks that need more than one field. Device-dependent checks (does device 9 exist?)
+# happen in `faults.resolve_schedule` once the device count is known.
+
+
+def _require(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"config '{key}' {msg}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def allowed_tensor_degrees(model: ModelConfig) -> list[int]:
+    """Tensor degrees the model allows: they must divide heads, the MLP width and the vocab."""
+    return [
+        t
+        for t in divisors(model.n_heads)
+        if model.d_mlp % t == 0 and model.vocab_size % t == 0 and model.d_model % t == 0
+    ]
+
+
+def validate(cfg: Config) -> None:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_mlp"):
+        _require(getattr(m, name) >= 1, f"model.{name}", "must be >= 1")
+    _require(
+        m.d_model % m.n_heads == 0,
+        "model.d_model",
+        f"= {m.d_model} must be a multiple of model.n_heads = {m.n_heads}",
+    )
+    _require(0.0 <= m.dropout < 1.0, "model.dropout", f"= {m.dropout} must be in [0, 1)")
+    _require(t.steps >= 1, "train.steps", "must be >= 1")
+    _require(t.global_batch >= 1, "train.global_batch", "must be >= 1")
+    _require(t.microbatches >= 1, "train.microbatches", "must be >= 1")
+    _require(t.max_micro_batch >= 0, "train.max_micro_batch", "must be >= 0 (0 = initial size)")
+    _require(t.lr > 0, "train.lr", "must be > 0")
+    _require(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+    _require(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = never)")
+    _require(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
+    _require(
+        0.0 < cfg.data.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)"
+    )
+    _require(p.devices == -1 or p.devices >= 1, "parallel.devices", "must be -1 (all) or >= 1")
+    _require(p.devices_per_host >= 1, "parallel.devices_per_host", "must be >= 1")
+    _require(p.data == -1 or p.data >= 1, "parallel.data", "must be -1 (the rest) or >= 1")
+    tensors = allowed_tensor_degrees(m)
+    if p.tensor != -1 and p.tensor not in tensors:
+        raise ConfigError(
+            f"config 'parallel.tensor' = {p.tensor} does not divide the model (n_heads="
+            f"{m.n_heads}, d_mlp={m.d_mlp}, vocab_size={m.vocab_size}); allowed values: "
+            f"-1, {', '.join(map(str, tensors))}"
+        )
+    _require(p.stage == 1, "parallel.stage", f"= {p.stage}: allowed values: 1 (pipelines come later)")
+    if cfg.checkpoint.dir is not None:
+        _require(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
+        _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
+    if cfg.checkpoint.resume_step is not None:
+        _require(cfg.checkpoint.dir is not None, "checkpoint.resume_step", "needs checkpoint.dir")
+        _require(
+            cfg.checkpoint.resume_step == -1 or 0 <= cfg.checkpoint.resume_step < t.steps,
+            "checkpoint.resume_step",
+            f"= {cfg.checkpoint.resume_step}; allowed values: null, -1 (newest), 0 .. {t.steps - 1}",
+        )
+    _require(cfg.standby.max_plans >= 0, "standby.max_plans", "must be >= 0")
+    _require(not cfg.standby.enabled, "standby.enabled", "= true is not available yet; allowed: false")
+    _require(not cfg.snapshot.buddy, "snapshot.buddy", "= true is not available yet; allowed: false")
+    _require(not cfg.snapshot.host, "snapshot.host", "= true is not available yet; allowed: false")
+    _require(
+        not t.deterministic, "train.deterministic", "= true is not available yet; allowed: false"
+    )
+    for i, f in enumerate(cfg.faults):
+        key = f"faults[{i}]"
+        kinds = [bool(f.devices), bool(f.hosts), f.count > 0]
+        if sum(kinds) != 1:
+            raise ConfigError(
+                f"config '{key}' must name exactly one of 'devices', 'hosts' or 'count' (+ 'seed')"
+            )
+        _require(
+            1 <= f.at_step < t.steps,
+            f"{key}.at_step",
+            f"= {f.at_step} is outside the run; allowed values: 1 .. {t.steps - 1} "
+            f"(train.steps = {t.steps})",
+        )
+        _require(f.count >= 0, f"{key}.count", "must be >= 0")
+    steps = [f.at_step for f in cfg.faults]
+    _require(steps == sorted(steps), "faults", "must be ordered by at_step")

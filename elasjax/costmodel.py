@@ -1,0 +1,145 @@
+"""Analytic step-time and memory model used by the planner (and later the simulator).
+
+The planner must rank layouts it has never run, so it needs a model of a step, not a stopwatch.
+The model is deliberately simple and explicit: compute from FLOP counts at a stated device
+throughput, padding slots counted as real work (SPMD runs them), a fixed overhead per
+micro-batch, ring all-reduce for tensor-parallel activations and data-parallel gradients at a
+stated link bandwidth. All hardware numbers are parameters of `Hardware`; the defaults describe
+nothing real and only fix the *ranking* of layouts. Absolute predictions are meaningful only
+after calibration (`Hardware.calibrated`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Stated device and link parameters. Defaults are a nominal accelerator, not a measurement."""
+
+    name: str = "nominal"
+    flops: float = 1.0e12  # sustained FLOP/s per device
+    link_bw: float = 50.0e9  # bytes/s per device for collectives
+    link_latency_s: float = 5.0e-6  # per collective hop
+    micro_overhead_s: float = 2.0e-4  # fixed cost of one micro-batch (launch, scan step)
+    memory_bytes: float = float("inf")  # per device
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfile:
+    """Sizes derived from a model config: parameter counts, FLOPs and activation bytes."""
+
+    n_layers: int
+    seq_len: int
+    d_model: int
+    params_per_layer: int
+    params_embed: int  # embedding + position + head + final norm
+    flops_per_token_layer: float  # forward + backward, one layer
+    flops_per_token_embed: float  # forward + backward, embedding/head
+    bytes_per_param: int = 4
+
+    @property
+    def n_params(self) -> int:
+        return self.params_per_layer * self.n_layers + self.params_embed
+
+    @classmethod
+    def from_model(cls, m: ModelConfig) -> "ModelProfile":
+        d, f, v, t = m.d_model, m.d_mlp, m.vocab_size, m.seq_len
+        # attention qkv + out, mlp in + out, two layer norms (scale + bias)
+        per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        head = 0 if m.tie_embeddings else d * v
+        embed = v * d + t * d + head + 2 * d
+        # 6 FLOPs per parameter per token (fwd 2 + bwd 4) plus attention scores and values.
+        layer_flops = 6.0 * (4 * d * d + 2 * d * f) + 6.0 * 2 * t * d
+        embed_flops = 6.0 * d * v
+        return cls(m.n_layers, t, d, per_layer, embed, layer_flops, embed_flops)
+
+
+def ring_allreduce_s(nbytes: float, n: int, hw: Hardware) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2.0 * (n - 1) / n * nbytes / hw.link_bw + 2 * (n - 1) * hw.link_latency_s
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A predicted step, broken into parts so tests and `elasjax plan` can show them."""
+
+    compute_s: float
+    tensor_comm_s: float
+    data_comm_s: float
+    overhead_s: float
+    memory_bytes: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.tensor_comm_s + self.data_comm_s + self.overhead_s
+
+
+def spmd_step_cost(
+    prof: ModelProfile,
+    hw: Hardware,
+    *,
+    data: int,
+    tensor: int,
+    microbatches: int,
+    micro_batch: int,
+) -> StepCost:
+    """Cost of one data x tensor SPMD step; every replica runs `microbatches * micro_batch` slots
+    (padding included, since SPMD computes them)."""
+    tokens = microbatches * micro_batch * prof.seq_len
+    flops = tokens * (prof.n_layers * prof.flops_per_token_layer + prof.flops_per_token_embed)
+    compute = flops / tensor / hw.flops
+    act_bytes = micro_batch * prof.seq_len * prof.d_model * 4
+    # Megatron-style TP: 2 all-reduces forward and 2 backward per layer per micro-batch.
+    tcomm = microbatches * prof.n_layers * 4 * ring_allreduce_s(act_bytes, tensor, hw)
+    grad_bytes = prof.n_params * prof.bytes_per_param / tensor
+    dcomm = ring_allreduce_s(grad_bytes, data, hw)
+    overhead = microbatches * hw.micro_overhead_s
+    # params + grads + accumulator + 2 Adam moments, plus activations of one micro-batch
+    state = 5 * prof.n_params * prof.bytes_per_param / tensor
+    acts = micro_batch * prof.seq_len * prof.d_model * 4 * 16 * prof.n_layers / tensor
+    return StepCost(compute, tcomm, dcomm, overhead, state + acts)
+
+
+def even_split(total: int, parts: int) -> tuple[int, ...]:
+    """`total` items over `parts` bins, sizes differing by at most one, larger bins first."""
+    q, r = divmod(total, parts)
+    return tuple(q + 1 if i < r else q for i in range(parts))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def best_micro_schedule(
+    per_replica: int, max_micro_batch: int, prof: ModelProfile, hw: Hardware, **shape: int
+) -> tuple[int, int]:
+    """(microbatches, micro_batch) covering `per_replica` samples with the cheapest step, each
+    micro-batch holding at most `max_micro_batch` samples."""
+    lo = max(1, ceil_div(per_replica, max_micro_batch))
+    best: tuple[float, int, int] | None = None
+    for m in range(lo, max(lo, per_replica) + 1):
+        b = ceil_div(per_replica, m)
+        if b > max_micro_batch:
+            continue
+        c = spmd_step_cost(prof, hw, microbatches=m, micro_batch=b, **shape).total_s
+        if best is None or c < best[0] - 1e-15:
+            best = (c, m, b)
+    assert best is not None
+    return best[1], best[2]
+
+
+__all__ = [
+    "Hardware",
+    "ModelProfile",
+    "StepCost",
+    "spmd_step_cost",
+    "ring_allreduce_s",
+    "even_split",
+    "ceil_div",
+    "best_micro_schedule",
+]

@@ -1,0 +1,215 @@
+"""Deterministic, step-indexed global batches, independent of the mesh.
+
+Step `s` of a run with global batch `B` consumes the global sample ids `s*B .. s*B+B-1`; a
+global id maps to a training window through a per-epoch permutation seeded by `data.seed`. That
+is a function of (seed, step) only, so a run with failures feeds exactly the fault-free run's
+samples at every step, whatever the plan. `layout_batch` then places the step's samples into a
+plan's slots (weight-0 padding where the plan has more slots than samples).
+
+Sources:
+- `stdlib`: byte-level tokens (vocab 256) of the standard library's `.py` files, real text that
+  ships with every Python. Files are split into train/validation by a hash of their relative
+  path, so the split is fixed for a given Python version. (Different Python versions ship
+  different files; runs are comparable on the same interpreter.)
+- `synthetic`: per-sample affine sequences `x[t+1] = (a*x[t] + c) mod V`, learnable and cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from .config import DataConfig, ModelConfig, RngConfig
+from .planner import Plan
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_bytes(max_bytes: int, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
+        files += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    files.sort(key=lambda p: str(p.relative_to(root)))
+    cut = int(round(val_fraction * 1000))
+    train, val, n_train, n_val = [], [], 0, 0
+    max_val = max(int(max_bytes * val_fraction), 1)
+    for p in files:
+        is_val = zlib.crc32(str(p.relative_to(root)).encode()) % 1000 < cut
+        if (is_val and n_val >= max_val) or (not is_val and n_train >= max_bytes):
+            continue
+        try:
+            b = p.read_bytes() + b"\n"
+        except OSError:
+            continue
+        if is_val:
+            val.append(b)
+            n_val += len(b)
+        else:
+            train.append(b)
+            n_train += len(b)
+        if n_train >= max_bytes and n_val >= max_val:
+            break
+    to_arr = lambda parts, cap: np.frombuffer(b"".join(parts)[:cap], dtype=np.uint8)
+    return to_arr(train, max_bytes), to_arr(val, max_val)
+
+
+class TokenSource:
+    """Fixed-length windows of `seq_len + 1` tokens; index -> window, for both splits."""
+
+    def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int):
+        self.seq_len = seq_len
+        self._train, self._val = train, val
+        self.n_train = (len(train) - 1) // seq_len
+        self.n_val = (len(val) - 1) // seq_len
+        if self.n_train < 1 or self.n_val < 1:
+            raise ValueError(
+                f"the corpus is too small for seq_len={seq_len}: {self.n_train} train and "
+                f"{self.n_val} validation windows; raise data.max_bytes"
+            )
+
+    def windows(self, idx: np.ndarray, split: str = "train") -> np.ndarray:
+        arr = self._train if split == "train" else self._val
+        T = self.seq_len
+        offs = idx[:, None] * T + np.arange(T + 1)[None, :]
+        return arr[offs].astype(np.int32)
+
+
+class SyntheticSource(TokenSource):
+    def __init__(self, n_samples: int, seq_len: int, vocab: int, seed: int):
+        self.seq_len, self.vocab, self.seed = seq_len, vocab, seed
+        self.n_train = n_samples
+        self.n_val = max(n_samples // 8, 1)
+
+    def windows(self, idx: np.ndarray, split: str = "train") -> np.ndarray:
+        salt = 0 if split == "train" else 1 << 30
+        out = np.empty((len(idx), self.seq_len + 1), np.int32)
+        for r, i in enumerate(idx):
+            g = np.random.default_rng([self.seed, int(i) + salt])
+            a = int(g.integers(1, 8)) * 2 + 1
+            c = int(g.integers(0, self.vocab))
+            x = int(g.integers(0, self.vocab))
+            for t in range(self.seq_len + 1):
+                out[r, t] = x
+                x = (a * x + c) % self.vocab
+        return out
+
+
+def make_source(cfg: DataConfig, model: ModelConfig) -> TokenSource:
+    if cfg.source == "stdlib":
+        if model.vocab_size < 256:
+            raise ValueError(
+                f"data.source = 'stdlib' needs model.vocab_size >= 256 (bytes), got {model.vocab_size}"
+            )
+        train, val = _stdlib_bytes(cfg.max_bytes, cfg.val_fraction)
+        return TokenSource(train, val, model.seq_len)
+    return SyntheticSource(cfg.synthetic_samples, model.seq_len, model.vocab_size, cfg.seed)
+
+
+def global_sample_ids(step: int, global_batch: int) -> np.ndarray:
+    """The global sample ids of a step: a function of (step, B) only."""
+    ids = step * global_batch + np.arange(global_batch, dtype=np.int64)
+    if ids[-1] >= 2**32:
+        raise OverflowError("global sample ids exceed 2**32; they are folded into uint32 keys")
+    return ids
+
+
+class Sampler:
+    """Global sample id -> dataset window index, via one seeded permutation per epoch."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 4:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return self._perms[epoch]
+
+    def __call__(self, gids: np.ndarray) -> np.ndarray:
+        out = np.empty_like(gids)
+        epochs = gids // self.n
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._perm(int(e))[gids[sel] % self.n]
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HostBatch:
+    """One step's batch laid out for a plan: arrays [microbatches, data * micro_batch, ...]."""
+
+    inputs: np.ndarray  # int32 [m, D*b, T]
+    targets: np.ndarray  # int32 [m, D*b, T]
+    weights: np.ndarray  # f32 [m, D*b]; 1 = real sample, 0 = padding
+    key_ids: np.ndarray  # uint32 [m, D*b]; the id folded into the sample's RNG key
+    sample_ids: np.ndarray  # int64 [m, D*b]; global sample id, -1 = padding
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {
+            "inputs": self.inputs,
+            "targets": self.targets,
+            "weights": self.weights,
+            "key_ids": self.key_ids,
+        }
+
+
+def layout_batch(windows: np.ndarray, gids: np.ndarray, plan: Plan, rng: RngConfig) -> HostBatch:
+    """Place a step's B windows (with their global ids) into the plan's slots."""
+    pos = plan.slot_positions()
+    real = pos >= 0
+    safe = np.where(real, pos, 0)
+    w = windows[safe]
+    w[~real] = 0
+    sample_ids = np.where(real, gids[safe], -1)
+    if rng.mode == "per_sample":
+        key_ids = np.where(real, gids[safe], 0).astype(np.uint32)
+    else:  # per_device: the slot's position on the mesh, replica-major
+        m, Db = pos.shape
+        b = plan.micro_batch
+        k = np.arange(m)[:, None]
+        r, j = np.divmod(np.arange(Db)[None, :], b)
+        key_ids = (r * m * b + k * b + j).astype(np.uint32)
+    return HostBatch(
+        inputs=w[..., :-1],
+        targets=w[..., 1:],
+        weights=real.astype(np.float32),
+        key_ids=key_ids,
+        sample_ids=sample_ids,
+    )
+
+
+class DataPipeline:
+    """Step -> global batch for a plan, and fixed validation batches."""
+
+    def __init__(self, cfg: DataConfig, model: ModelConfig, rng: RngConfig, global_batch: int):
+        self.source = make_source(cfg, model)
+        self.sampler = Sampler(self.source.n_train, cfg.seed)
+        self.rng, self.global_batch = rng, global_batch
+
+    def step_ids(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(global sample ids, dataset window indices) of a step."""
+        gids = global_sample_ids(step, self.global_batch)
+        return gids, self.sampler(gids)
+
+    def batch(self, step: int, plan: Plan) -> HostBatch:
+        gids, idx = self.step_ids(step)
+        return layout_batch(self.source.windows(idx), gids, plan, self.rng)
+
+    def eval_batch(self, i: int, plan: Plan) -> HostBatch:
+        B = self.global_batch
+        idx = (np.arange(B, dtype=np.int64) + i * B) % self.source.n_val
+        return layout_batch(self.source.windows(idx, "val"), idx, plan, self.rng)
+
+    @staticmethod
+    def digest(idx: np.ndarray) -> str:
+        """Short digest of a step's dataset indices, written to metrics for comparisons."""
+        return f"{zlib.crc32(np.ascontiguousarray(idx, dtype=np.int64).tobytes()):08x}"

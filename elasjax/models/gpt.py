@@ -1,0 +1,167 @@
+"""Decoder-only GPT in Flax (linen) with layout-independent dropout.
+
+Parameters carry logical axis names (`nn.with_logical_partitioning`), read once with
+`logical_specs`; the training code only sees the plain parameter pytree. Layers are stacked on a
+leading `layers` axis (`nn.scan`) so a stage split is a slice of that axis.
+
+Dropout is keyed per sample, not per batch: the caller passes one key per sample (derived from
+the step and the sample's global id, see `elasjax.rng`), and each dropout site folds in its layer
+id and site id. A sample therefore draws the same mask whichever device, replica, micro-batch or
+slot runs it, which is what makes a re-planned run compute the fault-free run's function.
+Flax's own `nn.Dropout` draws one mask for the whole (sharded) batch from one key, so a sample's
+mask would depend on its position in the batch; it is not used.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+
+from ..config import ModelConfig
+
+INIT_STD = 0.02
+EMBED_DROPOUT_LAYER = 0xFFFF  # layer id of the embedding dropout site (no real layer has it)
+
+
+def _init(axes, std=INIT_STD):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
+def _zeros(axes):
+    return nn.with_logical_partitioning(nn.initializers.zeros, axes)
+
+
+def _ones(axes):
+    return nn.with_logical_partitioning(nn.initializers.ones, axes)
+
+
+def sample_dropout(x, rate: float, keys, layer_id, site: int, deterministic: bool):
+    """Inverted dropout with one key per sample. `x`: [batch, ...]; `keys`: typed keys [batch]."""
+    if deterministic or rate == 0.0:
+        return x
+    keep = 1.0 - rate
+
+    def one(key, xi):
+        key = jax.random.fold_in(jax.random.fold_in(key, layer_id), site)
+        mask = jax.random.bernoulli(key, keep, xi.shape)
+        return jnp.where(mask, xi / keep, jnp.zeros_like(xi))
+
+    return jax.vmap(one)(keys, x)
+
+
+def _layer_norm(name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(
+        epsilon=1e-5, name=name, scale_init=_ones(("norm",)), bias_init=_zeros(("norm",))
+    )
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block. Called as (carry, per-layer input) by `nn.scan`."""
+
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x, keys, layer_id):
+        c = self.cfg
+        B, T, _ = x.shape
+        h = _layer_norm("ln1")(x)
+        qkv = nn.DenseGeneral(
+            (3, c.n_heads, c.head_dim),
+            name="qkv",
+            kernel_init=_init(("embed", None, "heads", "head_dim")),
+            bias_init=_zeros((None, "heads", "head_dim")),
+        )(h)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(c.head_dim).astype(x.dtype)
+        causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+        att = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        att = nn.DenseGeneral(
+            c.d_model,
+            axis=(-2, -1),
+            name="attn_out",
+            kernel_init=_init(("heads", "head_dim", "embed"), INIT_STD / (2 * c.n_layers) ** 0.5),
+            bias_init=_zeros(("embed",)),
+        )(att)
+        x = x + sample_dropout(att, c.dropout, keys, layer_id, 0, self.deterministic)
+        h = _layer_norm("ln2")(x)
+        h = nn.Dense(
+            c.d_mlp, name="mlp_in", kernel_init=_init(("embed", "mlp")), bias_init=_zeros(("mlp",))
+        )(h)
+        h = nn.gelu(h)
+        h = nn.Dense(
+            c.d_model,
+            name="mlp_out",
+            kernel_init=_init(("mlp", "embed"), INIT_STD / (2 * c.n_layers) ** 0.5),
+            bias_init=_zeros(("embed",)),
+        )(h)
+        x = x + sample_dropout(h, c.dropout, keys, layer_id, 1, self.deterministic)
+        return x, None
+
+
+class GPT(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens, keys, deterministic: bool = True):
+        """tokens: int32 [batch, seq]; keys: typed PRNG keys [batch]. Returns f32 logits."""
+        c = self.cfg
+        T = tokens.shape[1]
+        embed = nn.Embed(
+            c.vocab_size, c.d_model, name="embed", embedding_init=_init(("vocab", "embed"))
+        )
+        pos = self.param("pos_embed", _init(("sequence", "embed")), (c.seq_len, c.d_model))
+        x = embed(tokens) + pos[None, :T]
+        x = sample_dropout(x, c.dropout, keys, EMBED_DROPOUT_LAYER, 0, deterministic)
+        layers = nn.scan(
+            Block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, 0),
+            length=c.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(c, deterministic, name="layers")
+        x, _ = layers(x, keys, jnp.arange(c.n_layers))
+        x = _layer_norm("ln_f")(x)
+        if c.tie_embeddings:
+            logits = embed.attend(x)
+        else:
+            logits = nn.Dense(
+                c.vocab_size, name="head", kernel_init=_init(("embed", "vocab")),
+                bias_init=_zeros(("vocab",)),
+            )(x)
+        return logits.astype(jnp.float32)
+
+
+def build(cfg: ModelConfig) -> GPT:
+    return GPT(cfg)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array):
+    """Plain (unboxed) parameter pytree."""
+    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    keys = jax.random.split(key, 1)
+    variables = build(cfg).init({"params": key}, tokens, keys, True)
+    return nn.unbox(variables["params"])
+
+
+def logical_specs(cfg: ModelConfig):
+    """Pytree (matching `init_params`) of logical-axis PartitionSpecs."""
+    tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
+
+    def init(key):
+        keys = jax.random.split(key, 1)
+        return build(cfg).init({"params": key}, jnp.zeros(tokens.shape, tokens.dtype), keys, True)
+
+    boxed = jax.eval_shape(init, jax.random.key(0))
+    return nn.get_partition_spec(boxed)["params"]
+
+
+def token_losses(params, cfg: ModelConfig, inputs, targets, keys, deterministic: bool):
+    """Per-token cross-entropy, f32 [batch, seq]."""
+    logits = build(cfg).apply({"params": params}, inputs, keys, deterministic)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)

@@ -1,0 +1,266 @@
+"""The planner: (live devices, model, global batch, cost model) -> Plan. Pure Python.
+
+A `Plan` says everything about how one step is laid out: which devices, the mesh shape, the
+micro-batch schedule with its weight-0 padding slots, and the spare devices. It is frozen and
+hashable so that it can key compiled executables and be a static `jit` argument.
+
+Elastic recovery is a transition between plans, so the planner never assumes a device count:
+any number of survivors (7, 5, 3 ...) yields a plan. Uneven counts are normal. The global batch
+`B` is spread over the `data` replicas as evenly as possible and every replica runs the same
+number of slots (SPMD needs uniform shapes); slots without a sample carry weight 0. The loss is
+normalised by the real tokens of the whole global batch, so padding changes cost, never the
+gradient.
+
+Choosing a shape: every (data, tensor) with `tensor` dividing the model (heads, MLP width,
+vocabulary) and `data * tensor <= live` is costed with `costmodel.spmd_step_cost`; the cheapest
+wins, and among shapes within `TIE_TOLERANCE` of the cheapest the one using the most devices wins
+(spares only when no better shape exists). The rejected alternative, "keep the shape and drop
+what does not fit", wastes survivors and is what `parallel.replan: keep_tensor` offers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from .config import Config, ConfigError, allowed_tensor_degrees
+from .costmodel import (
+    Hardware,
+    ModelProfile,
+    StepCost,
+    best_micro_schedule,
+    ceil_div,
+    even_split,
+    spmd_step_cost,
+)
+
+TIE_TOLERANCE = 0.05  # relative; plans closer than this are ranked by devices used
+
+
+class NoPlanError(ValueError):
+    """No layout can run on the live devices (e.g. none are left)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The job's devices and their failure domains: a host is `devices_per_host` consecutive
+    devices of `device_ids`; a host failure removes all of them."""
+
+    device_ids: tuple[int, ...]
+    devices_per_host: int = 1
+
+    def host_of(self, device_id: int) -> int:
+        return self.device_ids.index(device_id) // self.devices_per_host
+
+    @property
+    def n_hosts(self) -> int:
+        return ceil_div(len(self.device_ids), self.devices_per_host)
+
+    def host_devices(self, host: int) -> tuple[int, ...]:
+        k = self.devices_per_host
+        return self.device_ids[host * k : (host + 1) * k]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Layout of one training step. See the module docstring."""
+
+    device_ids: tuple[int, ...]  # used devices, mesh order (tensor fastest)
+    data: int
+    tensor: int
+    microbatches: int  # per replica
+    micro_batch: int  # samples per replica per micro-batch
+    global_batch: int
+    spare_ids: tuple[int, ...] = ()
+    stage: int = 1
+    zero_stage: int = 0
+    predicted_step_s: float = dataclasses.field(default=0.0, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.data * self.tensor * self.stage != len(self.device_ids):
+            raise ValueError(f"plan shape {self.mesh_shape} does not match {len(self.device_ids)} devices")
+        if self.slots < self.global_batch:
+            raise ValueError(f"plan has {self.slots} slots for a global batch of {self.global_batch}")
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {"data": self.data, "stage": self.stage, "tensor": self.tensor}
+
+    @property
+    def n_devices(self) -> int:
+        return len(self.device_ids)
+
+    @property
+    def slots(self) -> int:
+        return self.data * self.microbatches * self.micro_batch
+
+    @property
+    def replica_counts(self) -> tuple[int, ...]:
+        return even_split(self.global_batch, self.data)
+
+    @property
+    def name(self) -> str:
+        s = f"d{self.data}t{self.tensor}m{self.microbatches}b{self.micro_batch}"
+        return s + (f"+{len(self.spare_ids)}spare" if self.spare_ids else "")
+
+    def slot_positions(self) -> np.ndarray:
+        """[microbatches, data * micro_batch] batch positions (0..B-1) per slot; -1 = padding.
+
+        Replica r takes a contiguous run of positions (`replica_counts[r]` of them); its k-th
+        micro-batch holds that run's items k*b .. k*b+b-1. Row k is the k-th micro-batch of the
+        whole mesh, laid out replica-major along the data-sharded dimension.
+        """
+        m, b = self.microbatches, self.micro_batch
+        out = np.full((m, self.data, b), -1, dtype=np.int64)
+        start = 0
+        for r, c in enumerate(self.replica_counts):
+            idx = np.arange(m * b)
+            pos = np.where(idx < c, start + idx, -1)
+            out[:, r, :] = pos.reshape(m, b)
+            start += c
+        return out.reshape(m, self.data * b)
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: data={self.data} tensor={self.tensor} on devices {list(self.device_ids)}"
+            f"; {self.microbatches} micro-batch(es) of {self.micro_batch} per replica; "
+            f"{self.slots - self.global_batch} padding slot(s); spares {list(self.spare_ids)}"
+        )
+
+
+def assign_devices(
+    live_ids: Sequence[int], topo: Topology, data: int, tensor: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Pick `data` tensor groups of `tensor` devices from the live ones, preferring groups inside
+    one host (tensor traffic is the heaviest). Returns (used ids in mesh order, spare ids)."""
+    live = set(live_ids)
+    groups: list[tuple[int, ...]] = []
+    leftovers: list[int] = []
+    for h in range(topo.n_hosts):
+        ids = [d for d in topo.host_devices(h) if d in live]
+        full = len(ids) // tensor * tensor
+        groups += [tuple(ids[i : i + tensor]) for i in range(0, full, tensor)]
+        leftovers += ids[full:]
+    full = len(leftovers) // tensor * tensor
+    groups += [tuple(leftovers[i : i + tensor]) for i in range(0, full, tensor)]
+    if len(groups) < data:
+        raise NoPlanError(f"{len(live)} live devices cannot form {data} groups of {tensor}")
+    used = tuple(d for g in groups[:data] for d in g)
+    spare = tuple(d for d in topo.device_ids if d in live and d not in used)
+    return used, spare
+
+
+def _make(
+    live_ids: Sequence[int],
+    topo: Topology,
+    cfg: Config,
+    prof: ModelProfile,
+    hw: Hardware,
+    data: int,
+    tensor: int,
+    microbatches: int | None,
+    max_micro_batch: int,
+) -> tuple[Plan, StepCost]:
+    B = cfg.train.global_batch
+    per_replica = ceil_div(B, data)
+    if microbatches is None:
+        m, b = best_micro_schedule(
+            per_replica, max_micro_batch, prof, hw, data=data, tensor=tensor
+        )
+    else:
+        m, b = microbatches, ceil_div(per_replica, microbatches)
+    used, spare = assign_devices(live_ids, topo, data, tensor)
+    cost = spmd_step_cost(prof, hw, data=data, tensor=tensor, microbatches=m, micro_batch=b)
+    plan = Plan(used, data, tensor, m, b, B, spare, predicted_step_s=cost.total_s)
+    return plan, cost
+
+
+def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Plan:
+    """The plan the config asks for on all of the job's devices."""
+    hw = hw or Hardware()
+    prof = ModelProfile.from_model(cfg.model)
+    n, p, B = len(topo.device_ids), cfg.parallel, cfg.train.global_batch
+    tensors = allowed_tensor_degrees(cfg.model) if p.tensor == -1 else [p.tensor]
+    options = []
+    for t in tensors:
+        d = p.data if p.data != -1 else min(n // t, B)
+        if d < 1 or d * t > n:
+            continue
+        if d > B:
+            raise ConfigError(
+                f"config 'parallel.data' = {d} exceeds train.global_batch = {B}; "
+                f"allowed values: -1, 1 .. {B}"
+            )
+        options.append(_make(topo.device_ids, topo, cfg, prof, hw, d, t, cfg.train.microbatches, 1 << 30))
+    if not options:
+        raise ConfigError(
+            f"config 'parallel' asks for data={p.data} x tensor={p.tensor} but the job has {n} "
+            f"devices; choose data * tensor <= {n} (or -1)"
+        )
+    return _choose(options, prefer_tensor=tensors[0])[0]
+
+
+def rank_candidates(
+    live_ids: Sequence[int],
+    topo: Topology,
+    cfg: Config,
+    *,
+    tensors: Sequence[int],
+    max_micro_batch: int,
+    hw: Hardware | None = None,
+) -> list[tuple[Plan, StepCost]]:
+    """Every feasible (data, tensor) plan on the live devices with its predicted cost, best first."""
+    hw = hw or Hardware()
+    prof = ModelProfile.from_model(cfg.model)
+    n, B = len(live_ids), cfg.train.global_batch
+    out = []
+    for t in tensors:
+        for d in range(1, min(n // t, B) + 1):
+            plan, cost = _make(live_ids, topo, cfg, prof, hw, d, t, None, max_micro_batch)
+            if cost.memory_bytes <= hw.memory_bytes:
+                out.append((plan, cost))
+    return _order(out, prefer_tensor=tensors[0] if tensors else 1)
+
+
+def replan(
+    live_ids: Sequence[int],
+    topo: Topology,
+    cfg: Config,
+    previous: Plan,
+    initial: Plan,
+    hw: Hardware | None = None,
+) -> Plan:
+    """The plan after a membership change. Micro-batches never grow beyond the initial plan's
+    (or `train.max_micro_batch`), so activation memory per device does not grow."""
+    if not live_ids:
+        raise NoPlanError("no live devices are left; the job cannot continue")
+    if cfg.parallel.replan == "keep_tensor":
+        tensors = [previous.tensor]
+    else:
+        allowed = allowed_tensor_degrees(cfg.model)
+        tensors = [previous.tensor] + [t for t in allowed if t != previous.tensor]
+    mmb = cfg.train.max_micro_batch or initial.micro_batch
+    ranked = rank_candidates(live_ids, topo, cfg, tensors=tensors, max_micro_batch=mmb, hw=hw)
+    if not ranked:
+        raise NoPlanError(
+            f"no layout fits {len(live_ids)} live devices with tensor degree in {tensors} "
+            f"(parallel.replan = {cfg.parallel.replan!r})"
+        )
+    return ranked[0][0]
+
+
+def _order(options, prefer_tensor: int):
+    if not options:
+        return []
+    best = min(c.total_s for _, c in options)
+    near = [o for o in options if o[1].total_s <= best * (1 + TIE_TOLERANCE)]
+    far = [o for o in options if o[1].total_s > best * (1 + TIE_TOLERANCE)]
+    near.sort(key=lambda o: (-o[0].n_devices, o[0].tensor != prefer_tensor, o[1].total_s))
+    far.sort(key=lambda o: o[1].total_s)
+    return near + far
+
+
+def _choose(options, prefer_tensor: int):
+    return _order(options, prefer_tensor)[0]
