@@ -57,6 +57,15 @@ class Checkpointer:
         )
         return out["state"], out["meta"]
 
+    def drop_after(self, step: int) -> list[int]:
+        """Delete checkpoints newer than `step` (an abandoned timeline after resuming from
+        `step`); returns the steps deleted."""
+        self.manager.wait_until_finished()
+        newer = [s for s in self.manager.all_steps() if s > step]
+        for s in newer:
+            self.manager.delete(s)
+        return newer
+
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()

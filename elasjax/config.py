@@ -160,6 +160,19 @@ class StandbyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HardwareConfig:
+    """Device and link parameters of the planner's cost model (`costmodel.Hardware`). They rank
+    layouts; the defaults describe a nominal accelerator, not a measured machine."""
+
+    name: str = "nominal"
+    flops: float = 1.0e12
+    link_bw: float = 50.0e9
+    link_latency_s: float = 5.0e-6
+    micro_overhead_s: float = 2.0e-4
+    memory_gb: float = 0.0  # per device; 0 = unlimited
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -172,6 +185,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     standby: StandbyConfig = StandbyConfig()
+    hardware: HardwareConfig = HardwareConfig()
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
@@ -185,7 +199,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _build(tp: Any, value: Any, key: str) -> Any:
+def build_dataclass(tp: Any, value: Any, key: str = "") -> Any:
+    """Build `tp` (a dataclass, Literal, scalar, Optional or tuple type) from plain data, strictly:
+    unknown keys and disallowed values raise `ConfigError` naming the dotted `key`."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
@@ -205,7 +221,7 @@ def _build(tp: Any, value: Any, key: str) -> Any:
         kwargs = {}
         for name, f in fields.items():
             if name in value:
-                kwargs[name] = _build(hints[name], value[name], _join(key, name))
+                kwargs[name] = build_dataclass(hints[name], value[name], _join(key, name))
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"config '{_join(key, name)}' is required")
         return tp(**kwargs)
@@ -220,14 +236,14 @@ def _build(tp: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _build(inner[0], value, key)
+        return build_dataclass(inner[0], value, key)
     if origin is tuple:
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             if args and args[-1] is Ellipsis and not isinstance(value, (str, bytes)):
                 value = [value]  # a single id where a list is expected: `devices: 3`
             else:
                 raise ConfigError(f"config '{key}' must be a list, got {value!r}")
-        return tuple(_build(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+        return tuple(build_dataclass(args[0], v, f"{key}[{i}]") for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"config '{key}' must be true or false, got {value!r}")
@@ -237,6 +253,11 @@ def _build(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"config '{key}' must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # PyYAML reads `1e9` (no sign, no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config '{key}' must be a number, got {value!r}")
         return float(value)
@@ -282,7 +303,7 @@ def apply_override(raw: dict, assignment: str) -> dict:
 
 
 def from_dict(raw: Mapping[str, Any] | None) -> Config:
-    cfg = _build(Config, dict(raw or {}), "")
+    cfg = build_dataclass(Config, dict(raw or {}), "")
     validate(cfg)
     return cfg
 
@@ -369,6 +390,9 @@ def validate(cfg: Config) -> None:
             "checkpoint.resume_step",
             f"= {cfg.checkpoint.resume_step}; allowed values: null, -1 (newest), 0 .. {t.steps - 1}",
         )
+    for name in ("flops", "link_bw"):
+        _require(getattr(cfg.hardware, name) > 0, f"hardware.{name}", "must be > 0")
+    _require(cfg.hardware.memory_gb >= 0, "hardware.memory_gb", "must be >= 0 (0 = unlimited)")
     _require(cfg.standby.max_plans >= 0, "standby.max_plans", "must be >= 0")
     _require(not cfg.standby.enabled, "standby.enabled", "= true is not available yet; allowed: false")
     _require(not cfg.snapshot.buddy, "snapshot.buddy", "= true is not available yet; allowed: false")

@@ -27,6 +27,12 @@ class Hardware:
     micro_overhead_s: float = 2.0e-4  # fixed cost of one micro-batch (launch, scan step)
     memory_bytes: float = float("inf")  # per device
 
+    @classmethod
+    def from_config(cls, hc) -> "Hardware":
+        """From a `config.HardwareConfig`."""
+        mem = hc.memory_gb * 2**30 if hc.memory_gb > 0 else float("inf")
+        return cls(hc.name, hc.flops, hc.link_bw, hc.link_latency_s, hc.micro_overhead_s, mem)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelProfile:
@@ -48,8 +54,8 @@ class ModelProfile:
     @classmethod
     def from_model(cls, m: ModelConfig) -> "ModelProfile":
         d, f, v, t = m.d_model, m.d_mlp, m.vocab_size, m.seq_len
-        # attention qkv + out, mlp in + out, two layer norms (scale + bias)
-        per_layer = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        # attention qkv (q and v biases) + out, mlp in + out, two layer norms (scale + bias)
+        per_layer = 4 * d * d + 3 * d + 2 * d * f + f + d + 4 * d
         head = 0 if m.tie_embeddings else d * v
         embed = v * d + t * d + head + 2 * d
         # 6 FLOPs per parameter per token (fwd 2 + bwd 4) plus attention scores and values.

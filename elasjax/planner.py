@@ -177,9 +177,27 @@ def _make(
     return plan, cost
 
 
+def plan_for_shape(
+    live_ids: Sequence[int],
+    topo: Topology,
+    cfg: Config,
+    *,
+    data: int,
+    tensor: int,
+    microbatches: int | None = None,
+    hw: Hardware | None = None,
+) -> Plan:
+    """The plan of a given (data, tensor) shape on the live devices; `microbatches=None` lets the
+    cost model pick the schedule (micro-batches no larger than the initial ones)."""
+    hw = hw or Hardware.from_config(cfg.hardware)
+    prof = ModelProfile.from_model(cfg.model)
+    mmb = cfg.train.max_micro_batch or 1 << 30
+    return _make(live_ids, topo, cfg, prof, hw, data, tensor, microbatches, mmb)[0]
+
+
 def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Plan:
     """The plan the config asks for on all of the job's devices."""
-    hw = hw or Hardware()
+    hw = hw or Hardware.from_config(cfg.hardware)
     prof = ModelProfile.from_model(cfg.model)
     n, p, B = len(topo.device_ids), cfg.parallel, cfg.train.global_batch
     tensors = allowed_tensor_degrees(cfg.model) if p.tensor == -1 else [p.tensor]
@@ -212,7 +230,7 @@ def rank_candidates(
     hw: Hardware | None = None,
 ) -> list[tuple[Plan, StepCost]]:
     """Every feasible (data, tensor) plan on the live devices with its predicted cost, best first."""
-    hw = hw or Hardware()
+    hw = hw or Hardware.from_config(cfg.hardware)
     prof = ModelProfile.from_model(cfg.model)
     n, B = len(live_ids), cfg.train.global_batch
     out = []

@@ -89,7 +89,7 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, model, mesh: 
         new = TrainState(state.step + 1, params, opt_state)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "checksums": checksum.tree_checksums(new),
         }
         return new, metrics
@@ -165,7 +165,7 @@ def compile_plan(
 
 
 class ExecutableCache:
-    """Compiled plans, keyed by what the executables depend on (model, train, rng config and the
+    """Compiled plans, keyed by what the executables depend on (model and train config, and the
     plan); bounded, least recently used out first. A trainer owns one; pass a shared one to reuse
     executables across runs in one process (tests, experiment sweeps)."""
 
@@ -175,7 +175,7 @@ class ExecutableCache:
 
     @staticmethod
     def key(cfg: Config, plan: Plan):
-        return (cfg.model, cfg.train, cfg.rng, plan)
+        return (cfg.model, cfg.train, plan)
 
     def get(self, cfg: Config, factory: StateFactory, plan: Plan, devices) -> tuple[Executables, bool]:
         k = self.key(cfg, plan)

@@ -32,6 +32,7 @@ from .metrics import JsonlWriter
 from .planner import Plan, Topology, initial_plan, replan
 from .reshard import Transfer, TransferLog, UnrecoverableStateError, index_to_box, transition
 from .rng import check_backend_config
+from .sharding import path_str
 from .state import StateFactory, make_optimizer
 from .step import ExecutableCache, Executables
 
@@ -132,6 +133,7 @@ class Trainer:
         self.data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
         self.ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir is not None else None
+        self.dropped_checkpoints: list[int] = []
 
     # -- executables ----------------------------------------------------------------------------
 
@@ -175,6 +177,8 @@ class Trainer:
                 "devices_per_host": self.topo.devices_per_host,
                 "compile_s": exe.compile_s,
                 "n_params": self.factory.n_params,
+                "resumed_from_checkpoint": step if cfg.checkpoint.resume_step is not None else None,
+                "dropped_newer_checkpoints": self.dropped_checkpoints,
             }
         )
         live = set(self.topo.device_ids)
@@ -252,6 +256,7 @@ class Trainer:
             if step is None:
                 raise FileNotFoundError(f"checkpoint.resume_step: no checkpoint in {self.ckpt.dir}")
             state, meta = self.ckpt.restore(step, self.factory.abstract_on(exe.mesh))
+            self.dropped_checkpoints = self.ckpt.drop_after(step)
             good = checksum.to_host(exe.checksum(state))
             bad = checksum.diff(meta["checksums"], good)
             if bad:
@@ -306,6 +311,7 @@ class Trainer:
                 raise
             new_state, meta = self.ckpt.restore(ck_step, self.factory.abstract_on(new_exe.mesh))
             jax.block_until_ready(new_state)
+            self.ckpt.drop_after(ck_step)
             rung, resume_at, expected = "checkpoint", ck_step, meta["checksums"]
             log = _checkpoint_log(new_state)
         transfer_s = time.perf_counter() - t0
@@ -349,7 +355,7 @@ class Trainer:
 def _checkpoint_log(state) -> TransferLog:
     log = TransferLog()
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+        name = path_str(path)
         for s in x.addressable_shards:
             box = index_to_box(s.index, x.shape)
             log.entries.append(Transfer(name, box, "checkpoint", s.device.id, s.data.nbytes, "checkpoint"))

@@ -71,10 +71,18 @@ class Block(nn.Module):
         qkv = nn.DenseGeneral(
             (3, c.n_heads, c.head_dim),
             name="qkv",
+            use_bias=False,
             kernel_init=_init(("embed", None, "heads", "head_dim")),
-            bias_init=_zeros((None, "heads", "head_dim")),
         )(h)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        # Biases for queries and values only: a key bias adds the same score to every key of a
+        # query, which softmax cancels, so its true gradient is exactly zero and Adam would turn
+        # its round-off noise into lr-sized random updates that differ between layouts.
+        qv_bias = self.param(
+            "qv_bias", _zeros((None, "heads", "head_dim")), (2, c.n_heads, c.head_dim)
+        )
+        q = qkv[:, :, 0] + qv_bias[0]
+        k = qkv[:, :, 1]
+        v = qkv[:, :, 2] + qv_bias[1]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(c.head_dim).astype(x.dtype)
         causal = jnp.tril(jnp.ones((T, T), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)

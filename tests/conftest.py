@@ -1,0 +1,55 @@
+"""Test setup: 8 fake CPU devices before JAX initialises, and shared fixtures."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+from elasjax import config  # noqa: E402
+from elasjax.step import ExecutableCache  # noqa: E402
+
+# A tiny GPT on synthetic data: every field that shapes an executable is fixed here so that tests
+# share compiled plans through `exe_cache`.
+TINY = [
+    "model.seq_len=16",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.n_layers=2",
+    "model.d_mlp=64",
+    "model.dropout=0.1",
+    "data.source=synthetic",
+    "data.synthetic_samples=1024",
+    "train.global_batch=32",
+    "train.microbatches=2",
+    "train.eval_every=0",
+    "parallel.devices=8",
+    "parallel.devices_per_host=2",
+    "parallel.data=4",
+    "parallel.tensor=2",
+    # The cost model sees a slow device (fake CPU devices share 2 cores), so compute dominates
+    # and the planner uses every survivor; the nominal default would rank this tiny model's
+    # layouts by all-reduce latency instead.
+    "hardware.name=cpu-fake",
+    "hardware.flops=2.0e9",
+]
+
+
+def tiny_config(*overrides: str) -> config.Config:
+    return config.load(None, [*TINY, *overrides])
+
+
+@pytest.fixture(scope="session")
+def exe_cache() -> ExecutableCache:
+    return ExecutableCache(max_entries=64)
+
+
+def skip_if_not_enough_devices(n: int) -> None:
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices")

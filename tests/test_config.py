@@ -1,0 +1,69 @@
+"""Config loading: strict keys, typed values, dotted overrides, clear errors."""
+
+import pytest
+
+from elasjax import config
+from elasjax.config import ConfigError
+
+
+def test_demo_config_loads():
+    cfg = config.load("configs/demo.yaml")
+    assert cfg.parallel.data == 4 and cfg.parallel.tensor == 2
+    assert [f.at_step for f in cfg.faults] == [10, 20]
+    assert cfg.faults[1].hosts == (0,)
+
+
+def test_override_parses_yaml_values():
+    cfg = config.load("configs/demo.yaml", ["train.steps=12", "faults=[]", "model.dropout=0.0"])
+    assert cfg.train.steps == 12 and cfg.faults == () and cfg.model.dropout == 0.0
+    cfg = config.load(None, ["faults=[{at_step: 3, devices: [1, 2]}]", "train.steps=5"])
+    assert cfg.faults[0].devices == (1, 2)
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = config.load("configs/demo.yaml")
+    p = tmp_path / "c.yaml"
+    p.write_text(config.dump(cfg))
+    assert config.load(p) == cfg
+    assert hash(cfg) == hash(config.load(p))
+
+
+def test_unknown_key_names_key_and_allowed():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'.*allowed keys in 'train': steps"):
+        config.load(None, ["train.stepz=3"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'modle'"):
+        config.load(None, ["modle.d_model=3"])
+
+
+def test_bad_literal_lists_allowed_values():
+    with pytest.raises(ConfigError, match=r"'rng.mode' = 'foo' is not allowed; allowed values: 'per_sample', 'per_device'"):
+        config.load(None, ["rng.mode=foo"])
+
+
+def test_bad_types():
+    with pytest.raises(ConfigError, match=r"'train.steps' must be an integer"):
+        config.load(None, ["train.steps=1.5"])
+    with pytest.raises(ConfigError, match=r"'model.tie_embeddings' must be true or false"):
+        config.load(None, ["model.tie_embeddings=3"])
+
+
+def test_tensor_degree_must_divide_heads():
+    with pytest.raises(ConfigError, match=r"'parallel.tensor' = 3 does not divide the model.*allowed values: -1, 1, 2, 4"):
+        config.load(None, ["parallel.tensor=3"])
+
+
+def test_fault_beyond_run():
+    with pytest.raises(ConfigError, match=r"'faults\[0\].at_step' = 50 is outside the run; allowed values: 1 .. 39"):
+        config.load("configs/demo.yaml", ["faults=[{at_step: 50, devices: [1]}]"])
+
+
+def test_fault_needs_exactly_one_kind():
+    with pytest.raises(ConfigError, match="exactly one of 'devices', 'hosts' or 'count'"):
+        config.load(None, ["faults=[{at_step: 3, devices: [1], hosts: [0]}]"])
+    with pytest.raises(ConfigError, match=r"'faults\[0\].at_step' is required"):
+        config.load(None, ["faults=[{devices: [1]}]"])
+
+
+def test_features_not_yet_available_are_refused():
+    with pytest.raises(ConfigError, match=r"'zero.stage' = 2 is not allowed; allowed values: 0"):
+        config.load(None, ["zero.stage=2"])

@@ -1,0 +1,126 @@
+"""The planner as pure functions over device lists (no JAX devices needed)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elasjax import config
+from elasjax.planner import (
+    TIE_TOLERANCE,
+    NoPlanError,
+    Topology,
+    initial_plan,
+    rank_candidates,
+    replan,
+)
+
+DEMO = config.load("configs/demo.yaml")
+TOPO = Topology(tuple(range(32)), 2)
+
+
+def _check(plan, live, B):
+    assert plan.data * plan.tensor == plan.n_devices
+    assert set(plan.device_ids) | set(plan.spare_ids) == set(live)
+    assert not set(plan.device_ids) & set(plan.spare_ids)
+    assert plan.slots >= B and plan.slots == plan.data * plan.microbatches * plan.micro_batch
+    pos = plan.slot_positions()
+    real = np.sort(pos[pos >= 0])
+    np.testing.assert_array_equal(real, np.arange(B))  # every sample exactly once
+    assert sum(plan.replica_counts) == B
+    assert max(plan.replica_counts) - min(plan.replica_counts) <= 1
+    assert config.ModelConfig().n_heads % plan.tensor == 0
+
+
+def test_demo_initial_plan():
+    p = initial_plan(Topology(tuple(range(8)), 2), DEMO)
+    assert (p.data, p.tensor, p.microbatches, p.micro_batch) == (4, 2, 2, 4)
+    assert p.device_ids == tuple(range(8)) and p.spare_ids == ()
+
+
+@pytest.mark.parametrize("n", range(1, 33))
+def test_replan_any_survivor_count(n):
+    topo = TOPO
+    cfg = DEMO
+    init = initial_plan(Topology(tuple(range(8)), 2), cfg)
+    live = list(range(n))
+    p = replan(live, topo, cfg, init, init)
+    _check(p, live, cfg.train.global_batch)
+    assert p.micro_batch <= init.micro_batch  # activation memory per device never grows
+
+
+@pytest.mark.parametrize("n", [7, 5, 3])
+def test_uneven_survivors_use_every_device(n):
+    init = initial_plan(Topology(tuple(range(8)), 2), DEMO)
+    p = replan(list(range(8 - n, 8)), Topology(tuple(range(8)), 2), DEMO, init, init)
+    assert p.n_devices == n and p.spare_ids == ()
+    assert p.slots > DEMO.train.global_batch  # uneven: padding slots exist, and that is fine
+
+
+def test_spares_only_when_better():
+    # B=8 on 8 replicas of one sample each. On 7 survivors every replica must run 2 slots
+    # whether there are 4, 6 or 7 replicas, so 7 replicas only add all-reduce cost: the planner
+    # leaves a spare, and every plan using more devices is predicted slower than the fastest plan by
+    # more than the tie tolerance.
+    cfg = config.load(None, ["train.global_batch=8", "parallel.data=8", "parallel.tensor=1"])
+    topo = Topology(tuple(range(8)), 2)
+    init = initial_plan(topo, cfg)
+    live = list(range(7))
+    p = replan(live, topo, cfg, init, init)
+    assert p.spare_ids and p.n_devices < 7
+    ranked = rank_candidates(live, topo, cfg, tensors=[1, 2, 4], max_micro_batch=init.micro_batch)
+    assert ranked[0][0] == p
+    best = min(c.total_s for _, c in ranked)
+    assert ranked[0][1].total_s <= best * (1 + TIE_TOLERANCE)
+    for q, c in ranked:
+        if q.n_devices > p.n_devices:
+            assert c.total_s > best * (1 + TIE_TOLERANCE)
+
+
+def test_keep_tensor_policy():
+    cfg = config.load("configs/demo.yaml", ["parallel.replan=keep_tensor"])
+    topo = Topology(tuple(range(8)), 2)
+    init = initial_plan(topo, cfg)
+    p = replan([0, 1, 2, 4, 5, 6, 7], topo, cfg, init, init)
+    assert p.tensor == 2 and p.data == 3 and len(p.spare_ids) == 1
+    with pytest.raises(NoPlanError, match="tensor degree in \\[2\\]"):
+        replan([5], topo, cfg, init, init)
+
+
+def test_tensor_groups_stay_inside_hosts():
+    topo = Topology(tuple(range(8)), 2)
+    cfg = config.load("configs/demo.yaml", ["parallel.replan=keep_tensor"])
+    init = initial_plan(topo, cfg)
+    p = replan([0, 1, 3, 4, 5, 6, 7], topo, cfg, init, init)  # host 1 lost device 2
+    groups = [p.device_ids[i : i + 2] for i in range(0, p.n_devices, 2)]
+    assert all(topo.host_of(a) == topo.host_of(b) for a, b in groups)
+    assert 3 in p.spare_ids
+
+
+def test_no_devices_left():
+    init = initial_plan(Topology(tuple(range(8)), 2), DEMO)
+    with pytest.raises(NoPlanError, match="no live devices"):
+        replan([], TOPO, DEMO, init, init)
+
+
+def test_initial_plan_errors():
+    with pytest.raises(config.ConfigError, match="data=8 x tensor=2 but the job has 8 devices"):
+        initial_plan(Topology(tuple(range(8))), config.load(None, ["parallel.data=8", "parallel.tensor=2"]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 24),
+    B=st.integers(1, 64),
+    m=st.integers(1, 4),
+    t=st.sampled_from([1, 2, 4]),
+)
+def test_plan_invariants_property(n, B, m, t):
+    cfg = config.load(None, [f"train.global_batch={B}", f"train.microbatches={m}", "parallel.tensor=-1"])
+    topo = Topology(tuple(range(n)), 2)
+    init = initial_plan(topo, cfg)
+    _check(init, range(n), B)
+    live = list(range(0, n, 2)) or [0]
+    p = replan(live, topo, cfg, init, init)
+    _check(p, live, B)
+    assert hash(p) == hash(replan(live, topo, cfg, init, init))  # pure and deterministic
