@@ -1,4 +1,4 @@
-"""`elasjax train | plan | compare`: parsing and wiring only; the work lives in the library."""
+"""`elasjax train | plan | compare | sim`: parsing and wiring only; the work is in the library."""
 
 from __future__ import annotations
 
@@ -65,6 +65,12 @@ def _compare(args) -> int:
     return 0
 
 
+def _sim(args) -> int:
+    from .sim.run import main as sim_main
+
+    return sim_main(args.config, args.set, args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="elasjax", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -82,7 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare", help="loss deviation of a run against a reference run")
     c.add_argument("run")
     c.add_argument("reference")
+    s = sub.add_parser("sim", help="cluster-scale simulator (pure numpy; results are simulated)")
+    s.add_argument("config")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument("--out", default=None, help="write tables.md, results.json and plots here")
     args = ap.parse_args(argv)
+    if args.cmd == "sim":  # the simulator is pure numpy: dispatch before anything imports JAX
+        from .config import ConfigError
+
+        try:
+            return _sim(args)
+        except (ConfigError, FileNotFoundError) as e:
+            print(f"elasjax: error: {e}", file=sys.stderr)
+            return 2
     if args.cmd == "train":
         _ensure_devices(8)
     from .config import ConfigError

@@ -149,3 +149,67 @@ __all__ = [
     "ceil_div",
     "best_micro_schedule",
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipelines (1F1B). Used by the cluster simulator (`elasjax.sim`) and, later, the pipeline
+# planner. A pipeline of S stages with per-micro-batch stage times t_s runs m micro-batches in
+#     T = sum_s t_s + (m - 1) * max_s t_s
+# (one pass through every stage to fill and drain, then the bottleneck stage paces the rest).
+# For equal stages this is the textbook (m + S - 1) * tau, whose bubble fraction is
+# (S - 1) / (m + S - 1). The exact form matters for uneven partitions: a fast stage shortens
+# the fill/drain but never the steady state. Stage times include the stage's point-to-point
+# activation sends; data-parallel gradient sync and the optimizer follow the pipeline.
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle fraction of a 1F1B pipeline with equal stages: (S - 1) / (m + S - 1)."""
+    if stages < 1 or microbatches < 1:
+        raise ValueError(
+            f"bubble_fraction needs stages >= 1 and microbatches >= 1, got {stages}, {microbatches}"
+        )
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStepCost:
+    """A predicted pipelined step. `pipeline_s` is the 1F1B time of the micro-batches."""
+
+    pipeline_s: float
+    bubble_s: float  # time the bottleneck stage is idle: sum of the other stages' times
+    dp_sync_s: float
+    optimizer_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.pipeline_s + self.dp_sync_s + self.optimizer_s
+
+
+def pipeline_step_cost(
+    stage_times_s,
+    microbatches: int,
+    *,
+    dp_sync_s: float = 0.0,
+    optimizer_s: float = 0.0,
+) -> PipelineStepCost:
+    """1F1B step: `sum(t) + (m - 1) * max(t)` plus gradient sync and optimizer time.
+
+    Args:
+        stage_times_s: forward + backward time of one micro-batch on each stage (seconds).
+        microbatches: micro-batches this pipeline runs in the step (0: the pipeline is idle).
+        dp_sync_s: data-parallel gradient reduction after the pipeline drains (not overlapped).
+        optimizer_s: optimizer update time.
+    """
+    times = [float(t) for t in stage_times_s]
+    if not times or any(t < 0 for t in times):
+        raise ValueError(f"stage_times_s must be non-empty and >= 0, got {times}")
+    if microbatches < 0:
+        raise ValueError(f"microbatches must be >= 0, got {microbatches}")
+    if microbatches == 0:
+        return PipelineStepCost(0.0, 0.0, dp_sync_s, optimizer_s)
+    slowest = max(times)
+    pipe = sum(times) + (microbatches - 1) * slowest
+    return PipelineStepCost(pipe, sum(times) - slowest, dp_sync_s, optimizer_s)
+
+
+__all__ += ["bubble_fraction", "PipelineStepCost", "pipeline_step_cost"]
