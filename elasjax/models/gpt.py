@@ -169,7 +169,48 @@ def logical_specs(cfg: ModelConfig):
     return nn.get_partition_spec(boxed)["params"]
 
 
+def embed_apply(params, tokens, keys, cfg: ModelConfig, deterministic: bool):
+    """Token + position embedding and its dropout: [batch, seq] -> [batch, seq, d_model]."""
+    x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+    x = x + params["pos_embed"][None, : tokens.shape[1]]
+    return sample_dropout(x, cfg.dropout, keys, EMBED_DROPOUT_LAYER, 0, deterministic)
+
+
+def block_apply(layer_params, x, keys, layer_id, cfg: ModelConfig, deterministic: bool):
+    """One transformer block with one layer's (unstacked) parameters."""
+    return Block(cfg, deterministic).apply({"params": layer_params}, x, keys, layer_id)[0]
+
+
+def head_apply(params, x, cfg: ModelConfig):
+    """Final norm and the LM head: f32 logits."""
+    x = nn.LayerNorm(epsilon=1e-5).apply({"params": params["ln_f"]}, x)
+    if cfg.tie_embeddings:
+        logits = x @ params["embed"]["embedding"].T
+    else:
+        logits = nn.Dense(cfg.vocab_size).apply({"params": params["head"]}, x)
+    return logits.astype(jnp.float32)
+
+
+def forward(params, tokens, keys, cfg: ModelConfig, deterministic: bool, layer_transform=None):
+    """The GPT as explicit pieces (embed -> scan over layers -> head); equal to `GPT.apply`.
+
+    `layer_transform(layer_params)` runs inside the layer loop on each layer's stored parameters
+    before use: ZeRO-3 gathers a layer's partitions there, so only one layer is materialised at a
+    time.
+    """
+    x = embed_apply(params, tokens, keys, cfg, deterministic)
+
+    def body(x, inp):
+        lp, lid = inp
+        if layer_transform is not None:
+            lp = layer_transform(lp)
+        return block_apply(lp, x, keys, lid, cfg, deterministic), None
+
+    x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)))
+    return head_apply(params, x, cfg)
+
+
 def token_losses(params, cfg: ModelConfig, inputs, targets, keys, deterministic: bool):
     """Per-token cross-entropy, f32 [batch, seq]."""
-    logits = build(cfg).apply({"params": params}, inputs, keys, deterministic)
+    logits = forward(params, inputs, keys, cfg, deterministic)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
