@@ -34,17 +34,46 @@ def _bits(x: jax.Array) -> jax.Array:
     raise TypeError(f"checksum of dtype {x.dtype} is not supported")
 
 
+def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """uint32[2] checksum of `bits` (uint32) at element identities `idx` (uint32, same shape);
+    elements with `valid == False` do not count."""
+    w1 = idx * jnp.uint32(2) * _K1 + jnp.uint32(1)
+    w2 = (idx ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(2) * _K2 + jnp.uint32(1)
+    a = bits * w1
+    b = (bits ^ (bits >> 13)) * w2
+    if valid is not None:
+        a = jnp.where(valid, a, jnp.uint32(0))
+        b = jnp.where(valid, b, jnp.uint32(0))
+    return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
+
+
 def leaf_checksum(x: jax.Array) -> jax.Array:
-    """uint32[2] checksum of one array (any sharding)."""
+    """uint32[2] checksum of one array (any sharding); element identity = row-major index."""
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     bits = _bits(x).reshape(-1)
-    idx = jax.lax.iota(jnp.uint32, bits.size)
-    w1 = idx * jnp.uint32(2) * _K1 + jnp.uint32(1)
-    w2 = (idx ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(2) * _K2 + jnp.uint32(1)
-    h1 = jnp.sum(bits * w1, dtype=jnp.uint32)
-    h2 = jnp.sum((bits ^ (bits >> 13)) * w2, dtype=jnp.uint32)
-    return jnp.stack([h1, h2])
+    return weighted_checksum(bits, jax.lax.iota(jnp.uint32, bits.size))
+
+
+def np_leaf_checksum(x: np.ndarray) -> np.ndarray:
+    """`leaf_checksum` computed with numpy on the host (same values)."""
+    x = np.asarray(x)
+    if x.dtype == np.bool_:
+        x = x.astype(np.uint8)
+    width = x.dtype.itemsize * 8
+    bits = x.reshape(-1).view({8: np.uint8, 16: np.uint16, 32: np.uint32}[width]).astype(np.uint32)
+    idx = np.arange(bits.size, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        w1 = idx * np.uint32(2) * _K1 + np.uint32(1)
+        w2 = (idx ^ np.uint32(0x5BD1E995)) * np.uint32(2) * _K2 + np.uint32(1)
+        h1 = np.sum(bits * w1, dtype=np.uint32)
+        h2 = np.sum((bits ^ (bits >> np.uint32(13))) * w2, dtype=np.uint32)
+    return np.array([h1, h2], dtype=np.uint32)
+
+
+def hex_of(a) -> str:
+    a = np.asarray(a, dtype=np.uint32)
+    return f"{int(a[0]):08x}{int(a[1]):08x}"
 
 
 def tree_checksums(tree: Any) -> Any:
@@ -56,8 +85,7 @@ def to_host(sums: Any) -> dict[str, str]:
     """Device checksums -> {leaf path: 16-hex-digit string}."""
     out = {}
     for path, v in jax.tree_util.tree_flatten_with_path(sums)[0]:
-        a = np.asarray(v, dtype=np.uint32)
-        out[path_str(path)] = f"{int(a[0]):08x}{int(a[1]):08x}"
+        out[path_str(path)] = hex_of(v)
     return out
 
 

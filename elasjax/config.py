@@ -102,7 +102,11 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:
-    stage: Literal[0] = 0
+    """ZeRO stage (0: replicated over `data`; 1: optimizer state partitioned; 2: + gradient
+    accumulators partitioned; 3: + parameters partitioned, gathered per layer in the step) and
+    the partition layout (`elasjax.zero`)."""
+
+    stage: Literal[0, 1, 2, 3] = 0
     layout: Literal["contiguous", "interleaved"] = "interleaved"
 
 
@@ -395,8 +399,6 @@ def validate(cfg: Config) -> None:
     _require(cfg.hardware.memory_gb >= 0, "hardware.memory_gb", "must be >= 0 (0 = unlimited)")
     _require(cfg.standby.max_plans >= 0, "standby.max_plans", "must be >= 0")
     _require(not cfg.standby.enabled, "standby.enabled", "= true is not available yet; allowed: false")
-    _require(not cfg.snapshot.buddy, "snapshot.buddy", "= true is not available yet; allowed: false")
-    _require(not cfg.snapshot.host, "snapshot.host", "= true is not available yet; allowed: false")
     _require(
         not t.deterministic, "train.deterministic", "= true is not available yet; allowed: false"
     )

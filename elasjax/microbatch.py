@@ -26,17 +26,23 @@ def accumulate(
     *,
     micro_constraint: Callable[[dict], dict] = lambda mb: mb,
     grad_constraint: Callable[[PyTree], PyTree] = lambda g: g,
+    to_acc: Callable[[PyTree], PyTree] | None = None,
 ) -> tuple[jax.Array, PyTree]:
     """Sum over the leading (micro-batch) axis of `batch` of `grad_fn(params, micro_batch)`.
 
-    `grad_fn` returns (summed loss, gradient of the summed loss). Returns the totals in f32.
+    `grad_fn` returns (summed loss, gradient of the summed loss). `to_acc` converts each
+    micro-batch's gradient to the accumulator's form (ZeRO-2: the partitioned storage) before it
+    is added. Returns the totals in f32.
     """
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    conv = to_acc or (lambda g: g)
+    zeros = jax.tree.map(
+        lambda p: jnp.zeros(p.shape, jnp.float32), jax.eval_shape(lambda: conv(params))
+    )
 
     def body(carry, mb):
         loss_acc, g_acc = carry
         loss, g = grad_fn(params, micro_constraint(mb))
-        g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+        g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, conv(g))
         return (loss_acc + loss.astype(jnp.float32), grad_constraint(g_acc)), None
 
     (loss, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), grad_constraint(zeros)), batch)

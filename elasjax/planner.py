@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .config import Config, ConfigError, allowed_tensor_degrees
+from .zero import ZeroLayout, evolve, fresh_layout, kept_ranks
 from .costmodel import (
     Hardware,
     ModelProfile,
@@ -76,6 +77,7 @@ class Plan:
     spare_ids: tuple[int, ...] = ()
     stage: int = 1
     zero_stage: int = 0
+    zero: ZeroLayout | None = None
     predicted_step_s: float = dataclasses.field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,13 +99,22 @@ class Plan:
         return self.data * self.microbatches * self.micro_batch
 
     @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Device ids of each data rank (its tensor group), in rank order."""
+        t = self.tensor * self.stage
+        return tuple(self.device_ids[r * t : (r + 1) * t] for r in range(self.data))
+
+    @property
     def replica_counts(self) -> tuple[int, ...]:
         return even_split(self.global_batch, self.data)
 
     @property
     def name(self) -> str:
         s = f"d{self.data}t{self.tensor}m{self.microbatches}b{self.micro_batch}"
-        return s + (f"+{len(self.spare_ids)}spare" if self.spare_ids else "")
+        s += f"+{len(self.spare_ids)}spare" if self.spare_ids else ""
+        if self.zero is not None:
+            s += f".z{self.zero_stage}{self.zero.kind[0]}{len(self.zero.tiers)}"
+        return s
 
     def slot_positions(self) -> np.ndarray:
         """[microbatches, data * micro_batch] batch positions (0..B-1) per slot; -1 = padding.
@@ -192,7 +203,7 @@ def plan_for_shape(
     hw = hw or Hardware.from_config(cfg.hardware)
     prof = ModelProfile.from_model(cfg.model)
     mmb = cfg.train.max_micro_batch or 1 << 30
-    return _make(live_ids, topo, cfg, prof, hw, data, tensor, microbatches, mmb)[0]
+    return with_zero(_make(live_ids, topo, cfg, prof, hw, data, tensor, microbatches, mmb)[0], cfg)
 
 
 def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Plan:
@@ -217,7 +228,23 @@ def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Pla
             f"config 'parallel' asks for data={p.data} x tensor={p.tensor} but the job has {n} "
             f"devices; choose data * tensor <= {n} (or -1)"
         )
-    return _choose(options, prefer_tensor=tensors[0])[0]
+    plan = _choose(options, prefer_tensor=tensors[0])[0]
+    return with_zero(plan, cfg)
+
+
+def with_zero(plan: Plan, cfg: Config, previous: Plan | None = None) -> Plan:
+    """Attach the ZeRO storage layout: fresh, or evolved from `previous` so that ranks whose
+    tensor group survives keep their partitions in place."""
+    stage = cfg.zero.stage
+    if stage == 0:
+        return plan
+    if previous is None or previous.zero is None or previous.tensor != plan.tensor:
+        lay = fresh_layout(cfg.zero.layout, stage, plan.data)
+        if previous is not None and previous.zero is not None and cfg.zero.layout == "interleaved":
+            lay = fresh_layout(cfg.zero.layout, stage, plan.data, previous.zero.n_pieces)
+    else:
+        lay, _ = evolve(previous.zero, kept_ranks(previous.groups, plan.groups), plan.data)
+    return dataclasses.replace(plan, zero_stage=stage, zero=lay)
 
 
 def rank_candidates(
@@ -266,7 +293,7 @@ def replan(
             f"no layout fits {len(live_ids)} live devices with tensor degree in {tensors} "
             f"(parallel.replan = {cfg.parallel.replan!r})"
         )
-    return ranked[0][0]
+    return with_zero(ranked[0][0], cfg, previous)
 
 
 def _order(options, prefer_tensor: int):

@@ -1,30 +1,34 @@
-"""Transitions: move what survives of a state onto a new plan's shardings, from live sources only.
+"""Transitions: move what survives of a state onto a new plan's layout, from live sources only.
 
 After a failure the old global arrays are unusable (their buffers on the failed devices are gone,
 and `jax.device_put` of such an array could read a replica on a dead device). What the job still
-has is a `ShardStore`: per leaf, the single-device buffers on live devices, each covering a box
-(a hyper-rectangle of the global array). A transition
+has is a `ShardStore` (per leaf, the single-device buffers on live devices) and the snapshot
+pool's copies (`Source`s on buddy devices or in host memory). A transition
 
-1. *plans*: for every leaf and every destination shard of the target sharding, cover the
-   destination box with boxes of live sources (cutting it into cells along the sources' grid
-   where no single source covers it) and pick one source per cell: the destination device
-   itself when it holds the cell (no transfer), else the least-loaded live holder;
-2. *executes*: slices each piece on its source device, copies all pieces in one batched
-   `jax.device_put`, concatenates cells on the destination, and assembles the global array with
-   `jax.make_array_from_single_device_arrays`;
+1. *plans* copies. Leaves whose meaning does not change with the plan (parameters, scalars) are
+   matched by *box* (a hyper-rectangle of the global array): each destination box is covered by
+   source boxes, cut into cells where no single source covers it. ZeRO storage leaves
+   (`elasjax.zero`) are matched by *canonical element ranges*, because the same element sits at a
+   different storage position on a different plan. Each needed piece gets exactly one source, the
+   cheapest rung first: the destination itself, a live device, a buddy snapshot, a host snapshot;
+   ties go to the least-loaded sender;
+2. *executes* them: ranks whose ZeRO tiers stay in place keep their very buffers (no copy); on
+   the CPU backend every other destination shard is assembled with numpy from zero-copy views of
+   the sources and placed with one `device_put`; elsewhere pieces are sliced on their devices and
+   moved with one batched `device_put`;
 3. *logs* every piece as a `Transfer(leaf, box, src, dst, nbytes, rung)`.
 
-A cell that no live source holds raises `UnrecoverableStateError` naming the leaf and the box;
-callers may then fall back to another rung (a checkpoint), never to re-initialised or partly
-stale values.
+A piece that no source holds raises `UnrecoverableStateError` naming the leaf and the slice;
+callers may then fall back to a checkpoint, never to re-initialised or partly stale values.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +39,7 @@ from .sharding import path_str
 
 PyTree = Any
 Box = tuple[tuple[int, int], ...]
+RUNG_ORDER = {"local": 0, "replica": 1, "live": 1, "buddy": 2, "host": 3, "checkpoint": 4}
 
 
 class UnrecoverableStateError(RuntimeError):
@@ -42,9 +47,8 @@ class UnrecoverableStateError(RuntimeError):
 
     def __init__(self, leaf: str, box: Box, detail: str = ""):
         self.leaf, self.box = leaf, box
-        sl = "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
         super().__init__(
-            f"state leaf '{leaf}' slice {sl} has no live copy"
+            f"state leaf '{leaf}' slice {box_str(box)} has no live copy"
             + (f" ({detail})" if detail else "")
         )
 
@@ -59,7 +63,7 @@ def index_to_box(index: tuple, shape: tuple[int, ...]) -> Box:
 
 
 def box_str(box: Box) -> str:
-    return "[" + ",".join(f"{a}:{b}" for a, b in box) + "]"
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
 
 
 def _contains(outer: Box, inner: Box) -> bool:
@@ -72,11 +76,13 @@ def _size(box: Box) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """A live single-device buffer holding `box` of a leaf."""
+    """A copy of `box` of a leaf: on device `device` (an int id), or in host memory
+    (`device` = "host:<h>", `data` a numpy array). `rung` says where it comes from."""
 
-    device: int
+    device: int | str
     box: Box
-    data: jax.Array
+    data: Any
+    rung: str = "replica"
 
 
 @dataclasses.dataclass
@@ -122,9 +128,6 @@ class ShardStore:
         """Devices whose buffers are gone (deleted behind the store's back)."""
         return {s.device for leaf in self.shards for s in leaf if s.data.is_deleted()}
 
-    def drop_dead(self) -> None:
-        self.shards = [[s for s in leaf if not s.data.is_deleted()] for leaf in self.shards]
-
     def devices(self) -> set[int]:
         return {s.device for leaf in self.shards for s in leaf}
 
@@ -132,8 +135,8 @@ class ShardStore:
 @dataclasses.dataclass(frozen=True)
 class Transfer:
     leaf: str
-    box: Box
-    src: int | str  # device id, or a named off-device source ("host", "checkpoint")
+    box: Box  # destination slice (global box; for ZeRO storage, the element range in the shard)
+    src: int | str  # device id, "host:<h>" or "checkpoint"
     dst: int
     nbytes: int
     rung: str = "replica"
@@ -156,6 +159,7 @@ class Transfer:
 @dataclasses.dataclass
 class TransferLog:
     entries: list[Transfer] = dataclasses.field(default_factory=list)
+    kept_bytes: int = 0  # bytes that stayed in place (buffers reused without a copy)
 
     @property
     def moved(self) -> list[Transfer]:
@@ -183,11 +187,48 @@ class TransferLog:
     def rungs(self) -> set[str]:
         return {t.rung for t in self.entries}
 
+    def worst_rung(self) -> str:
+        rungs = {t.rung for t in self.moved} or {"replica"}
+        return max(rungs, key=lambda r: RUNG_ORDER[r])
+
+
+# ---------------------------------------------------------------------------------------------
+# Copy plans. A copy moves `src.data[src_idx]` into destination shard `dst` at `dst_idx`; flat
+# copies index arrays viewed as [*batch, -1] (all layers of a ZeRO storage shard at once).
+
 
 @dataclasses.dataclass(frozen=True)
-class _Piece:
-    cell: Box  # global coordinates
-    shard: Shard
+class _Copy:
+    src: Shard
+    src_idx: tuple
+    dst_idx: tuple
+    nbytes: int
+    flat: bool  # index the [*batch, -1] view
+
+
+@dataclasses.dataclass
+class _DstShard:
+    leaf: int  # index into the target leaves
+    device: int
+    shape: tuple[int, ...]
+    dtype: Any
+    batch: int  # leading axes kept when viewed flat
+    box: Box = ()  # global box of a regular leaf's shard (for the log)
+    copies: list[_Copy] = dataclasses.field(default_factory=list)
+    reuse: Any = None  # an existing buffer that is exactly this shard
+
+
+class _Picker:
+    def __init__(self):
+        self.load: dict = defaultdict(int)
+
+    def pick(self, holders: Sequence[Shard], dst: int, nbytes: int) -> Shard:
+        for s in holders:
+            if s.device == dst:
+                return s
+        best = min(holders, key=lambda s: (RUNG_ORDER[s.rung], self.load[s.device], str(s.device)))
+        self.load[best.device] += nbytes
+        return best
 
 
 def _cells(dst: Box, sources: list[Shard]) -> list[Box]:
@@ -203,103 +244,315 @@ def _cells(dst: Box, sources: list[Shard]) -> list[Box]:
     return [tuple(c) for c in itertools.product(*axes)]
 
 
-def plan_leaf(
-    path: str,
-    shape: tuple[int, ...],
-    itemsize: int,
-    sources: list[Shard],
-    dst_boxes: dict[int, Box],
-    load: dict,
-) -> dict[int, list[_Piece]]:
-    """Pieces (cell, source) covering every destination box; `load` balances senders."""
-    out: dict[int, list[_Piece]] = {}
-    for dst, box in dst_boxes.items():
-        whole = [s for s in sources if _contains(s.box, box)]
-        if whole:
-            pick = _pick(whole, dst, load, _size(box) * itemsize)
-            out[dst] = [_Piece(box, pick)]
+def _rel(cell: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(c0 - o0, c1 - o0) for (c0, c1), (o0, _) in zip(cell, origin))
+
+
+def plan_box_leaf(
+    path: str, itemsize: int, sources: list[Shard], dst: _DstShard, box: Box, picker: _Picker
+) -> None:
+    """Cover destination `box` with source boxes (one source per cell)."""
+    whole = [s for s in sources if _contains(s.box, box)]
+    if whole:
+        s = picker.pick(whole, dst.device, _size(box) * itemsize)
+        if s.device == dst.device and s.box == box and s.rung in ("replica", "live"):
+            dst.reuse = s.data
+        dst.copies.append(
+            _Copy(s, _rel(box, s.box), _rel(box, box), _size(box) * itemsize, False)
+        )
+        return
+    for cell in _cells(box, sources):
+        holders = [s for s in sources if _contains(s.box, cell)]
+        if not holders:
+            raise UnrecoverableStateError(path, cell, "every device holding it has failed")
+        s = picker.pick(holders, dst.device, _size(cell) * itemsize)
+        dst.copies.append(_Copy(s, _rel(cell, s.box), _rel(cell, box), _size(cell) * itemsize, False))
+
+
+# ZeRO storage: canonical element ranges of shards.
+
+
+def _runs(row: np.ndarray) -> list[tuple[int, int, int]]:
+    """Maximal runs (first slot, first piece, length) of consecutive pieces in a table row."""
+    out, s = [], 0
+    n = len(row)
+    while s < n:
+        if row[s] < 0:
+            s += 1
             continue
-        pieces = []
-        for cell in _cells(box, sources):
-            holders = [s for s in sources if _contains(s.box, cell)]
-            if not holders:
-                raise UnrecoverableStateError(path, cell, "every device holding it has failed")
-            pieces.append(_Piece(cell, _pick(holders, dst, load, _size(cell) * itemsize)))
-        out[dst] = pieces
+        e = s + 1
+        while e < n and row[e] == row[e - 1] + 1:
+            e += 1
+        out.append((s, int(row[s]), e - s))
+        s = e
     return out
 
 
-def _pick(holders: list[Shard], dst: int, load: dict, nbytes: int) -> Shard:
-    for s in holders:
-        if s.device == dst:
-            return s
-    best = min(holders, key=lambda s: (load[s.device], s.device))
-    load[best.device] += nbytes
-    return best
+def _shard_segments(codec, unit, tier: int, rank: int, row: int) -> list[tuple[int, int, int]]:
+    """(canonical start, canonical end, local flat offset) segments held by one storage shard
+    (one rank, one row, one tier), split at member boundaries."""
+    K = codec.layout.n_pieces
+    table = codec.tables[tier][rank]
+    rot = np.where(table >= 0, (table + unit.rotation) % K, -1)
+    out = []
+    p, L = unit.piece, unit.row_len
+    for slot, piece, n in _runs(rot):
+        a, b = piece * p, min((piece + n) * p, L)
+        if a >= b:
+            continue
+        local = slot * p
+        for m in unit.members:
+            lo, hi = m.row_offset, m.row_offset + m.size // unit.rows
+            x0, x1 = max(a, lo), min(b, hi)
+            if x0 < x1:
+                g0 = m.full_offset + row * (m.size // unit.rows) + (x0 - lo)
+                out.append((g0, g0 + (x1 - x0), local + (x0 - a)))
+    return out
 
 
-def _local_slices(piece: _Piece) -> tuple[slice, ...]:
-    return tuple(slice(c0 - s0, c1 - s0) for (c0, c1), (s0, _) in zip(piece.cell, piece.shard.box))
+class _SegmentIndex:
+    """Sorted canonical segments of the sources of one storage family."""
+
+    def __init__(self):
+        self.items: list[tuple[int, int, int, Shard]] = []
+
+    def add(self, g0: int, g1: int, off: int, src: Shard) -> None:
+        self.items.append((g0, g1, off, src))
+
+    def freeze(self) -> None:
+        self.items.sort(key=lambda t: (t[0], RUNG_ORDER[t[3].rung]))
+        self.starts = [t[0] for t in self.items]
+        self.max_len = max((t[1] - t[0] for t in self.items), default=0)
+
+    def covering(self, g0: int, g1: int) -> list[tuple[int, int, int, Shard]]:
+        lo = bisect.bisect_left(self.starts, g0 - self.max_len)
+        hi = bisect.bisect_left(self.starts, g1)
+        return [t for t in self.items[lo:hi] if t[1] > g0 and t[0] < g1]
 
 
-def _assemble(cells: list[tuple[Box, jax.Array]], box: Box) -> jax.Array:
-    """Concatenate cells (a full grid over `box`) into one array on their device."""
-    if len(cells) == 1:
-        return cells[0][1]
-    for d in range(len(box)):
-        starts = sorted({c[0][d][0] for c in cells})
-        if len(starts) > 1:
-            groups = [[c for c in cells if c[0][d][0] == s] for s in starts]
-            parts = []
-            for g in groups:
-                sub_box = box[:d] + (g[0][0][d],) + box[d + 1 :]
-                parts.append(_assemble(g, sub_box))
-            return jnp.concatenate(parts, axis=d)
-    raise AssertionError("cells do not tile the box")
+def plan_storage_shard(
+    family: str, itemsize: int, batch: int, index: _SegmentIndex, segments, dst: _DstShard,
+    picker: _Picker,
+) -> None:
+    """Fill a destination storage shard's canonical segments from the indexed sources."""
+    for g0, g1, doff in segments:
+        g = g0
+        while g < g1:
+            cands = index.covering(g, g + 1)
+            if not cands:
+                raise UnrecoverableStateError(
+                    family, ((g, g1),), "no live device or snapshot holds these elements"
+                )
+            # among holders of element g, prefer the destination, then the cheapest rung
+            end_of = {id(c): min(c[1], g1) for c in cands}
+            by_src = [c[3] for c in cands]
+            chosen = picker.pick(by_src, dst.device, 0)
+            c = next(c for c in cands if c[3] is chosen)
+            e = end_of[id(c)]
+            n = e - g
+            nbytes = n * itemsize * max(batch, 1)
+            if chosen.device != dst.device:
+                picker.load[chosen.device] += nbytes
+            s0 = c[2] + (g - c[0])
+            d0 = doff + (g - g0)
+            dst.copies.append(
+                _Copy(chosen, (Ellipsis, slice(s0, s0 + n)), (Ellipsis, slice(d0, d0 + n)), nbytes, True)
+            )
+            g = e
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution.
+
+
+def _host_view(x) -> np.ndarray:
+    """Zero-copy read-only view of a CPU buffer (or the numpy array itself)."""
+    return x if isinstance(x, np.ndarray) else np.asarray(x)
+
+
+def _execute(dsts: list[_DstShard], devices: dict[int, jax.Device]) -> dict[tuple[int, int], Any]:
+    """Build every destination shard; returns {(leaf, device): single-device array}."""
+    cpu = all(d.platform == "cpu" for d in devices.values())
+    out: dict[tuple[int, int], Any] = {}
+    pending_x, pending_dev, pending_key = [], [], []
+    for d in dsts:
+        key = (d.leaf, d.device)
+        if d.reuse is not None:
+            out[key] = d.reuse
+            continue
+        if cpu:
+            buf = np.zeros(d.shape, d.dtype)
+            flatbuf = buf.reshape(d.shape[: d.batch] + (-1,))
+            for c in d.copies:
+                src = _host_view(c.src.data)
+                if c.flat:
+                    src = src.reshape(src.shape[: d.batch] + (-1,))
+                    flatbuf[c.dst_idx] = src[c.src_idx]
+                else:
+                    buf[c.dst_idx] = src[c.src_idx]
+            pending_x.append(buf)
+        else:
+            buf = jnp.zeros(d.shape, d.dtype, device=devices[d.device])
+            for c in d.copies:
+                src = c.src.data
+                if isinstance(src, np.ndarray):
+                    src = jnp.asarray(src)
+                if c.flat:
+                    piece = src.reshape(src.shape[: d.batch] + (-1,))[c.src_idx]
+                    piece = jax.device_put(piece, devices[d.device])
+                    flatbuf = buf.reshape(d.shape[: d.batch] + (-1,)).at[c.dst_idx].set(piece)
+                    buf = flatbuf.reshape(d.shape)
+                else:
+                    piece = jax.device_put(src[c.src_idx], devices[d.device])
+                    buf = buf.at[c.dst_idx].set(piece)
+            out[key] = buf
+            continue
+        pending_dev.append(devices[d.device])
+        pending_key.append(key)
+    if pending_x:
+        for key, arr in zip(pending_key, jax.device_put(pending_x, pending_dev)):
+            out[key] = arr
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The transition.
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafTag:
+    """How a leaf is stored: `unit` is None for a regular array, else the ZeRO storage unit and
+    tier of family `key`."""
+
+    key: str
+    unit: str | None = None
+    tier: int = 0
 
 
 def transition(
-    store: ShardStore, target_shardings: PyTree, *, devices: dict[int, jax.Device] | None = None
+    store: ShardStore,
+    target_shardings: PyTree,
+    *,
+    devices: dict[int, jax.Device] | None = None,
+    extra_sources: dict[str, list[Shard]] | None = None,
+    old_layout=None,
+    new_layout=None,
 ) -> tuple[PyTree, TransferLog]:
-    """Build the state on `target_shardings` from the store's live shards. See module docstring."""
+    """Build the state on `target_shardings` from the store's live shards and `extra_sources`
+    (snapshot copies, by leaf path). With ZeRO layouts (`state.StateLayout`), storage leaves are
+    rebuilt by canonical element ranges; in-place tiers reuse their buffers."""
     devices = devices or {d.id: d for d in jax.devices()}
-    targets = store.treedef.flatten_up_to(target_shardings)
-    load: dict = defaultdict(int)
+    extra = extra_sources or {}
+    picker = _Picker()
     log = TransferLog()
-    plans = []
-    for path, shape, dtype, shards, sh in zip(
-        store.paths, store.shapes, store.dtypes, store.shards, targets
-    ):
-        dst_boxes = {
-            d.id: index_to_box(idx, shape) for d, idx in sh.addressable_devices_indices_map(shape).items()
-        }
+    target_flat = jax.tree_util.tree_leaves(
+        target_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    if new_layout is not None and new_layout.codec is not None:
+        new_tags = [LeafTag(*t) for t in new_layout._tags]
+        target_treedef = jax.tree_util.tree_structure(new_layout.abstract)
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(new_layout.abstract)]
+        dtypes = [x.dtype for x in jax.tree.leaves(new_layout.abstract)]
+    else:
+        new_tags = [LeafTag(p) for p in store.paths]
+        target_treedef = store.treedef
+        shapes, dtypes = store.shapes, store.dtypes
+    old_tags = (
+        [LeafTag(*t) for t in old_layout._tags]
+        if old_layout is not None and old_layout.codec is not None
+        else [LeafTag(p) for p in store.paths]
+    )
+    by_path = {p: i for i, p in enumerate(store.paths)}
+    families: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(old_tags):
+        if t.unit is not None:
+            families[t.key].append(i)
+    indexes: dict[str, _SegmentIndex] = {}
+    dsts: list[_DstShard] = []
+    for li, (tag, sh, shape, dtype) in enumerate(zip(new_tags, target_flat, shapes, dtypes)):
         itemsize = np.dtype(dtype).itemsize
-        plans.append(plan_leaf(path, shape, itemsize, shards, dst_boxes, load))
-    # Slice on the sources, then move every remote piece in one batched device_put.
-    remote_x, remote_dev, slots = [], [], []
-    for li, plan in enumerate(plans):
-        itemsize = np.dtype(store.dtypes[li]).itemsize
-        for dst, pieces in plan.items():
-            for pi, p in enumerate(pieces):
-                whole = p.cell == p.shard.box
-                x = p.shard.data if whole else p.shard.data[_local_slices(p)]
-                log.entries.append(
-                    Transfer(store.paths[li], p.cell, p.shard.device, dst, _size(p.cell) * itemsize)
+        dmap = sh.addressable_devices_indices_map(shape)
+        if tag.unit is None:
+            oi = by_path[tag.key]
+            sources = store.shards[oi] + extra.get(tag.key, [])
+            for d, idx in dmap.items():
+                box = index_to_box(idx, shape)
+                ds = _DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, 0, box)
+                plan_box_leaf(tag.key, itemsize, sources, ds, box, picker)
+                dsts.append(ds)
+            continue
+        codec, unit = new_layout.codec, new_layout.codec.unit(tag.unit)
+        batch = len(unit.batch_shape)
+        same_pieces = _same_pieces(old_layout, new_layout)
+        old_tier = families[tag.key][tag.tier] if tag.tier < len(families[tag.key]) else None
+        held = {s.device: s for s in store.shards[old_tier]} if old_tier is not None else {}
+        for d, idx in dmap.items():
+            box = index_to_box(idx, shape)
+            rank, row = box[batch][0], box[batch + 2][0]
+            ds = _DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, batch)
+            old = held.get(d.id)
+            if (
+                same_pieces
+                and old is not None
+                and old.data.shape == ds.shape
+                and tuple(old_layout.codec.tables[tag.tier][old.box[batch][0]])
+                == tuple(codec.tables[tag.tier][rank])
+            ):
+                ds.reuse = old.data  # this rank keeps this tier in place: no copy
+                log.kept_bytes += int(np.prod(ds.shape)) * itemsize
+                dsts.append(ds)
+                continue
+            if tag.key not in indexes:
+                indexes[tag.key] = _index_family(
+                    store, old_layout, families[tag.key], old_tags, extra
                 )
-                if p.shard.device == dst:
-                    slots.append((li, dst, pi, x))
-                else:
-                    remote_x.append(x)
-                    remote_dev.append(devices[dst])
-                    slots.append((li, dst, pi, None))
-    moved = iter(jax.device_put(remote_x, remote_dev)) if remote_x else iter(())
-    cells: dict = defaultdict(list)
-    for li, dst, pi, x in slots:
-        cells[(li, dst)].append((plans[li][dst][pi].cell, x if x is not None else next(moved)))
+            segs = _shard_segments(codec, unit, tag.tier, rank, row)
+            plan_storage_shard(tag.key, itemsize, unit.layers, indexes[tag.key], segs, ds, picker)
+            dsts.append(ds)
+    for ds in dsts:
+        if ds.reuse is not None and not ds.copies:
+            continue
+        leaf = new_tags[ds.leaf].key
+        for c in ds.copies:
+            if c.flat:
+                box = tuple((s.start, s.stop) for s in c.dst_idx if isinstance(s, slice))
+            else:
+                box = tuple((o + s.start, o + s.stop) for (o, _), s in zip(ds.box, c.dst_idx))
+            log.entries.append(Transfer(leaf, box, c.src.device, ds.device, c.nbytes, c.src.rung))
+    built = _execute(dsts, devices)
     leaves = []
-    for li, (shape, sh) in enumerate(zip(store.shapes, targets)):
-        arrays = []
-        for d, idx in sh.addressable_devices_indices_map(shape).items():
-            arrays.append(_assemble(cells[(li, d.id)], index_to_box(idx, shape)))
+    for li, (sh, shape) in enumerate(zip(target_flat, shapes)):
+        arrays = [built[(li, d.id)] for d in sh.addressable_devices_indices_map(shape)]
         leaves.append(jax.make_array_from_single_device_arrays(shape, sh, arrays))
-    return jax.tree_util.tree_unflatten(store.treedef, leaves), log
+    return jax.tree_util.tree_unflatten(target_treedef, leaves), log
+
+
+def _same_pieces(old_layout, new_layout) -> bool:
+    """Do both layouts cut every unit into the same pieces (so a slot means the same thing)?"""
+    if old_layout is None or old_layout.codec is None:
+        return False
+    a, b = old_layout.codec, new_layout.codec
+    return (
+        a.layout.kind == b.layout.kind
+        and a.layout.n_pieces == b.layout.n_pieces
+        and a.tensor == b.tensor
+        and [(u.name, u.piece, u.rotation, u.rows) for u in a.units]
+        == [(u.name, u.piece, u.rotation, u.rows) for u in b.units]
+    )
+
+
+def _index_family(store, old_layout, leaf_ids, old_tags, extra) -> _SegmentIndex:
+    """Canonical segments of every source (live shards and snapshots) of one storage family."""
+    codec = old_layout.codec
+    index = _SegmentIndex()
+    for oi in leaf_ids:
+        tag = old_tags[oi]
+        unit = codec.unit(tag.unit)
+        batch = len(unit.batch_shape)
+        for s in store.shards[oi] + extra.get(store.paths[oi], []):
+            rank, row = s.box[batch][0], s.box[batch + 2][0]
+            assert s.box[batch + 2][1] - row == 1, "one storage row per device"
+            for g0, g1, off in _shard_segments(codec, unit, tag.tier, rank, row):
+                index.add(g0, g1, off, s)
+    index.freeze()
+    return index

@@ -1,9 +1,15 @@
-"""TrainState, the optimizer, and state built shape-first onto any plan's mesh.
+"""TrainState, the optimizer, and how a state is stored on a plan (`StateLayout`).
 
 `abstract = eval_shape(init)` -> `shardings(abstract, mesh)` -> `jit(init, out_shardings)`: the
 same functions give the fresh state, the restore target of a checkpoint on a new mesh and the
 target layout of a transition, so resharding after a failure is not a special code path.
 Initial values depend on `train.seed` only (threefry is partitionable), never on the mesh.
+
+With ZeRO (stage >= 1) the optimizer state lives in the `zero.ZeroCodec` storage layout of the
+plan (and, for stage 3, the parameters too). The *canonical* form of a state is the ZeRO-0 form:
+full parameters and an optimizer state shaped like them. Checkpoints store the canonical form,
+so they restore onto any plan; checksums are computed on the storage directly but are defined
+on canonical element identities, so they compare across plans.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import models
+from . import checksum, models
 from .config import Config, TrainConfig
 from .rng import root_key
-from .sharding import named_shardings, opt_state_logical
+from .sharding import named_shardings, opt_state_logical, path_str
+from .zero import ZeroCodec
 
 PyTree = Any
 
@@ -49,30 +56,42 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
+def _is_tag(x) -> bool:
+    return isinstance(x, str)
+
+
 class StateFactory:
-    """Builds abstract, logical and concrete train states for a config and optimizer."""
+    """Model, optimizer and canonical (ZeRO-0) state shapes; `layout(plan)` for a plan's form."""
 
     def __init__(self, cfg: Config, tx: optax.GradientTransformation):
         self.cfg, self.tx = cfg, tx
         self.model = models.get(cfg.model.type)
         self.abstract = jax.eval_shape(self._init)
-        param_logical = self.model.logical_specs(cfg.model)
+        self.param_logical = self.model.logical_specs(cfg.model)
         self.logical = TrainState(
             step=PartitionSpec(),
-            params=param_logical,
-            opt_state=opt_state_logical(tx, self.abstract.opt_state, param_logical),
+            params=self.param_logical,
+            opt_state=opt_state_logical(tx, self.abstract.opt_state, self.param_logical),
         )
+        self._layouts: dict = {}
+
+    def _init_params(self):
+        key = jax.random.fold_in(root_key(self.cfg.train.seed), 0x1A17)
+        return self.model.init_params(self.cfg.model, key)
 
     def _init(self) -> TrainState:
-        key = jax.random.fold_in(root_key(self.cfg.train.seed), 0x1A17)
-        params = self.model.init_params(self.cfg.model, key)
+        params = self._init_params()
         return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params))
 
+    @property
+    def n_params(self) -> int:
+        return sum(x.size for x in jax.tree.leaves(self.abstract.params))
+
+    # canonical (ZeRO-0) helpers, kept for callers that do not care about ZeRO
     def shardings(self, mesh: Mesh) -> TrainState:
         return named_shardings(self.abstract, self.logical, mesh)
 
     def abstract_on(self, mesh: Mesh) -> TrainState:
-        """Abstract state carrying the target shardings (restore targets)."""
         sh = self.shardings(mesh)
         return jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract, sh
@@ -81,6 +100,125 @@ class StateFactory:
     def init(self, mesh: Mesh) -> TrainState:
         return jax.jit(self._init, out_shardings=self.shardings(mesh))()
 
-    @property
-    def n_params(self) -> int:
-        return sum(x.size for x in jax.tree.leaves(self.abstract.params))
+    def layout(self, plan) -> "StateLayout":
+        key = (plan.tensor, plan.zero_stage, plan.zero)
+        if key not in self._layouts:
+            self._layouts[key] = StateLayout(self, plan)
+        return self._layouts[key]
+
+
+class StateLayout:
+    """The form of the TrainState on one plan: ZeRO-0 (canonical) or a ZeRO storage layout."""
+
+    def __init__(self, factory: StateFactory, plan):
+        self.factory, self.tx = factory, factory.tx
+        self.stage = plan.zero_stage
+        self.codec = (
+            ZeroCodec(factory.abstract.params, factory.param_logical, plan.zero, plan.tensor)
+            if self.stage > 0
+            else None
+        )
+        self.abstract = jax.eval_shape(self.init_fn)
+        self._tags = self._leaf_tags()
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def from_canonical(self, full: TrainState) -> TrainState:
+        """Traceable: canonical state -> this layout."""
+        if self.codec is None:
+            return full
+        c = self.codec
+        params = c.to_storage(full.params) if self.stage == 3 else full.params
+        opt = self._map_param_parts(full.opt_state, self.factory.abstract.params, c.to_storage)
+        return TrainState(full.step, params, opt)
+
+    def to_canonical(self, state: TrainState) -> TrainState:
+        """Traceable: this layout -> canonical state."""
+        if self.codec is None:
+            return state
+        c = self.codec
+        params = c.from_storage(state.params) if self.stage == 3 else state.params
+        like = c.abstract_storage()
+        opt = self._map_param_parts(state.opt_state, like, c.from_storage)
+        return TrainState(state.step, params, opt)
+
+    def init_fn(self) -> TrainState:
+        return self.from_canonical(self.factory._init())
+
+    def _map_param_parts(self, opt_state, like, fn):
+        """Apply `fn` to every sub-tree of `opt_state` shaped like `like` (Adam's moments)."""
+        target = jax.tree_util.tree_structure(like)
+        return jax.tree.map(
+            lambda sub: fn(sub) if jax.tree_util.tree_structure(sub) == target else sub,
+            opt_state,
+            is_leaf=lambda sub: jax.tree_util.tree_structure(sub) == target,
+        )
+
+    # -- shardings ------------------------------------------------------------------------------
+
+    def shardings(self, mesh: Mesh) -> TrainState:
+        f = self.factory
+        full_param_sh = named_shardings(f.abstract.params, f.param_logical, mesh)
+        if self.codec is None:
+            return named_shardings(f.abstract, f.logical, mesh)
+        store_sh = self.codec.storage_shardings(mesh)
+        rep = NamedSharding(mesh, PartitionSpec())
+        opt_sh = optax.tree_map_params(
+            self.tx,
+            lambda _, s: s,
+            self.abstract.opt_state,
+            store_sh,
+            transform_non_params=lambda _: rep,
+            is_leaf=lambda s: isinstance(s, NamedSharding),
+        )
+        return TrainState(rep, store_sh if self.stage == 3 else full_param_sh, opt_sh)
+
+    def abstract_on(self, mesh: Mesh) -> TrainState:
+        sh = self.shardings(mesh)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract, sh
+        )
+
+    # -- checksums -------------------------------------------------------------------------------
+
+    def _leaf_tags(self) -> list[tuple[str, str | None, int]]:
+        """Per leaf of the abstract state (flatten order): (key, storage unit or None, tier)."""
+        if self.codec is None:
+            return [(path_str(p), None, 0) for p, _ in jax.tree_util.tree_flatten_with_path(self.abstract)[0]]
+        tag_tree = {
+            u.name: tuple(f"{u.name}\x00{i}" for i in range(len(self.codec.tables)))
+            for u in self.codec.units
+        }
+        opt_tags = optax.tree_map_params(
+            self.tx,
+            lambda _, t: t,
+            self.abstract.opt_state,
+            tag_tree,
+            transform_non_params=lambda _: "",
+            is_leaf=_is_tag,
+        )
+        tagged = TrainState("", tag_tree if self.stage == 3 else jax.tree.map(lambda _: "", self.abstract.params), opt_tags)
+        tags = jax.tree.leaves(tagged, is_leaf=_is_tag)
+        out = []
+        for (path, _), tag in zip(jax.tree_util.tree_flatten_with_path(self.abstract)[0], tags):
+            key = path_str(path)
+            if tag:
+                unit, tier = tag.split("\x00")
+                prefix = key[: key.rindex(unit) - 1] if unit in key else key
+                out.append((f"{prefix}::{unit}", unit, int(tier)))
+            else:
+                out.append((key, None, 0))
+        return out
+
+    def checksums(self, state: TrainState) -> dict[str, jax.Array]:
+        """Traceable: {key: uint32[2]} with layout-independent element identities."""
+        out: dict[str, jax.Array] = {}
+        for (key, unit, tier), x in zip(self._tags, jax.tree.leaves(state)):
+            if unit is None:
+                out[key] = checksum.leaf_checksum(x)
+            else:
+                u = self.codec.unit(unit)
+                idx, ok = self.codec.canonical_index(u, tier)
+                c = checksum.weighted_checksum(checksum._bits(x), idx, ok)
+                out[key] = out[key] + c if key in out else c
+        return out

@@ -28,7 +28,7 @@ from .mesh import LOGICAL_RULES, make_mesh, replicated
 from .microbatch import accumulate
 from .planner import Plan
 from .sharding import batch_shardings
-from .state import StateFactory, TrainState
+from .state import StateFactory, StateLayout, TrainState
 
 PyTree = Any
 
@@ -43,35 +43,57 @@ def abstract_batch(plan: Plan, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     }
 
 
-def make_loss_fn(cfg: Config, model, deterministic: bool):
-    """(params, micro-batch, step key) -> summed weighted token loss."""
+def make_loss_fn(cfg: Config, model, deterministic: bool, layout: StateLayout | None = None):
+    """(params, micro-batch, step key) -> summed weighted token loss. Under ZeRO-3 `params` is the
+    storage; non-layer parameters are gathered up front and each layer inside the layer loop."""
+    zero3 = layout is not None and layout.stage == 3
 
     def loss_fn(params, mb, key):
         keys = rng.sample_keys(key, mb["key_ids"])
-        tl = model.token_losses(params, cfg.model, mb["inputs"], mb["targets"], keys, deterministic)
+        lt = None
+        if zero3:
+            params, lt = layout.codec.zero3_inputs(params)
+        tl = model.token_losses(
+            params, cfg.model, mb["inputs"], mb["targets"], keys, deterministic, layer_transform=lt
+        )
         return jnp.sum(tl * mb["weights"][:, None])
 
     return loss_fn
 
 
-def make_grad_fn(cfg: Config, model, mesh: Mesh, param_sh):
+def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: StateLayout | None = None):
     """(params, batch, step) -> (loss, gradient) of the whole global batch: summed over
-    micro-batches and replicas, divided once by the real tokens of the global batch."""
-    loss_fn = make_loss_fn(cfg, model, deterministic=False)
+    micro-batches and replicas, divided once by the real tokens of the global batch.
+
+    The gradient comes in the optimizer's form: full parameters for ZeRO-0/1, the ZeRO storage
+    for ZeRO-2 (each micro-batch's gradient is partitioned before it is accumulated, so the
+    accumulator is partitioned) and ZeRO-3 (the gradient of the storage itself)."""
+    stage = layout.stage if layout is not None else 0
+    loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout)
     micro_sh = NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"]))
     seed = cfg.train.seed
+    if stage == 2:
+        acc_sh = jax.tree.map(lambda x: x, layout.codec.storage_shardings(mesh))
+        to_acc = layout.codec.to_storage
+    else:
+        acc_sh, to_acc = state_sh.params, None
 
     def constrain_micro(mb):
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, micro_sh), mb)
 
     def constrain_grads(g):
-        return jax.lax.with_sharding_constraint(g, param_sh)
+        return jax.lax.with_sharding_constraint(g, acc_sh)
 
     def grad_fn(params, batch, step):
         key = rng.step_key(rng.root_key(seed), step)
         micro_grad = jax.value_and_grad(lambda p, mb: loss_fn(p, mb, key))
         loss_sum, grads = accumulate(
-            micro_grad, params, batch, micro_constraint=constrain_micro, grad_constraint=constrain_grads
+            micro_grad,
+            params,
+            batch,
+            micro_constraint=constrain_micro,
+            grad_constraint=constrain_grads,
+            to_acc=to_acc,
         )
         n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
         return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
@@ -79,26 +101,34 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, param_sh):
     return grad_fn
 
 
-def make_train_step(cfg: Config, tx: optax.GradientTransformation, model, mesh: Mesh, param_sh):
-    grad_fn = make_grad_fn(cfg, model, mesh, param_sh)
+def make_train_step(cfg: Config, layout: StateLayout, model, mesh: Mesh, state_sh: TrainState):
+    tx = layout.tx
+    grad_fn = make_grad_fn(cfg, model, mesh, state_sh, layout)
+    stage, codec = layout.stage, layout.codec
 
     def train_step(state: TrainState, batch: dict):
         loss, grads = grad_fn(state.params, batch, state.step)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if stage in (0, 3):
+            p_opt, g_opt = state.params, grads
+        else:
+            p_opt = codec.to_storage(state.params)
+            g_opt = codec.to_storage(grads) if stage == 1 else grads
+        updates, opt_state = tx.update(g_opt, state.opt_state, p_opt)
+        new_p = optax.apply_updates(p_opt, updates)
+        params = codec.from_storage(new_p) if stage in (1, 2) else new_p
         new = TrainState(state.step + 1, params, opt_state)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
-            "checksums": checksum.tree_checksums(new),
+            "grad_norm": optax.tree.norm(g_opt),
+            "checksums": layout.checksums(new),
         }
         return new, metrics
 
     return train_step
 
 
-def make_eval_step(cfg: Config, model):
-    loss_fn = make_loss_fn(cfg, model, deterministic=True)
+def make_eval_step(cfg: Config, model, layout: StateLayout | None = None):
+    loss_fn = make_loss_fn(cfg, model, deterministic=True, layout=layout)
 
     def eval_step(params, batch):
         key = rng.root_key(0)
@@ -114,6 +144,7 @@ class Executables:
 
     plan: Plan
     mesh: Mesh
+    layout: StateLayout
     state_shardings: TrainState
     batch_shardings: dict
     train: Any
@@ -124,23 +155,40 @@ class Executables:
     def put_batch(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {k: jax.device_put(v, self.batch_shardings[k]) for k, v in arrays.items()}
 
+    def init(self) -> TrainState:
+        return jax.jit(self.layout.init_fn, out_shardings=self.state_shardings)()
+
+    def to_canonical(self, state: TrainState) -> TrainState:
+        """The canonical (ZeRO-0) form of a state, for checkpoints."""
+        if self.layout.codec is None:
+            return state
+        sh = self.layout.factory.shardings(self.mesh)
+        return jax.jit(self.layout.to_canonical, out_shardings=sh)(state)
+
+    def from_canonical(self, full: TrainState) -> TrainState:
+        if self.layout.codec is None:
+            return full
+        return jax.jit(self.layout.from_canonical, out_shardings=self.state_shardings)(full)
+
 
 def compile_plan(
     cfg: Config, factory: StateFactory, plan: Plan, devices: dict[int, jax.Device]
 ) -> Executables:
-    """AOT-compile the train, eval and checksum functions of `plan`; time it."""
+    """AOT-compile the train and checksum functions of `plan`; time it."""
     t0 = time.perf_counter()
     mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
-    st_sh = factory.shardings(mesh)
+    layout = factory.layout(plan)
+    st_sh = layout.shardings(mesh)
     ab = abstract_batch(plan, cfg.model.seq_len)
     b_sh = batch_shardings(mesh, ab)
-    abs_state = factory.abstract
+    abs_state = layout.abstract
     rep = replicated(mesh)
-    train_fn = make_train_step(cfg, factory.tx, factory.model, mesh, st_sh.params)
+    train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh)
+    sums_abs = jax.eval_shape(layout.checksums, abs_state)
     metric_sh = {
         "loss": rep,
         "grad_norm": rep,
-        "checksums": jax.tree.map(lambda _: rep, abs_state),
+        "checksums": jax.tree.map(lambda _: rep, sums_abs),
     }
     train = (
         jax.jit(
@@ -153,15 +201,17 @@ def compile_plan(
         .compile()
     )
     sums = (
-        jax.jit(checksum.tree_checksums, in_shardings=(st_sh,), out_shardings=metric_sh["checksums"])
+        jax.jit(layout.checksums, in_shardings=(st_sh,), out_shardings=metric_sh["checksums"])
         .lower(abs_state)
         .compile()
     )
     # Evaluation is not on the recovery path: it compiles on first use (see `Executables.eval`).
     ev = jax.jit(
-        make_eval_step(cfg, factory.model), in_shardings=(st_sh.params, b_sh), out_shardings=(rep, rep)
+        make_eval_step(cfg, factory.model, layout),
+        in_shardings=(st_sh.params, b_sh),
+        out_shardings=(rep, rep),
     )
-    return Executables(plan, mesh, st_sh, b_sh, train, sums, ev, time.perf_counter() - t0)
+    return Executables(plan, mesh, layout, st_sh, b_sh, train, sums, ev, time.perf_counter() - t0)
 
 
 class ExecutableCache:

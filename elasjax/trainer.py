@@ -34,6 +34,7 @@ from .reshard import Transfer, TransferLog, UnrecoverableStateError, index_to_bo
 from .rng import check_backend_config
 from .sharding import path_str
 from .state import StateFactory, make_optimizer
+from .snapshot import SnapshotPool
 from .step import ExecutableCache, Executables
 
 
@@ -64,6 +65,10 @@ class RecoveryEvent:
     first_step_s: float = 0.0
     verified: bool = False
     resumed_at_step: int = 0
+    bytes_kept_in_place: int = 0
+    rungs: list[str] = dataclasses.field(default_factory=list)
+    refused_snapshots: list[str] = dataclasses.field(default_factory=list)
+    snapshot_setup_s: float = 0.0
 
     @property
     def mttr_s(self) -> float:
@@ -134,6 +139,9 @@ class Trainer:
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
         self.ckpt = Checkpointer(cfg.checkpoint) if cfg.checkpoint.dir is not None else None
         self.dropped_checkpoints: list[int] = []
+        self.pool = SnapshotPool(cfg.snapshot, self.topo)
+        self.dead_hosts: set[int] = set()
+        self.last_transfer_log: TransferLog | None = None
 
     # -- executables ----------------------------------------------------------------------------
 
@@ -193,6 +201,7 @@ class Trainer:
         bar = _Progress(T, enabled=self.progress)
         with bar:
             while step < T:
+                self.pool.complete()  # the previous step's snapshot has landed
                 due = [e for e in pending if e.at_step == step]
                 if due:
                     pending = [e for e in pending if e.at_step != step]
@@ -212,6 +221,7 @@ class Trainer:
                 if not np.isfinite(loss):
                     raise FloatingPointError(f"loss is {loss} at step {step}")
                 good = checksum.to_host(met["checksums"])
+                self.pool.take(state, step + 1, self.devices)
                 losses[step] = loss
                 digests[step] = DataPipeline.digest(idx)
                 if open_event is not None:
@@ -238,7 +248,7 @@ class Trainer:
                     evals[step - 1] = rec["eval_loss"] = self._eval(exe, plan, state)
                 mw.write(rec)
                 if self.ckpt is not None and self.ckpt.due(step):
-                    self.ckpt.save(step, state, good)
+                    self.ckpt.save(step, exe.to_canonical(state), good)
                 bar.update(step, loss, plan)
         ew.write({"type": "end", "step": step, "final_loss": losses[T - 1], "plan": plan.name})
         if self.progress:
@@ -255,18 +265,25 @@ class Trainer:
             step = self.ckpt.latest_step() if rs == -1 else rs
             if step is None:
                 raise FileNotFoundError(f"checkpoint.resume_step: no checkpoint in {self.ckpt.dir}")
-            state, meta = self.ckpt.restore(step, self.factory.abstract_on(exe.mesh))
+            state, meta = self._restore(step, exe)
             self.dropped_checkpoints = self.ckpt.drop_after(step)
-            good = checksum.to_host(exe.checksum(state))
-            bad = checksum.diff(meta["checksums"], good)
-            if bad:
-                raise RecoveryVerificationError(f"checkpoint {step} fails its checksums: {bad[:3]}")
-            return step, state, good
-        state = self.factory.init(exe.mesh)
+        else:
+            step, state = 0, exe.init()
         good = checksum.to_host(exe.checksum(state))
-        if self.ckpt is not None:
-            self.ckpt.save(0, state, good)
-        return 0, state, good
+        if rs is None and self.ckpt is not None:
+            self.ckpt.save(0, exe.to_canonical(state), good)
+        self.pool.configure(state, exe.state_shardings, exe.mesh, set(exe.plan.device_ids) | set(exe.plan.spare_ids))
+        return step, state, good
+
+    def _restore(self, step: int, exe: Executables):
+        """Restore checkpoint `step` (stored in canonical form) onto `exe`'s plan, verified."""
+        full, meta = self.ckpt.restore(step, self.factory.abstract_on(exe.mesh))
+        state = exe.from_canonical(full)
+        got = checksum.to_host(exe.checksum(state))
+        bad = checksum.diff(meta["checksums"], got)
+        if bad:
+            raise RecoveryVerificationError(f"checkpoint {step} fails its checksums: {bad[:3]}")
+        return state, meta
 
     def _eval(self, exe: Executables, plan: Plan, state) -> float:
         tot = n = 0.0
@@ -281,6 +298,9 @@ class Trainer:
     def _recover(self, step, due: list[FaultEvent], live, plan, exe, state, good):
         failed = tuple(sorted({d for e in due for d in e.device_ids}))
         fault = "; ".join(e.spec for e in due)
+        for e in due:
+            if e.kind == "hosts":
+                self.dead_hosts |= {self.topo.host_of(d) for d in e.device_ids}
         store, bytes_lost = inject(state, failed)
         del state  # its buffers on the failed devices are gone; only `store` survives
         t0 = time.perf_counter()
@@ -295,22 +315,31 @@ class Trainer:
         new_exe, hit = self.executables(new_plan)
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        rung, resume_at, expected = "replica", step, good
+        resume_at, expected = step, good
+        refusals_before = len(self.pool.refusals)
         try:
-            new_state, log = transition(store, new_exe.state_shardings, devices=self.devices)
+            snaps = self.pool.sources(dead, self.dead_hosts, version=step)
+            new_state, log = transition(
+                store,
+                new_exe.state_shardings,
+                devices=self.devices,
+                extra_sources=snaps,
+                old_layout=exe.layout,
+                new_layout=new_exe.layout,
+            )
             jax.block_until_ready(new_state)
+            rung = log.worst_rung()
         except UnrecoverableStateError as err:
             if self.ckpt is None:
                 raise UnrecoverableStateError(
-                    err.leaf, err.box, f"devices {list(failed)} failed at step {step}; no surviving "
-                    "replica and no checkpoint is configured (checkpoint.dir)"
+                    err.leaf, err.box, f"devices {list(failed)} failed at step {step}; no "
+                    "surviving copy, no verified snapshot, and no checkpoint (checkpoint.dir)"
                 ) from err
             del store
             ck_step = self.ckpt.latest_step()
             if ck_step is None:
                 raise
-            new_state, meta = self.ckpt.restore(ck_step, self.factory.abstract_on(new_exe.mesh))
-            jax.block_until_ready(new_state)
+            new_state, meta = self._restore(ck_step, new_exe)
             self.ckpt.drop_after(ck_step)
             rung, resume_at, expected = "checkpoint", ck_step, meta["checksums"]
             log = _checkpoint_log(new_state)
@@ -326,6 +355,9 @@ class Trainer:
         verify_s = time.perf_counter() - t0
         if any(t.src in dead for t in log.entries):
             raise AssertionError("a transfer read a failed device")  # invariant, never expected
+        t0 = time.perf_counter()
+        self.pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, live)
+        snapshot_setup_s = time.perf_counter() - t0
         ev = RecoveryEvent(
             step=step,
             failed_devices=list(failed),
@@ -347,6 +379,10 @@ class Trainer:
             verify_s=verify_s,
             verified=True,
             resumed_at_step=resume_at,
+            bytes_kept_in_place=log.kept_bytes,
+            rungs=sorted(log.rungs()),
+            refused_snapshots=self.pool.refusals[refusals_before:],
+            snapshot_setup_s=snapshot_setup_s,
         )
         self.last_transfer_log = log
         return live, new_plan, new_exe, new_state, actual, ev, resume_at

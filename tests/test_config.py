@@ -65,5 +65,7 @@ def test_fault_needs_exactly_one_kind():
 
 
 def test_features_not_yet_available_are_refused():
-    with pytest.raises(ConfigError, match=r"'zero.stage' = 2 is not allowed; allowed values: 0"):
-        config.load(None, ["zero.stage=2"])
+    with pytest.raises(ConfigError, match=r"'zero.stage' = 4 is not allowed; allowed values: 0, 1, 2, 3"):
+        config.load(None, ["zero.stage=4"])
+    with pytest.raises(ConfigError, match=r"'parallel.stage' = 2: allowed values: 1"):
+        config.load(None, ["parallel.stage=2"])

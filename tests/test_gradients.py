@@ -37,7 +37,7 @@ def _grads(setup, plan, *, count_padding=False):
         arrays["weights"] = np.ones_like(arrays["weights"])
     bsh = step.batch_shardings(mesh, arrays)
     batch = {k: jax.device_put(v, bsh[k]) for k, v in arrays.items()}
-    fn = jax.jit(step.make_grad_fn(CFG, f.model, mesh, sh.params), static_argnums=2)
+    fn = jax.jit(step.make_grad_fn(CFG, f.model, mesh, sh), static_argnums=2)
     return jax.device_get(fn(jax.device_put(params, sh.params), batch, STEP))
 
 

@@ -210,7 +210,9 @@ def forward(params, tokens, keys, cfg: ModelConfig, deterministic: bool, layer_t
     return head_apply(params, x, cfg)
 
 
-def token_losses(params, cfg: ModelConfig, inputs, targets, keys, deterministic: bool):
+def token_losses(
+    params, cfg: ModelConfig, inputs, targets, keys, deterministic: bool, layer_transform=None
+):
     """Per-token cross-entropy, f32 [batch, seq]."""
-    logits = forward(params, inputs, keys, cfg, deterministic)
+    logits = forward(params, inputs, keys, cfg, deterministic, layer_transform)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
