@@ -1,4 +1,5 @@
-"""`elasjax train | plan | compare | sim`: parsing and wiring only; the work is in the library."""
+"""`elasjax train | plan | compare | sim | launch`: parsing and wiring only; the work is in the
+library."""
 
 from __future__ import annotations
 
@@ -71,6 +72,38 @@ def _sim(args) -> int:
     return sim_main(args.config, args.set, args.out)
 
 
+def _launch(args) -> int:
+    from . import launch
+
+    kills = [launch.KillSpec.parse(k) for k in args.kill]
+    if args.coordinator is None:  # start the processes here, on loopback
+        if args.num_processes is not None or args.process_id is not None:
+            raise launch.ConfigError("--num-processes/--process-id need --coordinator")
+        if args.processes is None:
+            raise launch.ConfigError("give --processes P (local) or --coordinator HOST:PORT")
+        return launch.launch_local(
+            args.config,
+            args.set,
+            processes=args.processes,
+            devices_per_process=args.devices_per_process,
+            out=args.out,
+            kills=kills,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            collective_timeout_s=args.collective_timeout,
+            timeout_s=args.timeout,
+            quiet=args.quiet,
+        )
+    if args.num_processes is None or args.process_id is None:  # join a cluster as one process
+        raise launch.ConfigError("--coordinator needs --num-processes and --process-id")
+    from .distributed import RuntimeConfig
+
+    rc = RuntimeConfig(
+        args.coordinator, args.num_processes, args.process_id, args.platform,
+        args.devices_per_process, args.heartbeat_timeout, args.collective_timeout,
+    )
+    return launch.run_worker(args.config, args.set, rc, args.out, kills)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="elasjax", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -92,7 +125,40 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("config")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     s.add_argument("--out", default=None, help="write tables.md, results.json and plots here")
+    m = sub.add_parser(
+        "launch", help="train as P processes on jax.distributed; survive killed processes"
+    )
+    m.add_argument("config")
+    m.add_argument("--processes", type=int, default=None, help="local processes to start")
+    m.add_argument("--devices-per-process", type=int, default=2, help="CPU devices per process")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    m.add_argument("--out", default=None, help="metrics.jsonl, events.jsonl, worker logs")
+    m.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS",
+                   help="SIGKILL process PROCESS right after it dispatches step STEP")
+    m.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="join a cluster as one process (with --num-processes, --process-id)")
+    m.add_argument("--num-processes", type=int, default=None)
+    m.add_argument("--process-id", type=int, default=None)
+    m.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    m.add_argument("--heartbeat-timeout", type=int, default=5, metavar="S")
+    m.add_argument("--collective-timeout", type=int, default=8, metavar="S")
+    m.add_argument("--timeout", type=float, default=900.0, metavar="S",
+                   help="local launch: kill every process after this many seconds")
+    m.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if args.cmd == "launch":  # before anything creates a JAX backend in this process
+        from .config import ConfigError
+        from .distributed import RejoinUnsupportedError
+        from .reshard import UnrecoverableStateError
+
+        try:
+            return _launch(args)
+        except (ConfigError, ValueError, FileNotFoundError, RejoinUnsupportedError) as e:
+            print(f"elasjax: error: {e}", file=sys.stderr)
+            return 2
+        except UnrecoverableStateError as e:
+            print(f"elasjax: training stopped: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     if args.cmd == "sim":  # the simulator is pure numpy: dispatch before anything imports JAX
         from .config import ConfigError
 

@@ -98,6 +98,17 @@ class ParallelConfig:
     tensor: int = 1
     stage: int = 1
     replan: Literal["cost", "keep_tensor"] = "cost"
+    max_stage: int = 0  # largest stage count a re-plan may choose; 0 = parallel.stage
+    min_stage: int = 1  # smallest stage count a re-plan may choose
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline schedule over the `stage` axis and its micro-batches per data replica (0 = use
+    `train.microbatches`)."""
+
+    schedule: Literal["gpipe"] = "gpipe"
+    microbatches: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +135,16 @@ class FaultConfig:
     """One scripted failure, injected at the boundary before step `at_step` runs.
 
     Exactly one of: `devices` (device ids), `hosts` (host indices; a host is
-    `parallel.devices_per_host` consecutive devices of the job), or `count` (+ `seed`: that many
-    live devices drawn at random)."""
+    `parallel.devices_per_host` consecutive devices of the job), `count` (+ `seed`: that many
+    live devices drawn at random), or `kill_process` (multi-process runs under `elasjax launch`:
+    a real SIGKILL of that process)."""
 
     at_step: int
     devices: tuple[int, ...] = ()
     hosts: tuple[int, ...] = ()
     count: int = 0
     seed: int = 0
+    kill_process: int = -1  # `elasjax launch` only: SIGKILL this process after it dispatches at_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,14 +166,24 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RecoveryConfig:
+    """`migration: blocking` moves layers before training resumes; `async` resumes at once on a
+    fast-path plan that moves no layers, compiles the optimal plan in the background and cuts
+    over to it at a step boundary."""
+
     strategy: Literal["elastic"] = "elastic"
-    migration: Literal["blocking"] = "blocking"
+    migration: Literal["blocking", "async"] = "blocking"
+    max_fast_path_steps: int = 0  # async: wait for the optimal plan after this many steps; 0 = never
 
 
 @dataclasses.dataclass(frozen=True)
 class StandbyConfig:
+    """Background compilation of the plans recovery would need after each single-device and
+    single-host failure (`enabled`), at most `max_plans`. `wait_at_start` blocks before step 0
+    until they are compiled (demos and benchmarks; a long job builds them while it trains)."""
+
     enabled: bool = False
     max_plans: int = 8
+    wait_at_start: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +206,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
     zero: ZeroConfig = ZeroConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     rng: RngConfig = RngConfig()
     faults: tuple[FaultConfig, ...] = ()
     snapshot: SnapshotConfig = SnapshotConfig()
@@ -383,7 +407,31 @@ def validate(cfg: Config) -> None:
             f"{m.n_heads}, d_mlp={m.d_mlp}, vocab_size={m.vocab_size}); allowed values: "
             f"-1, {', '.join(map(str, tensors))}"
         )
-    _require(p.stage == 1, "parallel.stage", f"= {p.stage}: allowed values: 1 (pipelines come later)")
+    _require(
+        1 <= p.stage <= m.n_layers,
+        "parallel.stage",
+        f"= {p.stage}; allowed values: 1 .. {m.n_layers} (model.n_layers)",
+    )
+    _require(
+        0 <= p.max_stage <= m.n_layers,
+        "parallel.max_stage",
+        f"= {p.max_stage}; allowed values: 0 (= parallel.stage) .. {m.n_layers} (model.n_layers)",
+    )
+    _require(
+        1 <= p.min_stage <= max(p.max_stage or p.stage, p.stage),
+        "parallel.min_stage",
+        f"= {p.min_stage}; allowed values: 1 .. {max(p.max_stage or p.stage, p.stage)} "
+        "(parallel.max_stage)",
+    )
+    _require(cfg.pipeline.microbatches >= 0, "pipeline.microbatches", "must be >= 0")
+    if cfg.zero.stage > 0:
+        _require(
+            p.stage == 1 and p.max_stage <= 1,
+            "zero.stage",
+            f"= {cfg.zero.stage} with pipelines (parallel.stage = {p.stage}, parallel.max_stage = "
+            f"{p.max_stage}) is not available yet; with zero.stage > 0 the allowed values are "
+            "parallel.stage = 1 and parallel.max_stage = 0 or 1",
+        )
     if cfg.checkpoint.dir is not None:
         _require(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
         _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
@@ -397,18 +445,20 @@ def validate(cfg: Config) -> None:
     for name in ("flops", "link_bw"):
         _require(getattr(cfg.hardware, name) > 0, f"hardware.{name}", "must be > 0")
     _require(cfg.hardware.memory_gb >= 0, "hardware.memory_gb", "must be >= 0 (0 = unlimited)")
+    _require(cfg.recovery.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
     _require(cfg.standby.max_plans >= 0, "standby.max_plans", "must be >= 0")
-    _require(not cfg.standby.enabled, "standby.enabled", "= true is not available yet; allowed: false")
     _require(
         not t.deterministic, "train.deterministic", "= true is not available yet; allowed: false"
     )
     for i, f in enumerate(cfg.faults):
         key = f"faults[{i}]"
-        kinds = [bool(f.devices), bool(f.hosts), f.count > 0]
+        kinds = [bool(f.devices), bool(f.hosts), f.count > 0, f.kill_process >= 0]
         if sum(kinds) != 1:
             raise ConfigError(
-                f"config '{key}' must name exactly one of 'devices', 'hosts' or 'count' (+ 'seed')"
+                f"config '{key}' must name exactly one of 'devices', 'hosts', 'count' (+ 'seed') "
+                "or 'kill_process'"
             )
+        _require(f.kill_process >= -1, f"{key}.kill_process", "must be a process index >= 0")
         _require(
             1 <= f.at_step < t.steps,
             f"{key}.at_step",

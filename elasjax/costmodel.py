@@ -79,6 +79,7 @@ class StepCost:
     data_comm_s: float
     overhead_s: float
     memory_bytes: float
+    bubble_s: float = 0.0  # pipelines: idle time of the bottleneck stage (inside compute_s)
 
     @property
     def total_s(self) -> float:
@@ -213,3 +214,44 @@ def pipeline_step_cost(
 
 
 __all__ += ["bubble_fraction", "PipelineStepCost", "pipeline_step_cost"]
+
+
+def pipelined_plan_cost(
+    prof: ModelProfile,
+    hw: Hardware,
+    *,
+    data: int,
+    stage: int,
+    tensor: int,
+    microbatches: int,
+    micro_batch: int,
+    partition: tuple[int, ...],
+) -> StepCost:
+    """Cost of one GPipe step of a data x stage x tensor plan with layer `partition`.
+
+    Stage time per micro-batch: its layers' FLOPs at `hw.flops` over `tensor` devices, their
+    tensor-parallel all-reduces, and the activation send to the next stage; the embedding runs on
+    the first stage and the LM head on the last. The pipeline takes `sum(t) + (m - 1) max(t)`
+    (`pipeline_step_cost`); the data-parallel all-reduce of the largest stage's gradients
+    follows. Memory: the largest stage's state plus GPipe's activations of all micro-batches.
+    """
+    tokens = micro_batch * prof.seq_len
+    act_bytes = tokens * prof.d_model * 4
+    layer_t = (
+        tokens * prof.flops_per_token_layer / tensor / hw.flops
+        + 4 * ring_allreduce_s(act_bytes, tensor, hw)
+    )
+    head_t = tokens * prof.flops_per_token_embed / tensor / hw.flops
+    send_t = act_bytes / hw.link_bw + hw.link_latency_s
+    times = [n * layer_t + (send_t if i < stage - 1 else 0.0) for i, n in enumerate(partition)]
+    times[-1] += head_t
+    stage_params = max(partition) * prof.params_per_layer + prof.params_embed
+    sync = ring_allreduce_s(stage_params * prof.bytes_per_param / tensor, data, hw)
+    pc = pipeline_step_cost(times, microbatches, dp_sync_s=sync)
+    overhead = (microbatches + stage - 1) * hw.micro_overhead_s
+    state = 5 * stage_params * prof.bytes_per_param / tensor
+    acts = microbatches * act_bytes * 16 * max(partition) / tensor
+    return StepCost(pc.pipeline_s, 0.0, sync, overhead, state + acts, pc.bubble_s)
+
+
+__all__ += ["pipelined_plan_cost"]

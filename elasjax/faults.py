@@ -37,6 +37,12 @@ def resolve_schedule(faults: tuple[FaultConfig, ...], topo: Topology, steps: int
     events = []
     for i, f in enumerate(faults):
         key = f"faults[{i}]"
+        if f.kill_process >= 0:
+            raise ConfigError(
+                f"config '{key}.kill_process' needs real processes: run the config with "
+                "`elasjax launch --processes P ...`, which kills that process; `elasjax train` "
+                "simulates device failures in one process (use 'devices', 'hosts' or 'count')"
+            )
         if not 1 <= f.at_step < steps:
             raise ConfigError(
                 f"config '{key}.at_step' = {f.at_step} is outside the run; allowed values: "

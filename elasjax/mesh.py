@@ -31,6 +31,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "head_dim": None,
     "mlp": TENSOR,
     "layers": None,
+    "stages": STAGE,  # pipeline stage slots: [stages, layers per stage, ...]
     "norm": None,
 }
 

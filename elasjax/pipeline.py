@@ -1,0 +1,206 @@
+"""Pipeline parallelism over the `stage` mesh axis: GPipe with `shard_map` + `ppermute`.
+
+Layers live in per-stage *slots*: a stacked layer leaf `[L, ...]` becomes `[S, Lmax, ...]`,
+sharded over `stage` on its first axis, where stage `s` holds layers `offset_s .. offset_s +
+n_s - 1` in its first `n_s` slots (`StageLayout`). Uneven partitions (13 layers on 3 stages ->
+5/4/4) leave empty slots: they hold zeros and are skipped at run time (`lax.cond` per slot), so
+their gradients are zero and Adam keeps them zero.
+
+The step (`pipeline_loss`) is one `shard_map` that is manual over `stage` only; `data` and
+`tensor` stay automatic inside, so a pipelined plan composes with data and tensor parallelism
+(a 3-D mesh) without any other code knowing. A GPipe schedule runs `m + S - 1` ticks: at tick
+`i` stage 0 embeds micro-batch `i`, every stage applies its layers to the activation it holds
+(micro-batch `i - s`), the last stage computes the head and the weighted token loss of
+micro-batch `i - S + 1`, and activations move one stage forward with `ppermute`. The backward
+pass is the autodiff transpose of the same loop. The embedding runs only on the first stage and
+the head only on the last (`lax.cond` on the stage index); their parameters are replicated over
+`stage`, and their gradients are summed over stages by the transpose of that replication.
+
+Random numbers stay layout-independent: a block folds in its *global* layer id and each sample
+its global sample id, exactly as in the unpipelined model (`models.gpt.forward`), so the
+pipelined loss and gradients equal the unpipelined ones up to floating-point reduction order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec
+
+from . import rng
+from .config import ModelConfig
+from .mesh import STAGE
+from .models import gpt
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """Layers per stage, in stage order."""
+
+    partition: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.partition or min(self.partition) < 1:
+            raise ValueError(f"every stage needs at least one layer, got {self.partition}")
+
+    @property
+    def stages(self) -> int:
+        return len(self.partition)
+
+    @property
+    def slots(self) -> int:
+        return max(self.partition)
+
+    @property
+    def n_layers(self) -> int:
+        return sum(self.partition)
+
+    def slot_layer(self) -> np.ndarray:
+        """[S, Lmax] global layer id of each slot; -1 for an empty slot."""
+        out = np.full((self.stages, self.slots), -1, np.int32)
+        off = 0
+        for s, n in enumerate(self.partition):
+            out[s, :n] = np.arange(off, off + n)
+            off += n
+        return out
+
+    def layer_slot(self) -> dict[int, tuple[int, int]]:
+        table = self.slot_layer()
+        return {int(table[s, j]): (s, j) for s, j in zip(*np.nonzero(table >= 0))}
+
+
+def to_slots(layers: PyTree, layout: StageLayout) -> PyTree:
+    """Stacked layer leaves [L, ...] -> slot leaves [S, Lmax, ...] (empty slots zero)."""
+    table = layout.slot_layer()
+    L = layout.n_layers
+    idx = jnp.asarray(np.where(table >= 0, table, L))
+
+    def one(x):
+        padded = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
+        return jnp.take(padded, idx, axis=0)
+
+    return jax.tree.map(one, layers)
+
+
+def from_slots(slots: PyTree, layout: StageLayout) -> PyTree:
+    """Slot leaves [S, Lmax, ...] -> stacked layer leaves [L, ...]."""
+    where = layout.layer_slot()
+    flat_idx = jnp.asarray(
+        np.array([where[l][0] * layout.slots + where[l][1] for l in range(layout.n_layers)])
+    )
+
+    def one(x):
+        flat = x.reshape((-1,) + x.shape[2:])
+        return jnp.take(flat, flat_idx, axis=0)
+
+    return jax.tree.map(one, slots)
+
+
+def slot_logical(layer_logical: PyTree) -> PyTree:
+    """Logical specs of slot leaves: a leading `stages` axis before the `layers` axis."""
+    return jax.tree.map(
+        lambda spec: PartitionSpec("stages", *spec),
+        layer_logical,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def pipeline_loss(
+    params: PyTree,
+    batch: dict,
+    key: jax.Array,
+    cfg: ModelConfig,
+    layout: StageLayout,
+    mesh: Mesh,
+    deterministic: bool = False,
+) -> jax.Array:
+    """Summed weighted token loss of a whole global batch `[m, D*b, ...]`, GPipe-pipelined.
+
+    `params['layers']` are slot leaves `[S, Lmax, ...]`; every other parameter is replicated
+    over `stage`. Returns the scalar sum (replicated).
+    """
+    S, m = layout.stages, batch["inputs"].shape[0]
+    assert mesh.shape[STAGE] == S, f"mesh has {mesh.shape[STAGE]} stages, layout {S}"
+    table = layout.slot_layer()
+    layer_params = params["layers"]
+    other = {k: v for k, v in params.items() if k != "layers"}
+
+    def local(layers, other, inputs, targets, weights, key_ids, key):
+        s = jax.lax.axis_index(STAGE)
+        layers = jax.tree.map(lambda x: x[0], layers)  # this stage's [Lmax, ...]
+        ids = jnp.asarray(table)[s]  # [Lmax] global layer ids (-1 empty)
+        act_shape = inputs.shape[1:] + (cfg.d_model,)
+        dtype = jax.tree.leaves(other)[0].dtype
+
+        def micro_keys(k):
+            return rng.sample_keys(key, key_ids[k])
+
+        def run_layers(x, k):
+            keys = micro_keys(k)
+
+            def body(x, inp):
+                lp, lid = inp
+                y = jax.lax.cond(
+                    lid >= 0,
+                    lambda: gpt.block_apply(lp, x, keys, lid, cfg, deterministic),
+                    lambda: x,
+                )
+                return y, None
+
+            x, _ = jax.lax.scan(body, x, (layers, ids))
+            return x
+
+        def tick(carry, i):
+            state, total = carry
+            k_in = jnp.minimum(i, m - 1)
+            state = jax.lax.cond(
+                (s == 0) & (i < m),
+                lambda: gpt.embed_apply(other, inputs[k_in], micro_keys(k_in), cfg, deterministic),
+                lambda: state,
+            )
+            k_here = jnp.clip(i - s, 0, m - 1)
+            state = run_layers(state, k_here)
+            k_out = jnp.clip(i - (S - 1), 0, m - 1)
+
+            def head_loss():
+                logits = gpt.head_apply(other, state, cfg)
+                tl = optax.softmax_cross_entropy_with_integer_labels(logits, targets[k_out])
+                return jnp.sum(tl * weights[k_out][:, None])
+
+            total = total + jax.lax.cond(
+                (s == S - 1) & (i >= S - 1), head_loss, lambda: jnp.zeros((), jnp.float32)
+            )
+            state = jax.lax.ppermute(state, STAGE, [(j, j + 1) for j in range(S - 1)])
+            return (state, total), None
+
+        init = (jnp.zeros(act_shape, dtype), jnp.zeros((), jnp.float32))
+        (_, total), _ = jax.lax.scan(tick, init, jnp.arange(m + S - 1))
+        return jax.lax.psum(total, STAGE)
+
+    in_specs = (
+        jax.tree.map(lambda _: PartitionSpec(STAGE), layer_params),
+        jax.tree.map(lambda _: PartitionSpec(), other),
+        PartitionSpec(),
+        PartitionSpec(),
+        PartitionSpec(),
+        PartitionSpec(),
+        PartitionSpec(),
+    )
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=PartitionSpec(),
+        axis_names={STAGE},
+        check_vma=False,
+    )
+    return f(
+        layer_params, other, batch["inputs"], batch["targets"], batch["weights"], batch["key_ids"], key
+    )

@@ -1,0 +1,135 @@
+"""Standby executables: compile likely next plans in the background, before they are needed.
+
+In JAX the analogue of a communicator is a mesh plus the executable compiled for it, and
+compilation dominates reconfiguration time. A `StandbyCompiler` keeps one background thread that
+compiles a queue of plans ahead of time; recovery asks for the plan it needs and, on a hit, skips
+compilation entirely. The queue is replaced whenever the trainer's plan changes (the likely next
+plans change with it); plans already compiled stay cached, up to `max_plans`.
+
+The compile function is the same `step.compile_plan` the foreground uses, so a standby
+executable is exactly the executable recovery would otherwise compile. On the CPU backend the
+device assignment is part of the executable, so every candidate device set is its own entry.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class StandbyCompiler:
+    """Background compilation of plans; thread-safe `get` / `wait` / `submit`."""
+
+    def __init__(self, compile_fn: Callable[[Any], Any], max_plans: int = 8):
+        self.compile_fn, self.max_plans = compile_fn, max_plans
+        self._ready: OrderedDict = OrderedDict()
+        self._queue: list = []
+        self._busy: Any = None
+        self._errors: dict = {}
+        self._cv = threading.Condition()
+        self._stop = False
+        self.compiled = 0
+        self.compile_s = 0.0
+        self._thread = threading.Thread(target=self._loop, name="elasjax-standby", daemon=True)
+        self._thread.start()
+
+    def submit(self, plans: Sequence[Any], *, front: bool = False) -> None:
+        """Queue `plans` (deduplicated, at most `max_plans`); with `front`, ahead of the rest,
+        otherwise replacing the queue."""
+        with self._cv:
+            new = [p for p in dict.fromkeys(plans) if p not in self._ready and p != self._busy]
+            if front:
+                self._queue = new + [p for p in self._queue if p not in new]
+            else:
+                self._queue = new[: self.max_plans]
+            self._cv.notify_all()
+
+    def get(self, plan) -> Any | None:
+        with self._cv:
+            exe = self._ready.get(plan)
+            if exe is not None:
+                self._ready.move_to_end(plan)
+            return exe
+
+    def ready(self, plan) -> bool:
+        with self._cv:
+            return plan in self._ready
+
+    def pending(self, plan) -> bool:
+        """Is `plan` being compiled or queued?"""
+        with self._cv:
+            return plan == self._busy or plan in self._queue
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        """Block until the queue is empty and nothing compiles; True if so before `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    def wait(self, plan, timeout: float | None = None) -> Any | None:
+        """Block until `plan` is compiled (queueing it first if needed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            if plan not in self._ready and plan != self._busy and plan not in self._queue:
+                self._queue.insert(0, plan)
+                self._cv.notify_all()
+            while plan not in self._ready:
+                if plan in self._errors:
+                    raise self._errors.pop(plan)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cv.wait(left)
+            return self._ready[plan]
+
+    def put(self, plan, exe) -> None:
+        """Register an executable compiled elsewhere (the foreground)."""
+        with self._cv:
+            self._ready[plan] = exe
+            self._trim()
+
+    def _trim(self) -> None:
+        while len(self._ready) > self.max_plans:
+            self._ready.popitem(last=False)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                plan = self._queue.pop(0)
+                self._busy = plan
+            t0 = time.perf_counter()
+            try:
+                exe = self.compile_fn(plan)
+                err = None
+            except Exception as e:  # surfaced to whoever waits for this plan
+                exe, err = None, e
+            dt = time.perf_counter() - t0
+            with self._cv:
+                self._busy = None
+                if err is None:
+                    self._ready[plan] = exe
+                    self.compiled += 1
+                    self.compile_s += dt
+                    self._trim()
+                else:
+                    self._errors[plan] = err
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._queue = []
+            self._cv.notify_all()
+        self._thread.join(timeout=60)
