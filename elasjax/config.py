@@ -79,7 +79,8 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 10
     eval_batches: int = 2
-    deterministic: bool = False
+    deterministic: bool = False  # bitwise-reproducible across plans (see `step`)
+    canonical_micro_batch: int = 0  # deterministic mode: samples per canonical micro-batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,11 +167,14 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RecoveryConfig:
-    """`migration: blocking` moves layers before training resumes; `async` resumes at once on a
+    """`strategy`: `elastic` (re-plan over every survivor, state from live copies and snapshots),
+    or the baselines `checkpoint_restart` (restore the newest checkpoint onto the new plan and
+    redo the lost steps) and `torchft_like` (drop the broken data replicas and their share of
+    the global batch). `migration: blocking` moves layers before training resumes; `async` resumes at once on a
     fast-path plan that moves no layers, compiles the optimal plan in the background and cuts
     over to it at a step boundary."""
 
-    strategy: Literal["elastic"] = "elastic"
+    strategy: Literal["elastic", "checkpoint_restart", "torchft_like"] = "elastic"
     migration: Literal["blocking", "async"] = "blocking"
     max_fast_path_steps: int = 0  # async: wait for the optimal plan after this many steps; 0 = never
 
@@ -445,11 +449,23 @@ def validate(cfg: Config) -> None:
     for name in ("flops", "link_bw"):
         _require(getattr(cfg.hardware, name) > 0, f"hardware.{name}", "must be > 0")
     _require(cfg.hardware.memory_gb >= 0, "hardware.memory_gb", "must be >= 0 (0 = unlimited)")
+    if cfg.recovery.strategy == "checkpoint_restart":
+        _require(cfg.checkpoint.dir is not None, "recovery.strategy",
+                 "= 'checkpoint_restart' needs checkpoint.dir")
+    if cfg.recovery.strategy == "torchft_like":
+        _require(p.stage == 1 and cfg.zero.stage == 0 and not t.deterministic, "recovery.strategy",
+                 "= 'torchft_like' is implemented for data x tensor plans with zero.stage = 0 and "
+                 "train.deterministic = false")
     _require(cfg.recovery.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
     _require(cfg.standby.max_plans >= 0, "standby.max_plans", "must be >= 0")
-    _require(
-        not t.deterministic, "train.deterministic", "= true is not available yet; allowed: false"
-    )
+    _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
+    if t.deterministic:
+        _require(
+            cfg.zero.stage == 0 and p.stage == 1 and p.max_stage <= 1,
+            "train.deterministic",
+            "= true needs zero.stage = 0 and no pipelines (parallel.stage = 1, max_stage <= 1): "
+            "partitioned and pipelined reductions are not in a fixed order yet",
+        )
     for i, f in enumerate(cfg.faults):
         key = f"faults[{i}]"
         kinds = [bool(f.devices), bool(f.hosts), f.count > 0, f.kill_process >= 0]

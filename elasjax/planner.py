@@ -80,6 +80,7 @@ class Plan:
     zero_stage: int = 0
     zero: ZeroLayout | None = None
     partition: tuple[int, ...] = ()  # layers per stage (pipelines only)
+    canonical_micro: int = 0  # deterministic mode: samples per canonical micro-batch (0 = off)
     predicted_step_s: float = dataclasses.field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +138,13 @@ class Plan:
         """
         m, b = self.microbatches, self.micro_batch
         out = np.full((m, self.data, b), -1, dtype=np.int64)
+        if self.canonical_micro:
+            # Deterministic mode: slot (k, r) holds canonical micro-batch `canonical_slots()[k, r]`.
+            for (k, r), c in np.ndenumerate(self.canonical_slots()):
+                if c >= 0:
+                    pos = c * b + np.arange(b)
+                    out[k, r] = np.where(pos < self.global_batch, pos, -1)
+            return out.reshape(m, self.data * b)
         start = 0
         for r, c in enumerate(self.replica_counts):
             idx = np.arange(m * b)
@@ -144,6 +152,20 @@ class Plan:
             out[:, r, :] = pos.reshape(m, b)
             start += c
         return out.reshape(m, self.data * b)
+
+    @property
+    def n_canonical(self) -> int:
+        return ceil_div(self.global_batch, self.canonical_micro) if self.canonical_micro else 0
+
+    def canonical_slots(self) -> np.ndarray:
+        """[microbatches, data] canonical micro-batch index per slot (-1 = empty): replica r
+        takes a contiguous run of canonical micro-batches (`even_split` of their count)."""
+        out = np.full((self.microbatches, self.data), -1, np.int64)
+        start = 0
+        for r, c in enumerate(even_split(self.n_canonical, self.data)):
+            out[:c, r] = np.arange(start, start + c)
+            start += c
+        return out
 
     def describe(self) -> str:
         pp = f" stage={self.stage} (layers {list(self.partition)})" if self.stage > 1 else ""
@@ -216,7 +238,11 @@ def _make(
     B = cfg.train.global_batch
     per_replica = ceil_div(B, data)
     partition = layer_partition(cfg.model.n_layers, stage, previous_partition)
-    if microbatches is None:
+    canon = canonical_size(cfg) if cfg.train.deterministic else 0
+    if canon:
+        # Deterministic mode: micro-batches are the canonical ones, dealt over the replicas.
+        m, b = ceil_div(ceil_div(B, canon), data), canon
+    elif microbatches is None:
         best = None
         lo = max(1, ceil_div(per_replica, max_micro_batch))
         for m in range(lo, max(lo, per_replica) + 1):
@@ -233,9 +259,19 @@ def _make(
     cost = _cost(prof, hw, data, tensor, stage, m, b, partition)
     plan = Plan(
         used, data, tensor, m, b, B, spare, stage=stage, partition=partition,
-        predicted_step_s=cost.total_s,
+        canonical_micro=canon, predicted_step_s=cost.total_s,
     )
     return plan, cost
+
+
+def canonical_size(cfg: Config) -> int:
+    """Samples per canonical micro-batch in deterministic mode: the initial plan's micro-batch
+    (`train.global_batch` over `parallel.data` x `train.microbatches`), or
+    `train.canonical_micro_batch` when set."""
+    if cfg.train.canonical_micro_batch:
+        return cfg.train.canonical_micro_batch
+    d = cfg.parallel.data if cfg.parallel.data > 0 else 1
+    return max(1, ceil_div(ceil_div(cfg.train.global_batch, d), cfg.train.microbatches))
 
 
 def plan_for_shape(
@@ -375,7 +411,8 @@ def replan(
     (or `train.max_micro_batch`), so activation memory per device does not grow."""
     if not live_ids:
         raise NoPlanError("no live devices are left; the job cannot continue")
-    if cfg.parallel.replan == "keep_tensor":
+    if cfg.parallel.replan == "keep_tensor" or cfg.train.deterministic:
+        # (deterministic mode: a different tensor degree reduces in a different order)
         tensors = [previous.tensor]
     else:
         allowed = allowed_tensor_degrees(cfg.model)

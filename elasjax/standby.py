@@ -133,3 +133,31 @@ class StandbyCompiler:
             self._queue = []
             self._cv.notify_all()
         self._thread.join(timeout=60)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations made on one thread (JAX's monitoring events), so that a
+    recovery can prove it compiled nothing. Use as a context manager; `count` is live."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self, thread: threading.Thread | None = None):
+        self.thread_id = (thread or threading.current_thread()).ident
+        self.count = 0
+        self.seconds = 0.0
+
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.EVENT and threading.get_ident() == self.thread_id:
+            self.count += 1
+            self.seconds += duration
+
+    def __enter__(self) -> "CompileCounter":
+        from jax._src import monitoring
+
+        monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jax._src import monitoring
+
+        monitoring.unregister_event_duration_listener(self._listener)

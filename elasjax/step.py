@@ -13,6 +13,7 @@ good state: recovery verifies the rebuilt state against them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import rng
 from .config import Config
-from .mesh import LOGICAL_RULES, make_mesh, replicated
+from .mesh import DATA, LOGICAL_RULES, make_mesh, replicated
 from .microbatch import accumulate
 from .pipeline import pipeline_loss
 from .planner import Plan
@@ -72,6 +73,8 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
     stage = layout.stage if layout is not None else 0
     if layout is not None and layout.stage_layout is not None:
         return _pipelined_grad_fn(cfg, mesh, layout)
+    if cfg.train.deterministic:
+        return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout)
     loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout)
     micro_sh = NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"]))
     seed = cfg.train.seed
@@ -104,6 +107,60 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
     return grad_fn
 
 
+def canonical_order(plan: Plan) -> np.ndarray:
+    """Flat slot index (k * data + r) of canonical micro-batch 0, 1, ..."""
+    slots = plan.canonical_slots()
+    order = np.zeros(plan.n_canonical, np.int32)
+    for (k, r), c in np.ndenumerate(slots):
+        if c >= 0:
+            order[c] = k * plan.data + r
+    return order
+
+
+def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout):
+    """Deterministic mode: every canonical micro-batch's summed loss and gradient is computed by
+    one replica on its own (a `vmap` over the data axis, so nothing is reduced across
+    replicas), all of them are gathered, and they are added in canonical order. The result does
+    not depend on how many replicas there are or which one ran which micro-batch: runs on
+    different meshes are bitwise equal (the tensor degree is kept fixed by the planner)."""
+    loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout)
+    seed = cfg.train.seed
+    D = mesh.shape[DATA]
+    per_rep = NamedSharding(mesh, PartitionSpec(DATA))
+    rep = replicated(mesh)
+
+    def grad_fn(params, batch, step, plan: Plan):
+        key = rng.step_key(rng.root_key(seed), step)
+
+        def micro(carry, mb):
+            mb = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(
+                    x.reshape((D, x.shape[0] // D) + x.shape[1:]), per_rep
+                ),
+                mb,
+            )
+            losses, grads = jax.vmap(
+                jax.value_and_grad(lambda p, m: loss_fn(p, m, key)), in_axes=(None, 0)
+            )(params, mb)
+            return carry, (losses, grads)
+
+        _, (losses, grads) = jax.lax.scan(micro, None, batch)  # [m, D], [m, D, ...]
+        order = jnp.asarray(canonical_order(plan))
+
+        def fixed_sum(x):
+            x = jax.lax.with_sharding_constraint(x.reshape((-1,) + x.shape[2:]), rep)
+            x = jnp.take(x, order, axis=0)
+            total, _ = jax.lax.scan(lambda acc, v: (acc + v, None), jnp.zeros_like(x[0]), x)
+            return total
+
+        loss_sum = fixed_sum(losses)
+        grads = jax.tree.map(fixed_sum, grads)
+        n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
+
+    return grad_fn
+
+
 def _pipelined_grad_fn(cfg: Config, mesh: Mesh, layout: StateLayout):
     """GPipe over `stage`: the pipeline itself accumulates the micro-batches."""
     seed = cfg.train.seed
@@ -119,9 +176,13 @@ def _pipelined_grad_fn(cfg: Config, mesh: Mesh, layout: StateLayout):
     return grad_fn
 
 
-def make_train_step(cfg: Config, layout: StateLayout, model, mesh: Mesh, state_sh: TrainState):
+def make_train_step(
+    cfg: Config, layout: StateLayout, model, mesh: Mesh, state_sh: TrainState, plan: Plan
+):
     tx = layout.tx
     grad_fn = make_grad_fn(cfg, model, mesh, state_sh, layout)
+    if cfg.train.deterministic:
+        grad_fn = functools.partial(grad_fn, plan=plan)
     stage, codec = layout.stage, layout.codec
 
     def train_step(state: TrainState, batch: dict):
@@ -145,10 +206,26 @@ def make_train_step(cfg: Config, layout: StateLayout, model, mesh: Mesh, state_s
     return train_step
 
 
-def make_eval_step(cfg: Config, model, layout: StateLayout | None = None, mesh: Mesh | None = None):
+def make_eval_step(
+    cfg: Config, model, layout: StateLayout | None = None, mesh: Mesh | None = None, plan=None
+):
     loss_fn = make_loss_fn(cfg, model, deterministic=True, layout=layout)
 
     def eval_step(params, batch):
+        if cfg.train.deterministic:
+            D = mesh.shape[DATA]
+            key = rng.root_key(0)
+
+            def slot_sums(mb):
+                mb = jax.tree.map(lambda x: x.reshape((D, x.shape[0] // D) + x.shape[1:]), mb)
+                return jax.vmap(lambda m: loss_fn(params, m, key))(mb)
+
+            per = jax.lax.with_sharding_constraint(
+                jax.lax.map(slot_sums, batch).reshape(-1), replicated(mesh)
+            )
+            per = jnp.take(per, jnp.asarray(canonical_order(plan)))
+            total, _ = jax.lax.scan(lambda a, v: (a + v, None), jnp.zeros((), per.dtype), per)
+            return total, jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
         if layout is not None and layout.stage_layout is not None:
             key = rng.root_key(0)
             total = pipeline_loss(params, batch, key, cfg.model, layout.stage_layout, mesh, True)
@@ -211,7 +288,7 @@ def compile_plan(
     b_sh = batch_shardings(mesh, ab)
     abs_state = layout.abstract
     rep = replicated(mesh)
-    train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh)
+    train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh, plan)
     sums_abs = jax.eval_shape(layout.checksums, abs_state)
     metric_sh = {
         "loss": rep,
@@ -235,7 +312,7 @@ def compile_plan(
     )
     # Evaluation is not on the recovery path: it compiles on first use (see `Executables.eval`).
     ev = jax.jit(
-        make_eval_step(cfg, factory.model, layout, mesh),
+        make_eval_step(cfg, factory.model, layout, mesh, plan),
         in_shardings=(st_sh.params, b_sh),
         out_shardings=(rep, rep),
     )

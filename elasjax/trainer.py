@@ -36,7 +36,7 @@ from .sharding import path_str
 from .state import StateFactory, make_optimizer
 from .reshard import ShardStore
 from .snapshot import SnapshotPool
-from .standby import StandbyCompiler
+from .standby import CompileCounter, StandbyCompiler
 from .step import ExecutableCache, Executables, compile_plan
 
 
@@ -73,6 +73,8 @@ class RecoveryEvent:
     snapshot_setup_s: float = 0.0
     migration: str = "blocking"  # "blocking" | "async" (resumed on a fast path first)
     optimal_plan: str = ""
+    strategy: str = "elastic"
+    compiles: int = -1  # XLA compilations on the training thread from detection to first step
 
     @property
     def mttr_s(self) -> float:
@@ -154,6 +156,8 @@ class Trainer:
                 max_plans=max(cfg.standby.max_plans, 2),
             )
         self.pending_cutover: tuple[Plan, float, int] | None = None
+        self.torchft_keep: tuple[int, ...] | None = None  # initial replicas still training
+        self.compiles = CompileCounter()
 
     # -- executables ----------------------------------------------------------------------------
 
@@ -211,7 +215,8 @@ class Trainer:
         mw = JsonlWriter(out / "metrics.jsonl" if out else None)
         ew = JsonlWriter(out / "events.jsonl" if out else None)
         try:
-            return self._run(mw, ew)
+            with self.compiles:
+                return self._run(mw, ew)
         except Exception as e:
             ew.write({"type": "error", "error": type(e).__name__, "message": str(e)})
             raise
@@ -282,7 +287,9 @@ class Trainer:
                     step = new_step
                     plans.append(plan.name)
                 gids, idx = self.data.step_ids(step)
-                batch = exe.put_batch(self.data.batch(step, plan).arrays())
+                host_batch = self._batch(step, plan)
+                batch = exe.put_batch(host_batch.arrays())
+                processed = int((host_batch.weights > 0).sum())
                 t0 = time.perf_counter()
                 state, met = exe.train(state, batch)
                 met = jax.device_get(met)
@@ -296,6 +303,7 @@ class Trainer:
                 digests[step] = DataPipeline.digest(idx)
                 if open_event is not None:
                     open_event.first_step_s = dt
+                    open_event.compiles = self.compiles.count - open_event.compiles
                     recoveries.append(open_event)
                     ew.write(open_event.to_json())
                     bar.log(_recovery_line(open_event))
@@ -304,8 +312,8 @@ class Trainer:
                 rec = {
                     "step": step - 1,
                     "loss": loss,
-                    "global_batch": cfg.train.global_batch,
-                    "tokens": cfg.train.global_batch * cfg.model.seq_len,
+                    "global_batch": processed,
+                    "tokens": processed * cfg.model.seq_len,
                     "n_devices": plan.n_devices,
                     "plan": plan.name,
                     "step_time_s": dt,
@@ -326,6 +334,29 @@ class Trainer:
         return RunSummary(
             self.out_dir, losses, evals, recoveries, plans, plan, good, digests, state, migrations
         )
+
+    # -- batches (torchft_like processes only the surviving replicas' share) ---------------------
+
+    def _layout_plan(self, plan: Plan) -> Plan:
+        return self.initial if self.torchft_keep is not None else plan
+
+    def _subset(self, hb):
+        """Keep the columns of the kept replicas of the initial layout (torchft_like)."""
+        if self.torchft_keep is None:
+            return hb
+        b = self.initial.micro_batch
+        cols = np.concatenate([np.arange(r * b, (r + 1) * b) for r in self.torchft_keep])
+        return dataclasses.replace(
+            hb,
+            inputs=hb.inputs[:, cols],
+            targets=hb.targets[:, cols],
+            weights=hb.weights[:, cols],
+            key_ids=hb.key_ids[:, cols],
+            sample_ids=hb.sample_ids[:, cols],
+        )
+
+    def _batch(self, step: int, plan: Plan):
+        return self._subset(self.data.batch(step, self._layout_plan(plan)))
 
     def _start(self, exe: Executables):
         """(step, state, checksums) of a fresh start or a checkpoint resume."""
@@ -358,7 +389,7 @@ class Trainer:
     def _eval(self, exe: Executables, plan: Plan, state) -> float:
         tot = n = 0.0
         for i in range(self.cfg.train.eval_batches):
-            b = exe.put_batch(self.data.eval_batch(i, plan).arrays())
+            b = exe.put_batch(self._subset(self.data.eval_batch(i, self._layout_plan(plan))).arrays())
             s, c = jax.device_get(exe.eval(state.params, b))
             tot, n = tot + float(s), n + float(c)
         return tot / n
@@ -367,6 +398,7 @@ class Trainer:
 
     def _recover(self, step, due: list[FaultEvent], live, plan, exe, state, good):
         t_fail = time.perf_counter()
+        compiles_before = self.compiles.count
         self.pending_cutover = None  # a new failure re-plans from scratch
         failed = tuple(sorted({d for e in due for d in e.device_ids}))
         fault = "; ".join(e.spec for e in due)
@@ -381,9 +413,19 @@ class Trainer:
         live = live - dead
         t0 = time.perf_counter()
         survivors = [d for d in self.topo.device_ids if d in live]
-        optimal = replan(survivors, self.topo, self.cfg, plan, self.initial)
+        strategy = self.cfg.recovery.strategy
+        if strategy == "torchft_like":
+            optimal = torchft_plan(plan, survivors, self.cfg)
+            if optimal is None:
+                raise UnrecoverableStateError(
+                    "params", (), f"torchft_like: no data replica is intact after devices "
+                    f"{list(failed)} failed at step {step}"
+                )
+            self.torchft_keep = _kept_ranks(self.torchft_keep, plan, optimal)
+        else:
+            optimal = replan(survivors, self.topo, self.cfg, plan, self.initial)
         new_plan, migration = optimal, "blocking"
-        if self.cfg.recovery.migration == "async":
+        if self.cfg.recovery.migration == "async" and strategy == "elastic":
             fast = fast_path_plan(plan, survivors, self.cfg)
             if fast is not None and fast != optimal:
                 new_plan, migration = fast, "async"
@@ -395,6 +437,8 @@ class Trainer:
         resume_at, expected = step, good
         refusals_before = len(self.pool.refusals)
         try:
+            if strategy == "checkpoint_restart":
+                raise UnrecoverableStateError("state", (), "checkpoint_restart restores from disk")
             snaps = self.pool.sources(dead, self.dead_hosts, version=step)
             new_state, log = transition(
                 store,
@@ -407,7 +451,7 @@ class Trainer:
             jax.block_until_ready(new_state)
             rung = log.worst_rung()
         except UnrecoverableStateError as err:
-            if self.ckpt is None:
+            if self.ckpt is None or strategy == "torchft_like":
                 raise UnrecoverableStateError(
                     err.leaf, err.box, f"devices {list(failed)} failed at step {step}; no "
                     "surviving copy, no verified snapshot, and no checkpoint (checkpoint.dir)"
@@ -462,6 +506,8 @@ class Trainer:
             snapshot_setup_s=snapshot_setup_s,
             migration=migration,
             optimal_plan=optimal.name,
+            strategy=strategy,
+            compiles=compiles_before,  # completed after the first step
         )
         self.last_transfer_log = log
         if migration == "async":
@@ -518,6 +564,30 @@ class Trainer:
             "verified": True,
         }
         return optimal, new_exe, new_state, actual, mig
+
+
+def torchft_plan(previous: Plan, survivors, cfg: Config) -> Plan | None:
+    """TorchFT-like recovery: keep the intact data replicas exactly as they are (same
+    micro-batches, same samples) and drop the broken ones with their samples: the global batch
+    shrinks and the loss averages over the surviving replicas."""
+    live = set(survivors)
+    intact = [g for g in previous.groups if all(d in live for d in g)]
+    if not intact:
+        return None
+    used = tuple(d for g in intact for d in g)
+    return Plan(
+        used, len(intact), previous.tensor, previous.microbatches, previous.micro_batch,
+        previous.global_batch * len(intact) // previous.data or 1,
+        tuple(d for d in survivors if d not in used), stage=previous.stage,
+        partition=previous.partition,
+    ).compile_key
+
+
+def _kept_ranks(keep, old: Plan, new: Plan) -> tuple[int, ...]:
+    """Initial-layout replica indices that survive into `new` (torchft_like)."""
+    keep = tuple(range(old.data)) if keep is None else keep
+    groups = set(new.groups)
+    return tuple(k for k, g in zip(keep, old.groups) if g in groups)
 
 
 def _checkpoint_log(state) -> TransferLog:

@@ -319,6 +319,12 @@ def run(cfg: simconfig.SimConfig, out: str | Path | None = None, *, plots: bool 
         (d / "tables.md").write_text(report)
         (d / "config.yaml").write_text(simconfig.dump(cfg))
         (d / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        if plots:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                plots = False
+                print("plots skipped: matplotlib is not installed (pip install 'elasjax[experiments]')")
         if plots and "post_change" in results:
             plot_post_change(results["post_change"], strategies, d / "post_change.png")
         if plots and "trace" in results:

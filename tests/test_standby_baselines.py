@@ -1,0 +1,112 @@
+"""Standby executables, the deterministic mode, and the baseline recovery strategies."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from elasjax import trainer
+from elasjax.metrics import read_jsonl
+from elasjax.standby import CompileCounter, StandbyCompiler
+
+
+def test_standby_compiler_queue_and_errors():
+    seen = []
+
+    def compile_fn(plan):
+        if plan == "bad":
+            raise ValueError("cannot compile bad")
+        time.sleep(0.05)
+        seen.append((plan, threading.current_thread().name))
+        return f"exe:{plan}"
+
+    sb = StandbyCompiler(compile_fn, max_plans=2)
+    try:
+        sb.submit(["a", "b", "c"])  # at most max_plans queued
+        assert sb.wait("a", timeout=10) == "exe:a"
+        assert sb.wait_all(timeout=10)
+        assert sb.get("b") == "exe:b" and sb.get("c") is None
+        sb.submit(["c"])
+        assert sb.wait("c", timeout=10) == "exe:c"
+        assert sb.get("a") is None  # bounded: the least recently used is evicted
+        assert all(t == "elasjax-standby" for _, t in seen)
+        with pytest.raises(ValueError, match="cannot compile bad"):
+            sb.wait("bad", timeout=10)
+    finally:
+        sb.close()
+
+
+def test_compile_counter_counts_this_thread_only():
+    f = jax.jit(lambda x: x * 3 + 1)
+    with CompileCounter() as c:
+        f(np.float32(1.0))
+        f(np.float32(2.0))  # cached: no second compile
+        t = threading.Thread(target=lambda: jax.jit(lambda x: x - 5)(np.float32(1.0)))
+        t.start()
+        t.join()
+    assert c.count == 1
+
+
+@pytest.mark.slow
+def test_standby_hit_recovers_without_compiling(exe_cache):
+    """With standby on, the plan after losing device 0 is compiled before the failure: the
+    recovery uses it and compiles nothing between detection and the first step."""
+    cfg = tiny_config(
+        "train.steps=5", "standby.enabled=true", "standby.max_plans=1", "standby.wait_at_start=true",
+        "faults=[{at_step: 3, devices: [0]}]",
+    )
+    s = trainer.run(cfg, exe_cache=exe_cache)
+    (ev,) = s.recoveries
+    assert ev.standby_hit and ev.compiles == 0 and ev.verified
+    cold = trainer.run(
+        tiny_config("train.steps=5", "faults=[{at_step: 3, devices: [1]}]"), exe_cache=exe_cache
+    )
+    assert not cold.recoveries[0].standby_hit and cold.recoveries[0].compiles > 0
+
+
+@pytest.mark.slow
+def test_deterministic_mode_is_bitwise_across_meshes(exe_cache, tmp_path):
+    """8 -> 7 -> 5 live devices (tensor degree kept): every logged loss, every held-out loss and
+    the final parameters and optimizer state are bitwise equal to the fault-free run."""
+    common = ["train.steps=9", "train.deterministic=true", "train.eval_every=3"]
+    ref = trainer.run(tiny_config(*common, "faults=[]"), exe_cache=exe_cache)
+    run = trainer.run(
+        tiny_config(*common, "faults=[{at_step: 3, devices: [3]}, {at_step: 6, hosts: [0]}]"),
+        tmp_path, exe_cache=exe_cache,
+    )
+    assert [r["n_devices"] for r in read_jsonl(tmp_path / "metrics.jsonl")][::3] == [8, 6, 4]
+    assert run.losses == ref.losses and run.eval_losses == ref.eval_losses
+    same = jax.tree.map(
+        lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+        jax.device_get((run.state.params, run.state.opt_state)),
+        jax.device_get((ref.state.params, ref.state.opt_state)),
+    )
+    assert all(jax.tree.leaves(same))
+
+
+@pytest.mark.slow
+def test_baseline_strategies(exe_cache, tmp_path):
+    fault = "faults=[{at_step: 4, devices: [3]}]"
+    ref = trainer.run(tiny_config("train.steps=8", "faults=[]"), exe_cache=exe_cache)
+    # TorchFT-like: the broken replica and its samples are dropped; the loss drifts
+    ft = trainer.run(
+        tiny_config("train.steps=8", fault, "recovery.strategy=torchft_like"), tmp_path / "ft",
+        exe_cache=exe_cache,
+    )
+    gb = [r["global_batch"] for r in read_jsonl(tmp_path / "ft" / "metrics.jsonl")]
+    assert gb[:4] == [32] * 4 and gb[4:] == [24] * 4
+    assert ft.plans[-1].startswith("d3t2") and ft.recoveries[0].strategy == "torchft_like"
+    assert max(abs(ft.losses[s] - ref.losses[s]) / ref.losses[s] for s in range(4, 8)) > 1e-4
+    # checkpoint-restart: restore the newest checkpoint onto the new plan, redo the lost steps
+    ck = trainer.run(
+        tiny_config("train.steps=8", fault, "recovery.strategy=checkpoint_restart",
+                    f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=3"),
+        exe_cache=exe_cache,
+    )
+    (ev,) = ck.recoveries
+    assert (ev.rung, ev.resumed_at_step, ev.steps_lost) == ("checkpoint", 3, 1)
+    for s in range(8):
+        assert abs(ck.losses[s] - ref.losses[s]) <= 1e-5 * ref.losses[s]
