@@ -25,7 +25,7 @@ def _train(args) -> int:
 
 def _plan(args) -> int:
     from . import config
-    from .planner import Topology, initial_plan, rank_candidates
+    from .planner import Topology, initial_plan, rank_candidates, stage_options
 
     cfg = config.load(args.config, args.set)
     n = args.devices
@@ -36,7 +36,7 @@ def _plan(args) -> int:
         raise config.ConfigError(f"--fail names devices {bad}; allowed values: 0 .. {n - 1}")
     init = initial_plan(topo, cfg)
     print(f"initial plan on {n} devices: {init.describe()}")
-    print(f"  predicted step {init.predicted_step_s * 1e3:.3f} ms (nominal cost model)")
+    print(f"  predicted step {init.predicted_step_s * 1e3:.3f} ms ({cfg.hardware.name} cost model)")
     if fail:
         live = [d for d in topo.device_ids if d not in fail]
         from . import config as c
@@ -45,15 +45,18 @@ def _plan(args) -> int:
         if cfg.parallel.replan == "keep_tensor":
             tensors = [init.tensor]
         mmb = cfg.train.max_micro_batch or init.micro_batch
-        ranked = rank_candidates(live, topo, cfg, tensors=tensors, max_micro_batch=mmb)
+        ranked = rank_candidates(
+            live, topo, cfg, tensors=tensors, max_micro_batch=mmb,
+            stages=stage_options(cfg), previous_partition=init.partition or None,
+        )
         if not ranked:
             print(f"no plan fits the {len(live)} survivors")
             return 1
         print(f"after failing {sorted(fail)} ({len(live)} live): {ranked[0][0].describe()}")
-        print(f"  {'plan':<22}{'devices':>8}{'step ms':>10}{'compute':>10}{'tp comm':>10}{'dp comm':>10}{'overhead':>10}")
+        print(f"  {'plan':<30}{'devices':>8}{'step ms':>10}{'compute':>10}{'tp comm':>10}{'dp comm':>10}{'overhead':>10}")
         for p, c_ in ranked[: args.top]:
             print(
-                f"  {p.name:<22}{p.n_devices:>8}{c_.total_s * 1e3:>10.3f}{c_.compute_s * 1e3:>10.3f}"
+                f"  {p.name:<30}{p.n_devices:>8}{c_.total_s * 1e3:>10.3f}{c_.compute_s * 1e3:>10.3f}"
                 f"{c_.tensor_comm_s * 1e3:>10.3f}{c_.data_comm_s * 1e3:>10.3f}{c_.overhead_s * 1e3:>10.3f}"
             )
     return 0

@@ -183,11 +183,15 @@ class RecoveryConfig:
 class StandbyConfig:
     """Background compilation of the plans recovery would need after each single-device and
     single-host failure (`enabled`), at most `max_plans`. `wait_at_start` blocks before step 0
-    until they are compiled (demos and benchmarks; a long job builds them while it trains)."""
+    until they are compiled (demos and benchmarks; a long job builds them while it trains).
+    `cache_dir` turns on JAX's persistent compilation cache there, so a restarted job (or the
+    next run) loads executables instead of compiling them; on CPU its key includes the device
+    assignment, so each candidate device set is its own entry."""
 
     enabled: bool = False
     max_plans: int = 8
     wait_at_start: bool = False
+    cache_dir: Optional[str] = None  # JAX persistent compilation cache (process-wide setting)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,8 @@ and times every phase of it, so that the baseline's MTTR is measured rather than
     imports       jax, flax, optax, orbax and elasjax's modules
     jax_init      the first `jax.devices()` call (backend start, fake CPU devices)
     plan_mesh     model shapes (`StateFactory`), the survivors' plan (`planner.replan`), mesh
-    compile       `step.compile_plan` of that plan (cold: no persistent compilation cache)
+    compile       `step.compile_plan` of that plan (cold unless the config sets
+                  `standby.cache_dir`, JAX's persistent compilation cache)
     restore       Orbax restore of the checkpoint onto the new mesh (`Checkpointer`, canonical
                   form -> the plan's layout), as `trainer.Trainer._restore` does
     verify        the restored state's checksums against the ones saved with the checkpoint
@@ -240,6 +241,11 @@ def restart_child(
         raise ConfigError(
             f"config 'parallel.devices' = {n} but only {len(devices)} devices are visible"
         )
+    cache_dir = getattr(cfg.standby, "cache_dir", None)
+    if cache_dir:  # the job's persistent compilation cache: a restart may load, not compile
+        from .trainer import enable_compilation_cache
+
+        enable_compilation_cache(cache_dir)
     job = {d.id: d for d in devices[:n]}
     bad = sorted(set(failed) - set(job))
     if bad:
@@ -297,7 +303,8 @@ def _lap(phases: dict[str, float], name: str, t0: float) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m elasjax.restart --config C --failed 3[,4] [--step N] [--set a.b=v]`."""
+    """`python -m elasjax.restart --config C --failed 3[,4] [--step N] [--devices 8]
+    [--set a.b=v]`."""
     ap = argparse.ArgumentParser(
         prog="python -m elasjax.restart",
         description="Restart on the survivors from the newest checkpoint, timing each phase.",
@@ -305,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML config with checkpoint.dir")
     ap.add_argument("--failed", default="", help="comma-separated failed device ids")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    ap.add_argument("--devices", type=int, default=8,
+                    help="fake CPU devices to start unless XLA_FLAGS already sets a count")
     ap.add_argument("--spawn-time", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
@@ -312,6 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = [int(x) for x in args.failed.split(",") if x.strip()]
     except ValueError:
         ap.error(f"--failed must be comma-separated device ids, got {args.failed!r}")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:  # before JAX starts
+        os.environ["XLA_FLAGS"] = (
+            flags + f" --xla_force_host_platform_device_count={args.devices}"
+        ).strip()
     result = restart_child(
         args.config, failed, step=args.step, spawn_time=args.spawn_time, overrides=args.set
     )

@@ -111,6 +111,15 @@ class RunSummary:
         return self.losses[max(self.losses)]
 
 
+def enable_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache in `path`, for every executable (process-wide: JAX
+    keeps this in its global config)."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(Path(path).absolute()))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 def job_devices(cfg: Config) -> list[jax.Device]:
     avail = jax.devices()
     n = len(avail) if cfg.parallel.devices == -1 else cfg.parallel.devices
@@ -133,6 +142,8 @@ class Trainer:
         exe_cache: ExecutableCache | None = None,
     ):
         check_backend_config()
+        if cfg.standby.cache_dir:
+            enable_compilation_cache(cfg.standby.cache_dir)
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress
