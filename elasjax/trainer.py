@@ -169,6 +169,7 @@ class Trainer:
         self.pending_cutover: tuple[Plan, float, int] | None = None
         self.torchft_keep: tuple[int, ...] | None = None  # initial replicas still training
         self.compiles = CompileCounter()
+        self._standby_due: tuple[Plan, set[int]] | None = None
 
     # -- executables ----------------------------------------------------------------------------
 
@@ -312,6 +313,9 @@ class Trainer:
                 self.pool.take(state, step + 1, self.devices)
                 losses[step] = loss
                 digests[step] = DataPipeline.digest(idx)
+                if self._standby_due is not None and open_event is None:
+                    self._refresh_standby(*self._standby_due)
+                    self._standby_due = None
                 if open_event is not None:
                     open_event.first_step_s = dt
                     open_event.compiles = self.compiles.count - open_event.compiles
@@ -525,7 +529,9 @@ class Trainer:
             self.pending_cutover = (optimal, t_fail, step)
             self.standby.submit([optimal.compile_key])  # the only plan that matters now
         else:
-            self._refresh_standby(new_plan, live)
+            # Refresh the standby set after the first step, so that its compiles do not compete
+            # with the step that ends the recovery.
+            self._standby_due = (new_plan, set(live))
         return live, new_plan, new_exe, new_state, actual, ev, resume_at
 
     def _cutover_due(self, step: int) -> bool:
