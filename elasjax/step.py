@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from typing import Any
 
@@ -327,6 +328,7 @@ class ExecutableCache:
     def __init__(self, max_entries: int = 16):
         self.max_entries = max_entries
         self._d: dict = {}
+        self._lock = threading.Lock()  # the standby thread compiles through the same cache
 
     @staticmethod
     def key(cfg: Config, plan: Plan):
@@ -334,14 +336,16 @@ class ExecutableCache:
 
     def get(self, cfg: Config, factory: StateFactory, plan: Plan, devices) -> tuple[Executables, bool]:
         k = self.key(cfg, plan)
-        if k in self._d:
-            exe = self._d.pop(k)
+        with self._lock:
+            if k in self._d:
+                exe = self._d.pop(k)
+                self._d[k] = exe
+                return exe, True
+        exe = compile_plan(cfg, factory, plan, devices)  # outside the lock: it takes seconds
+        with self._lock:
             self._d[k] = exe
-            return exe, True
-        exe = compile_plan(cfg, factory, plan, devices)
-        self._d[k] = exe
-        while len(self._d) > self.max_entries:
-            self._d.pop(next(iter(self._d)))
+            while len(self._d) > self.max_entries:
+                self._d.pop(next(iter(self._d)))
         return exe, False
 
     def __contains__(self, item) -> bool:

@@ -163,7 +163,7 @@ class Trainer:
         self.standby: StandbyCompiler | None = None
         if cfg.standby.enabled or cfg.recovery.migration == "async":
             self.standby = StandbyCompiler(
-                lambda plan: compile_plan(cfg, self.factory, plan, self.devices),
+                lambda plan: self.exe_cache.get(cfg, self.factory, plan, self.devices)[0],
                 max_plans=max(cfg.standby.max_plans, 2),
             )
         self.pending_cutover: tuple[Plan, float, int] | None = None

@@ -34,3 +34,22 @@ def test_zero_8_7_5_4_matches_fault_free(exe_cache, reference, stage):
     for step in range(12):
         rel = abs(s.losses[step] - reference.losses[step]) / reference.losses[step]
         assert rel <= 1e-5, (step, rel)
+
+
+def test_zero_device_and_buddy_lost_falls_back_to_checkpoint(exe_cache, reference, tmp_path):
+    """Device 3 and every device of the next host (where its buddy lives) fail together and host
+    copies are off: no snapshot rung is left, so the newest Orbax checkpoint is restored onto the
+    new plan and the lost steps are redone; the losses still match the fault-free run."""
+    ref = reference
+    s = trainer.run(
+        tiny_config(
+            *COMMON, "zero.stage=1", "snapshot.buddy=true", "snapshot.host=false",
+            f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=2",
+            "faults=[{at_step: 5, devices: [3, 4, 5]}]",
+        ),
+        exe_cache=exe_cache,
+    )
+    (ev,) = s.recoveries
+    assert (ev.rung, ev.resumed_at_step, ev.steps_lost) == ("checkpoint", 4, 1)
+    for step in range(12):
+        assert abs(s.losses[step] - ref.losses[step]) <= 1e-5 * ref.losses[step]
