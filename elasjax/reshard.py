@@ -323,23 +323,26 @@ def plan_layered_leaf(
 
 def _runs(row: np.ndarray) -> list[tuple[int, int, int]]:
     """Maximal runs (first slot, first piece, length) of consecutive pieces in a table row."""
-    out, s = [], 0
-    n = len(row)
-    while s < n:
-        if row[s] < 0:
-            s += 1
-            continue
-        e = s + 1
-        while e < n and row[e] == row[e - 1] + 1:
-            e += 1
-        out.append((s, int(row[s]), e - s))
-        s = e
-    return out
+    idx = np.nonzero(row >= 0)[0]
+    if idx.size == 0:
+        return []
+    brk = np.nonzero((np.diff(idx) != 1) | (np.diff(row[idx]) != 1))[0]
+    starts = np.concatenate([[0], brk + 1])
+    ends = np.concatenate([brk + 1, [idx.size]])
+    return [(int(idx[a]), int(row[idx[a]]), int(b - a)) for a, b in zip(starts, ends)]
 
 
-def _shard_segments(codec, unit, tier: int, rank: int, row: int) -> list[tuple[int, int, int]]:
+def _shard_segments(
+    codec, unit, tier: int, rank: int, row: int, cache: dict | None = None
+) -> list[tuple[int, int, int]]:
     """(canonical start, canonical end, local flat offset) segments held by one storage shard
-    (one rank, one row, one tier), split at member boundaries."""
+    (one rank, one row, one tier), split at member boundaries. `cache` memoises them within a
+    transition (Adam's two moments share every segment)."""
+    if cache is not None:
+        key = (id(codec), unit.name, tier, rank, row)
+        if key not in cache:
+            cache[key] = _shard_segments(codec, unit, tier, rank, row)
+        return cache[key]
     K = codec.layout.n_pieces
     table = codec.tables[tier][rank]
     rot = np.where(table >= 0, (table + unit.rotation) % K, -1)
@@ -430,7 +433,9 @@ def _execute(dsts: list[_DstShard], devices: dict[int, jax.Device]) -> dict[tupl
             out[key] = d.reuse
             continue
         if cpu:
-            buf = np.zeros(d.shape, d.dtype)
+            covered = sum(c.nbytes for c in d.copies) >= int(np.prod(d.shape)) * np.dtype(d.dtype).itemsize
+            # a fully covered shard needs no zero fill (it would touch every page twice)
+            buf = np.empty(d.shape, d.dtype) if covered else np.zeros(d.shape, d.dtype)
             flatbuf = buf.reshape(d.shape[: d.batch] + (-1,))
             for c in d.copies:
                 src = _host_view(c.src.data)
@@ -517,6 +522,7 @@ def transition(
         if t.unit is not None:
             families[t.key].append(i)
     indexes: dict[str, _SegmentIndex] = {}
+    seg_cache: dict = {}
     dsts: list[_DstShard] = []
     old_tables = _slot_table(old_layout)
     new_tables = _slot_table(new_layout)
@@ -562,9 +568,9 @@ def transition(
                 continue
             if tag.key not in indexes:
                 indexes[tag.key] = _index_family(
-                    store, old_layout, families[tag.key], old_tags, extra
+                    store, old_layout, families[tag.key], old_tags, extra, seg_cache
                 )
-            segs = _shard_segments(codec, unit, tag.tier, rank, row)
+            segs = _shard_segments(codec, unit, tag.tier, rank, row, seg_cache)
             plan_storage_shard(tag.key, itemsize, unit.layers, indexes[tag.key], segs, ds, picker)
             dsts.append(ds)
     for ds in dsts:
@@ -615,7 +621,7 @@ def _same_pieces(old_layout, new_layout) -> bool:
     )
 
 
-def _index_family(store, old_layout, leaf_ids, old_tags, extra) -> _SegmentIndex:
+def _index_family(store, old_layout, leaf_ids, old_tags, extra, seg_cache=None) -> _SegmentIndex:
     """Canonical segments of every source (live shards and snapshots) of one storage family."""
     codec = old_layout.codec
     index = _SegmentIndex()
@@ -626,7 +632,7 @@ def _index_family(store, old_layout, leaf_ids, old_tags, extra) -> _SegmentIndex
         for s in store.shards[oi] + extra.get(store.paths[oi], []):
             rank, row = s.box[batch][0], s.box[batch + 2][0]
             assert s.box[batch + 2][1] - row == 1, "one storage row per device"
-            for g0, g1, off in _shard_segments(codec, unit, tag.tier, rank, row):
+            for g0, g1, off in _shard_segments(codec, unit, tag.tier, rank, row, seg_cache):
                 index.add(g0, g1, off, s)
     index.freeze()
     return index

@@ -10,6 +10,8 @@ fails. For each ZeRO layout (interleaved, contiguous) the script prints, side by
       host from live shards and snapshot copies and put onto the new plan's shardings;
   (b) elasjax's planned transfers (`reshard.transition`): only the lost pieces move, each once;
   (c) a numpy memcpy of the bytes (b) moves, as the physical floor;
+  (d) one `jax.device_put` of that many bytes between two devices: JAX's own copy path, which
+      every device-to-device transfer through JAX pays;
 
 with bytes moved, transfer count, largest per-device transfer count, and ratios. It then measures
 the snapshot cost: train-step time with and without per-step snapshots (same run, alternating),
@@ -81,6 +83,19 @@ def memcpy_floor(nbytes: int) -> float:
     return best
 
 
+def device_put_floor(nbytes: int) -> float:
+    """One `jax.device_put` of `nbytes` between two devices: JAX's own copy path, the floor any
+    device-to-device transfer through JAX pays (best of 3)."""
+    devs = jax.devices()
+    x = jax.device_put(np.ones(max(nbytes // 4, 1), np.float32), devs[1])
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        jax.device_put(x, devs[2]).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def recovery_rows(args, layout: str):
     cfg = build(args, layout)
     devs = {d.id: d for d in jax.devices()}
@@ -119,13 +134,14 @@ def recovery_rows(args, layout: str):
             times.append(time.perf_counter() - t0)
         t_b = min(times)
         t_c = memcpy_floor(log.bytes_moved)
+        t_d = device_put_floor(log.bytes_moved)
         state_bytes = sum(x.nbytes for x in jax.tree.leaves(new_state))
         rows.append({
             "layout": layout, "failure": label, "plan": f"{plan.name} -> {new_plan.name}",
             "state_MB": state_bytes / 1e6, "lost_MB": lost / 1e6,
             "moved_MB": log.bytes_moved / 1e6, "kept_MB": log.kept_bytes / 1e6,
             "transfers": log.transfers, "max_per_device": log.max_per_device(),
-            "a_s": t_a, "b_s": t_b, "c_s": t_c,
+            "a_s": t_a, "b_s": t_b, "c_s": t_c, "d_s": t_d,
         })
         plan, state = new_plan, new_state
     return rows
@@ -180,13 +196,15 @@ def main():
     for layout in ("interleaved", "contiguous"):
         rows += recovery_rows(args, layout)
     print("| layout | failure | plan change | lost MB | moved MB | kept in place MB | transfers | "
-          "max xfers/device | (a) device_put s | (b) planned s | (c) memcpy s | a/b | b/c |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "max xfers/device | (a) device_put s | (b) planned s | (c) memcpy s | (d) one device_put s "
+          "| a/b | b/c | b/d |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['layout']} | {r['failure']} | {r['plan']} | {r['lost_MB']:.1f} | "
               f"{r['moved_MB']:.1f} | {r['kept_MB']:.1f} | {r['transfers']} | {r['max_per_device']} | "
-              f"{r['a_s']:.3f} | {r['b_s']:.3f} | {r['c_s']:.4f} | {r['a_s'] / r['b_s']:.1f}x | "
-              f"{r['b_s'] / max(r['c_s'], 1e-9):.1f}x |")
+              f"{r['a_s']:.3f} | {r['b_s']:.3f} | {r['c_s']:.4f} | {r['d_s']:.4f} | "
+              f"{r['a_s'] / r['b_s']:.1f}x | {r['b_s'] / max(r['c_s'], 1e-9):.1f}x | "
+              f"{r['b_s'] / max(r['d_s'], 1e-9):.1f}x |")
     inter = {r["failure"]: r for r in rows if r["layout"] == "interleaved"}
     for r in rows:
         if r["layout"] == "contiguous":
