@@ -93,3 +93,11 @@ def diff(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
     """Leaf paths whose checksums differ (or are missing on either side)."""
     keys = sorted(set(expected) | set(actual))
     return [k for k in keys if expected.get(k) != actual.get(k)]
+
+
+def digest(sums: dict[str, str]) -> str:
+    """One short digest of a state's per-leaf checksums."""
+    import hashlib
+
+    text = "\n".join(f"{k}={v}" for k, v in sorted(sums.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

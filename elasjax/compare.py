@@ -37,6 +37,12 @@ def compare_runs(run: str | Path, reference: str | Path) -> dict:
     ea, eref = losses_by_step(run, "eval_loss"), losses_by_step(reference, "eval_loss")
     if ea and eref:
         out["eval"] = deviation(ea, eref)
+    ends = [
+        [e for e in read_jsonl(d / "events.jsonl") if e.get("type") == "end"] if (d / "events.jsonl").exists() else []
+        for d in (run, reference)
+    ]
+    if all(ends) and all("state_digest" in e[-1] for e in ends):
+        out["final_state_identical"] = ends[0][-1]["state_digest"] == ends[1][-1]["state_digest"]
     da, dref = _digests(run), _digests(reference)
     common = set(da) & set(dref)
     out["batches_identical"] = bool(common) and all(da[s] == dref[s] for s in common)
@@ -63,6 +69,11 @@ def format_report(r: dict) -> str:
     if "eval" in r:
         lines.append(row("held-out loss", r["eval"]))
     lines.append(f"identical sample ids per step: {'yes' if r['batches_identical'] else 'NO'}")
+    if "final_state_identical" in r:
+        lines.append(
+            "final parameters and optimizer state bitwise identical (checksums): "
+            + ("yes" if r["final_state_identical"] else "no")
+        )
     if r["steps_only_in_one"]:
         lines.append(f"steps logged in only one run: {r['steps_only_in_one'][:10]}")
     return "\n".join(lines)

@@ -343,7 +343,17 @@ class Trainer:
                 if self.ckpt is not None and self.ckpt.due(step):
                     self.ckpt.save(step, exe.to_canonical(state), good)
                 bar.update(step, loss, plan)
-        ew.write({"type": "end", "step": step, "final_loss": losses[T - 1], "plan": plan.name})
+        ew.write(
+            {
+                "type": "end",
+                "step": step,
+                "final_loss": losses[T - 1],
+                "plan": plan.name,
+                # digest of every leaf's layout-independent checksum: equal digests = bitwise
+                # equal final parameters and optimizer state
+                "state_digest": checksum.digest(good),
+            }
+        )
         if self.progress:
             print_summary(recoveries, losses, evals, plan, self.out_dir)
         return RunSummary(
