@@ -465,10 +465,20 @@ def validate(cfg: Config) -> None:
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
     if t.deterministic:
         _require(
-            cfg.zero.stage == 0 and p.stage == 1 and p.max_stage <= 1,
+            cfg.zero.stage == 0,
             "train.deterministic",
-            "= true needs zero.stage = 0 and no pipelines (parallel.stage = 1, max_stage <= 1): "
-            "partitioned and pipelined reductions are not in a fixed order yet",
+            "= true needs zero.stage = 0: "
+            "partitioned reductions are not in a fixed order yet",
+        )
+        top = p.max_stage or p.stage
+        _require(
+            top <= 1 or (p.stage >= 2 and p.min_stage >= 2),
+            "parallel.min_stage",
+            f"= {p.min_stage} with train.deterministic = true and pipelines (parallel.stage = "
+            f"{p.stage}, parallel.max_stage = {p.max_stage}): a pipelined and an unpipelined step "
+            "add gradients in different orders, so every plan must be pipelined; allowed values: "
+            "parallel.stage >= 2 and parallel.min_stage >= 2, or parallel.stage = 1 and "
+            "parallel.max_stage <= 1",
         )
     for i, f in enumerate(cfg.faults):
         key = f"faults[{i}]"

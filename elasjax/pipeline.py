@@ -204,3 +204,133 @@ def pipeline_loss(
     return f(
         layer_params, other, batch["inputs"], batch["targets"], batch["weights"], batch["key_ids"], key
     )
+
+
+def pipeline_slot_losses(
+    params: PyTree,
+    batch: dict,
+    key: jax.Array,
+    cfg: ModelConfig,
+    layout: StageLayout,
+    mesh: Mesh,
+    replicas: int,
+    *,
+    copies: bool,
+    deterministic: bool = False,
+) -> jax.Array:
+    """Deterministic mode's GPipe: summed weighted token loss of every (micro-batch, replica)
+    slot separately, `[m, D]`, each slot computed by one replica on its own (`vmap` over the
+    replicas, one per data device).
+
+    With `copies=True` every parameter leaf carries two leading axes `[m, D, ...]`: slot `(k, r)`
+    reads copy `(k, r)` only, so the gradient with respect to the copies is each slot's own
+    gradient, unsummed; the caller adds them in a fixed order. Bubble ticks contribute exact
+    zeros (their outputs never reach a loss), so no value depends on the stage count or on
+    which tick ran a slot. Layer copies are `[m, D, S, Lmax, ...]`, sharded over `stage` on axis 2.
+    """
+    S, m, D = layout.stages, batch["inputs"].shape[0], replicas
+    assert mesh.shape[STAGE] == S, f"mesh has {mesh.shape[STAGE]} stages, layout {S}"
+    table = layout.slot_layer()
+    layer_params = params["layers"]
+    other = {k: v for k, v in params.items() if k != "layers"}
+    lead = 2 if copies else 0
+
+    def split(x):  # [D*b, ...] -> [D, b, ...]
+        return x.reshape((D, x.shape[0] // D) + x.shape[1:])
+
+    def local(layers, other, inputs, targets, weights, key_ids, key):
+        s = jax.lax.axis_index(STAGE)
+        layers = jax.tree.map(lambda x: x[(slice(None),) * lead + (0,)], layers)
+        ids = jnp.asarray(table)[s]  # [Lmax] global layer ids (-1 empty)
+        act_shape = (D, inputs.shape[1] // D) + inputs.shape[2:] + (cfg.d_model,)
+        dtype = jax.tree.leaves(other)[0].dtype
+
+        def at(tree, k):
+            """(per-replica parameters, vmap axis) for micro-batch `k`."""
+            if copies:
+                return jax.tree.map(lambda x: x[k], tree), 0
+            return tree, None
+
+        def micro_keys(k):
+            return split(rng.sample_keys(key, key_ids[k]))
+
+        def run_layers(x, k):
+            keys = micro_keys(k)
+            lps, ax = at(layers, k)  # copies: [D, Lmax, ...]
+            if copies:
+                lps = jax.tree.map(lambda v: jnp.moveaxis(v, 1, 0), lps)  # [Lmax, D, ...]
+
+            def body(x, inp):
+                lp, lid = inp
+                y = jax.lax.cond(
+                    lid >= 0,
+                    lambda: jax.vmap(
+                        lambda p, xi, ki: gpt.block_apply(p, xi, ki, lid, cfg, deterministic),
+                        in_axes=(ax, 0, 0),
+                    )(lp, x, keys),
+                    lambda: x,
+                )
+                return y, None
+
+            x, _ = jax.lax.scan(body, x, (lps, ids))
+            return x
+
+        def tick(carry, i):
+            state, losses = carry
+            k_in = jnp.minimum(i, m - 1)
+
+            def embed():
+                op, ax = at(other, k_in)
+                return jax.vmap(
+                    lambda p, t, kk: gpt.embed_apply(p, t, kk, cfg, deterministic),
+                    in_axes=(ax, 0, 0),
+                )(op, split(inputs[k_in]), micro_keys(k_in))
+
+            state = jax.lax.cond((s == 0) & (i < m), embed, lambda: state)
+            state = run_layers(state, jnp.clip(i - s, 0, m - 1))
+            k_out = jnp.clip(i - (S - 1), 0, m - 1)
+
+            def head_loss():
+                op, ax = at(other, k_out)
+
+                def one(p, x, t, w):
+                    tl = optax.softmax_cross_entropy_with_integer_labels(gpt.head_apply(p, x, cfg), t)
+                    return jnp.sum(tl * w[:, None])
+
+                return jax.vmap(one, in_axes=(ax, 0, 0, 0))(
+                    op, state, split(targets[k_out]), split(weights[k_out])
+                )
+
+            slot = jax.lax.cond(
+                (s == S - 1) & (i >= S - 1), head_loss, lambda: jnp.zeros((D,), jnp.float32)
+            )
+            losses = jax.lax.dynamic_update_index_in_dim(
+                losses, losses[k_out] + slot, k_out, axis=0
+            )
+            state = jax.lax.ppermute(state, STAGE, [(j, j + 1) for j in range(S - 1)])
+            return (state, losses), None
+
+        init = (jnp.zeros(act_shape, dtype), jnp.zeros((m, D), jnp.float32))
+        (_, losses), _ = jax.lax.scan(tick, init, jnp.arange(m + S - 1))
+        return jax.lax.psum(losses, STAGE)  # one stage holds each slot's loss, the rest zeros
+
+    in_specs = (
+        jax.tree.map(lambda _: PartitionSpec(*([None] * lead), STAGE), layer_params),
+        jax.tree.map(lambda _: PartitionSpec(), other),
+        PartitionSpec(),
+        PartitionSpec(),
+        PartitionSpec(),
+        PartitionSpec(),
+        PartitionSpec(),
+    )
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=PartitionSpec(),
+        axis_names={STAGE},
+        check_vma=False,
+    )
+    return f(
+        layer_params, other, batch["inputs"], batch["targets"], batch["weights"], batch["key_ids"], key
+    )

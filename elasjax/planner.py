@@ -345,12 +345,15 @@ def fast_path_plan(
     prof = ModelProfile.from_model(cfg.model)
     D, B, b = len(intact), previous.global_batch, previous.micro_batch
     m = ceil_div(ceil_div(B, D), b)
+    if previous.canonical_micro:  # deterministic mode: the canonical micro-batches, dealt out
+        m = ceil_div(ceil_div(B, b), D)
     used = tuple(d for g in intact for d in g)
     spare = tuple(d for d in live_ids if d not in used)
     cost = _cost(prof, hw, D, previous.tensor, previous.stage, m, b, previous.partition)
     plan = Plan(
         used, D, previous.tensor, m, b, B, spare, stage=previous.stage,
-        partition=previous.partition, predicted_step_s=cost.total_s,
+        partition=previous.partition, canonical_micro=previous.canonical_micro,
+        predicted_step_s=cost.total_s,
     )
     return with_zero(plan, cfg, previous)
 

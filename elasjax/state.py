@@ -53,7 +53,9 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     )
     parts = []
     if t.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(t.grad_clip))
+        # deterministic mode clips in the step with a layout-independent norm
+        # (`StateLayout.fixed_order_norm`); identity keeps the optimizer state's structure
+        parts.append(optax.identity() if t.deterministic else optax.clip_by_global_norm(t.grad_clip))
     parts.append(optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=t.weight_decay))
     return optax.chain(*parts)
 
@@ -265,3 +267,26 @@ class StateLayout:
         r = jax.lax.broadcasted_iota(jnp.uint32, (1, 1, rest), 2).reshape((1, 1) + x.shape[2:])
         idx = lid.astype(jnp.uint32) * jnp.uint32(rest) + r
         return checksum.weighted_checksum(checksum._bits(x), idx, lid >= 0)
+
+    # -- deterministic mode ----------------------------------------------------------------------
+
+    def fixed_order_norm(self, params: PyTree) -> jax.Array:
+        """Global L2 norm of a params-shaped tree, reduced in an order that does not depend on
+        the plan: a sum of squares per layer (stacked `[L, ...]` and slot `[S, Lmax, ...]`
+        leaves alike) or per leaf, added one after another in canonical leaf and layer order."""
+        parts = []
+        table = self.stage_layout.slot_layer() if self.stage_layout is not None else None
+        for path, g in jax.tree_util.tree_flatten_with_path(params)[0]:
+            sq = jnp.square(g.astype(jnp.float32))
+            if "layers" not in path_str(path).split("/"):
+                parts.append(jnp.sum(sq)[None])
+            elif table is None:
+                parts.append(jnp.sum(sq, axis=tuple(range(1, g.ndim))))
+            else:
+                per_slot = jnp.sum(sq, axis=tuple(range(2, g.ndim))).reshape(-1)
+                where = self.stage_layout.layer_slot()
+                flat = np.array([where[l][0] * table.shape[1] + where[l][1] for l in range(len(where))])
+                parts.append(jnp.take(per_slot, jnp.asarray(flat)))
+        v = jnp.concatenate(parts)
+        total, _ = jax.lax.scan(lambda acc, x: (acc + x, None), jnp.zeros((), v.dtype), v)
+        return jnp.sqrt(total)

@@ -28,7 +28,7 @@ from . import rng
 from .config import Config
 from .mesh import DATA, LOGICAL_RULES, make_mesh, replicated
 from .microbatch import accumulate
-from .pipeline import pipeline_loss
+from .pipeline import pipeline_loss, pipeline_slot_losses
 from .planner import Plan
 from .sharding import batch_shardings
 from .state import StateFactory, StateLayout, TrainState
@@ -73,6 +73,8 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
     accumulator is partitioned) and ZeRO-3 (the gradient of the storage itself)."""
     stage = layout.stage if layout is not None else 0
     if layout is not None and layout.stage_layout is not None:
+        if cfg.train.deterministic:
+            return _deterministic_pipelined_grad_fn(cfg, mesh, state_sh, layout)
         return _pipelined_grad_fn(cfg, mesh, layout)
     if cfg.train.deterministic:
         return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout)
@@ -118,6 +120,16 @@ def canonical_order(plan: Plan) -> np.ndarray:
     return order
 
 
+def fixed_order_sum(x: jax.Array, order: np.ndarray, sharding) -> jax.Array:
+    """Sum of the per-slot values `x[m, D, ...]` in canonical order (`order[c]` = flat slot of
+    canonical micro-batch c), one addition after another: the result does not depend on how
+    the slots were laid out. `sharding` is what the gathered `[m*D, ...]` stack may be."""
+    x = jax.lax.with_sharding_constraint(x.reshape((-1,) + x.shape[2:]), sharding)
+    x = jnp.take(x, jnp.asarray(order), axis=0)
+    total, _ = jax.lax.scan(lambda acc, v: (acc + v, None), jnp.zeros_like(x[0]), x)
+    return total
+
+
 def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout):
     """Deterministic mode: every canonical micro-batch's summed loss and gradient is computed by
     one replica on its own (a `vmap` over the data axis, so nothing is reduced across
@@ -146,16 +158,49 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
             return carry, (losses, grads)
 
         _, (losses, grads) = jax.lax.scan(micro, None, batch)  # [m, D], [m, D, ...]
-        order = jnp.asarray(canonical_order(plan))
+        order = canonical_order(plan)
+        loss_sum = fixed_order_sum(losses, order, rep)
+        grads = jax.tree.map(lambda g: fixed_order_sum(g, order, rep), grads)
+        n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
 
-        def fixed_sum(x):
-            x = jax.lax.with_sharding_constraint(x.reshape((-1,) + x.shape[2:]), rep)
-            x = jnp.take(x, order, axis=0)
-            total, _ = jax.lax.scan(lambda acc, v: (acc + v, None), jnp.zeros_like(x[0]), x)
-            return total
+    return grad_fn
 
-        loss_sum = fixed_sum(losses)
-        grads = jax.tree.map(fixed_sum, grads)
+
+def _deterministic_pipelined_grad_fn(cfg: Config, mesh: Mesh, state_sh: TrainState, layout):
+    """Deterministic mode on a pipeline: the gradient is taken with respect to one copy of the
+    parameters per (micro-batch, replica) slot (`pipeline_slot_losses(copies=True)`), so every
+    canonical micro-batch's gradient comes out on its own; they are added in canonical order.
+    Costs one gradient-sized buffer per slot on each stage."""
+    seed = cfg.train.seed
+    D = mesh.shape[DATA]
+
+    def spec(sh, *lead):
+        return NamedSharding(mesh, PartitionSpec(*lead, *sh.spec))
+
+    def grad_fn(params, batch, step, plan: Plan):
+        key = rng.step_key(rng.root_key(seed), step)
+        m = batch["inputs"].shape[0]
+        copies = jax.tree.map(
+            lambda x, sh: jax.lax.with_sharding_constraint(
+                jnp.broadcast_to(x, (m, D) + x.shape), spec(sh, None, DATA)
+            ),
+            params,
+            state_sh.params,
+        )
+
+        def total(c):
+            losses = pipeline_slot_losses(
+                c, batch, key, cfg.model, layout.stage_layout, mesh, D, copies=True
+            )
+            return jnp.sum(losses), losses
+
+        (_, losses), grads = jax.value_and_grad(total, has_aux=True)(copies)
+        order = canonical_order(plan)
+        loss_sum = fixed_order_sum(losses, order, replicated(mesh))
+        grads = jax.tree.map(
+            lambda g, sh: fixed_order_sum(g, order, spec(sh, None)), grads, state_sh.params
+        )
         n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
         return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
 
@@ -186,8 +231,18 @@ def make_train_step(
         grad_fn = functools.partial(grad_fn, plan=plan)
     stage, codec = layout.stage, layout.codec
 
+    clip = cfg.train.grad_clip if cfg.train.deterministic else 0.0
+
     def train_step(state: TrainState, batch: dict):
         loss, grads = grad_fn(state.params, batch, state.step)
+        if cfg.train.deterministic:
+            # the optimizer's own clipping is off in this mode (`make_optimizer`): its global
+            # norm reduces in an order that depends on the layout; this one does not
+            norm = layout.fixed_order_norm(grads)
+            if clip > 0:
+                grads = jax.tree.map(
+                    lambda g: jnp.where(norm < clip, g, (g / norm.astype(g.dtype)) * clip), grads
+                )
         if stage in (0, 3):
             p_opt, g_opt = state.params, grads
         else:
@@ -199,7 +254,7 @@ def make_train_step(
         new = TrainState(state.step + 1, params, opt_state)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(g_opt),
+            "grad_norm": norm if cfg.train.deterministic else optax.tree.norm(g_opt),
             "checksums": layout.checksums(new),
         }
         return new, metrics
@@ -212,28 +267,31 @@ def make_eval_step(
 ):
     loss_fn = make_loss_fn(cfg, model, deterministic=True, layout=layout)
 
+    pipelined = layout is not None and layout.stage_layout is not None
+    key = rng.root_key(0)
+
     def eval_step(params, batch):
+        n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        if cfg.train.deterministic and pipelined:
+            per = pipeline_slot_losses(
+                params, batch, key, cfg.model, layout.stage_layout, mesh, mesh.shape[DATA],
+                copies=False, deterministic=True,
+            )
+            return fixed_order_sum(per, canonical_order(plan), replicated(mesh)), n_tokens
         if cfg.train.deterministic:
             D = mesh.shape[DATA]
-            key = rng.root_key(0)
 
             def slot_sums(mb):
                 mb = jax.tree.map(lambda x: x.reshape((D, x.shape[0] // D) + x.shape[1:]), mb)
                 return jax.vmap(lambda m: loss_fn(params, m, key))(mb)
 
-            per = jax.lax.with_sharding_constraint(
-                jax.lax.map(slot_sums, batch).reshape(-1), replicated(mesh)
-            )
-            per = jnp.take(per, jnp.asarray(canonical_order(plan)))
-            total, _ = jax.lax.scan(lambda a, v: (a + v, None), jnp.zeros((), per.dtype), per)
-            return total, jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
-        if layout is not None and layout.stage_layout is not None:
-            key = rng.root_key(0)
+            per = jax.lax.map(slot_sums, batch)  # [m, D]
+            return fixed_order_sum(per, canonical_order(plan), replicated(mesh)), n_tokens
+        if pipelined:
             total = pipeline_loss(params, batch, key, cfg.model, layout.stage_layout, mesh, True)
-            return total, jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
-        key = rng.root_key(0)
+            return total, n_tokens
         total = jax.lax.map(lambda mb: loss_fn(params, mb, key), batch).sum()
-        return total, jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        return total, n_tokens
 
     return eval_step
 

@@ -105,6 +105,7 @@ class RunSummary:
     sample_digests: dict[int, str]
     state: Any = None
     migrations: list[dict] = dataclasses.field(default_factory=list)
+    transfer_logs: list[TransferLog] = dataclasses.field(default_factory=list)  # per recovery / cut-over
 
     @property
     def final_loss(self) -> float:
@@ -160,6 +161,7 @@ class Trainer:
         self.pool = SnapshotPool(cfg.snapshot, self.topo)
         self.dead_hosts: set[int] = set()
         self.last_transfer_log: TransferLog | None = None
+        self.transfer_logs: list[TransferLog] = []
         self.standby: StandbyCompiler | None = None
         if cfg.standby.enabled or cfg.recovery.migration == "async":
             self.standby = StandbyCompiler(
@@ -357,7 +359,8 @@ class Trainer:
         if self.progress:
             print_summary(recoveries, losses, evals, plan, self.out_dir)
         return RunSummary(
-            self.out_dir, losses, evals, recoveries, plans, plan, good, digests, state, migrations
+            self.out_dir, losses, evals, recoveries, plans, plan, good, digests, state, migrations,
+            self.transfer_logs,
         )
 
     # -- batches (torchft_like processes only the surviving replicas' share) ---------------------
@@ -535,6 +538,7 @@ class Trainer:
             compiles=compiles_before,  # completed after the first step
         )
         self.last_transfer_log = log
+        self.transfer_logs.append(log)
         if migration == "async":
             self.pending_cutover = (optimal, t_fail, step)
             self.standby.submit([optimal.compile_key])  # the only plan that matters now
@@ -567,6 +571,7 @@ class Trainer:
         )
         jax.block_until_ready(new_state)
         transfer_s = time.perf_counter() - t0
+        self.transfer_logs.append(log)
         t0 = time.perf_counter()
         actual = checksum.to_host(new_exe.checksum(new_state))
         bad = checksum.diff(good, actual)

@@ -1,8 +1,8 @@
 """Benchmark: the step-time cost of the bitwise deterministic mode.
 
-    python experiments/bench_deterministic.py [--steps 10]
+    python experiments/bench_deterministic.py [--steps 10] [--config configs/demo_pipeline.yaml]
 
-Compiles the demo's initial plan (configs/demo.yaml: data 4 x tensor 2) twice, in the normal
+Compiles a config's initial plan (default configs/demo.yaml: data 4 x tensor 2) twice, in the normal
 mode and with `train.deterministic: true`, and times train steps of both alternately in one run
 (same batches). Deterministic mode computes each canonical micro-batch's gradient on one replica
 without cross-replica reduction, gathers all of them and adds them in a fixed order: the
@@ -27,8 +27,11 @@ from elasjax.state import StateFactory, make_optimizer  # noqa: E402
 from elasjax.step import compile_plan  # noqa: E402
 
 
-def setup(deterministic: bool):
-    cfg = config.load("configs/demo.yaml", [f"train.deterministic={str(deterministic).lower()}"])
+def setup(path: str, deterministic: bool):
+    over = [f"train.deterministic={str(deterministic).lower()}"]
+    if config.load(path, []).parallel.stage > 1:
+        over.append("parallel.min_stage=2")  # deterministic pipelines stay pipelined
+    cfg = config.load(path, over)
     devs = {d.id: d for d in jax.devices()}
     topo = planner.Topology(tuple(range(8)), cfg.parallel.devices_per_host)
     plan = planner.initial_plan(topo, cfg)
@@ -40,8 +43,9 @@ def setup(deterministic: bool):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--config", default="configs/demo.yaml")
     args = ap.parse_args()
-    runs = {m: setup(m) for m in (False, True)}
+    runs = {m: setup(args.config, m) for m in (False, True)}
     cfg = runs[False][0]
     data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
     times = {False: [], True: []}
@@ -55,7 +59,8 @@ def main():
                 times[mode].append(time.perf_counter() - t0)
             runs[mode] = (runs[mode][0], plan, exe, state)
     normal, det = np.median(times[False]), np.median(times[True])
-    print(f"# bench_deterministic: {runs[False][1].name} on 8 fake CPU devices (2 shared cores)")
+    print(f"# bench_deterministic: {args.config}, plan {runs[False][1].name} on 8 fake CPU "
+          "devices (2 shared cores)")
     print(f"step time: normal {normal * 1e3:.1f} ms, deterministic {det * 1e3:.1f} ms "
           f"(x{det / normal:.2f}); compile {runs[False][2].compile_s:.1f} s vs "
           f"{runs[True][2].compile_s:.1f} s")
