@@ -432,13 +432,18 @@ def validate(cfg: Config) -> None:
         "(parallel.max_stage)",
     )
     _require(cfg.pipeline.microbatches >= 0, "pipeline.microbatches", "must be >= 0")
-    if cfg.zero.stage > 0:
+    if cfg.zero.stage > 0 and (p.stage > 1 or p.max_stage > 1):
         _require(
-            p.stage == 1 and p.max_stage <= 1,
+            cfg.zero.stage == 1,
             "zero.stage",
             f"= {cfg.zero.stage} with pipelines (parallel.stage = {p.stage}, parallel.max_stage = "
-            f"{p.max_stage}) is not available yet; with zero.stage > 0 the allowed values are "
-            "parallel.stage = 1 and parallel.max_stage = 0 or 1",
+            f"{p.max_stage}) is not available yet; allowed values with pipelines: 0, 1",
+        )
+        _require(
+            cfg.zero.layout == "interleaved",
+            "zero.layout",
+            f"= '{cfg.zero.layout}' with pipelines is not available; allowed values with "
+            "pipelines: 'interleaved' (each layer partitioned on its own)",
         )
     if cfg.checkpoint.dir is not None:
         _require(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")

@@ -324,7 +324,7 @@ def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Pla
 
 def stage_options(cfg: Config) -> list[int]:
     """Stage counts a re-plan may choose."""
-    if cfg.zero.stage > 0:
+    if cfg.zero.stage > 1:  # ZeRO-2/3 do not run on pipelines (config refuses stage > 1)
         return [1]
     top = cfg.parallel.max_stage or cfg.parallel.stage
     return list(range(cfg.parallel.min_stage, min(top, cfg.model.n_layers) + 1))

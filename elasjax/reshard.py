@@ -372,7 +372,10 @@ class _SegmentIndex:
         self.items.append((g0, g1, off, src))
 
     def freeze(self) -> None:
-        self.items.sort(key=lambda t: (t[0], RUNG_ORDER[t[3].rung]))
+        # a source is a Shard, or (Shard, stacked index) in a per-layer index
+        self.items.sort(
+            key=lambda t: (t[0], RUNG_ORDER[(t[3] if isinstance(t[3], Shard) else t[3][0]).rung])
+        )
         self.starts = [t[0] for t in self.items]
         self.max_len = max((t[1] - t[0] for t in self.items), default=0)
 
@@ -411,6 +414,69 @@ def plan_storage_shard(
                 _Copy(chosen, (Ellipsis, slice(s0, s0 + n)), (Ellipsis, slice(d0, d0 + n)), nbytes, True)
             )
             g = e
+
+
+def _layer_ids(layout, n: int) -> np.ndarray:
+    """Global layer id of each index of a storage leaf's stacked axis (-1 = empty slot)."""
+    table = _slot_table(layout)
+    return table.reshape(-1) if table is not None else np.arange(n)
+
+
+def plan_storage_shard_by_layer(
+    family: str, itemsize: int, index: dict[int, _SegmentIndex], segments, dst: _DstShard,
+    batch_box: tuple[int, int], layer_ids: np.ndarray, picker: _Picker,
+) -> None:
+    """`plan_storage_shard` for per-layer storage on pipelines: each stacked index (slot) of
+    the destination shard is filled from whichever shard holds that layer, at its own index."""
+    b0, b1 = batch_box
+    for pos in range(b0, b1):
+        lid = int(layer_ids[pos])
+        if lid < 0:
+            continue  # an empty slot stays zero
+        layer = index.get(lid)
+        for g0, g1, doff in segments:
+            g = g0
+            while g < g1:
+                cands = layer.covering(g, g + 1) if layer is not None else []
+                if not cands:
+                    raise UnrecoverableStateError(
+                        family, ((lid, lid + 1), (g, g1)),
+                        "no live device or snapshot holds these elements of this layer",
+                    )
+                chosen = picker.pick([c[3][0] for c in cands], dst.device, 0)
+                c = next(c for c in cands if c[3][0] is chosen)
+                e = min(c[1], g1)
+                n = e - g
+                if chosen.device != dst.device:
+                    picker.load[chosen.device] += n * itemsize
+                s0, d0 = c[2] + (g - c[0]), doff + (g - g0)
+                dst.copies.append(
+                    _Copy(chosen, (c[3][1], slice(s0, s0 + n)), (pos - b0, slice(d0, d0 + n)),
+                          n * itemsize, True)
+                )
+                g = e
+
+
+def _index_family_by_layer(
+    store, old_layout, leaf_ids, old_tags, extra, seg_cache=None
+) -> dict[int, _SegmentIndex]:
+    """`_index_family` per layer: layer id -> canonical segments of (source, stacked index)."""
+    codec = old_layout.codec
+    out: dict[int, _SegmentIndex] = defaultdict(_SegmentIndex)
+    for oi in leaf_ids:
+        tag = old_tags[oi]
+        unit = codec.unit(tag.unit)
+        ids = _layer_ids(old_layout, store.shapes[oi][0])
+        for s in store.shards[oi] + extra.get(store.paths[oi], []):
+            (p0, p1), rank, row = s.box[0], s.box[1][0], s.box[3][0]
+            segs = _shard_segments(codec, unit, tag.tier, rank, row, seg_cache)
+            for pos in range(p0, p1):
+                if ids[pos] >= 0:
+                    for g0, g1, off in segs:
+                        out[int(ids[pos])].add(g0, g1, off, (s, pos - p0))
+    for index in out.values():
+        index.freeze()
+    return dict(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,6 +588,7 @@ def transition(
         if t.unit is not None:
             families[t.key].append(i)
     indexes: dict[str, _SegmentIndex] = {}
+    layer_indexes: dict[str, dict[int, _SegmentIndex]] = {}
     seg_cache: dict = {}
     dsts: list[_DstShard] = []
     old_tables = _slot_table(old_layout)
@@ -547,6 +614,10 @@ def transition(
             continue
         codec, unit = new_layout.codec, new_layout.codec.unit(tag.unit)
         batch = len(unit.batch_shape)
+        # per-layer storage on a pipeline: a storage shard holds its stage's slots, and a layer
+        # may sit in another slot (or stage) on the other plan
+        slotted = batch > 0 and (old_tables is not None or new_tables is not None)
+        same_slots = not _differ(old_tables, new_tables)
         same_pieces = _same_pieces(old_layout, new_layout)
         old_tier = families[tag.key][tag.tier] if tag.tier < len(families[tag.key]) else None
         held = {s.device: s for s in store.shards[old_tier]} if old_tier is not None else {}
@@ -561,16 +632,28 @@ def transition(
                 and old.data.shape == ds.shape
                 and tuple(old_layout.codec.tables[tag.tier][old.box[batch][0]])
                 == tuple(codec.tables[tag.tier][rank])
+                and (not slotted or (same_slots and old.box[:batch] == box[:batch]))
             ):
                 ds.reuse = old.data  # this rank keeps this tier in place: no copy
                 log.kept_bytes += int(np.prod(ds.shape)) * itemsize
+                dsts.append(ds)
+                continue
+            segs = _shard_segments(codec, unit, tag.tier, rank, row, seg_cache)
+            if slotted:
+                if tag.key not in layer_indexes:
+                    layer_indexes[tag.key] = _index_family_by_layer(
+                        store, old_layout, families[tag.key], old_tags, extra, seg_cache
+                    )
+                plan_storage_shard_by_layer(
+                    tag.key, itemsize, layer_indexes[tag.key], segs, ds, box[0],
+                    _layer_ids(new_layout, shape[0]), picker,
+                )
                 dsts.append(ds)
                 continue
             if tag.key not in indexes:
                 indexes[tag.key] = _index_family(
                     store, old_layout, families[tag.key], old_tags, extra, seg_cache
                 )
-            segs = _shard_segments(codec, unit, tag.tier, rank, row, seg_cache)
             plan_storage_shard(tag.key, itemsize, unit.layers, indexes[tag.key], segs, ds, picker)
             dsts.append(ds)
     for ds in dsts:

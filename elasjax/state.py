@@ -27,6 +27,7 @@ from . import checksum, models
 from .config import Config, TrainConfig
 from .rng import root_key
 from .sharding import named_shardings, opt_state_logical, path_str
+from .mesh import STAGE
 from .pipeline import StageLayout, from_slots, slot_logical, to_slots
 from .zero import ZeroCodec
 
@@ -118,15 +119,21 @@ class StateLayout:
         self.factory, self.tx = factory, factory.tx
         self.stage = plan.zero_stage
         self.stage_layout = StageLayout(plan.partition) if plan.stage > 1 else None
-        self.codec = (
-            ZeroCodec(factory.abstract.params, factory.param_logical, plan.zero, plan.tensor)
-            if self.stage > 0
-            else None
-        )
+        self.codec = None
+        if self.stage > 0 and self.stage_layout is None:
+            self.codec = ZeroCodec(factory.abstract.params, factory.param_logical, plan.zero, plan.tensor)
+        elif self.stage > 0:
+            # ZeRO on a pipeline: the codec partitions the slot-form parameters with the slot
+            # axes flattened ([S * Lmax, ...], sharded over `stage`), one layer at a time
+            flat = jax.eval_shape(lambda p: self._flat_slots(self._slots(p)), factory.abstract.params)
+            self.codec = ZeroCodec(
+                flat, factory.param_logical, plan.zero, plan.tensor,
+                layer_ids=self.stage_layout.slot_layer().reshape(-1), layer_axis=STAGE,
+            )
         self.abstract = jax.eval_shape(self.init_fn)
         self._tags = self._leaf_tags()
         self._slot_leaf = [
-            self.stage_layout is not None and "layers" in key.split("/")
+            self.stage_layout is not None and unit is None and "layers" in key.split("/")
             for key, unit, _ in self._tags
         ]
 
@@ -138,13 +145,35 @@ class StateLayout:
     def _unslots(self, params: PyTree) -> PyTree:
         return {**params, "layers": from_slots(params["layers"], self.stage_layout)}
 
+    @staticmethod
+    def _flat_slots(params: PyTree) -> PyTree:
+        """[S, Lmax, ...] slot leaves -> [S * Lmax, ...] (stage-major, so sharding over `stage`
+        on the first axis keeps every stage's slots on its devices)."""
+        return {**params, "layers": jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), params["layers"])}
+
+    def _unflat_slots(self, params: PyTree) -> PyTree:
+        S, L = self.stage_layout.stages, self.stage_layout.slots
+        return {**params, "layers": jax.tree.map(lambda x: x.reshape((S, L) + x.shape[1:]), params["layers"])}
+
+    # -- ZeRO storage of parameter-shaped trees (in this layout's params form) ------------------
+
+    def to_storage(self, params: PyTree) -> PyTree:
+        if self.stage_layout is not None:
+            params = self._flat_slots(params)
+        return self.codec.to_storage(params)
+
+    def from_storage(self, storage: PyTree) -> PyTree:
+        params = self.codec.from_storage(storage)
+        return self._unflat_slots(params) if self.stage_layout is not None else params
+
     # -- construction ---------------------------------------------------------------------------
 
     def from_canonical(self, full: TrainState) -> TrainState:
         """Traceable: canonical state -> this layout."""
         if self.stage_layout is not None:
             like = self.factory.abstract.params
-            opt = self._map_param_parts(full.opt_state, like, self._slots)
+            conv = self._slots if self.codec is None else (lambda p: self.to_storage(self._slots(p)))
+            opt = self._map_param_parts(full.opt_state, like, conv)
             return TrainState(full.step, self._slots(full.params), opt)
         if self.codec is None:
             return full
@@ -156,8 +185,13 @@ class StateLayout:
     def to_canonical(self, state: TrainState) -> TrainState:
         """Traceable: this layout -> canonical state."""
         if self.stage_layout is not None:
-            like = jax.eval_shape(self._slots, self.factory.abstract.params)
-            opt = self._map_param_parts(state.opt_state, like, self._unslots)
+            if self.codec is None:
+                like = jax.eval_shape(self._slots, self.factory.abstract.params)
+                conv = self._unslots
+            else:
+                like = self.codec.abstract_storage()
+                conv = lambda st: self._unslots(self.from_storage(st))  # noqa: E731
+            opt = self._map_param_parts(state.opt_state, like, conv)
             return TrainState(state.step, self._unslots(state.params), opt)
         if self.codec is None:
             return state
@@ -185,26 +219,32 @@ class StateLayout:
         f = self.factory
         if self.stage_layout is not None:
             p_logical = {**f.param_logical, "layers": slot_logical(f.param_logical["layers"])}
-            logical = TrainState(
-                PartitionSpec(),
-                p_logical,
-                opt_state_logical(self.tx, self.abstract.opt_state, p_logical),
-            )
-            return named_shardings(self.abstract, logical, mesh)
+            if self.codec is None:
+                logical = TrainState(
+                    PartitionSpec(),
+                    p_logical,
+                    opt_state_logical(self.tx, self.abstract.opt_state, p_logical),
+                )
+                return named_shardings(self.abstract, logical, mesh)
+            param_sh = named_shardings(self.abstract.params, p_logical, mesh)
+            return TrainState(NamedSharding(mesh, PartitionSpec()), param_sh, self._opt_storage_shardings(mesh))
         full_param_sh = named_shardings(f.abstract.params, f.param_logical, mesh)
         if self.codec is None:
             return named_shardings(f.abstract, f.logical, mesh)
         store_sh = self.codec.storage_shardings(mesh)
         rep = NamedSharding(mesh, PartitionSpec())
-        opt_sh = optax.tree_map_params(
+        opt_sh = self._opt_storage_shardings(mesh)
+        return TrainState(rep, store_sh if self.stage == 3 else full_param_sh, opt_sh)
+
+    def _opt_storage_shardings(self, mesh: Mesh):
+        return optax.tree_map_params(
             self.tx,
             lambda _, s: s,
             self.abstract.opt_state,
-            store_sh,
-            transform_non_params=lambda _: rep,
+            self.codec.storage_shardings(mesh),
+            transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
             is_leaf=lambda s: isinstance(s, NamedSharding),
         )
-        return TrainState(rep, store_sh if self.stage == 3 else full_param_sh, opt_sh)
 
     def abstract_on(self, mesh: Mesh) -> TrainState:
         sh = self.shardings(mesh)

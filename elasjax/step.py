@@ -229,7 +229,7 @@ def make_train_step(
     grad_fn = make_grad_fn(cfg, model, mesh, state_sh, layout)
     if cfg.train.deterministic:
         grad_fn = functools.partial(grad_fn, plan=plan)
-    stage, codec = layout.stage, layout.codec
+    stage = layout.stage
 
     clip = cfg.train.grad_clip if cfg.train.deterministic else 0.0
 
@@ -246,11 +246,11 @@ def make_train_step(
         if stage in (0, 3):
             p_opt, g_opt = state.params, grads
         else:
-            p_opt = codec.to_storage(state.params)
-            g_opt = codec.to_storage(grads) if stage == 1 else grads
+            p_opt = layout.to_storage(state.params)
+            g_opt = layout.to_storage(grads) if stage == 1 else grads
         updates, opt_state = tx.update(g_opt, state.opt_state, p_opt)
         new_p = optax.apply_updates(p_opt, updates)
-        params = codec.from_storage(new_p) if stage in (1, 2) else new_p
+        params = layout.from_storage(new_p) if stage in (1, 2) else new_p
         new = TrainState(state.step + 1, params, opt_state)
         metrics = {
             "loss": loss,
@@ -317,14 +317,14 @@ class Executables:
         return jax.jit(self.layout.init_fn, out_shardings=self.state_shardings)()
 
     def to_canonical(self, state: TrainState) -> TrainState:
-        """The canonical (ZeRO-0) form of a state, for checkpoints."""
-        if self.layout.codec is None:
+        """The canonical (ZeRO-0, unpipelined) form of a state, for checkpoints."""
+        if self.layout.codec is None and self.layout.stage_layout is None:
             return state
         sh = self.layout.factory.shardings(self.mesh)
         return jax.jit(self.layout.to_canonical, out_shardings=sh)(state)
 
     def from_canonical(self, full: TrainState) -> TrainState:
-        if self.layout.codec is None:
+        if self.layout.codec is None and self.layout.stage_layout is None:
             return full
         return jax.jit(self.layout.from_canonical, out_shardings=self.state_shardings)(full)
 

@@ -37,7 +37,7 @@ from .state import StateFactory, make_optimizer
 from .reshard import ShardStore
 from .snapshot import SnapshotPool
 from .standby import CompileCounter, StandbyCompiler
-from .step import ExecutableCache, Executables, compile_plan
+from .step import ExecutableCache, Executables
 
 
 class RecoveryVerificationError(RuntimeError):

@@ -167,8 +167,20 @@ class Unit:
 class ZeroCodec:
     """Converts parameter-shaped trees to and from storage tiers for one plan."""
 
-    def __init__(self, abstract_params: PyTree, logical: PyTree, layout: ZeroLayout, tensor: int):
+    def __init__(
+        self,
+        abstract_params: PyTree,
+        logical: PyTree,
+        layout: ZeroLayout,
+        tensor: int,
+        layer_ids: np.ndarray | None = None,
+        layer_axis: str | None = None,
+    ):
+        """`layer_ids` (pipelines): the global layer id of each index of the stacked `layers`
+        axis (-1 = an empty slot), when that axis holds pipeline slots `[S * Lmax]` rather than
+        layers in order; `layer_axis` is the mesh axis it is sharded over (`stage`)."""
         self.layout, self.tensor = layout, tensor
+        self.layer_ids, self.layer_axis = layer_ids, layer_axis
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
         specs = self.treedef.flatten_up_to(logical)
         K = layout.n_pieces
@@ -344,9 +356,8 @@ class ZeroCodec:
         }
 
     def storage_spec(self, u: Unit) -> PartitionSpec:
-        return PartitionSpec(
-            *([None] * len(u.batch_shape)), DATA, None, TENSOR if u.tensor_sharded else None, None
-        )
+        lead = [self.layer_axis] if u.batch_shape else []
+        return PartitionSpec(*lead, DATA, None, TENSOR if u.tensor_sharded else None, None)
 
     def storage_shardings(self, mesh: Mesh) -> dict[str, tuple[NamedSharding, ...]]:
         return {
@@ -387,7 +398,11 @@ class ZeroCodec:
                 + (pos - jnp.asarray(starts)[m_idx])
             )
         if b:
-            g = g + jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * total_rows
+            layer = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+            if self.layer_ids is not None:  # pipeline slots: the layer each slot holds
+                layer = jnp.take(jnp.asarray(self.layer_ids, jnp.int32), layer)
+                ok = ok & (layer >= 0)
+            g = g + layer.astype(jnp.uint32) * total_rows
         return g, ok
 
 

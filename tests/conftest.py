@@ -45,6 +45,14 @@ TINY = [
 ]
 
 
+# data 2 x stage 4 pipelines of the tiny model (4 layers), re-plans kept pipelined
+PIPE = [
+    "model.n_layers=4", "parallel.data=2", "parallel.stage=4", "parallel.tensor=1",
+    "parallel.max_stage=4", "parallel.replan=keep_tensor", "train.microbatches=4",
+    "parallel.min_stage=2", "train.steps=10",
+]
+
+
 def tiny_config(*overrides: str) -> config.Config:
     return config.load(None, [*TINY, *overrides])
 

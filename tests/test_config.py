@@ -69,8 +69,11 @@ def test_features_not_yet_available_are_refused():
         config.load(None, ["zero.stage=4"])
     with pytest.raises(ConfigError, match=r"'parallel.stage' = 3; allowed values: 1 .. 2"):
         config.load(None, ["parallel.stage=3"])
-    with pytest.raises(ConfigError, match=r"'zero.stage' = 1 with pipelines"):
-        config.load(None, ["parallel.stage=2", "zero.stage=1"])
+    with pytest.raises(ConfigError, match=r"'zero.stage' = 3 with pipelines .* allowed values with pipelines: 0, 1"):
+        config.load(None, ["parallel.stage=2", "zero.stage=3"])
+    with pytest.raises(ConfigError, match=r"'zero.layout' = 'contiguous' with pipelines"):
+        config.load(None, ["parallel.stage=2", "zero.stage=1", "zero.layout=contiguous"])
+    config.load(None, ["parallel.stage=2", "zero.stage=1"])
     with pytest.raises(ConfigError, match=r"'train.deterministic' = true needs zero.stage = 0"):
         config.load(None, ["train.deterministic=true", "zero.stage=1"])
     # a deterministic run may not mix pipelined and unpipelined plans
