@@ -34,17 +34,32 @@ def _bits(x: jax.Array) -> jax.Array:
     raise TypeError(f"checksum of dtype {x.dtype} is not supported")
 
 
+def weights(idx: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The two odd multipliers of element identities `idx` (uint32); zero where `valid` is
+    False, so those elements do not count. Arrays with the same identities share them."""
+    w1 = idx * jnp.uint32(2) * _K1 + jnp.uint32(1)
+    w2 = (idx ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(2) * _K2 + jnp.uint32(1)
+    if valid is not None:
+        w1 = jnp.where(valid, w1, jnp.uint32(0))
+        w2 = jnp.where(valid, w2, jnp.uint32(0))
+    return w1, w2
+
+
+def checksum_with(
+    bits: jax.Array, w: tuple[jax.Array, jax.Array], keep_axis: int | None = None
+) -> jax.Array:
+    """uint32[2] checksum of `bits` (uint32) with precomputed `weights`; with `keep_axis`, the
+    partial sums along that axis, uint32[2, n] (their sum is the checksum)."""
+    a = bits * w[0]
+    b = (bits ^ (bits >> 13)) * w[1]
+    axes = None if keep_axis is None else tuple(i for i in range(bits.ndim) if i != keep_axis)
+    return jnp.stack([jnp.sum(a, axis=axes, dtype=jnp.uint32), jnp.sum(b, axis=axes, dtype=jnp.uint32)])
+
+
 def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None = None) -> jax.Array:
     """uint32[2] checksum of `bits` (uint32) at element identities `idx` (uint32, same shape);
     elements with `valid == False` do not count."""
-    w1 = idx * jnp.uint32(2) * _K1 + jnp.uint32(1)
-    w2 = (idx ^ jnp.uint32(0x5BD1E995)) * jnp.uint32(2) * _K2 + jnp.uint32(1)
-    a = bits * w1
-    b = (bits ^ (bits >> 13)) * w2
-    if valid is not None:
-        a = jnp.where(valid, a, jnp.uint32(0))
-        b = jnp.where(valid, b, jnp.uint32(0))
-    return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
+    return checksum_with(bits, weights(idx, valid))
 
 
 def leaf_checksum(x: jax.Array) -> jax.Array:

@@ -286,6 +286,8 @@ class StateLayout:
     def checksums(self, state: TrainState) -> dict[str, jax.Array]:
         """Traceable: {key: uint32[2]} with layout-independent element identities."""
         out: dict[str, jax.Array] = {}
+        shared: dict = {}  # Adam's moments share every storage tier's element identities
+        partial_keys, partials = [], []
         for (key, unit, tier), slot, x in zip(self._tags, self._slot_leaf, jax.tree.leaves(state)):
             if slot:
                 out[key] = self._slot_checksum(x)
@@ -293,9 +295,18 @@ class StateLayout:
                 out[key] = checksum.leaf_checksum(x)
             else:
                 u = self.codec.unit(unit)
-                idx, ok = self.codec.canonical_index(u, tier)
-                c = checksum.weighted_checksum(checksum._bits(x), idx, ok)
-                out[key] = out[key] + c if key in out else c
+                if (unit, tier) not in shared:
+                    shared[unit, tier] = checksum.weights(*self.codec.canonical_index(u, tier))
+                # reduce each storage tier to per-rank sums [2, D] locally; all tiers are then
+                # summed over ranks at once (one cross-device reduction, not one per tier)
+                partials.append(
+                    checksum.checksum_with(checksum._bits(x), shared[unit, tier], keep_axis=len(u.batch_shape))
+                )
+                partial_keys.append(key)
+        if partials:
+            totals = jnp.sum(jnp.stack(partials), axis=-1, dtype=jnp.uint32)  # [n, 2]
+            for i, key in enumerate(partial_keys):
+                out[key] = out[key] + totals[i] if key in out else totals[i]
         return out
 
     def _slot_checksum(self, x: jax.Array) -> jax.Array:

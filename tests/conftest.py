@@ -65,3 +65,23 @@ def exe_cache() -> ExecutableCache:
 def skip_if_not_enough_devices(n: int) -> None:
     if len(jax.devices()) < n:
         pytest.skip(f"needs {n} devices")
+
+
+# The suite runs in two xdist workers, one test file at a time each (`--dist loadfile`). Files
+# are handed out in collection order, so the longest ones (measured) go first: otherwise a
+# long file collected last runs alone at the end while the other worker idles.
+LONGEST_FIRST = [
+    "test_zero_train.py",
+    "test_pipeline_recovery.py",
+    "test_multiprocess.py",
+    "test_pipeline.py",
+    "test_standby_baselines.py",
+    "test_zero.py",
+    "test_cli.py",
+    "test_trainer.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
