@@ -53,7 +53,9 @@ def checksum_with(
     a = bits * w[0]
     b = (bits ^ (bits >> 13)) * w[1]
     axes = None if keep_axis is None else tuple(i for i in range(bits.ndim) if i != keep_axis)
-    return jnp.stack([jnp.sum(a, axis=axes, dtype=jnp.uint32), jnp.sum(b, axis=axes, dtype=jnp.uint32)])
+    return jnp.stack(
+        [jnp.sum(a, axis=axes, dtype=jnp.uint32), jnp.sum(b, axis=axes, dtype=jnp.uint32)]
+    )
 
 
 def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None = None) -> jax.Array:

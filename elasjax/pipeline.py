@@ -112,6 +112,27 @@ def slot_logical(layer_logical: PyTree) -> PyTree:
     )
 
 
+def _over_stages(local, mesh: Mesh, layer_params, other, batch: dict, key, lead: int):
+    """Run `local(layers, other, inputs, targets, weights, key_ids, key)` manual over `stage`:
+    layer leaves split over `stage` on axis `lead`, everything else whole on every stage
+    (`data` and `tensor` stay automatic); the result is replicated."""
+    whole = PartitionSpec()
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(
+            jax.tree.map(lambda _: PartitionSpec(*([None] * lead), STAGE), layer_params),
+            jax.tree.map(lambda _: whole, other),
+            whole, whole, whole, whole, whole,
+        ),
+        out_specs=whole,
+        axis_names={STAGE},
+        check_vma=False,
+    )
+    b = batch
+    return f(layer_params, other, b["inputs"], b["targets"], b["weights"], b["key_ids"], key)
+
+
 def pipeline_loss(
     params: PyTree,
     batch: dict,
@@ -184,26 +205,7 @@ def pipeline_loss(
         (_, total), _ = jax.lax.scan(tick, init, jnp.arange(m + S - 1))
         return jax.lax.psum(total, STAGE)
 
-    in_specs = (
-        jax.tree.map(lambda _: PartitionSpec(STAGE), layer_params),
-        jax.tree.map(lambda _: PartitionSpec(), other),
-        PartitionSpec(),
-        PartitionSpec(),
-        PartitionSpec(),
-        PartitionSpec(),
-        PartitionSpec(),
-    )
-    f = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=PartitionSpec(),
-        axis_names={STAGE},
-        check_vma=False,
-    )
-    return f(
-        layer_params, other, batch["inputs"], batch["targets"], batch["weights"], batch["key_ids"], key
-    )
+    return _over_stages(local, mesh, layer_params, other, batch, key, lead=0)
 
 
 def pipeline_slot_losses(
@@ -294,7 +296,8 @@ def pipeline_slot_losses(
                 op, ax = at(other, k_out)
 
                 def one(p, x, t, w):
-                    tl = optax.softmax_cross_entropy_with_integer_labels(gpt.head_apply(p, x, cfg), t)
+                    logits = gpt.head_apply(p, x, cfg)
+                    tl = optax.softmax_cross_entropy_with_integer_labels(logits, t)
                     return jnp.sum(tl * w[:, None])
 
                 return jax.vmap(one, in_axes=(ax, 0, 0, 0))(
@@ -314,23 +317,4 @@ def pipeline_slot_losses(
         (_, losses), _ = jax.lax.scan(tick, init, jnp.arange(m + S - 1))
         return jax.lax.psum(losses, STAGE)  # one stage holds each slot's loss, the rest zeros
 
-    in_specs = (
-        jax.tree.map(lambda _: PartitionSpec(*([None] * lead), STAGE), layer_params),
-        jax.tree.map(lambda _: PartitionSpec(), other),
-        PartitionSpec(),
-        PartitionSpec(),
-        PartitionSpec(),
-        PartitionSpec(),
-        PartitionSpec(),
-    )
-    f = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=PartitionSpec(),
-        axis_names={STAGE},
-        check_vma=False,
-    )
-    return f(
-        layer_params, other, batch["inputs"], batch["targets"], batch["weights"], batch["key_ids"], key
-    )
+    return _over_stages(local, mesh, layer_params, other, batch, key, lead=lead)

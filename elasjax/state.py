@@ -56,7 +56,8 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     if t.grad_clip > 0:
         # deterministic mode clips in the step with a layout-independent norm
         # (`StateLayout.fixed_order_norm`); identity keeps the optimizer state's structure
-        parts.append(optax.identity() if t.deterministic else optax.clip_by_global_norm(t.grad_clip))
+        clip = optax.identity() if t.deterministic else optax.clip_by_global_norm(t.grad_clip)
+        parts.append(clip)
     parts.append(optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=t.weight_decay))
     return optax.chain(*parts)
 
@@ -121,11 +122,15 @@ class StateLayout:
         self.stage_layout = StageLayout(plan.partition) if plan.stage > 1 else None
         self.codec = None
         if self.stage > 0 and self.stage_layout is None:
-            self.codec = ZeroCodec(factory.abstract.params, factory.param_logical, plan.zero, plan.tensor)
+            self.codec = ZeroCodec(
+                factory.abstract.params, factory.param_logical, plan.zero, plan.tensor
+            )
         elif self.stage > 0:
             # ZeRO on a pipeline: the codec partitions the slot-form parameters with the slot
             # axes flattened ([S * Lmax, ...], sharded over `stage`), one layer at a time
-            flat = jax.eval_shape(lambda p: self._flat_slots(self._slots(p)), factory.abstract.params)
+            flat = jax.eval_shape(
+                lambda p: self._flat_slots(self._slots(p)), factory.abstract.params
+            )
             self.codec = ZeroCodec(
                 flat, factory.param_logical, plan.zero, plan.tensor,
                 layer_ids=self.stage_layout.slot_layer().reshape(-1), layer_axis=STAGE,
@@ -149,11 +154,13 @@ class StateLayout:
     def _flat_slots(params: PyTree) -> PyTree:
         """[S, Lmax, ...] slot leaves -> [S * Lmax, ...] (stage-major, so sharding over `stage`
         on the first axis keeps every stage's slots on its devices)."""
-        return {**params, "layers": jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), params["layers"])}
+        layers = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), params["layers"])
+        return {**params, "layers": layers}
 
     def _unflat_slots(self, params: PyTree) -> PyTree:
         S, L = self.stage_layout.stages, self.stage_layout.slots
-        return {**params, "layers": jax.tree.map(lambda x: x.reshape((S, L) + x.shape[1:]), params["layers"])}
+        layers = jax.tree.map(lambda x: x.reshape((S, L) + x.shape[1:]), params["layers"])
+        return {**params, "layers": layers}
 
     # -- ZeRO storage of parameter-shaped trees (in this layout's params form) ------------------
 
@@ -172,7 +179,10 @@ class StateLayout:
         """Traceable: canonical state -> this layout."""
         if self.stage_layout is not None:
             like = self.factory.abstract.params
-            conv = self._slots if self.codec is None else (lambda p: self.to_storage(self._slots(p)))
+            if self.codec is None:
+                conv = self._slots
+            else:
+                conv = lambda p: self.to_storage(self._slots(p))  # noqa: E731
             opt = self._map_param_parts(full.opt_state, like, conv)
             return TrainState(full.step, self._slots(full.params), opt)
         if self.codec is None:
@@ -227,7 +237,8 @@ class StateLayout:
                 )
                 return named_shardings(self.abstract, logical, mesh)
             param_sh = named_shardings(self.abstract.params, p_logical, mesh)
-            return TrainState(NamedSharding(mesh, PartitionSpec()), param_sh, self._opt_storage_shardings(mesh))
+            rep = NamedSharding(mesh, PartitionSpec())
+            return TrainState(rep, param_sh, self._opt_storage_shardings(mesh))
         full_param_sh = named_shardings(f.abstract.params, f.param_logical, mesh)
         if self.codec is None:
             return named_shardings(f.abstract, f.logical, mesh)
@@ -299,8 +310,9 @@ class StateLayout:
                     shared[unit, tier] = checksum.weights(*self.codec.canonical_index(u, tier))
                 # reduce each storage tier to per-rank sums [2, D] locally; all tiers are then
                 # summed over ranks at once (one cross-device reduction, not one per tier)
+                rank_axis = len(u.batch_shape)
                 partials.append(
-                    checksum.checksum_with(checksum._bits(x), shared[unit, tier], keep_axis=len(u.batch_shape))
+                    checksum.checksum_with(checksum._bits(x), shared[unit, tier], keep_axis=rank_axis)
                 )
                 partial_keys.append(key)
         if partials:
@@ -336,7 +348,7 @@ class StateLayout:
             else:
                 per_slot = jnp.sum(sq, axis=tuple(range(2, g.ndim))).reshape(-1)
                 where = self.stage_layout.layer_slot()
-                flat = np.array([where[l][0] * table.shape[1] + where[l][1] for l in range(len(where))])
+                flat = np.array([s * table.shape[1] + j for s, j in (where[l] for l in range(len(where)))])
                 parts.append(jnp.take(per_slot, jnp.asarray(flat)))
         v = jnp.concatenate(parts)
         total, _ = jax.lax.scan(lambda acc, x: (acc + x, None), jnp.zeros((), v.dtype), v)

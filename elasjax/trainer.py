@@ -105,7 +105,8 @@ class RunSummary:
     sample_digests: dict[int, str]
     state: Any = None
     migrations: list[dict] = dataclasses.field(default_factory=list)
-    transfer_logs: list[TransferLog] = dataclasses.field(default_factory=list)  # per recovery / cut-over
+    # one per recovery and per cut-over, in order
+    transfer_logs: list[TransferLog] = dataclasses.field(default_factory=list)
 
     @property
     def final_loss(self) -> float:
