@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -71,7 +72,7 @@ def _contains(outer: Box, inner: Box) -> bool:
 
 
 def _size(box: Box) -> int:
-    return int(np.prod([b - a for a, b in box])) if box else 1
+    return math.prod(b - a for a, b in box)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,7 +500,7 @@ def _execute(dsts: list[_DstShard], devices: dict[int, jax.Device]) -> dict[tupl
             out[key] = d.reuse
             continue
         if cpu:
-            covered = sum(c.nbytes for c in d.copies) >= int(np.prod(d.shape)) * np.dtype(d.dtype).itemsize
+            covered = sum(c.nbytes for c in d.copies) >= math.prod(d.shape) * np.dtype(d.dtype).itemsize
             # a fully covered shard needs no zero fill (it would touch every page twice)
             buf = np.empty(d.shape, d.dtype) if covered else np.zeros(d.shape, d.dtype)
             flatbuf = buf.reshape(d.shape[: d.batch] + (-1,))
@@ -635,7 +636,7 @@ def transition(
                 and (not slotted or (same_slots and old.box[:batch] == box[:batch]))
             ):
                 ds.reuse = old.data  # this rank keeps this tier in place: no copy
-                log.kept_bytes += int(np.prod(ds.shape)) * itemsize
+                log.kept_bytes += math.prod(ds.shape) * itemsize
                 dsts.append(ds)
                 continue
             segs = _shard_segments(codec, unit, tag.tier, rank, row, seg_cache)

@@ -145,7 +145,7 @@ class Member:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.inner_shape))
+        return math.prod(self.inner_shape)
 
 
 @dataclasses.dataclass(frozen=True)
