@@ -145,67 +145,13 @@ def pipeline_loss(
     """Summed weighted token loss of a whole global batch `[m, D*b, ...]`, GPipe-pipelined.
 
     `params['layers']` are slot leaves `[S, Lmax, ...]`; every other parameter is replicated
-    over `stage`. Returns the scalar sum (replicated).
+    over `stage`. Returns the scalar sum (replicated): the schedule of `pipeline_slot_losses`
+    with the whole micro-batch as one slot (`data` stays automatic inside it).
     """
-    S, m = layout.stages, batch["inputs"].shape[0]
-    assert mesh.shape[STAGE] == S, f"mesh has {mesh.shape[STAGE]} stages, layout {S}"
-    table = layout.slot_layer()
-    layer_params = params["layers"]
-    other = {k: v for k, v in params.items() if k != "layers"}
-
-    def local(layers, other, inputs, targets, weights, key_ids, key):
-        s = jax.lax.axis_index(STAGE)
-        layers = jax.tree.map(lambda x: x[0], layers)  # this stage's [Lmax, ...]
-        ids = jnp.asarray(table)[s]  # [Lmax] global layer ids (-1 empty)
-        act_shape = inputs.shape[1:] + (cfg.d_model,)
-        dtype = jax.tree.leaves(other)[0].dtype
-
-        def micro_keys(k):
-            return rng.sample_keys(key, key_ids[k])
-
-        def run_layers(x, k):
-            keys = micro_keys(k)
-
-            def body(x, inp):
-                lp, lid = inp
-                y = jax.lax.cond(
-                    lid >= 0,
-                    lambda: gpt.block_apply(lp, x, keys, lid, cfg, deterministic),
-                    lambda: x,
-                )
-                return y, None
-
-            x, _ = jax.lax.scan(body, x, (layers, ids))
-            return x
-
-        def tick(carry, i):
-            state, total = carry
-            k_in = jnp.minimum(i, m - 1)
-            state = jax.lax.cond(
-                (s == 0) & (i < m),
-                lambda: gpt.embed_apply(other, inputs[k_in], micro_keys(k_in), cfg, deterministic),
-                lambda: state,
-            )
-            k_here = jnp.clip(i - s, 0, m - 1)
-            state = run_layers(state, k_here)
-            k_out = jnp.clip(i - (S - 1), 0, m - 1)
-
-            def head_loss():
-                logits = gpt.head_apply(other, state, cfg)
-                tl = optax.softmax_cross_entropy_with_integer_labels(logits, targets[k_out])
-                return jnp.sum(tl * weights[k_out][:, None])
-
-            total = total + jax.lax.cond(
-                (s == S - 1) & (i >= S - 1), head_loss, lambda: jnp.zeros((), jnp.float32)
-            )
-            state = jax.lax.ppermute(state, STAGE, [(j, j + 1) for j in range(S - 1)])
-            return (state, total), None
-
-        init = (jnp.zeros(act_shape, dtype), jnp.zeros((), jnp.float32))
-        (_, total), _ = jax.lax.scan(tick, init, jnp.arange(m + S - 1))
-        return jax.lax.psum(total, STAGE)
-
-    return _over_stages(local, mesh, layer_params, other, batch, key, lead=0)
+    per = pipeline_slot_losses(
+        params, batch, key, cfg, layout, mesh, 1, copies=False, deterministic=deterministic
+    )
+    return jnp.sum(per)
 
 
 def pipeline_slot_losses(
@@ -220,9 +166,10 @@ def pipeline_slot_losses(
     copies: bool,
     deterministic: bool = False,
 ) -> jax.Array:
-    """Deterministic mode's GPipe: summed weighted token loss of every (micro-batch, replica)
-    slot separately, `[m, D]`, each slot computed by one replica on its own (`vmap` over the
-    replicas, one per data device).
+    """The GPipe schedule: summed weighted token loss of every (micro-batch, replica) slot
+    separately, `[m, D]`, each slot computed by one replica on its own (`vmap` over the
+    `replicas`). `pipeline_loss` runs it with one replica (the whole micro-batch; `data` stays
+    automatic); deterministic mode with one replica per data device.
 
     With `copies=True` every parameter leaf carries two leading axes `[m, D, ...]`: slot `(k, r)`
     reads copy `(k, r)` only, so the gradient with respect to the copies is each slot's own
