@@ -75,6 +75,11 @@ class StageLayout:
         table = self.slot_layer()
         return {int(table[s, j]): (s, j) for s, j in zip(*np.nonzero(table >= 0))}
 
+    def layer_flat_slot(self) -> np.ndarray:
+        """[L] index of each layer's slot in the flattened `[S * Lmax]` slot axis."""
+        where = self.layer_slot()
+        return np.array([where[l][0] * self.slots + where[l][1] for l in range(self.n_layers)])
+
 
 def to_slots(layers: PyTree, layout: StageLayout) -> PyTree:
     """Stacked layer leaves [L, ...] -> slot leaves [S, Lmax, ...] (empty slots zero)."""
@@ -91,10 +96,7 @@ def to_slots(layers: PyTree, layout: StageLayout) -> PyTree:
 
 def from_slots(slots: PyTree, layout: StageLayout) -> PyTree:
     """Slot leaves [S, Lmax, ...] -> stacked layer leaves [L, ...]."""
-    where = layout.layer_slot()
-    flat_idx = jnp.asarray(
-        np.array([where[l][0] * layout.slots + where[l][1] for l in range(layout.n_layers)])
-    )
+    flat_idx = jnp.asarray(layout.layer_flat_slot())
 
     def one(x):
         flat = x.reshape((-1,) + x.shape[2:])

@@ -367,20 +367,18 @@ class _SegmentIndex:
     """Sorted canonical segments of the sources of one storage family."""
 
     def __init__(self):
-        self.items: list[tuple[int, int, int, Shard]] = []
+        # (canonical start, end, local flat offset, source, stacked index in the source)
+        self.items: list[tuple[int, int, int, Shard, int]] = []
 
-    def add(self, g0: int, g1: int, off: int, src: Shard) -> None:
-        self.items.append((g0, g1, off, src))
+    def add(self, g0: int, g1: int, off: int, src: Shard, pos: int = 0) -> None:
+        self.items.append((g0, g1, off, src, pos))
 
     def freeze(self) -> None:
-        # a source is a Shard, or (Shard, stacked index) in a per-layer index
-        self.items.sort(
-            key=lambda t: (t[0], RUNG_ORDER[(t[3] if isinstance(t[3], Shard) else t[3][0]).rung])
-        )
+        self.items.sort(key=lambda t: (t[0], RUNG_ORDER[t[3].rung]))
         self.starts = [t[0] for t in self.items]
         self.max_len = max((t[1] - t[0] for t in self.items), default=0)
 
-    def covering(self, g0: int, g1: int) -> list[tuple[int, int, int, Shard]]:
+    def covering(self, g0: int, g1: int) -> list[tuple[int, int, int, Shard, int]]:
         lo = bisect.bisect_left(self.starts, g0 - self.max_len)
         hi = bisect.bisect_left(self.starts, g1)
         return [t for t in self.items[lo:hi] if t[1] > g0 and t[0] < g1]
@@ -417,12 +415,6 @@ def plan_storage_shard(
             g = e
 
 
-def _layer_ids(layout, n: int) -> np.ndarray:
-    """Global layer id of each index of a storage leaf's stacked axis (-1 = empty slot)."""
-    table = _slot_table(layout)
-    return table.reshape(-1) if table is not None else np.arange(n)
-
-
 def plan_storage_shard_by_layer(
     family: str, itemsize: int, index: dict[int, _SegmentIndex], segments, dst: _DstShard,
     batch_box: tuple[int, int], layer_ids: np.ndarray, picker: _Picker,
@@ -444,15 +436,15 @@ def plan_storage_shard_by_layer(
                         family, ((lid, lid + 1), (g, g1)),
                         "no live device or snapshot holds these elements of this layer",
                     )
-                chosen = picker.pick([c[3][0] for c in cands], dst.device, 0)
-                c = next(c for c in cands if c[3][0] is chosen)
+                chosen = picker.pick([c[3] for c in cands], dst.device, 0)
+                c = next(c for c in cands if c[3] is chosen)
                 e = min(c[1], g1)
                 n = e - g
                 if chosen.device != dst.device:
                     picker.load[chosen.device] += n * itemsize
                 s0, d0 = c[2] + (g - c[0]), doff + (g - g0)
                 dst.copies.append(
-                    _Copy(chosen, (c[3][1], slice(s0, s0 + n)), (pos - b0, slice(d0, d0 + n)),
+                    _Copy(chosen, (c[4], slice(s0, s0 + n)), (pos - b0, slice(d0, d0 + n)),
                           n * itemsize, True)
                 )
                 g = e
@@ -467,14 +459,14 @@ def _index_family_by_layer(
     for oi in leaf_ids:
         tag = old_tags[oi]
         unit = codec.unit(tag.unit)
-        ids = _layer_ids(old_layout, store.shapes[oi][0])
+        ids = codec.stacked_layer_ids(unit)
         for s in store.shards[oi] + extra.get(store.paths[oi], []):
             (p0, p1), rank, row = s.box[0], s.box[1][0], s.box[3][0]
             segs = _shard_segments(codec, unit, tag.tier, rank, row, seg_cache)
             for pos in range(p0, p1):
                 if ids[pos] >= 0:
                     for g0, g1, off in segs:
-                        out[int(ids[pos])].add(g0, g1, off, (s, pos - p0))
+                        out[int(ids[pos])].add(g0, g1, off, s, pos - p0)
     for index in out.values():
         index.freeze()
     return dict(out)
@@ -620,6 +612,7 @@ def transition(
         slotted = batch > 0 and (old_tables is not None or new_tables is not None)
         same_slots = not _differ(old_tables, new_tables)
         same_pieces = _same_pieces(old_layout, new_layout)
+        new_ids = codec.stacked_layer_ids(unit) if slotted else None
         old_tier = families[tag.key][tag.tier] if tag.tier < len(families[tag.key]) else None
         held = {s.device: s for s in store.shards[old_tier]} if old_tier is not None else {}
         for d, idx in dmap.items():
@@ -646,8 +639,7 @@ def transition(
                         store, old_layout, families[tag.key], old_tags, extra, seg_cache
                     )
                 plan_storage_shard_by_layer(
-                    tag.key, itemsize, layer_indexes[tag.key], segs, ds, box[0],
-                    _layer_ids(new_layout, shape[0]), picker,
+                    tag.key, itemsize, layer_indexes[tag.key], segs, ds, box[0], new_ids, picker,
                 )
                 dsts.append(ds)
                 continue

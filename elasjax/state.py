@@ -338,18 +338,16 @@ class StateLayout:
         the plan: a sum of squares per layer (stacked `[L, ...]` and slot `[S, Lmax, ...]`
         leaves alike) or per leaf, added one after another in canonical leaf and layer order."""
         parts = []
-        table = self.stage_layout.slot_layer() if self.stage_layout is not None else None
+        slots = self.stage_layout
         for path, g in jax.tree_util.tree_flatten_with_path(params)[0]:
             sq = jnp.square(g.astype(jnp.float32))
             if "layers" not in path_str(path).split("/"):
                 parts.append(jnp.sum(sq)[None])
-            elif table is None:
+            elif slots is None:
                 parts.append(jnp.sum(sq, axis=tuple(range(1, g.ndim))))
             else:
                 per_slot = jnp.sum(sq, axis=tuple(range(2, g.ndim))).reshape(-1)
-                where = self.stage_layout.layer_slot()
-                flat = np.array([s * table.shape[1] + j for s, j in (where[l] for l in range(len(where)))])
-                parts.append(jnp.take(per_slot, jnp.asarray(flat)))
+                parts.append(jnp.take(per_slot, jnp.asarray(slots.layer_flat_slot())))
         v = jnp.concatenate(parts)
         total, _ = jax.lax.scan(lambda acc, x: (acc + x, None), jnp.zeros((), v.dtype), v)
         return jnp.sqrt(total)

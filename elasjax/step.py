@@ -230,8 +230,7 @@ def make_train_step(
     if cfg.train.deterministic:
         grad_fn = functools.partial(grad_fn, plan=plan)
     stage = layout.stage
-
-    clip = cfg.train.grad_clip if cfg.train.deterministic else 0.0
+    clip = cfg.train.grad_clip
 
     def train_step(state: TrainState, batch: dict):
         loss, grads = grad_fn(state.params, batch, state.step)

@@ -161,7 +161,6 @@ class Trainer:
         self.dropped_checkpoints: list[int] = []
         self.pool = SnapshotPool(cfg.snapshot, self.topo)
         self.dead_hosts: set[int] = set()
-        self.last_transfer_log: TransferLog | None = None
         self.transfer_logs: list[TransferLog] = []
         self.standby: StandbyCompiler | None = None
         if cfg.standby.enabled or cfg.recovery.migration == "async":
@@ -538,7 +537,6 @@ class Trainer:
             strategy=strategy,
             compiles=compiles_before,  # completed after the first step
         )
-        self.last_transfer_log = log
         self.transfer_logs.append(log)
         if migration == "async":
             self.pending_cutover = (optimal, t_fail, step)

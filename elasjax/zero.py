@@ -365,6 +365,10 @@ class ZeroCodec:
             for u in self.units
         }
 
+    def stacked_layer_ids(self, u: Unit) -> np.ndarray:
+        """Global layer id of each index of a stacked unit's layer axis (-1 = empty slot)."""
+        return self.layer_ids if self.layer_ids is not None else np.arange(u.layers)
+
     def unit(self, name: str) -> Unit:
         return next(u for u in self.units if u.name == name)
 
