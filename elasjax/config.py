@@ -172,18 +172,21 @@ class RecoveryConfig:
     redo the lost steps) and `torchft_like` (drop the broken data replicas and their share of
     the global batch). `migration: blocking` moves layers before training resumes; `async` resumes at once on a
     fast-path plan that moves no layers, compiles the optimal plan in the background and cuts
-    over to it at a step boundary."""
+    over to it at a step boundary. `prepare_transfers` plans, in a background thread, the
+    transitions of the likeliest next failures (each single device and host, and a pending
+    cut-over) from shard descriptions, so that recovery only executes copies."""
 
     strategy: Literal["elastic", "checkpoint_restart", "torchft_like"] = "elastic"
     migration: Literal["blocking", "async"] = "blocking"
     max_fast_path_steps: int = 0  # async: wait for the optimal plan after this many steps; 0 = never
+    prepare_transfers: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class StandbyConfig:
     """Background compilation of the plans recovery would need after each single-device and
     single-host failure (`enabled`), at most `max_plans`. `wait_at_start` blocks before step 0
-    until they are compiled (demos and benchmarks; a long job builds them while it trains).
+    until they are compiled, and the transitions of `recovery.prepare_transfers` are planned (demos and benchmarks; a long job builds them while it trains).
     `cache_dir` turns on JAX's persistent compilation cache there, so a restarted job (or the
     next run) loads executables instead of compiling them; on CPU its key includes the device
     assignment, so each candidate device set is its own entry."""

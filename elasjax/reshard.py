@@ -3,7 +3,7 @@
 After a failure the old global arrays are unusable (their buffers on the failed devices are gone,
 and `jax.device_put` of such an array could read a replica on a dead device). What the job still
 has is a `ShardStore` (per leaf, the single-device buffers on live devices) and the snapshot
-pool's copies (`Source`s on buddy devices or in host memory). A transition
+pool's copies (`Shard`s on buddy devices or in host memory). A transition
 
 1. *plans* copies. Leaves whose meaning does not change with the plan (parameters, scalars) are
    matched by *box* (a hyper-rectangle of the global array): each destination box is covered by
@@ -13,10 +13,16 @@ pool's copies (`Source`s on buddy devices or in host memory). A transition
    cheapest rung first: the destination itself, a live device, a buddy snapshot, a host snapshot;
    ties go to the least-loaded sender;
 2. *executes* them: ranks whose ZeRO tiers stay in place keep their very buffers (no copy); on
-   the CPU backend every other destination shard is assembled with numpy from zero-copy views of
-   the sources and placed with one `device_put`; elsewhere pieces are sliced on their devices and
-   moved with one batched `device_put`;
+   the CPU backend every other destination shard is assembled with numpy, from zero-copy views
+   of the sources, in a 64-byte-aligned host buffer that JAX adopts as the device buffer; on
+   other backends pieces are sliced on their devices and moved with `device_put`;
 3. *logs* every piece as a `Transfer(leaf, box, src, dst, nbytes, rung)`.
+
+Planning reads shard *descriptions* only: a copy names its source by `SourceRef`
+(leaf path, device, rung, box), never by buffer. So a `TransitionPlan` can be made before a
+failure, from `describe_state` and the snapshot pool's `describe_sources`, kept in a
+`TransitionPlanCache` under everything it depends on, and run on the buffers present after the
+failure, provided they are exactly the described ones (otherwise `transition` plans anew).
 
 A piece that no source holds raises `UnrecoverableStateError` naming the leaf and the slice;
 callers may then fall back to a checkpoint, never to re-initialised or partly stale values.
@@ -28,7 +34,9 @@ import bisect
 import dataclasses
 import itertools
 import math
-from collections import defaultdict
+import threading
+import time
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -216,7 +224,9 @@ class _DstShard:
     batch: int  # leading axes kept when viewed flat
     box: Box = ()  # global box of a regular leaf's shard (for the log)
     copies: list[_Copy] = dataclasses.field(default_factory=list)
-    reuse: Any = None  # an existing buffer that is exactly this shard
+    reuse: Any = None  # the source (its `SourceRef`) that is exactly this shard: kept as is
+    covered: bool = False  # the copies write every element (no zero fill needed)
+    gaps: list[tuple] | None = None  # else, when known: the [*batch, -1] slices no copy writes
 
 
 class _Picker:
@@ -481,55 +491,118 @@ def _host_view(x) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else np.asarray(x)
 
 
-def _execute(dsts: list[_DstShard], devices: dict[int, jax.Device]) -> dict[tuple[int, int], Any]:
-    """Build every destination shard; returns {(leaf, device): single-device array}."""
+_ALIGN = 64  # the CPU client adopts 64-byte-aligned host buffers without a copy
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype, zero: bool) -> np.ndarray:
+    """A fresh host buffer whose data is `_ALIGN`-byte aligned, so that `jax.device_put` on the
+    CPU backend adopts it instead of copying it a second time."""
+    dtype = np.dtype(dtype)
+    n = math.prod(shape) * dtype.itemsize
+    raw = (np.zeros if zero else np.empty)(n + _ALIGN, np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off : off + n].view(dtype).reshape(shape)
+
+
+def _execute(
+    dsts: list[_DstShard], devices: dict[int, jax.Device], data: dict
+) -> dict[tuple[int, int], Any]:
+    """Build every destination shard: {(leaf, device): buffer}. Copies name their sources by
+    `SourceRef`; `data` maps each ref to its buffer. On the CPU backend a new shard is an aligned
+    numpy buffer (placed, without a copy, when its global array is made); elsewhere it is a
+    single-device array."""
     cpu = all(d.platform == "cpu" for d in devices.values())
     out: dict[tuple[int, int], Any] = {}
-    pending_x, pending_dev, pending_key = [], [], []
+    views: dict = {}
     for d in dsts:
         key = (d.leaf, d.device)
         if d.reuse is not None:
-            out[key] = d.reuse
+            out[key] = data[d.reuse]
             continue
         if cpu:
-            covered = sum(c.nbytes for c in d.copies) >= math.prod(d.shape) * np.dtype(d.dtype).itemsize
-            # a fully covered shard needs no zero fill (it would touch every page twice)
-            buf = np.empty(d.shape, d.dtype) if covered else np.zeros(d.shape, d.dtype)
+            # zero only what no copy writes (a full fill would touch every page twice)
+            buf = _aligned_empty(d.shape, d.dtype, zero=not d.covered and d.gaps is None)
             flatbuf = buf.reshape(d.shape[: d.batch] + (-1,))
+            for g in d.gaps or ():
+                flatbuf[g] = 0
             for c in d.copies:
-                src = _host_view(c.src.data)
+                vkey = (c.src.data, c.flat, d.batch)
+                src = views.get(vkey)
+                if src is None:
+                    src = _host_view(data[c.src.data])
+                    if c.flat:
+                        src = src.reshape(src.shape[: d.batch] + (-1,))
+                    views[vkey] = src
                 if c.flat:
-                    src = src.reshape(src.shape[: d.batch] + (-1,))
                     flatbuf[c.dst_idx] = src[c.src_idx]
                 else:
                     buf[c.dst_idx] = src[c.src_idx]
-            pending_x.append(buf)
-        else:
-            buf = jnp.zeros(d.shape, d.dtype, device=devices[d.device])
-            for c in d.copies:
-                src = c.src.data
-                if isinstance(src, np.ndarray):
-                    src = jnp.asarray(src)
-                if c.flat:
-                    piece = src.reshape(src.shape[: d.batch] + (-1,))[c.src_idx]
-                    piece = jax.device_put(piece, devices[d.device])
-                    flatbuf = buf.reshape(d.shape[: d.batch] + (-1,)).at[c.dst_idx].set(piece)
-                    buf = flatbuf.reshape(d.shape)
-                else:
-                    piece = jax.device_put(src[c.src_idx], devices[d.device])
-                    buf = buf.at[c.dst_idx].set(piece)
             out[key] = buf
             continue
-        pending_dev.append(devices[d.device])
-        pending_key.append(key)
-    if pending_x:
-        for key, arr in zip(pending_key, jax.device_put(pending_x, pending_dev)):
-            out[key] = arr
+        buf = jnp.zeros(d.shape, d.dtype, device=devices[d.device])
+        for c in d.copies:
+            src = data[c.src.data]
+            if isinstance(src, np.ndarray):
+                src = jnp.asarray(src)
+            if c.flat:
+                piece = src.reshape(src.shape[: d.batch] + (-1,))[c.src_idx]
+                piece = jax.device_put(piece, devices[d.device])
+                flatbuf = buf.reshape(d.shape[: d.batch] + (-1,)).at[c.dst_idx].set(piece)
+                buf = flatbuf.reshape(d.shape)
+            else:
+                piece = jax.device_put(src[c.src_idx], devices[d.device])
+                buf = buf.at[c.dst_idx].set(piece)
+        out[key] = buf
     return out
 
 
+def _private_batched_put():
+    """JAX's one-call construction of a global array from per-device values (what
+    `jax.make_array_from_callback` ends in, without its per-value Python checks; about 3x
+    cheaper per leaf). Private API of the pinned jax; None (the public path) if it moved."""
+    try:
+        from jax._src import core as jcore
+        from jax._src.interpreters import pxla
+
+        def put(shape, sharding, values, devices):
+            aval = jcore.update_aval_with_sharding(
+                jcore.ShapedArray(shape, values[0].dtype), sharding
+            )
+            return pxla.batched_device_put(aval, sharding, values, devices)
+
+        return put if callable(getattr(pxla, "batched_device_put", None)) else None
+    except (ImportError, AttributeError):
+        return None
+
+
+_batched_put = _private_batched_put()
+
+
+def _assemble(shape, sharding, values: list) -> jax.Array:
+    """One global array from its per-device values (`sharding`'s device order): existing
+    single-device arrays are kept, host buffers placed (adopted without a copy when aligned)."""
+    if sharding.is_fully_replicated:  # make_array_from_callback would read one value for all
+        arrays = [
+            v if isinstance(v, jax.Array) else jax.device_put(v, d)
+            for v, d in zip(values, sharding.addressable_devices_indices_map(shape))
+        ]
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    dmap = sharding.addressable_devices_indices_map(shape)
+    if _batched_put is not None:
+        return _batched_put(shape, sharding, values, list(dmap))
+    order = iter(zip(dmap.values(), values))
+
+    def value(index):
+        want, v = next(order)
+        if index != want:  # the callback must visit devices in the order of `values`
+            raise AssertionError(f"make_array_from_callback visited {index}, expected {want}")
+        return v
+
+    return jax.make_array_from_callback(shape, sharding, value)
+
+
 # ---------------------------------------------------------------------------------------------
-# The transition.
+# The transition: a plan computed from shard descriptions, then executed on the buffers.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,6 +615,148 @@ class LeafTag:
     tier: int = 0
 
 
+# A source named by what it is, not by its buffer: (leaf path, device, rung, box). Plans refer to
+# sources by ref, so a plan made before a failure (from shard descriptions) runs on the buffers
+# present after it.
+SourceRef = tuple
+
+
+def describe(store: ShardStore, extra: dict[str, list[Shard]] | None = None):
+    """(store, extra) with every shard's `data` replaced by its `SourceRef`."""
+
+    def ref(path: str, s: Shard) -> Shard:
+        return Shard(s.device, s.box, (path, s.device, s.rung, s.box), s.rung)
+
+    desc = ShardStore(
+        store.treedef, store.paths, store.shapes, store.dtypes,
+        [[ref(p, s) for s in leaf] for p, leaf in zip(store.paths, store.shards)],
+    )
+    return desc, {p: [ref(p, s) for s in shards] for p, shards in (extra or {}).items()}
+
+
+def describe_state(state: PyTree, dead: Iterable[int] = ()) -> ShardStore:
+    """The `ShardStore` a failure of `dead` would leave of `state`, with `SourceRef`s for data:
+    what `faults.inject` returns, without touching a buffer."""
+    dead = set(dead)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    paths, shapes, dtypes, shards = [], [], [], []
+    for path, x in flat:
+        p, shape = path_str(path), tuple(x.shape)
+        paths.append(p)
+        shapes.append(shape)
+        dtypes.append(x.dtype)
+        leaf = []
+        for d, idx in x.sharding.addressable_devices_indices_map(shape).items():
+            if d.id not in dead:
+                box = index_to_box(idx, shape)
+                leaf.append(Shard(d.id, box, (p, d.id, "replica", box)))
+        shards.append(leaf)
+    return ShardStore(treedef, paths, shapes, dtypes, shards)
+
+
+def _buffers(store: ShardStore, extra: dict[str, list[Shard]]) -> dict:
+    """{SourceRef: buffer} of every source: what a plan's copies read."""
+    data = {}
+    for p, leaf in zip(store.paths, store.shards):
+        for s in leaf:
+            data[(p, s.device, s.rung, s.box)] = s.data
+    for p, shards in extra.items():
+        for s in shards:
+            data[(p, s.device, s.rung, s.box)] = s.data
+    return data
+
+
+def _signature(store: ShardStore, refs: frozenset, target_flat, old_layout, new_layout) -> tuple:
+    """What a transition plan depends on: the layouts, the target shardings, the leaves and the
+    exact set of sources."""
+    return (
+        id(old_layout), id(new_layout), tuple(target_flat), tuple(store.paths),
+        tuple(store.shapes), tuple(str(d) for d in store.dtypes), refs,
+    )
+
+
+def _refs(store: ShardStore, extra: dict) -> frozenset:
+    """The `SourceRef`s of a described store and its extra sources."""
+    return frozenset(s.data for leaf in store.shards for s in leaf) | frozenset(
+        s.data for shards in extra.values() for s in shards
+    )
+
+
+@dataclasses.dataclass
+class TransitionPlan:
+    """Every copy of one transition, made from shard descriptions (`SourceRef`s): valid for any
+    buffers that match them. `plan_s` is the time it took to make."""
+
+    signature: tuple
+    dsts: list[_DstShard]
+    log: TransferLog
+    target_flat: list
+    shapes: list[tuple[int, ...]]
+    treedef: Any
+    plan_s: float
+    layouts: tuple = ()  # keeps the layouts whose ids the signature holds alive
+
+    def execute(self, data: dict, devices: dict[int, jax.Device]) -> tuple[PyTree, TransferLog]:
+        built = _execute(self.dsts, devices, data)
+        leaves = []
+        for li, (sh, shape) in enumerate(zip(self.target_flat, self.shapes)):
+            values = [built[(li, d.id)] for d in sh.addressable_devices_indices_map(shape)]
+            leaves.append(_assemble(shape, sh, values))
+        log = TransferLog(list(self.log.entries), self.log.kept_bytes)
+        return jax.tree_util.tree_unflatten(self.treedef, leaves), log
+
+
+class TransitionPlanCache:
+    """Transition plans by signature (layouts, target shardings and the exact set of sources),
+    least recently used dropped beyond `max_plans`. Thread-safe: the trainer fills it in the
+    background for the likeliest failures, so that recovery only executes copies."""
+
+    def __init__(self, max_plans: int = 64):
+        self.max_plans = max_plans
+        self._plans: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, signature: tuple) -> TransitionPlan | None:
+        with self._lock:
+            plan = self._plans.get(signature)
+            if plan is not None:
+                self._plans.move_to_end(signature)
+            return plan
+
+    def put(self, plan: TransitionPlan) -> None:
+        with self._lock:
+            self._plans[plan.signature] = plan
+            while len(self._plans) > self.max_plans:
+                self._plans.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._plans)
+
+    def prepare(
+        self, store: ShardStore, target_shardings: PyTree, extra: dict | None = None, *,
+        old_layout=None, new_layout=None,
+    ) -> TransitionPlan:
+        """Plan (and keep) the transition from a described store (`describe`, `describe_state`)."""
+        target_flat = _target_leaves(target_shardings)
+        sig = _signature(store, _refs(store, extra or {}), target_flat, old_layout, new_layout)
+        plan = self.get(sig)
+        if plan is None:
+            plan = plan_transition(
+                store, target_shardings, extra_sources=extra, old_layout=old_layout,
+                new_layout=new_layout, signature=sig,
+            )
+            self.put(plan)
+        return plan
+
+
+def _target_leaves(target_shardings: PyTree) -> list:
+    return jax.tree_util.tree_leaves(
+        target_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+
+
 def transition(
     store: ShardStore,
     target_shardings: PyTree,
@@ -550,17 +765,48 @@ def transition(
     extra_sources: dict[str, list[Shard]] | None = None,
     old_layout=None,
     new_layout=None,
+    plans: TransitionPlanCache | None = None,
+    info: dict | None = None,
 ) -> tuple[PyTree, TransferLog]:
     """Build the state on `target_shardings` from the store's live shards and `extra_sources`
     (snapshot copies, by leaf path). With ZeRO layouts (`state.StateLayout`), storage leaves are
-    rebuilt by canonical element ranges; in-place tiers reuse their buffers."""
+    rebuilt by canonical element ranges; in-place tiers reuse their buffers. With `plans`, a plan
+    made earlier for the same sources is reused (and a new one kept); `info`, if given, receives
+    `plan_hit` and `plan_s` (0 on a hit)."""
     devices = devices or {d.id: d for d in jax.devices()}
+    data = _buffers(store, extra_sources or {})
+    target_flat = _target_leaves(target_shardings)
+    sig = _signature(store, frozenset(data), target_flat, old_layout, new_layout)
+    plan = plans.get(sig) if plans is not None else None
+    hit = plan is not None
+    if plan is None:
+        desc, desc_extra = describe(store, extra_sources)
+        plan = plan_transition(
+            desc, target_shardings, extra_sources=desc_extra, old_layout=old_layout,
+            new_layout=new_layout, signature=sig,
+        )
+        if plans is not None:
+            plans.put(plan)
+    if info is not None:
+        info.update(plan_hit=hit, plan_s=0.0 if hit else plan.plan_s)
+    return plan.execute(data, devices)
+
+
+def plan_transition(
+    store: ShardStore,
+    target_shardings: PyTree,
+    *,
+    extra_sources: dict[str, list[Shard]] | None = None,
+    old_layout=None,
+    new_layout=None,
+    signature: tuple = (),
+) -> TransitionPlan:
+    """The copies of a transition, from a described store (shard `data` are `SourceRef`s)."""
+    t_start = time.perf_counter()
     extra = extra_sources or {}
     picker = _Picker()
     log = TransferLog()
-    target_flat = jax.tree_util.tree_leaves(
-        target_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-    )
+    target_flat = _target_leaves(target_shardings)
     if new_layout is not None:
         new_tags = [LeafTag(*t) for t in new_layout._tags]
         target_treedef = jax.tree_util.tree_structure(new_layout.abstract)
@@ -623,7 +869,7 @@ def transition(
             if (
                 same_pieces
                 and old is not None
-                and old.data.shape == ds.shape
+                and tuple(b - a for a, b in old.box) == ds.shape
                 and tuple(old_layout.codec.tables[tag.tier][old.box[batch][0]])
                 == tuple(codec.tables[tag.tier][rank])
                 and (not slotted or (same_slots and old.box[:batch] == box[:batch]))
@@ -662,12 +908,34 @@ def transition(
             else:
                 box = tuple((o + s.start, o + s.stop) for (o, _), s in zip(ds.box, c.dst_idx))
             log.entries.append(Transfer(leaf, box, c.src.device, ds.device, c.nbytes, c.src.rung))
-    built = _execute(dsts, devices)
-    leaves = []
-    for li, (sh, shape) in enumerate(zip(target_flat, shapes)):
-        arrays = [built[(li, d.id)] for d in sh.addressable_devices_indices_map(shape)]
-        leaves.append(jax.make_array_from_single_device_arrays(shape, sh, arrays))
-    return jax.tree_util.tree_unflatten(target_treedef, leaves), log
+    for ds in dsts:
+        if ds.reuse is None:
+            _find_gaps(ds)
+    return TransitionPlan(
+        signature, dsts, log, target_flat, shapes, target_treedef,
+        time.perf_counter() - t_start, (old_layout, new_layout),
+    )
+
+
+def _find_gaps(ds: _DstShard) -> None:
+    """Mark what of a destination shard no copy writes, so that only that is zero-filled (the
+    padding of ZeRO partitions); unknown (mixed copy kinds) means a full zero fill."""
+    itemsize = np.dtype(ds.dtype).itemsize
+    if sum(c.nbytes for c in ds.copies) >= math.prod(ds.shape) * itemsize:
+        ds.covered = True
+        return
+    if not ds.copies or not all(c.flat and c.dst_idx[0] is Ellipsis for c in ds.copies):
+        return
+    n = math.prod(ds.shape[ds.batch :])
+    spans = sorted((c.dst_idx[1].start, c.dst_idx[1].stop) for c in ds.copies)
+    gaps, at = [], 0
+    for a, b in spans:
+        if a > at:
+            gaps.append((Ellipsis, slice(at, a)))
+        at = max(at, b)
+    if at < n:
+        gaps.append((Ellipsis, slice(at, n)))
+    ds.gaps = gaps
 
 
 def _differ(a, b) -> bool:

@@ -201,6 +201,22 @@ class SnapshotPool:
                     out[r.path].append(Shard(f"host:{r.host}", r.box, r.host_data, "host"))
         return out
 
+    def describe_sources(
+        self, dead_devices: set[int], dead_hosts: set[int]
+    ) -> dict[str, list[Shard]]:
+        """What `sources` will hand over after this failure if every copy verifies, described
+        (`data` is the copy's `reshard.SourceRef`): to plan a transition before it is needed."""
+        out: dict[str, list[Shard]] = defaultdict(list)
+        for r in self.records:
+            if r.holder not in dead_devices:
+                continue
+            if self.cfg.buddy and r.buddy is not None and r.buddy not in dead_devices:
+                out[r.path].append(Shard(r.buddy, r.box, (r.path, r.buddy, "buddy", r.box), "buddy"))
+            if self.cfg.host and r.host not in dead_hosts:
+                where = f"host:{r.host}"
+                out[r.path].append(Shard(where, r.box, (r.path, where, "host", r.box), "host"))
+        return dict(out)
+
     def _verify(self, r: Record, data, rung: str, version: int) -> bool:
         where = f"{rung} copy of '{r.path}' {list(r.box)} from device {r.holder}"
         if r.step != version:

@@ -135,6 +135,74 @@ class StandbyCompiler:
         self._thread.join(timeout=60)
 
 
+class BackgroundJobs:
+    """One daemon thread that runs queued jobs in order (the trainer's transfer-plan
+    preparation). `replace` drops the jobs that have not started; a job that raises is counted
+    and recorded in `errors`, never surfaced: its only effect would have been a cache entry."""
+
+    def __init__(self, name: str = "elasjax-jobs"):
+        self._queue: list[Callable[[], Any]] = []
+        self._busy = False
+        self._stop = False
+        self._cv = threading.Condition()
+        self.done = 0
+        self.seconds = 0.0
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def replace(self, jobs: Sequence[Callable[[], Any]]) -> None:
+        with self._cv:
+            self._queue = list(jobs)
+            self._cv.notify_all()
+
+    def add(self, jobs: Sequence[Callable[[], Any]]) -> None:
+        with self._cv:
+            self._queue += list(jobs)
+            self._cv.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no job is queued or running; True if so before `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                job = self._queue.pop(0)
+                self._busy = True
+            t0 = time.perf_counter()
+            try:
+                job()
+                err = None
+            except Exception as e:  # noqa: BLE001 - recorded; recovery plans again if needed
+                err = f"{type(e).__name__}: {e}"
+            with self._cv:
+                self._busy = False
+                self.done += 1
+                self.seconds += time.perf_counter() - t0
+                if err is not None:
+                    self.errors.append(err)
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._queue = []
+            self._cv.notify_all()
+        self._thread.join(timeout=60)
+
+
 class CompileCounter:
     """Counts XLA backend compilations made on one thread (JAX's monitoring events), so that a
     recovery can prove it compiled nothing. Use as a context manager; `count` is live."""

@@ -14,6 +14,7 @@ on canonical element identities, so they compare across plans.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import flax.struct
@@ -80,6 +81,7 @@ class StateFactory:
             opt_state=opt_state_logical(tx, self.abstract.opt_state, self.param_logical),
         )
         self._layouts: dict = {}
+        self._layouts_lock = threading.Lock()  # the standby and transfer-plan threads ask too
 
     def _init_params(self):
         key = jax.random.fold_in(root_key(self.cfg.train.seed), 0x1A17)
@@ -108,9 +110,10 @@ class StateFactory:
 
     def layout(self, plan) -> "StateLayout":
         key = (plan.tensor, plan.zero_stage, plan.zero, plan.partition)
-        if key not in self._layouts:
-            self._layouts[key] = StateLayout(self, plan)
-        return self._layouts[key]
+        with self._layouts_lock:  # one object per form: transition plans are keyed by it
+            if key not in self._layouts:
+                self._layouts[key] = StateLayout(self, plan)
+            return self._layouts[key]
 
 
 class StateLayout:
@@ -135,7 +138,8 @@ class StateLayout:
                 flat, factory.param_logical, plan.zero, plan.tensor,
                 layer_ids=self.stage_layout.slot_layer().reshape(-1), layer_axis=STAGE,
             )
-        self.abstract = jax.eval_shape(self.init_fn)
+        # from the canonical shapes: tracing the model's init again would cost far more
+        self.abstract = jax.eval_shape(self.from_canonical, factory.abstract)
         self._tags = self._leaf_tags()
         self._slot_leaf = [
             self.stage_layout is not None and unit is None and "layers" in key.split("/")

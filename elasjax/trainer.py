@@ -16,6 +16,7 @@ A recovery that cannot be verified raises; a slice with no live copy and no chec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,22 @@ from .data import DataPipeline
 from .faults import FaultEvent, detect, inject, resolve_schedule
 from .metrics import JsonlWriter
 from .planner import Plan, Topology, fast_path_plan, initial_plan, replan
-from .reshard import Transfer, TransferLog, UnrecoverableStateError, index_to_box, transition
+from .mesh import make_mesh
+from .reshard import (
+    Transfer,
+    TransferLog,
+    TransitionPlanCache,
+    UnrecoverableStateError,
+    describe_state,
+    index_to_box,
+    transition,
+)
 from .rng import check_backend_config
 from .sharding import path_str
 from .state import StateFactory, make_optimizer
 from .reshard import ShardStore
 from .snapshot import SnapshotPool
-from .standby import CompileCounter, StandbyCompiler
+from .standby import BackgroundJobs, CompileCounter, StandbyCompiler
 from .step import ExecutableCache, Executables
 
 
@@ -75,6 +85,8 @@ class RecoveryEvent:
     optimal_plan: str = ""
     strategy: str = "elastic"
     compiles: int = -1  # XLA compilations on the training thread from detection to first step
+    transfer_plan_hit: bool = False  # the transition was planned before the failure
+    transfer_plan_s: float = 0.0  # planning time inside transfer_s (0 on a hit)
 
     @property
     def mttr_s(self) -> float:
@@ -172,6 +184,10 @@ class Trainer:
         self.torchft_keep: tuple[int, ...] | None = None  # initial replicas still training
         self.compiles = CompileCounter()
         self._standby_due: tuple[Plan, set[int]] | None = None
+        self.transition_plans = TransitionPlanCache()
+        self.jobs = (
+            BackgroundJobs("elasjax-transfer-plans") if cfg.recovery.prepare_transfers else None
+        )
 
     # -- executables ----------------------------------------------------------------------------
 
@@ -187,18 +203,23 @@ class Trainer:
         exe, hit = self.exe_cache.get(self.cfg, self.factory, plan, self.devices)
         return exe, hit, False
 
-    def standby_candidates(self, plan: Plan, live: set[int]) -> list[Plan]:
-        """Plans recovery would need after the likeliest next failures of `plan`: every single
-        device and every single host (their optimal plans with `standby.enabled`; the no-movement
-        fast paths with `recovery.migration: async`)."""
-        out: list[Plan] = []
-        fails = [{d} for d in plan.device_ids]
+    def failure_candidates(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
+        """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single
+        device and every single host."""
+        fails = [({d}, set()) for d in plan.device_ids]
         fails += [
-            set(self.topo.host_devices(h)) & live
+            (set(self.topo.host_devices(h)) & live, {h})
             for h in range(self.topo.n_hosts)
             if set(self.topo.host_devices(h)) & set(plan.device_ids)
         ]
-        for gone in fails:
+        return fails
+
+    def standby_candidates(self, plan: Plan, live: set[int]) -> list[Plan]:
+        """Plans recovery would need after the likeliest next failures of `plan`
+        (`failure_candidates`): their optimal plans with `standby.enabled`; the no-movement fast
+        paths with `recovery.migration: async`."""
+        out: list[Plan] = []
+        for gone, _ in self.failure_candidates(plan, live):
             survivors = [d for d in self.topo.device_ids if d in live - gone]
             if not survivors:
                 continue
@@ -213,6 +234,47 @@ class Trainer:
                     pass
         keys = list(dict.fromkeys(p.compile_key for p in out))
         return keys[: max(self.cfg.standby.max_plans, 1)]
+
+    def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
+        """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""
+        optimal = replan(survivors, self.topo, self.cfg, plan, self.initial)
+        if self.cfg.recovery.migration == "async" and self.cfg.recovery.strategy == "elastic":
+            fast = fast_path_plan(plan, survivors, self.cfg)
+            if fast is not None and fast != optimal:
+                return fast, optimal
+        return optimal, optimal
+
+    def _prepare_transitions(self, plan: Plan, exe: Executables, state, live: set[int]) -> None:
+        """Plan, in the background, the transitions recovery would run after each likely next
+        failure of `plan` (`failure_candidates`), from shard descriptions: `transition` then
+        finds them in `transition_plans` and only executes copies. Elastic strategy only."""
+        if self.jobs is None or self.cfg.recovery.strategy != "elastic":
+            return
+        full = describe_state(state)  # metadata of the buffers only, read on this thread
+        held = set(plan.device_ids) | set(plan.spare_ids)
+        jobs = []
+        for gone, hosts in self.failure_candidates(plan, live):
+            survivors = [d for d in self.topo.device_ids if d in live - gone]
+            if survivors:
+                jobs.append(functools.partial(
+                    self._prepare_one, full, plan, exe.layout, gone & held, survivors,
+                    self.dead_hosts | hosts,
+                ))
+        self.jobs.replace(jobs)
+
+    def _prepare_one(self, full, plan, old_layout, dead, survivors, dead_hosts) -> None:
+        target, _ = self._recovery_plan(plan, survivors)
+        self._prepare_move(full, dead, target, old_layout, self.pool.describe_sources(dead, dead_hosts))
+
+    def _prepare_move(self, full, dead, target: Plan, old_layout, extra) -> None:
+        store = dataclasses.replace(
+            full, shards=[[s for s in leaf if s.device not in dead] for leaf in full.shards]
+        )
+        layout = self.factory.layout(target)
+        mesh = make_mesh(target.mesh_shape, [self.devices[i] for i in target.device_ids])
+        self.transition_plans.prepare(
+            store, layout.shardings(mesh), extra, old_layout=old_layout, new_layout=layout
+        )
 
     def _refresh_standby(self, plan: Plan, live: set[int]) -> None:
         if self.standby is not None:
@@ -241,6 +303,8 @@ class Trainer:
                 self.ckpt.close()
             if self.standby is not None:
                 self.standby.close()
+            if self.jobs is not None:
+                self.jobs.close()
 
     def _run(self, mw: JsonlWriter, ew: JsonlWriter) -> RunSummary:
         cfg, T = self.cfg, self.cfg.train.steps
@@ -248,11 +312,14 @@ class Trainer:
         exe, _, _ = self.executables(plan)
         step, state, good = self._start(exe)
         self._refresh_standby(plan, set(plan.device_ids) | set(plan.spare_ids))
+        self._prepare_transitions(plan, exe, state, set(self.topo.device_ids))
         if self.standby is not None and cfg.standby.wait_at_start:
             t0 = time.perf_counter()
             self.standby.wait_all()
             ew.write({"type": "standby_ready", "plans": self.standby.compiled,
                       "wait_s": time.perf_counter() - t0, "compile_s": self.standby.compile_s})
+        if self.jobs is not None and cfg.standby.wait_at_start:
+            self.jobs.wait_idle()  # the likely transitions are planned before step 0, too
         migrations: list[dict] = []
         ew.write(
             {
@@ -317,6 +384,7 @@ class Trainer:
                 digests[step] = DataPipeline.digest(idx)
                 if self._standby_due is not None and open_event is None:
                     self._refresh_standby(*self._standby_due)
+                    self._prepare_transitions(plan, exe, state, live)
                     self._standby_due = None
                 if open_event is not None:
                     open_event.first_step_s = dt
@@ -354,6 +422,8 @@ class Trainer:
                 # digest of every leaf's layout-independent checksum: equal digests = bitwise
                 # equal final parameters and optimizer state
                 "state_digest": checksum.digest(good),
+                "transfer_plans_prepared": self.jobs.done if self.jobs else 0,
+                "transfer_plan_errors": self.jobs.errors[:5] if self.jobs else [],
             }
         )
         if self.progress:
@@ -427,6 +497,8 @@ class Trainer:
     def _recover(self, step, due: list[FaultEvent], live, plan, exe, state, good):
         t_fail = time.perf_counter()
         compiles_before = self.compiles.count
+        if self.jobs is not None:
+            self.jobs.replace([])  # plans for the old plan's failures: stop preparing them
         self.pending_cutover = None  # a new failure re-plans from scratch
         failed = tuple(sorted({d for e in due for d in e.device_ids}))
         fault = "; ".join(e.spec for e in due)
@@ -450,13 +522,10 @@ class Trainer:
                     f"{list(failed)} failed at step {step}"
                 )
             self.torchft_keep = _kept_ranks(self.torchft_keep, plan, optimal)
+            new_plan = optimal
         else:
-            optimal = replan(survivors, self.topo, self.cfg, plan, self.initial)
-        new_plan, migration = optimal, "blocking"
-        if self.cfg.recovery.migration == "async" and strategy == "elastic":
-            fast = fast_path_plan(plan, survivors, self.cfg)
-            if fast is not None and fast != optimal:
-                new_plan, migration = fast, "async"
+            new_plan, optimal = self._recovery_plan(plan, survivors)
+        migration = "async" if new_plan != optimal else "blocking"
         plan_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         new_exe, hit, standby_hit = self.executables(new_plan)
@@ -464,6 +533,7 @@ class Trainer:
         t0 = time.perf_counter()
         resume_at, expected = step, good
         refusals_before = len(self.pool.refusals)
+        tinfo: dict = {}
         try:
             if strategy == "checkpoint_restart":
                 raise UnrecoverableStateError("state", (), "checkpoint_restart restores from disk")
@@ -475,6 +545,8 @@ class Trainer:
                 extra_sources=snaps,
                 old_layout=exe.layout,
                 new_layout=new_exe.layout,
+                plans=self.transition_plans,
+                info=tinfo,
             )
             jax.block_until_ready(new_state)
             rung = log.worst_rung()
@@ -536,11 +608,18 @@ class Trainer:
             optimal_plan=optimal.name,
             strategy=strategy,
             compiles=compiles_before,  # completed after the first step
+            transfer_plan_hit=tinfo.get("plan_hit", False),
+            transfer_plan_s=tinfo.get("plan_s", 0.0),
         )
         self.transfer_logs.append(log)
         if migration == "async":
             self.pending_cutover = (optimal, t_fail, step)
             self.standby.submit([optimal.compile_key])  # the only plan that matters now
+            if self.jobs is not None:  # plan the cut-over (nothing lost, no snapshots)
+                self.jobs.replace([functools.partial(
+                    self._prepare_move, describe_state(new_state), set(), optimal,
+                    new_exe.layout, None,
+                )])
         else:
             # Refresh the standby set after the first step, so that its compiles do not compete
             # with the step that ends the recovery.
@@ -564,9 +643,10 @@ class Trainer:
         new_exe = self.standby.get(optimal.compile_key)
         t0 = time.perf_counter()
         store = ShardStore.capture(state)
+        tinfo: dict = {}
         new_state, log = transition(
             store, new_exe.state_shardings, devices=self.devices, old_layout=exe.layout,
-            new_layout=new_exe.layout,
+            new_layout=new_exe.layout, plans=self.transition_plans, info=tinfo,
         )
         jax.block_until_ready(new_state)
         transfer_s = time.perf_counter() - t0
@@ -579,6 +659,7 @@ class Trainer:
         verify_s = time.perf_counter() - t0
         self.pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, live)
         self._refresh_standby(optimal, live)
+        self._prepare_transitions(optimal, new_exe, new_state, live)
         mig = {
             "type": "migration",
             "step": step,
@@ -590,6 +671,8 @@ class Trainer:
             "transfer_s": transfer_s,
             "verify_s": verify_s,
             "stall_s": transfer_s + verify_s,
+            "transfer_plan_hit": tinfo["plan_hit"],
+            "transfer_plan_s": tinfo["plan_s"],
             "steps_on_fast_path": step - fail_step,
             "time_to_optimal_s": time.perf_counter() - t_fail,
             "verified": True,
@@ -639,7 +722,8 @@ def _recovery_line(ev: RecoveryEvent) -> str:
     )
     return (
         f"step {ev.step}: {ev.fault} failed -> {ev.from_plan} => {ev.to_plan}{fast} via {ev.rung}; "
-        f"{ev.bytes_moved / 1e6:.2f} MB in {ev.transfers} transfers; MTTR {ev.mttr_s:.2f}s "
+        f"{ev.bytes_moved / 1e6:.2f} MB in {ev.transfers} transfers"
+        f"{' (planned ahead)' if ev.transfer_plan_hit else ''}; MTTR {ev.mttr_s:.2f}s "
         f"(compile {ev.compile_s:.2f}s{', standby hit' if ev.standby_hit else ''}); verified"
     )
 

@@ -8,7 +8,12 @@ from conftest import tiny_config
 from elasjax import checksum, planner, zero
 from elasjax.faults import inject
 from elasjax.mesh import make_mesh
-from elasjax.reshard import UnrecoverableStateError, transition
+from elasjax.reshard import (
+    TransitionPlanCache,
+    UnrecoverableStateError,
+    describe_state,
+    transition,
+)
 from elasjax.snapshot import SnapshotPool
 from elasjax.state import StateFactory, make_optimizer
 
@@ -226,6 +231,54 @@ def test_corrupted_snapshot_is_refused_and_the_next_rung_used():
     pool.refusals.clear()
     assert not pool.sources({3}, set(), version=6)
     assert all("step 5 != 6" in m for m in pool.refusals)
+
+
+def test_plan_prepared_before_a_failure_is_used_and_equals_a_cold_plan():
+    """The trainer plans likely transitions ahead, from shard descriptions. On the failure the
+    prepared plan runs (no planning) and builds bitwise the state a plan made then builds, with
+    the same transfers; when the sources differ from the described ones (a refused snapshot),
+    the prepared plan is not used."""
+    cfg, f = _setup(1, "interleaved")
+    plan = planner.initial_plan(TOPO, cfg)
+    mesh, lay = _mesh(plan), f.layout(plan)
+    state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))())
+    pool = SnapshotPool(cfg.snapshot, TOPO)
+    pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
+    pool.take(state, 0, DEVS)
+    pool.complete()
+    before = _cks(lay, state)
+    new_plan = planner.replan([d for d in TOPO.device_ids if d != 3], TOPO, cfg, plan, plan)
+    new_lay = f.layout(new_plan)
+    new_sh = new_lay.shardings(_mesh(new_plan))
+    plans = TransitionPlanCache()
+    plans.prepare(describe_state(state, [3]), new_sh, pool.describe_sources({3}, set()),
+                  old_layout=lay, new_layout=new_lay)
+    assert len(plans) == 1
+    store, _ = inject(state, (3,))
+
+    def run(cache, version=0):
+        info = {}
+        out, log = transition(store, new_sh, devices=DEVS, extra_sources=pool.sources({3}, set(), version),
+                              old_layout=lay, new_layout=new_lay, plans=cache, info=info)
+        return out, log, info
+
+    hot, log_hot, info = run(plans)
+    assert info == {"plan_hit": True, "plan_s": 0.0}
+    cold, log_cold, info = run(None)
+    assert not info["plan_hit"] and info["plan_s"] > 0
+    assert log_hot.entries == log_cold.entries and log_hot.kept_bytes == log_cold.kept_bytes > 0
+    assert {t.rung for t in log_hot.moved} == {"buddy"}
+    assert _cks(new_lay, hot) == _cks(new_lay, cold) == before
+    jax.tree.map(np.testing.assert_array_equal, _canonical(new_lay, _mesh(new_plan), hot),
+                 _canonical(new_lay, _mesh(new_plan), cold))
+    # one buddy copy fails its checksum: the sources are not the described ones
+    rec = next(r for r in pool.records if r.holder == 3)
+    bad = np.array(rec.buddy_data, copy=True)
+    bad.view(np.uint8).reshape(-1)[3] ^= 0x01
+    rec.buddy_data = jax.device_put(bad, DEVS[rec.buddy])
+    fallback, log_fb, info = run(plans)
+    assert not info["plan_hit"] and len(plans) == 2
+    assert "host" in log_fb.rungs() and _cks(new_lay, fallback) == before
 
 
 def test_device_and_its_buddy_fail_together():

@@ -21,16 +21,22 @@ def reference(exe_cache):
     return trainer.run(tiny_config(*COMMON, "faults=[]"), exe_cache=exe_cache)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_zero_8_7_5_4_matches_fault_free(exe_cache, reference, stage):
+@pytest.mark.parametrize("stage,prepare", [(1, True), (3, False)])
+def test_zero_8_7_5_4_matches_fault_free(exe_cache, reference, stage, prepare):
     s = trainer.run(
-        tiny_config(*COMMON, f"zero.stage={stage}", "snapshot.buddy=true", FAULTS),
+        tiny_config(*COMMON, f"zero.stage={stage}", "snapshot.buddy=true", FAULTS,
+                    f"recovery.prepare_transfers={str(prepare).lower()}", "standby.wait_at_start=true"),
         exe_cache=exe_cache,
     )
     assert [int(p.split("t")[0][1:]) for p in s.plans] == [8, 7, 5, 4]
     for r in s.recoveries:
         assert r.verified and r.rung == "buddy" and r.steps_lost == 0
         assert r.bytes_kept_in_place > 0  # surviving partitions never move
+    # with prepare_transfers the first failure's transition was planned before step 0 (later
+    # ones race the background thread); without, every recovery plans at the failure
+    first = s.recoveries[0]
+    assert first.transfer_plan_hit == prepare and (first.transfer_plan_s == 0) == prepare
+    assert prepare or not any(r.transfer_plan_hit for r in s.recoveries)
     for step in range(12):
         rel = abs(s.losses[step] - reference.losses[step]) / reference.losses[step]
         assert rel <= 1e-5, (step, rel)
