@@ -31,9 +31,11 @@ callers may then fall back to a checkpoint, never to re-initialised or partly st
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import dataclasses
 import itertools
 import math
+import os
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -513,47 +515,85 @@ def _execute(
     single-device array."""
     cpu = all(d.platform == "cpu" for d in devices.values())
     out: dict[tuple[int, int], Any] = {}
-    views: dict = {}
+    work = []
     for d in dsts:
-        key = (d.leaf, d.device)
         if d.reuse is not None:
-            out[key] = data[d.reuse]
-            continue
-        if cpu:
-            # zero only what no copy writes (a full fill would touch every page twice)
-            buf = _aligned_empty(d.shape, d.dtype, zero=not d.covered and d.gaps is None)
-            flatbuf = buf.reshape(d.shape[: d.batch] + (-1,))
-            for g in d.gaps or ():
-                flatbuf[g] = 0
+            out[(d.leaf, d.device)] = data[d.reuse]
+        elif cpu:
+            work.append(d)
+        else:
+            out[(d.leaf, d.device)] = _build_on_device(d, devices, data)
+    if work:
+        # numpy copies release the GIL: split the shards into byte-balanced groups, one per core
+        n = min(_COPY_THREADS, len(work))
+        groups: list[list[_DstShard]] = [[] for _ in range(n)]
+        load = [0] * n
+        for d in sorted(work, key=lambda d: -math.prod(d.shape)):
+            i = load.index(min(load))
+            groups[i].append(d)
+            load[i] += math.prod(d.shape) * np.dtype(d.dtype).itemsize
+        views: dict = {}
+        for d in work:  # source views made once, on this thread
             for c in d.copies:
                 vkey = (c.src.data, c.flat, d.batch)
-                src = views.get(vkey)
-                if src is None:
+                if vkey not in views:
                     src = _host_view(data[c.src.data])
-                    if c.flat:
-                        src = src.reshape(src.shape[: d.batch] + (-1,))
-                    views[vkey] = src
-                if c.flat:
-                    flatbuf[c.dst_idx] = src[c.src_idx]
-                else:
-                    buf[c.dst_idx] = src[c.src_idx]
-            out[key] = buf
-            continue
-        buf = jnp.zeros(d.shape, d.dtype, device=devices[d.device])
-        for c in d.copies:
-            src = data[c.src.data]
-            if isinstance(src, np.ndarray):
-                src = jnp.asarray(src)
-            if c.flat:
-                piece = src.reshape(src.shape[: d.batch] + (-1,))[c.src_idx]
-                piece = jax.device_put(piece, devices[d.device])
-                flatbuf = buf.reshape(d.shape[: d.batch] + (-1,)).at[c.dst_idx].set(piece)
-                buf = flatbuf.reshape(d.shape)
-            else:
-                piece = jax.device_put(src[c.src_idx], devices[d.device])
-                buf = buf.at[c.dst_idx].set(piece)
-        out[key] = buf
+                    views[vkey] = src.reshape(src.shape[: d.batch] + (-1,)) if c.flat else src
+        if n == 1:
+            built = [_build_on_host(groups[0], views)]
+        else:
+            built = list(_copy_pool().map(lambda g: _build_on_host(g, views), groups))
+        for part in built:
+            out.update(part)
     return out
+
+
+_COPY_THREADS = max(1, min(os.cpu_count() or 1, 8))
+_pool = None
+
+
+def _copy_pool():
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, "elasjax-copy")
+    return _pool
+
+
+def _build_on_host(dsts: list[_DstShard], views: dict) -> dict[tuple[int, int], np.ndarray]:
+    """Assemble destination shards in aligned host buffers from zero-copy source views."""
+    out = {}
+    for d in dsts:
+        # zero only what no copy writes (a full fill would touch every page twice)
+        buf = _aligned_empty(d.shape, d.dtype, zero=not d.covered and d.gaps is None)
+        flatbuf = buf.reshape(d.shape[: d.batch] + (-1,))
+        for g in d.gaps or ():
+            flatbuf[g] = 0
+        for c in d.copies:
+            src = views[(c.src.data, c.flat, d.batch)]
+            if c.flat:
+                flatbuf[c.dst_idx] = src[c.src_idx]
+            else:
+                buf[c.dst_idx] = src[c.src_idx]
+        out[(d.leaf, d.device)] = buf
+    return out
+
+
+def _build_on_device(d: _DstShard, devices: dict[int, jax.Device], data: dict) -> jax.Array:
+    """Assemble a destination shard on its device (non-CPU backends)."""
+    buf = jnp.zeros(d.shape, d.dtype, device=devices[d.device])
+    for c in d.copies:
+        src = data[c.src.data]
+        if isinstance(src, np.ndarray):
+            src = jnp.asarray(src)
+        if c.flat:
+            piece = src.reshape(src.shape[: d.batch] + (-1,))[c.src_idx]
+            piece = jax.device_put(piece, devices[d.device])
+            flatbuf = buf.reshape(d.shape[: d.batch] + (-1,)).at[c.dst_idx].set(piece)
+            buf = flatbuf.reshape(d.shape)
+        else:
+            piece = jax.device_put(src[c.src_idx], devices[d.device])
+            buf = buf.at[c.dst_idx].set(piece)
+    return buf
 
 
 def _private_batched_put():
@@ -696,6 +736,11 @@ class TransitionPlan:
     plan_s: float
     layouts: tuple = ()  # keeps the layouts whose ids the signature holds alive
 
+    @property
+    def bytes_written(self) -> int:
+        """Bytes copied into new shards (local pieces included; kept buffers excluded)."""
+        return sum(c.nbytes for d in self.dsts if d.reuse is None for c in d.copies)
+
     def execute(self, data: dict, devices: dict[int, jax.Device]) -> tuple[PyTree, TransferLog]:
         built = _execute(self.dsts, devices, data)
         leaves = []
@@ -788,7 +833,7 @@ def transition(
         if plans is not None:
             plans.put(plan)
     if info is not None:
-        info.update(plan_hit=hit, plan_s=0.0 if hit else plan.plan_s)
+        info.update(plan_hit=hit, plan_s=0.0 if hit else plan.plan_s, bytes_written=plan.bytes_written)
     return plan.execute(data, devices)
 
 

@@ -164,10 +164,14 @@ class SnapshotPool:
             elif self.cfg.host:
                 r.host_data = np.array(data, copy=True)  # synchronous: the next step donates it
         if buddy_x:
+            # on the CPU backend a device buffer already is host memory: `complete` copies it
+            # once (an async host copy first would copy it twice)
+            cpu = all(d.platform == "cpu" for d in buddy_dev)
             for r, copy in zip(buddy_rec, jax.device_put(buddy_x, buddy_dev)):
                 r.buddy_data = copy
                 if self.cfg.host:
-                    copy.copy_to_host_async()
+                    if not cpu:
+                        copy.copy_to_host_async()
                     r._host_pending = copy
 
     def complete(self) -> None:

@@ -263,7 +263,7 @@ def test_plan_prepared_before_a_failure_is_used_and_equals_a_cold_plan():
         return out, log, info
 
     hot, log_hot, info = run(plans)
-    assert info == {"plan_hit": True, "plan_s": 0.0}
+    assert info["plan_hit"] and info["plan_s"] == 0.0 and info["bytes_written"] > 0
     cold, log_cold, info = run(None)
     assert not info["plan_hit"] and info["plan_s"] > 0
     assert log_hot.entries == log_cold.entries and log_hot.kept_bytes == log_cold.kept_bytes > 0
