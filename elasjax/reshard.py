@@ -14,8 +14,9 @@ pool's copies (`Shard`s on buddy devices or in host memory). A transition
    ties go to the least-loaded sender;
 2. *executes* them: ranks whose ZeRO tiers stay in place keep their very buffers (no copy); on
    the CPU backend every other destination shard is assembled with numpy, from zero-copy views
-   of the sources, in a 64-byte-aligned host buffer that JAX adopts as the device buffer; on
-   other backends pieces are sliced on their devices and moved with `device_put`;
+   of the sources, in a 64-byte-aligned host buffer that JAX adopts as the device buffer (the
+   shards are split over one thread per core; numpy copies release the GIL); on other backends
+   pieces are sliced on their devices and moved with `device_put`;
 3. *logs* every piece as a `Transfer(leaf, box, src, dst, nbytes, rung)`.
 
 Planning reads shard *descriptions* only: a copy names its source by `SourceRef`

@@ -89,7 +89,7 @@ def planned_transition(store, new_sh, devs, snaps, lay, new_lay, plans):
 def memcpy_floor(nbytes: int) -> float:
     src = np.ones(max(nbytes // 4, 1), np.float32)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(7):
         dst = np.empty_like(src)
         t0 = time.perf_counter()
         np.copyto(dst, src)
@@ -147,15 +147,23 @@ def recovery_rows(args, layout: str):
         t_a = min(whole_state_device_put(store, snaps, new_lay, new_mesh, lay)[1] for _ in range(2))
 
         args_b = (store, new_sh, devs, snaps, lay, new_lay)
-        # (b) planned transfers with the prepared plan (3 runs: first and best)
-        runs = [planned_transition(*args_b, plans) for _ in range(3)]
-        assert all(r[3]["plan_hit"] for r in runs), "the prepared plan was not used"
-        t_b_first, t_b = runs[0][0], min(r[0] for r in runs)
-        _, new_state, log, _ = runs[-1]
+        # (b) planned transfers with the prepared plan (7 runs: first and best). Each run's
+        # state is dropped before the next, as recovery drops the old state
+        t_runs = []
+        for _ in range(7):
+            new_state = None
+            dt, new_state, log, info = planned_transition(*args_b, plans)
+            assert info["plan_hit"], "the prepared plan was not used"
+            t_runs.append(dt)
+        written = info["bytes_written"]
+        t_b_first, t_b = t_runs[0], min(t_runs)
         # (b0) the same, planned at the failure (best of 2)
-        cold = [planned_transition(*args_b, None) for _ in range(2)]
-        t_b0 = min(r[0] for r in cold)
-        t_plan = min(r[3]["plan_s"] for r in cold)
+        cold = []
+        for _ in range(2):
+            new_state = None
+            dt, new_state, log, info = planned_transition(*args_b, None)
+            cold.append((dt, info["plan_s"]))
+        t_b0, t_plan = min(cold)
         t_c = memcpy_floor(log.bytes_moved)
         t_d = device_put_floor(log.bytes_moved)
         state_bytes = sum(x.nbytes for x in jax.tree.leaves(new_state))
@@ -163,7 +171,7 @@ def recovery_rows(args, layout: str):
             "layout": layout, "failure": label, "plan": f"{plan.name} -> {new_plan.name}",
             "state_MB": state_bytes / 1e6, "lost_MB": lost / 1e6,
             "moved_MB": log.bytes_moved / 1e6, "kept_MB": log.kept_bytes / 1e6,
-            "written_MB": runs[-1][3]["bytes_written"] / 1e6,
+            "written_MB": written / 1e6,
             "transfers": log.transfers, "max_per_device": log.max_per_device(),
             "a_s": t_a, "b_s": t_b, "b_first_s": t_b_first, "b0_s": t_b0, "plan_s": t_plan,
             "prep_s": t_prep, "c_s": t_c, "d_s": t_d,
@@ -191,10 +199,11 @@ def snapshot_cost(args):
     pool.configure(state, exe.state_shardings, exe.mesh, set(topo.device_ids))
     data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
     times: dict[str, list[float]] = {"off": [], "overlapped": [], "serial": []}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
     i = 0
     for rnd in range(args.steps + 1):  # round 0 warms up (compiles) and is not counted
         for mode in times:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(2):
                 batch = exe.put_batch(data.batch(i, plan).arrays())
                 pool.complete()  # the step boundary: the previous snapshot has landed
@@ -208,8 +217,10 @@ def snapshot_cost(args):
             pool.complete()  # a block ends with its snapshots done: their whole cost counts
             if rnd:
                 times[mode].append((time.perf_counter() - t0) / 2)
+                cpu[mode].append((time.process_time() - c0) / 2)
     med = {k: float(np.median(v)) for k, v in times.items()}
-    return med, pool.bytes_per_step, len(pool.records)
+    med_cpu = {k: float(np.median(v)) for k, v in cpu.items()}
+    return med, med_cpu, pool.bytes_per_step, len(pool.records)
 
 
 def main():
@@ -219,7 +230,7 @@ def main():
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=3,
+    ap.add_argument("--steps", type=int, default=5,
                     help="snapshot cost: rounds of 2 steps per mode (medians)")
     ap.add_argument("--skip-snapshot-cost", action="store_true")
     args = ap.parse_args()
@@ -244,8 +255,8 @@ def main():
               f"{r['a_s'] / r['b_s']:.1f}x | {r['b_s'] / c:.1f}x | {r['b0_s'] / c:.1f}x | "
               f"{r['b_s'] / max(r['d_s'], 1e-9):.1f}x |")
     print("\nwritten MB: every byte the planned path writes into new shards, local pieces included "
-          "(moved MB crosses devices; (c) copies moved MB). (b) is the best of 3 runs, the first "
-          "in brackets; (c) is the best of 3.")
+          "(moved MB crosses devices; (c) copies moved MB). (b) is the best of 7 runs, the first "
+          "in brackets; (c) is the best of 7.")
     print("(b) ran a plan prepared before the failure from shard descriptions; preparing it "
           "took " + ", ".join(f"{r['prep_s']:.3f}s" for r in rows) + " (background work in the "
           "trainer). (b0) plans at the failure.")
@@ -256,13 +267,17 @@ def main():
             print(f"\n{r['failure']}: contiguous moves {r['moved_MB'] / max(i['moved_MB'], 1e-9):.1f}x "
                   f"the bytes of interleaved ({r['moved_MB']:.1f} vs {i['moved_MB']:.1f} MB)")
     if not args.skip_snapshot_cost:
-        med, nbytes, nrec = snapshot_cost(args)
-        off = med["off"]
+        med, med_cpu, nbytes, nrec = snapshot_cost(args)
         print(f"\nsnapshot cost ({nbytes / 1e6:.1f} MB snapshotted per step in {nrec} shards, buddy + "
-              f"host; median step over {args.steps} rounds of 2 steps per mode): {off:.3f}s without; "
-              f"{med['overlapped']:.3f}s as the trainer takes them (overhead "
-              f"{100 * (med['overlapped'] - off) / off:.1f}%); {med['serial']:.3f}s waiting for each "
-              f"right after its step (overhead {100 * (med['serial'] - off) / off:.1f}%)")
+              f"host; medians over {args.steps} rounds of 2 steps per mode):")
+        print("| per step | without | as the trainer takes them (overlapping the next step) | "
+              "each waited for after its step |")
+        print("|---|---|---|---|")
+        for name, m in (("wall-clock s", med), ("process CPU s", med_cpu)):
+            off = m["off"]
+            print(f"| {name} | {off:.3f} | {m['overlapped']:.3f} "
+                  f"({100 * (m['overlapped'] - off) / off:+.1f}%) | {m['serial']:.3f} "
+                  f"({100 * (m['serial'] - off) / off:+.1f}%) |")
 
 
 if __name__ == "__main__":
