@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 from elasjax import trainer
 from elasjax.metrics import read_jsonl
-from elasjax.standby import CompileCounter, StandbyCompiler
+from elasjax.standby import BackgroundJobs, CompileCounter, StandbyCompiler
 
 
 def test_standby_compiler_queue_and_errors():
@@ -37,6 +37,26 @@ def test_standby_compiler_queue_and_errors():
             sb.wait("bad", timeout=10)
     finally:
         sb.close()
+
+
+def test_background_jobs_run_in_order_replace_drops_queued_and_record_errors():
+    jobs = BackgroundJobs("test-jobs")
+    started, gate, ran = threading.Event(), threading.Event(), []
+
+    def first():
+        started.set()
+        gate.wait()
+
+    jobs.replace([first, lambda: ran.append("a"), lambda: ran.append("b")])
+    assert started.wait(timeout=10)  # the first job runs (held at the gate); the others wait
+    jobs.replace([lambda: ran.append("c"), lambda: 1 / 0])
+    gate.set()
+    assert jobs.wait_idle(timeout=10)
+    assert ran == ["c"]  # "a" and "b" were dropped before they started
+    assert jobs.done == 3 and len(jobs.errors) == 1 and "ZeroDivisionError" in jobs.errors[0]
+    jobs.add([lambda: ran.append("d")])
+    assert jobs.wait_idle(timeout=10) and ran == ["c", "d"]
+    jobs.close()
 
 
 def test_compile_counter_counts_this_thread_only():
