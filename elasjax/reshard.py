@@ -619,16 +619,13 @@ def _private_batched_put():
 _batched_put = _private_batched_put()
 
 
-def _assemble(shape, sharding, values: list) -> jax.Array:
-    """One global array from its per-device values (`sharding`'s device order): existing
-    single-device arrays are kept, host buffers placed (adopted without a copy when aligned)."""
+def _assemble(shape, sharding, dmap: dict, values: list) -> jax.Array:
+    """One global array from its per-device values (in the order of `dmap`, the sharding's
+    device -> index map): existing single-device arrays are kept, host buffers placed (adopted
+    without a copy when aligned)."""
     if sharding.is_fully_replicated:  # make_array_from_callback would read one value for all
-        arrays = [
-            v if isinstance(v, jax.Array) else jax.device_put(v, d)
-            for v, d in zip(values, sharding.addressable_devices_indices_map(shape))
-        ]
+        arrays = [v if isinstance(v, jax.Array) else jax.device_put(v, d) for v, d in zip(values, dmap)]
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-    dmap = sharding.addressable_devices_indices_map(shape)
     if _batched_put is not None:
         return _batched_put(shape, sharding, values, list(dmap))
     order = iter(zip(dmap.values(), values))
@@ -662,17 +659,22 @@ class LeafTag:
 SourceRef = tuple
 
 
+def source_ref(path: str, s: Shard) -> SourceRef:
+    return (path, s.device, s.rung, s.box)
+
+
+def described(path: str, s: Shard) -> Shard:
+    """`s` with its `SourceRef` for data."""
+    return dataclasses.replace(s, data=source_ref(path, s))
+
+
 def describe(store: ShardStore, extra: dict[str, list[Shard]] | None = None):
     """(store, extra) with every shard's `data` replaced by its `SourceRef`."""
-
-    def ref(path: str, s: Shard) -> Shard:
-        return Shard(s.device, s.box, (path, s.device, s.rung, s.box), s.rung)
-
     desc = ShardStore(
         store.treedef, store.paths, store.shapes, store.dtypes,
-        [[ref(p, s) for s in leaf] for p, leaf in zip(store.paths, store.shards)],
+        [[described(p, s) for s in leaf] for p, leaf in zip(store.paths, store.shards)],
     )
-    return desc, {p: [ref(p, s) for s in shards] for p, shards in (extra or {}).items()}
+    return desc, {p: [described(p, s) for s in shards] for p, shards in (extra or {}).items()}
 
 
 def describe_state(state: PyTree, dead: Iterable[int] = ()) -> ShardStore:
@@ -689,8 +691,7 @@ def describe_state(state: PyTree, dead: Iterable[int] = ()) -> ShardStore:
         leaf = []
         for d, idx in x.sharding.addressable_devices_indices_map(shape).items():
             if d.id not in dead:
-                box = index_to_box(idx, shape)
-                leaf.append(Shard(d.id, box, (p, d.id, "replica", box)))
+                leaf.append(described(p, Shard(d.id, index_to_box(idx, shape), None)))
         shards.append(leaf)
     return ShardStore(treedef, paths, shapes, dtypes, shards)
 
@@ -700,10 +701,10 @@ def _buffers(store: ShardStore, extra: dict[str, list[Shard]]) -> dict:
     data = {}
     for p, leaf in zip(store.paths, store.shards):
         for s in leaf:
-            data[(p, s.device, s.rung, s.box)] = s.data
+            data[source_ref(p, s)] = s.data
     for p, shards in extra.items():
         for s in shards:
-            data[(p, s.device, s.rung, s.box)] = s.data
+            data[source_ref(p, s)] = s.data
     return data
 
 
@@ -746,8 +747,8 @@ class TransitionPlan:
         built = _execute(self.dsts, devices, data)
         leaves = []
         for li, (sh, shape) in enumerate(zip(self.target_flat, self.shapes)):
-            values = [built[(li, d.id)] for d in sh.addressable_devices_indices_map(shape)]
-            leaves.append(_assemble(shape, sh, values))
+            dmap = sh.addressable_devices_indices_map(shape)
+            leaves.append(_assemble(shape, sh, dmap, [built[(li, d.id)] for d in dmap]))
         log = TransferLog(list(self.log.entries), self.log.kept_bytes)
         return jax.tree_util.tree_unflatten(self.treedef, leaves), log
 

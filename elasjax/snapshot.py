@@ -36,7 +36,7 @@ from . import checksum
 from .config import SnapshotConfig
 from .mesh import MESH_AXES
 from .planner import Topology
-from .reshard import Box, Shard, index_to_box
+from .reshard import Box, Shard, described, index_to_box
 from .sharding import path_str
 
 
@@ -215,10 +215,9 @@ class SnapshotPool:
             if r.holder not in dead_devices:
                 continue
             if self.cfg.buddy and r.buddy is not None and r.buddy not in dead_devices:
-                out[r.path].append(Shard(r.buddy, r.box, (r.path, r.buddy, "buddy", r.box), "buddy"))
+                out[r.path].append(described(r.path, Shard(r.buddy, r.box, None, "buddy")))
             if self.cfg.host and r.host not in dead_hosts:
-                where = f"host:{r.host}"
-                out[r.path].append(Shard(where, r.box, (r.path, where, "host", r.box), "host"))
+                out[r.path].append(described(r.path, Shard(f"host:{r.host}", r.box, None, "host")))
         return dict(out)
 
     def _verify(self, r: Record, data, rung: str, version: int) -> bool:

@@ -65,14 +65,8 @@ class StandbyCompiler:
 
     def wait_all(self, timeout: float | None = None) -> bool:
         """Block until the queue is empty and nothing compiles; True if so before `timeout`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._busy is not None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-            return True
+            return self._cv.wait_for(lambda: not self._queue and self._busy is None, timeout)
 
     def wait(self, plan, timeout: float | None = None) -> Any | None:
         """Block until `plan` is compiled (queueing it first if needed)."""
@@ -103,8 +97,7 @@ class StandbyCompiler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._stop:
-                    self._cv.wait()
+                self._cv.wait_for(lambda: self._queue or self._stop)
                 if self._stop:
                     return
                 plan = self._queue.pop(0)
@@ -163,20 +156,13 @@ class BackgroundJobs:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no job is queued or running; True if so before `timeout`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-            return True
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._stop:
-                    self._cv.wait()
+                self._cv.wait_for(lambda: self._queue or self._stop)
                 if self._stop:
                     return
                 job = self._queue.pop(0)
