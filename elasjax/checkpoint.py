@@ -18,15 +18,37 @@ from .config import CheckpointConfig
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig):
+    """Orbax `CheckpointManager` over the job's live processes (`processes`, None = this process
+    alone); `reopen` moves it to the survivors after a failure."""
+
+    def __init__(self, cfg: CheckpointConfig, processes: set[int] | None = None):
         if cfg.dir is None:
             raise ValueError("checkpoint.dir is not set")
         self.cfg = cfg
         self.dir = Path(cfg.dir).absolute()
-        self.manager = ocp.CheckpointManager(
+        self.generation = 0
+        self.manager = self._open(processes)
+
+    def _open(self, processes: set[int] | None):
+        mp = ocp.options.MultiprocessingOptions()
+        if processes is not None and len(processes) > 1 or (processes and 0 not in processes):
+            mp = ocp.options.MultiprocessingOptions(
+                primary_host=min(processes), active_processes=set(processes),
+                barrier_sync_key_prefix=f"elasjax-ckpt-{self.generation}",
+            )
+        return ocp.CheckpointManager(
             self.dir,
-            options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=True),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=self.cfg.keep, enable_async_checkpointing=True,
+                multiprocessing_options=mp,
+            ),
         )
+
+    def reopen(self, processes: set[int]) -> None:
+        """Continue over `processes` (the survivors): a manager whose barriers include a dead
+        process would wait for it forever."""
+        self.generation += 1
+        self.manager = self._open(processes)
 
     def due(self, step: int) -> bool:
         """Save after `step` steps have completed?"""

@@ -98,7 +98,7 @@ def _launch(args) -> int:
         )
     if args.num_processes is None or args.process_id is None:  # join a cluster as one process
         raise launch.ConfigError("--coordinator needs --num-processes and --process-id")
-    from .distributed import RuntimeConfig
+    from .multicontroller import RuntimeConfig
 
     rc = RuntimeConfig(
         args.coordinator, args.num_processes, args.process_id, args.platform,
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "launch":  # before anything creates a JAX backend in this process
         from .config import ConfigError
-        from .distributed import RejoinUnsupportedError
-        from .reshard import UnrecoverableStateError
+        from .multicontroller import RejoinUnsupportedError
+        from .shards import UnrecoverableStateError
 
         try:
             return _launch(args)
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         _ensure_devices(8)
     from .config import ConfigError
     from .planner import NoPlanError
-    from .reshard import UnrecoverableStateError
+    from .shards import UnrecoverableStateError
 
     try:
         return {"train": _train, "plan": _plan, "compare": _compare}[args.cmd](args)

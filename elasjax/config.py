@@ -133,19 +133,25 @@ class RngConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FaultConfig:
-    """One scripted failure, injected at the boundary before step `at_step` runs.
+    """One scripted failure.
 
     Exactly one of: `devices` (device ids), `hosts` (host indices; a host is
-    `parallel.devices_per_host` consecutive devices of the job), `count` (+ `seed`: that many
-    live devices drawn at random), or `kill_process` (multi-process runs under `elasjax launch`:
-    a real SIGKILL of that process)."""
+    `parallel.devices_per_host` consecutive devices of the job; under `elasjax launch` a host is
+    a process), `count` (+ `seed`: that many live devices drawn at random), or `kill_process`
+    (`elasjax launch` only: a real SIGKILL of that process; the same as `--kill STEP:PROCESS`).
+
+    `phase`: `step` fails the devices during step `at_step` (in one process: at the boundary
+    before it; under launch: right after the process dispatched it, its collectives in flight);
+    `recovery` fails them during the transfer of the recovery that another fault at the same
+    step started, so that recovery has to start again from what is left."""
 
     at_step: int
     devices: tuple[int, ...] = ()
     hosts: tuple[int, ...] = ()
     count: int = 0
     seed: int = 0
-    kill_process: int = -1  # `elasjax launch` only: SIGKILL this process after it dispatches at_step
+    kill_process: int = -1
+    phase: Literal["step", "recovery"] = "step"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,17 @@
-"""Fault schedules, injection and detection (single-process simulation of device loss).
+"""The fault schedule: one list of scripted failures for both runtimes.
 
-A schedule from config (`{at_step, devices}`, `{at_step, hosts}`, `{at_step, count, seed}`) is
-resolved up front against the job's topology into concrete device sets, so every bad input
-(unknown device, unknown host, a device failing twice, a schedule that kills every device) is a
-`ConfigError` before training starts, naming the fault and the allowed values.
+A schedule from config (`{at_step, devices | hosts | count + seed | kill_process, phase}`; `elasjax
+launch --kill STEP:PROCESS` adds `{at_step, kill_process}` entries to the same list) is resolved
+up front against the job's topology into concrete device sets, so every bad input (an unknown
+device, host or process, a device failing twice, a schedule that kills every device, a kind of
+failure the runtime cannot produce) is a `ConfigError` before training starts (under `launch`,
+before any process starts), naming the fault and the allowed values.
 
-Injection is honest about memory: `inject` records each live leaf's per-device buffers in a
-`ShardStore` and then deletes every buffer on the failed devices. The old global arrays become
-unusable (JAX refuses to read a deleted array), so recovery can only use what truly survives.
-Detection (`detect`) finds the dead devices by probing the buffers, the way a health check would;
-with one process this is simulated loss, not a crashed chip, and outputs say so.
+What a failure *is* depends on the runtime (`elasjax.runtime`): in one process the injector
+deletes every buffer on the failed devices (`inject`: recovery can only use what truly survives);
+under the multi-controller runtime a host is a process, and the targeted process sends itself
+SIGKILL. Device-level failures (`devices`, `count`) have no meaning there: one cannot kill a device
+of a live process.
 """
 
 from __future__ import annotations
@@ -21,33 +23,55 @@ import numpy as np
 
 from .config import ConfigError, FaultConfig
 from .planner import Topology
-from .reshard import ShardStore
+from .shards import ShardStore
+
+IN_PROCESS = "in-process"
+MULTI_CONTROLLER = "multi-controller"
 
 
 @dataclasses.dataclass(frozen=True)
 class FaultEvent:
     at_step: int
     device_ids: tuple[int, ...]
-    kind: str  # "devices" | "hosts" | "random"
+    kind: str  # "devices" | "hosts" | "random" | "process"
     spec: str  # human-readable origin, e.g. "hosts [1]"
+    phase: str = "step"  # "step" | "recovery"
+    hosts: tuple[int, ...] = ()  # the hosts (processes) it takes down whole
 
 
-def resolve_schedule(faults: tuple[FaultConfig, ...], topo: Topology, steps: int) -> list[FaultEvent]:
+def resolve_schedule(
+    faults: tuple[FaultConfig, ...], topo: Topology, steps: int, runtime: str = IN_PROCESS
+) -> list[FaultEvent]:
+    """Concrete events in order; `runtime` is the kind of runtime that will inject them."""
     live = list(topo.device_ids)
-    events = []
+    events: list[FaultEvent] = []
     for i, f in enumerate(faults):
         key = f"faults[{i}]"
-        if f.kill_process >= 0:
-            raise ConfigError(
-                f"config '{key}.kill_process' needs real processes: run the config with "
-                "`elasjax launch --processes P ...`, which kills that process; `elasjax train` "
-                "simulates device failures in one process (use 'devices', 'hosts' or 'count')"
-            )
         if not 1 <= f.at_step < steps:
             raise ConfigError(
                 f"config '{key}.at_step' = {f.at_step} is outside the run; allowed values: "
                 f"1 .. {steps - 1}"
             )
+        hosts: tuple[int, ...] = ()
+        if runtime == MULTI_CONTROLLER and (f.devices or f.count):
+            raise ConfigError(
+                f"config '{key}' fails {'devices' if f.devices else 'random devices'}; under "
+                "`elasjax launch` a failure is a process (a host): use 'kill_process' (or "
+                "--kill STEP:PROCESS) or 'hosts'"
+            )
+        if f.kill_process >= 0:
+            if runtime != MULTI_CONTROLLER:
+                raise ConfigError(
+                    f"config '{key}.kill_process' needs real processes: run the config with "
+                    "`elasjax launch --processes P ...`, which kills that process; `elasjax "
+                    "train` simulates device failures in one process (use 'devices', 'hosts' or "
+                    "'count')"
+                )
+            if not 0 <= f.kill_process < topo.n_hosts:
+                raise ConfigError(
+                    f"config '{key}.kill_process' = {f.kill_process}: process {f.kill_process} "
+                    f"does not exist; allowed values: 0 .. {topo.n_hosts - 1}"
+                )
         if f.devices:
             for d in f.devices:
                 if d not in topo.device_ids:
@@ -58,9 +82,11 @@ def resolve_schedule(faults: tuple[FaultConfig, ...], topo: Topology, steps: int
                 if d not in live:
                     raise ConfigError(f"config '{key}.devices': device {d} has already failed")
             ids, kind, spec = tuple(f.devices), "devices", f"devices {list(f.devices)}"
-        elif f.hosts:
+        elif f.hosts or f.kill_process >= 0:
+            hosts = tuple(f.hosts) if f.hosts else (f.kill_process,)
+            what = "hosts" if f.hosts else "kill_process"
             ids = []
-            for h in f.hosts:
+            for h in hosts:
                 if not 0 <= h < topo.n_hosts:
                     raise ConfigError(
                         f"config '{key}.hosts' names host {h}, which does not exist; allowed "
@@ -69,9 +95,16 @@ def resolve_schedule(faults: tuple[FaultConfig, ...], topo: Topology, steps: int
                     )
                 alive = [d for d in topo.host_devices(h) if d in live]
                 if not alive:
-                    raise ConfigError(f"config '{key}.hosts': host {h} has no live device left")
+                    raise ConfigError(
+                        f"config '{key}.{what}': {'process' if f.kill_process >= 0 else 'host'} "
+                        f"{h} has already failed"
+                    )
                 ids += alive
-            ids, kind, spec = tuple(ids), "hosts", f"hosts {list(f.hosts)}"
+            if runtime == MULTI_CONTROLLER:
+                kind, spec = "process", ", ".join(f"process {h}" for h in hosts)
+            else:
+                kind, spec = "hosts", f"hosts {list(hosts)}"
+            ids = tuple(ids)
         else:
             if f.count > len(live):
                 raise ConfigError(
@@ -81,24 +114,27 @@ def resolve_schedule(faults: tuple[FaultConfig, ...], topo: Topology, steps: int
             pick = np.random.default_rng(f.seed).choice(len(live), size=f.count, replace=False)
             ids = tuple(sorted(live[j] for j in pick))
             kind, spec = "random", f"count {f.count} seed {f.seed}"
+        if f.phase == "recovery" and not any(
+            e.at_step == f.at_step and e.phase == "step" for e in events
+        ):
+            raise ConfigError(
+                f"config '{key}.phase' = 'recovery' needs a failure with phase 'step' at the same "
+                f"step ({f.at_step}) before it in 'faults': that failure starts the recovery this "
+                "one interrupts"
+            )
         live = [d for d in live if d not in ids]
         if not live:
             raise ConfigError(
                 f"config 'faults' fails every device by step {f.at_step} ({key}); at least one "
                 "device must survive"
             )
-        events.append(FaultEvent(f.at_step, ids, kind, spec))
+        events.append(FaultEvent(f.at_step, ids, kind, spec + (
+            " (during recovery)" if f.phase == "recovery" else ""), f.phase, hosts))
     return events
 
 
 def inject(state: Any, device_ids: tuple[int, ...]) -> tuple[ShardStore, int]:
-    """Fail devices under a live state: returns (what survives, bytes lost); the state itself
-    is unusable afterwards."""
+    """Fail devices under a live state (one process): returns (what survives, bytes lost); the
+    state itself is unusable afterwards."""
     store = ShardStore.capture(state)
     return store, store.fail(device_ids)
-
-
-def detect(store: ShardStore, expected_live: set[int]) -> set[int]:
-    """Devices of the plan with no usable buffer left: probes every recorded buffer."""
-    held = {s.device for leaf in store.shards for s in leaf if not s.data.is_deleted()}
-    return (expected_live - held) | store.dead_devices()

@@ -1,33 +1,17 @@
-"""`elasjax launch`: one job as P cooperating processes on JAX's multi-controller runtime, surviving
-real process failures (SIGKILL), plus the local launcher that starts and reaps them.
+"""`elasjax launch`: one job as P cooperating processes on JAX's multi-controller runtime,
+surviving real process failures (SIGKILL), plus the local launcher that starts and reaps them.
 
-Worker loop. Every state change is one `multihost_utils.live_devices` block, which is atomic:
-either every live process finishes the block or every one raises `ProcessFailureError` naming
-the dead devices (its exit is a barrier over the live processes). State, checksums and snapshots
-are committed only after a clean exit, so a failure anywhere leaves the last committed state
-intact on every survivor:
+Each worker runs the same `trainer.Trainer` as `elasjax train`, on the multi-controller runtime
+(`elasjax.multicontroller`): every feature the trainer has (ZeRO, pipelines and async migration,
+deterministic mode, standby executables, prepared transitions, buddy snapshots, checkpoints,
+evaluation, the baselines) runs here too, and a config that cannot is refused before any process
+starts (`resolve_config`).
 
-    start      [plan + compile]  [init + checksums + snapshot]
-    step s     [batch -> train -> block_until_ready -> checksums -> snapshot of the result]
-    recovery   [replan + compile]  [rebuild + verify + snapshot]  then step s again
-
-Compilation is a block of its own so that its exit barrier lines every process up before the
-next collective: processes compile at different speeds, and a collective that waits longer than
-`--xla_cpu_collective_timeout_seconds` fails as if a peer had died. (The coordination service's
-own `wait_at_barrier` is no substitute: with a dead participant it blocks until its timeout.)
-The train executable does not donate its input: a step interrupted by a death must leave the
-previous state readable, which is what recovery rebuilds from.
-
-A recovery re-plans over the surviving devices with the same pure planner as the single-process
-trainer, then `distributed.plan_rebuild` / `execute_rebuild` build the new plan's state from
-live replicas and, for shards that lived in the dead process only, from the host snapshot its
-ring successor holds; checksums of the rebuilt state must equal those of the last committed
-state. The step then re-runs with the same sample ids and keys, so losses continue those of the
-fault-free run.
-
-Fault injection is real: `--kill STEP:PROCESS` makes that process send itself SIGKILL right after
-dispatching step STEP (its collectives are in flight); the wall time of the kill goes to the
-coordination service's key-value store so survivors can report kill -> `ProcessFailureError`.
+Fault injection is real and comes from the one fault schedule: `{at_step, kill_process: P}`
+entries of the config, to which `--kill STEP:PROCESS` adds. The targeted process sends itself
+SIGKILL right after dispatching step STEP (its collectives are in flight), or, with
+`phase: recovery`, during the transfer of the recovery at that step; the wall time of the kill
+goes to the coordination service's key-value store so survivors can report kill -> error.
 
 Process 0 hosts the coordination service. Its death makes the runtime terminate every other
 process; the launcher then reports it and reaps whatever is left (see docs/multiprocess.md).
@@ -45,57 +29,33 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import jax
 from jax.errors import JaxRuntimeError
-from jax.experimental import multihost_utils
 
-from . import checksum
-from .config import Config, ConfigError, dump, load
-from .data import DataPipeline
-from .distributed import (
-    REJOIN_UNSUPPORTED,
-    Exchanger,
-    Membership,
+from .config import Config, ConfigError, FaultConfig, load
+from .faults import MULTI_CONTROLLER, resolve_schedule
+from .metrics import read_jsonl
+from .multicontroller import (
+    MultiControllerRuntime,
     RejoinUnsupportedError,
     RuntimeConfig,
-    execute_rebuild,
     initialize,
     kv_client,
-    layouts,
-    local_shards,
-    plan_rebuild,
-    take_snapshot,
     xla_flags,
 )
-from .metrics import JsonlWriter, read_jsonl
-from .planner import Topology, initial_plan, replan
-from .rng import check_backend_config
-from .state import StateFactory, make_optimizer
-from .step import compile_plan
-
-# The phases whose sum is a recovery's `mttr_s` (DESIGN section 4, plus the snapshot refresh).
-MTTR_PHASES = (
-    "detect_s",
-    "plan_s",
-    "compile_s",
-    "transfer_s",
-    "verify_s",
-    "snapshot_s",
-    "first_step_s",
-)
-
+from .planner import Topology, initial_plan
 
 # ---------------------------------------------------------------------------------------------
-# The kill schedule.
+# The config as a launch runs it.
 
 
 @dataclasses.dataclass(frozen=True)
 class KillSpec:
-    """SIGKILL process `process` right after it dispatches step `at_step`."""
+    """SIGKILL process `process` right after it dispatches step `at_step` (`--kill STEP:PROCESS`,
+    the same as a config fault `{at_step, kill_process}`)."""
 
     at_step: int
     process: int
@@ -111,44 +71,21 @@ class KillSpec:
         return f"{self.at_step}:{self.process}"
 
 
-def kill_schedule(cfg: Config, cli: Sequence[KillSpec], n_processes: int) -> tuple[KillSpec, ...]:
-    """The run's kills: `--kill` options plus config faults with a `kill_process` field.
-
-    Config faults that simulate device loss inside one process (`devices`, `hosts`, `count`)
-    have no meaning here and are refused; so are kills outside the run, of unknown processes,
-    of a process twice, or of every process.
-    """
-    kills = list(cli)
-    for i, f in enumerate(cfg.faults):
-        kp = f.kill_process
-        if kp >= 0:
-            kills.append(KillSpec(f.at_step, kp))
-            continue
-        raise ConfigError(
-            f"config 'faults[{i}]' simulates device loss inside one process; under `elasjax "
-            f"launch` a failure is a killed process: use --kill STEP:PROCESS (and --set faults=[])"
-        )
-    steps = cfg.train.steps
-    seen: set[int] = set()
-    for k in kills:
-        if not 1 <= k.at_step < steps:
-            raise ConfigError(
-                f"--kill {k}: step {k.at_step} is outside the run; allowed steps: 1 .. {steps - 1}"
-            )
-        if not 0 <= k.process < n_processes:
-            raise ConfigError(
-                f"--kill {k}: process {k.process} does not exist; allowed: 0 .. {n_processes - 1}"
-            )
-        if k.process in seen:
-            raise ConfigError(f"--kill {k}: process {k.process} is killed twice")
-        seen.add(k.process)
-    if n_processes and len(seen) >= n_processes:
-        raise ConfigError("--kill kills every process; at least one must survive")
-    return tuple(sorted(kills, key=lambda k: (k.at_step, k.process)))
+# What cannot run under launch, and why (also in the README's limits and docs/multiprocess.md).
+LAUNCH_LIMITS = {
+    "standby.cache_dir": (
+        "JAX's persistent compilation cache deadlocked loading multi-device CPU executables "
+        "with collectives in multi-process runs (measured with jax 0.10.2); allowed values: null"
+    ),
+}
 
 
-def resolve_config(cfg: Config, n_processes: int, devices_per_process: int) -> Config:
-    """The config as the launch runs it: all devices of all processes, a host = a process."""
+def resolve_config(
+    cfg: Config, n_processes: int, devices_per_process: int, kills: Sequence[KillSpec] = ()
+) -> Config:
+    """The config as the launch runs it: all devices of all processes, a host = a process, the
+    `--kill` options added to the fault schedule. Raises `ConfigError` for anything that cannot
+    run under launch, and checks the whole fault schedule, before any process starts."""
     n = n_processes * devices_per_process
     p = cfg.parallel
     if p.devices not in (-1, n):
@@ -156,452 +93,43 @@ def resolve_config(cfg: Config, n_processes: int, devices_per_process: int) -> C
             f"config 'parallel.devices' = {p.devices} but the launch has {n} devices "
             f"({n_processes} processes x {devices_per_process}); allowed values: -1, {n}"
         )
-    if cfg.checkpoint.dir is not None:
-        raise ConfigError(
-            "config 'checkpoint.dir': persistent checkpoints are not wired into `elasjax launch`; "
-            "allowed values: null"
-        )
-    if cfg.zero.stage != 0:
-        raise ConfigError(
-            f"config 'zero.stage' = {cfg.zero.stage}: `elasjax launch` rebuilds state by boxes of "
-            "ZeRO-0 leaves; ZeRO storage needs the canonical-range transfer plan across "
-            "processes (not wired yet); allowed values: 0"
-        )
+    if cfg.standby.cache_dir is not None:
+        raise ConfigError(f"config 'standby.cache_dir' under `elasjax launch`: {LAUNCH_LIMITS['standby.cache_dir']}")
+    faults = list(cfg.faults) + [FaultConfig(k.at_step, kill_process=k.process) for k in kills]
+    faults.sort(key=lambda f: f.at_step)  # stable: a recovery-phase fault stays after its cause
     par = dataclasses.replace(p, devices=n, devices_per_host=devices_per_process)
-    return cfg.replace(parallel=par)
+    out = cfg.replace(parallel=par, faults=tuple(faults))
+    topo = Topology(tuple(range(n)), devices_per_process)
+    events = resolve_schedule(out.faults, topo, out.train.steps, MULTI_CONTROLLER)
+    killed = {h for e in events for h in e.hosts}
+    if killed >= set(range(n_processes)):
+        raise ConfigError("the fault schedule kills every process; at least one must survive")
+    initial_plan(topo, out)  # a config no plan can run is an error here, not in P processes
+    return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Executables.
+def run_worker(
+    config_path: str | None,
+    overrides: Sequence[str],
+    rc: RuntimeConfig,
+    out: str | Path | None,
+    kills: Sequence[KillSpec] = (),
+) -> int:
+    """Join the job described by `rc` and train; returns a process exit code."""
+    from .trainer import Trainer
 
-
-@dataclasses.dataclass
-class PlanExecutables:
-    exe: Any  # step.Executables
-
-
-def compile_executables(cfg: Config, factory, plan, devices) -> PlanExecutables:
-    """`step.compile_plan`'s executables for `plan`, compiled without donation: a step that a
-    death interrupts must leave its input state readable on the survivors (recovery rebuilds
-    from it), so the input is kept until the step commits."""
-    return PlanExecutables(compile_plan(cfg, factory, plan, devices, donate=False))
-
-
-# ---------------------------------------------------------------------------------------------
-# The worker.
-
-
-@dataclasses.dataclass
-class Failure:
-    """What survivors learnt from one `ProcessFailureError` (merged if more follow)."""
-
-    step: int
-    phase: str
-    failed_devices: list[int]
-    failed_processes: list[int]
-    killed: bool
-    kill_to_error_s: float | None
-    block_to_error_s: float
-    cause: str
-    t_error: float
-    incident: int
-
-
-class Worker:
-    """One process of a launched job; `run()` trains to the end or raises."""
-
-    def __init__(self, cfg: Config, rc, out: Path | None, kills: Sequence[KillSpec]):
-        check_backend_config()
-        self.rc = rc
-        self.me = jax.process_index()
-        self.member = Membership.of(jax.devices())
-        k = len(jax.local_devices())
-        self.cfg = resolve_config(cfg, jax.process_count(), k)
-        self.kills = {s.process: s for s in kill_schedule(self.cfg, kills, jax.process_count())}
-        self.topo = Topology(self.member.ids, k)
-        self.initial = initial_plan(self.topo, self.cfg)
-        self.factory = StateFactory(self.cfg, make_optimizer(self.cfg.train))
-        self.data = DataPipeline(
-            self.cfg.data, self.cfg.model, self.cfg.rng, self.cfg.train.global_batch
-        )
-        self.exchanger = Exchanger(self.member)
-        self.out = out
-        self.writer = self.me == 0  # the lowest live process; process 0 cannot fail and survive
-        self.incidents = 0
-        self.pending: Failure | None = None
-        self.exes: dict = {}
-        self.step = 0
-        self.plan = self.exe = self.state = self.good = self.pool = self.lays = None
-
-    # -- atomic blocks --------------------------------------------------------------------------
-
-    def _atomic(self, phase: str, body: Callable[[], Any]) -> tuple[bool, Any]:
-        t0 = time.time()
-        try:
-            with multihost_utils.live_devices(list(self.member.devices)) as live:
-                ids = {d.id for d in live}
-                if ids != set(self.member.ids):
-                    raise RuntimeError(
-                        f"live devices {sorted(ids)} differ from the membership "
-                        f"{sorted(self.member.ids)} at a block start; processes "
-                        f"{sorted(set(self.member.processes) - {d.process_index for d in live})} "
-                        "were not alive when the job started"
-                    )
-                return True, body()
-        except multihost_utils.ProcessFailureError as e:
-            self._failed(e, phase, t0)
-            return False, None
-
-    def _failed(self, e, phase: str, t_block: float) -> None:
-        t_err = time.time()
-        failed = sorted(d.id for d in e.failed_devices)
-        procs = sorted({d.process_index for d in e.failed_devices})
-        client = kv_client()
-        kill_times = [_kv_float(client, f"elasjax/kill/{p}") for p in procs]
-        kill_times = [t for t in kill_times if t is not None]
-        k2e = t_err - min(kill_times) if kill_times else None
-        self.incidents += 1
-        cause = repr(e.__cause__) if e.__cause__ is not None else "failure seen at the block exit"
-        f = Failure(
-            self.step,
-            phase,
-            failed,
-            procs,
-            bool(kill_times),
-            k2e,
-            t_err - t_block,
-            cause.splitlines()[0][:300],
-            t_err,
-            self.incidents,
-        )
-        detect = {"kill_to_error_s": k2e, "block_to_error_s": f.block_to_error_s}
-        client.key_value_set(
-            f"elasjax/detect/{self.incidents}/{self.me}", json.dumps(detect), allow_overwrite=True
-        )
-        self.member = self.member.without(set(failed))
-        self.exchanger = Exchanger(self.member)
-        _log(
-            self.me,
-            f"step {self.step} ({phase}): ProcessFailureError: processes {procs} (devices "
-            f"{failed}) failed; kill -> error "
-            + (f"{k2e:.2f}s" if k2e is not None else "n/a")
-            + f"; cause: {f.cause[:160]}",
-        )
-        if self.pending is None:
-            self.pending = f
-        else:  # a failure during a recovery: one recovery covers both
-            p = self.pending
-            p.failed_devices = sorted(set(p.failed_devices) | set(failed))
-            p.failed_processes = sorted(set(p.failed_processes) | set(procs))
-
-    # -- phases ---------------------------------------------------------------------------------
-
-    def _plan_and_compile(self):
-        t0 = time.perf_counter()
-        if set(self.member.ids) == set(self.topo.device_ids):
-            plan = self.initial
-        else:
-            survivors = [d for d in self.topo.device_ids if d in set(self.member.ids)]
-            plan = replan(survivors, self.topo, self.cfg, self.plan or self.initial, self.initial)
-        plan_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        hit = plan in self.exes
-        if not hit:
-            self.exes[plan] = compile_executables(self.cfg, self.factory, plan, self.member.by_id())
-        return plan, self.exes[plan], plan_s, time.perf_counter() - t0, hit
-
-    def _init_state(self, pe: PlanExecutables):
-        exe = pe.exe
-        state = exe.init()
-        good = checksum.to_host(exe.checksum(state))
-        lays = layouts(self.factory.abstract, exe.state_shardings)
-        pool = take_snapshot(state, lays, self.member, self.exchanger, 0)
-        return state, good, lays, pool
-
-    def _train(self):
-        step, exe = self.step, self.exe.exe
-        _, idx = self.data.step_ids(step)
-        arrays = self.data.batch(step, self.plan).arrays()
-        batch = {
-            k: jax.make_array_from_callback(v.shape, exe.batch_shardings[k], lambda i, v=v: v[i])
-            for k, v in arrays.items()
-        }
-        t0 = time.perf_counter()
-        new_state, met = exe.train(self.state, batch)
-        kill = self.kills.get(self.me)
-        if kill is not None and kill.at_step == step:
-            kv_client().key_value_set(f"elasjax/kill/{self.me}", repr(time.time()), True)
-            _log(self.me, f"step {step}: sending SIGKILL to myself (--kill {kill})")
-            os.kill(os.getpid(), signal.SIGKILL)
-        jax.block_until_ready((new_state, met))
-        dt = time.perf_counter() - t0
-        loss, gnorm = float(met["loss"]), float(met["grad_norm"])
-        good = checksum.to_host(met["checksums"])
-        t0 = time.perf_counter()
-        pool = take_snapshot(new_state, self.lays, self.member, self.exchanger, step + 1)
-        snap_s = time.perf_counter() - t0
-        return new_state, good, pool, loss, gnorm, dt, snap_s, DataPipeline.digest(idx)
-
-    def _rebuild(self, pe: PlanExecutables):
-        from .trainer import RecoveryVerificationError
-
-        exe = pe.exe
-        t0 = time.perf_counter()
-        new_lays = layouts(self.factory.abstract, exe.state_shardings)
-        snaps = self.pool.holdings(self.member.processes) if self.pool is not None else {}
-        pieces = plan_rebuild(self.lays, new_lays, self.member.process_of(), snaps)
-        treedef = jax.tree_util.tree_structure(self.factory.abstract)
-        state, log = execute_rebuild(
-            pieces,
-            self.lays,
-            local_shards(self.state),
-            self.pool,
-            self.step,
-            exe.state_shardings,
-            treedef,
-            self.member.by_id(),
-            self.exchanger,
-        )
-        jax.block_until_ready(state)
-        transfer_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        actual = checksum.to_host(exe.checksum(state))
-        bad = checksum.diff(self.good, actual)
-        if bad:
-            raise RecoveryVerificationError(
-                f"rebuilt state differs from the last committed state (step {self.step}) in "
-                f"{len(bad)} leaves, e.g. {bad[:3]}; refusing to continue"
-            )
-        verify_s = time.perf_counter() - t0
-        dead = set(self.topo.device_ids) - set(self.member.ids)
-        if any(t.src in dead for t in log.entries):
-            raise AssertionError("a transfer read a failed device")  # invariant
-        t0 = time.perf_counter()
-        pool = take_snapshot(state, new_lays, self.member, self.exchanger, self.step)
-        snap_s = time.perf_counter() - t0
-        cross = sum(p.nbytes for p in pieces if p.remote)
-        return state, new_lays, pool, log, cross, transfer_s, verify_s, snap_s
-
-    # -- the loop -------------------------------------------------------------------------------
-
-    def run(self) -> dict:
-        out = self.out if self.writer else None
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(dump(self.cfg))
-        mw = JsonlWriter(out / "metrics.jsonl" if out else None)
-        ew = JsonlWriter(out / "events.jsonl" if out else None)
-        try:
-            return self._run(mw, ew)
-        except Exception as e:
-            ew.write(
-                {
-                    "type": "error",
-                    "step": self.step,
-                    "error": type(e).__name__,
-                    "message": str(e),
-                    "process": self.me,
-                }
-            )
-            raise
-        finally:
-            mw.close()
-            ew.close()
-
-    def _run(self, mw, ew) -> dict:
-        cfg, T = self.cfg, self.cfg.train.steps
-        if _kv_float(kv_client(), "elasjax/started") is not None:
-            # This process was restarted into a running job (same coordinator and id).
-            raise RejoinUnsupportedError(
-                f"process {self.me} was restarted into a running job: "
-                + (
-                    REJOIN_UNSUPPORTED
-                    if self.rc.platform == "cpu"
-                    else "rejoining is not implemented yet (see docs/multiprocess.md, 'Scale-up')"
-                )
-            )
-        while True:  # start: a fresh start on whoever is alive
-            ok, res = self._atomic("start/compile", self._plan_and_compile)
-            if not ok:
-                continue
-            plan, exe, _, compile_s, _ = res
-            ok, res = self._atomic("start/init", lambda exe=exe: self._init_state(exe))
-            if ok:
-                break
-        self.plan, self.exe = plan, exe
-        self.state, self.good, self.lays, self.pool = res
-        if self.writer:
-            kv_client().key_value_set("elasjax/started", repr(time.time()), allow_overwrite=True)
-        if self.pending is not None:
-            ew.write({"type": "failure_before_start", **dataclasses.asdict(self.pending)})
-            self.pending = None
-        ew.write(
-            {
-                "type": "start",
-                "step": 0,
-                "plan": plan.name,
-                "plan_detail": plan.describe(),
-                "devices": list(self.member.ids),
-                "processes": list(self.member.processes),
-                "devices_per_process": self.topo.devices_per_host,
-                "compile_s": compile_s,
-                "n_params": self.factory.n_params,
-                "kills": [str(k) for k in self.kills.values()],
-                "runtime": dataclasses.asdict(self.rc),
-                "snapshot_unique_bytes": self.pool.nbytes,
-                "eval": "not run under launch" if cfg.train.eval_every else "off",
-            }
-        )
-        _log(self.me, f"start: plan {plan.describe()}; compile {compile_s:.1f}s")
-        open_event: dict | None = None
-        losses: dict[int, float] = {}
-        while self.step < T:
-            if self.pending is not None:
-                ev = self._recover()
-                if ev is not None:
-                    open_event = ev
-                continue
-            ok, res = self._atomic("step", self._train)
-            if not ok:
-                continue
-            self.state, self.good, self.pool, loss, gnorm, dt, snap_s, digest = res
-            losses[self.step] = loss
-            mw.write(
-                {
-                    "step": self.step,
-                    "loss": loss,
-                    "global_batch": cfg.train.global_batch,
-                    "tokens": cfg.train.global_batch * cfg.model.seq_len,
-                    "n_devices": self.plan.n_devices,
-                    "n_processes": len(self.member.processes),
-                    "plan": self.plan.name,
-                    "step_time_s": dt,
-                    "grad_norm": gnorm,
-                    "batch_digest": digest,
-                    "snapshot_s": snap_s,
-                    "snapshot_bytes": self.pool.nbytes,
-                }
-            )
-            if open_event is not None:
-                self._close_event(open_event, dt, ew)
-                open_event = None
-            _log(self.me, f"step {self.step}: loss {loss:.6f} on {self.plan.name} ({dt:.3f}s)")
-            self.step += 1
-        ok = False
-        while not ok:  # a last barrier, so no process leaves while others still need it
-            ok, _ = self._atomic("end", lambda: None)
-        ew.write(
-            {
-                "type": "end",
-                "step": self.step,
-                "final_loss": losses.get(T - 1),
-                "plan": self.plan.name,
-                "processes": list(self.member.processes),
-            }
-        )
-        return {"losses": losses, "plan": self.plan.name, "processes": self.member.processes}
-
-    def _recover(self) -> dict | None:
-        f = self.pending
-        old_plan = self.plan
-        ok, res = self._atomic("recover/compile", self._plan_and_compile)
-        if not ok:
-            return None
-        plan, exe, plan_s, compile_s, hit = res
-        ok, res = self._atomic("recover/transfer", lambda: self._rebuild(exe))
-        if not ok:
-            return None
-        state, lays, pool, log, cross, transfer_s, verify_s, snap_s = res
-        self.plan, self.exe, self.state, self.lays, self.pool = plan, exe, state, lays, pool
-        self.pending = None
-        self.exes = {plan: exe}  # membership only shrinks: older plans never come back
-        rungs = sorted(log.rungs())
-        worst = "host" if "host" in rungs else "replica"
-        detect_s = f.kill_to_error_s if f.kill_to_error_s is not None else f.block_to_error_s
-        fault = ", ".join(
-            f"process {p} " + ("killed (SIGKILL)" if f.killed else "failed")
-            for p in f.failed_processes
-        )
-        _log(
-            self.me,
-            f"recovered at step {f.step}: {old_plan.name} -> {plan.name} via {'+'.join(rungs)}; "
-            f"{log.bytes_moved / 1e6:.2f} MB in {log.transfers} transfers; verified",
-        )
-        return {
-            "type": "recovery",
-            "step": f.step,
-            "fault": fault,
-            "failed_devices": f.failed_devices,
-            "failed_processes": f.failed_processes,
-            "failed_phase": f.phase,
-            "from_plan": old_plan.name,
-            "to_plan": plan.name,
-            "rung": worst,
-            "rungs": rungs,
-            "bytes_moved": log.bytes_moved,
-            "bytes_cross_process": cross,
-            "transfers": log.transfers,
-            "max_transfers_per_device": log.max_per_device(),
-            "steps_lost": 0,
-            "resumed_at_step": f.step,
-            "detect_s": detect_s,
-            "kill_to_error_s": f.kill_to_error_s,
-            "block_to_error_s": f.block_to_error_s,
-            "error_cause": f.cause,
-            "plan_s": plan_s,
-            "compile_s": compile_s,
-            "standby_hit": False,
-            "exe_cache_hit": hit,
-            "transfer_s": transfer_s,
-            "verify_s": verify_s,
-            "snapshot_s": snap_s,
-            "verified": True,
-            "collective_timeout_s": self.rc.collective_timeout_s,
-            "heartbeat_timeout_s": self.rc.heartbeat_timeout_s,
-            "_t_error": f.t_error,
-            "_incident": f.incident,
-            "failure_simulation": "real: a process of a jax.distributed job died (SIGKILL)"
-            if f.killed
-            else "real: a process of a jax.distributed job died",
-        }
-
-    def _close_event(self, ev: dict, first_step_s: float, ew) -> None:
-        client = kv_client()
-        per = {}
-        for p in self.member.processes:
-            v = _kv_json(client, f"elasjax/detect/{ev['_incident']}/{p}")
-            if v is not None:
-                per[str(p)] = v.get("kill_to_error_s")
-        ev["detect_per_process_s"] = per
-        ev["first_step_s"] = first_step_s
-        ev["mttr_s"] = sum(ev[k] for k in MTTR_PHASES)
-        ev["error_to_resumed_s"] = time.time() - ev.pop("_t_error")
-        ev.pop("_incident")
-        ew.write(ev)
-        _log(
-            self.me,
-            "MTTR {mttr_s:.2f}s = detect {detect_s:.2f} + plan {plan_s:.3f} + compile "
-            "{compile_s:.2f} + transfer {transfer_s:.3f} + verify {verify_s:.3f} + snapshot "
-            "{snapshot_s:.3f} + first step {first_step_s:.3f}".format(**ev),
-        )
-
-
-def _kv_float(client, key: str) -> float | None:
+    cfg = load(config_path, overrides)
+    initialize(rc)
+    rt = MultiControllerRuntime(rc)
+    cfg = resolve_config(cfg, jax.process_count(), len(jax.local_devices()), kills)
     try:
-        return float(client.key_value_try_get(key))
-    except JaxRuntimeError:  # NOT_FOUND: the key was never set
-        return None
-
-
-def _kv_json(client, key: str):
-    try:
-        return json.loads(client.blocking_key_value_get(key, 5000))
-    except JaxRuntimeError:  # DEADLINE_EXCEEDED: that process never reported
-        return None
-
-
-def _log(me: int, msg: str) -> None:
-    print(f"[elasjax p{me}] {msg}", flush=True)
+        summary = Trainer(cfg, out, runtime=rt).run()
+    finally:
+        rt.close()
+    procs = sorted(rt.processes())
+    rt.log(f"done: {len(summary.losses)} steps, final plan {summary.final_plan.name}")
+    _shutdown(rt.me, procs)
+    return 0
 
 
 def _shutdown(me: int, processes: Sequence[int]) -> None:
@@ -622,24 +150,6 @@ def _shutdown(me: int, processes: Sequence[int]) -> None:
                 continue
     time.sleep(1.0)  # let their disconnect RPCs land before the service goes away
     jax.distributed.shutdown()
-
-
-def run_worker(
-    config_path: str | None,
-    overrides: Sequence[str],
-    rc,
-    out: str | Path | None,
-    kills: Sequence[KillSpec] = (),
-) -> int:
-    """Join the job described by `rc` and train; returns a process exit code."""
-
-    cfg = load(config_path, overrides)
-    initialize(rc)
-    w = Worker(cfg, rc, Path(out) if out is not None else None, kills)
-    summary = w.run()
-    _log(w.me, f"done: {len(summary['losses'])} steps, final plan {summary['plan']}")
-    _shutdown(w.me, summary["processes"])
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -687,9 +197,13 @@ def launch_local(
     if processes < 1 or devices_per_process < 1:
         raise ConfigError("--processes and --devices-per-process must be >= 1")
     # Fail fast, before any process starts: config, kill schedule and initial plan (pure).
-    cfg = resolve_config(load(config_path, overrides), processes, devices_per_process)
-    kills = kill_schedule(cfg, kills, processes)
-    initial_plan(Topology(tuple(range(processes * devices_per_process)), devices_per_process), cfg)
+    cfg = resolve_config(load(config_path, overrides), processes, devices_per_process, kills)
+    topo = Topology(tuple(range(processes * devices_per_process)), devices_per_process)
+    scheduled = {
+        h: f"{e.at_step}:{h}" + (" during recovery" if e.phase == "recovery" else "")
+        for e in resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER)
+        for h in e.hosts
+    }
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="elasjax-launch-"))
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -703,11 +217,10 @@ def launch_local(
     )
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["XLA_FLAGS"] = xla_flags(rc0, env.get("XLA_FLAGS", ""))
-    scheduled = {k.process: k for k in kills}
     if 0 in scheduled:
         _say(
             quiet,
-            f"note: --kill {scheduled[0]} kills process 0, which hosts the coordination "
+            f"note: the kill {scheduled[0]} kills process 0, which hosts the coordination "
             "service: the job will end there",
         )
     procs: list[_Proc] = []
@@ -803,7 +316,7 @@ def _monitor(procs, scheduled, deadline, heartbeat_s, quiet) -> tuple[str, str]:
                 if p.index in scheduled and rc == -signal.SIGKILL:
                     _say(
                         quiet,
-                        f"process {p.index} was killed as scheduled (--kill {scheduled[p.index]})",
+                        f"process {p.index} was killed as scheduled ({scheduled[p.index]})",
                     )
                 elif rc != 0 and p.index != 0 and procs[0].ended_at is None:
                     unscheduled.append(f"process {p.index} ended with {_rc(rc)}")
@@ -848,12 +361,8 @@ _COORD = (
 )
 
 
-def _coordinator_message(kill: KillSpec) -> str:
-    return (
-        f"process 0 was killed at step {kill.at_step} (--kill {kill}); "
-        + _COORD
-        + "; the job ended"
-    )
+def _coordinator_message(kill: str) -> str:
+    return f"process 0 was killed at step {kill.split(':')[0]} ({kill}); " + _COORD + "; the job ended"
 
 
 def _rc(rc: int) -> str:
@@ -924,12 +433,13 @@ def _print_recoveries(out: Path, quiet: bool) -> None:
         if e.get("type") == "recovery":
             print(
                 f"recovery at step {e['step']}: {e['fault']}; {e['from_plan']} -> {e['to_plan']} "
-                f"via {e['rung']}; kill->error {_fmt(e['kill_to_error_s'])}; "
+                f"via {e['rung']}; kill->error {_fmt(e.get('kill_to_error_s'))}; "
                 f"MTTR {e['mttr_s']:.2f}s "
                 f"(detect {e['detect_s']:.2f}, plan {e['plan_s']:.3f}, compile "
                 f"{e['compile_s']:.2f}, transfer {e['transfer_s']:.3f}, verify "
                 f"{e['verify_s']:.3f}, snapshot {e['snapshot_s']:.3f}, first step "
-                f"{e['first_step_s']:.3f})",
+                f"{e['first_step_s']:.3f}; standby hit {e['standby_hit']}; "
+                f"{e['bytes_cross_process'] / 1e6:.2f} MB across processes)",
                 flush=True,
             )
         elif e.get("type") == "end":

@@ -2,21 +2,20 @@
 
 After a failure the old global arrays are unusable (their buffers on the failed devices are gone,
 and `jax.device_put` of such an array could read a replica on a dead device). What the job still
-has is a `ShardStore` (per leaf, the single-device buffers on live devices) and the snapshot
-pool's copies (`Shard`s on buddy devices or in host memory). A transition
+has is a `ShardStore` (every live shard of every leaf) and the snapshot pool's copies (`Shard`s on
+buddy devices or in host memory). A transition
 
-1. *plans* copies. Leaves whose meaning does not change with the plan (parameters, scalars) are
-   matched by *box* (a hyper-rectangle of the global array): each destination box is covered by
-   source boxes, cut into cells where no single source covers it. ZeRO storage leaves
-   (`elasjax.zero`) are matched by *canonical element ranges*, because the same element sits at a
-   different storage position on a different plan. Each needed piece gets exactly one source, the
-   cheapest rung first: the destination itself, a live device, a buddy snapshot, a host snapshot;
-   ties go to the least-loaded sender;
-2. *executes* them: ranks whose ZeRO tiers stay in place keep their very buffers (no copy); on
-   the CPU backend every other destination shard is assembled with numpy, from zero-copy views
-   of the sources, in a 64-byte-aligned host buffer that JAX adopts as the device buffer (the
-   shards are split over one thread per core; numpy copies release the GIL); on other backends
-   pieces are sliced on their devices and moved with `device_put`;
+1. *plans* copies, for every destination shard of the new layout on every process (the plan is
+   global and deterministic, so every process computes the same one). Leaves whose meaning does
+   not change with the plan (parameters, scalars) are matched by *box* (a hyper-rectangle of the
+   global array): each destination box is covered by source boxes, cut into cells where no
+   single source covers it. ZeRO storage leaves (`elasjax.zero`) are matched by *canonical
+   element ranges*, because the same element sits at a different storage position on a
+   different plan. Each needed piece gets exactly one source, the cheapest rung first: the
+   destination itself, a live device, a buddy snapshot, a host snapshot; then a source in the
+   destination's own process; ties go to the least-loaded sender;
+2. *executes* them (`elasjax.copies`): each process builds its own destination shards; pieces
+   held by another process come through the runtime's transport, point to point;
 3. *logs* every piece as a `Transfer(leaf, box, src, dst, nbytes, rung)`.
 
 Planning reads shard *descriptions* only: a copy names its source by `SourceRef`
@@ -32,215 +31,58 @@ callers may then fall back to a checkpoint, never to re-initialised or partly st
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import dataclasses
 import itertools
 import math
-import os
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .sharding import path_str
+from . import copies
+from .copies import Copy, CopyThreads, DstShard
+from .shards import (
+    RUNG_ORDER,
+    Box,
+    Shard,
+    ShardStore,
+    Transfer,
+    TransferLog,
+    UnrecoverableStateError,
+    box_size,
+    buffers,
+    contains,
+    describe,
+    index_to_box,
+)
 
 PyTree = Any
-Box = tuple[tuple[int, int], ...]
-RUNG_ORDER = {"local": 0, "replica": 1, "live": 1, "buddy": 2, "host": 3, "checkpoint": 4}
-
-
-class UnrecoverableStateError(RuntimeError):
-    """A slice of state has no live copy on any rung; the message names the leaf and slice."""
-
-    def __init__(self, leaf: str, box: Box, detail: str = ""):
-        self.leaf, self.box = leaf, box
-        super().__init__(
-            f"state leaf '{leaf}' slice {box_str(box)} has no live copy"
-            + (f" ({detail})" if detail else "")
-        )
-
-
-def index_to_box(index: tuple, shape: tuple[int, ...]) -> Box:
-    out = []
-    for sl, n in zip(index, shape):
-        start, stop, step = sl.indices(n)
-        assert step == 1
-        out.append((start, stop))
-    return tuple(out)
-
-
-def box_str(box: Box) -> str:
-    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
-
-
-def _contains(outer: Box, inner: Box) -> bool:
-    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
-
-
-def _size(box: Box) -> int:
-    return math.prod(b - a for a, b in box)
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    """A copy of `box` of a leaf: on device `device` (an int id), or in host memory
-    (`device` = "host:<h>", `data` a numpy array). `rung` says where it comes from."""
-
-    device: int | str
-    box: Box
-    data: Any
-    rung: str = "replica"
-
-
-@dataclasses.dataclass
-class ShardStore:
-    """What the job holds of a state, leaf by leaf, as per-device buffers."""
-
-    treedef: Any
-    paths: list[str]
-    shapes: list[tuple[int, ...]]
-    dtypes: list[Any]
-    shards: list[list[Shard]]
-
-    @classmethod
-    def capture(cls, tree: PyTree) -> "ShardStore":
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        paths, shapes, dtypes, shards = [], [], [], []
-        for path, x in flat:
-            paths.append(path_str(path))
-            shapes.append(tuple(x.shape))
-            dtypes.append(x.dtype)
-            shards.append(
-                [Shard(s.device.id, index_to_box(s.index, x.shape), s.data) for s in x.addressable_shards]
-            )
-        return cls(treedef, paths, shapes, dtypes, shards)
-
-    def fail(self, device_ids: Iterable[int]) -> int:
-        """Delete every buffer on the given devices (their memory is gone). Returns bytes lost."""
-        dead = set(device_ids)
-        lost = 0
-        for i, leaf in enumerate(self.shards):
-            keep = []
-            for s in leaf:
-                if s.device in dead:
-                    lost += s.data.nbytes
-                    if not s.data.is_deleted():
-                        s.data.delete()
-                else:
-                    keep.append(s)
-            self.shards[i] = keep
-        return lost
-
-    def dead_devices(self) -> set[int]:
-        """Devices whose buffers are gone (deleted behind the store's back)."""
-        return {s.device for leaf in self.shards for s in leaf if s.data.is_deleted()}
-
-    def devices(self) -> set[int]:
-        return {s.device for leaf in self.shards for s in leaf}
-
-
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    leaf: str
-    box: Box  # destination slice (global box; for ZeRO storage, the element range in the shard)
-    src: int | str  # device id, "host:<h>" or "checkpoint"
-    dst: int
-    nbytes: int
-    rung: str = "replica"
-
-    @property
-    def local(self) -> bool:
-        return self.src == self.dst
-
-    def to_json(self) -> dict:
-        return {
-            "leaf": self.leaf,
-            "slice": box_str(self.box),
-            "src": self.src,
-            "dst": self.dst,
-            "bytes": self.nbytes,
-            "rung": self.rung,
-        }
-
-
-@dataclasses.dataclass
-class TransferLog:
-    entries: list[Transfer] = dataclasses.field(default_factory=list)
-    kept_bytes: int = 0  # bytes that stayed in place (buffers reused without a copy)
-
-    @property
-    def moved(self) -> list[Transfer]:
-        return [t for t in self.entries if not t.local]
-
-    @property
-    def bytes_moved(self) -> int:
-        return sum(t.nbytes for t in self.moved)
-
-    @property
-    def transfers(self) -> int:
-        return len(self.moved)
-
-    def sources(self) -> set:
-        return {t.src for t in self.entries}
-
-    def max_per_device(self) -> int:
-        """Largest number of transfers any one device sends or receives."""
-        count: dict = defaultdict(int)
-        for t in self.moved:
-            count[("s", t.src)] += 1
-            count[("r", t.dst)] += 1
-        return max(count.values(), default=0)
-
-    def rungs(self) -> set[str]:
-        return {t.rung for t in self.entries}
-
-    def worst_rung(self) -> str:
-        rungs = {t.rung for t in self.moved} or {"replica"}
-        return max(rungs, key=lambda r: RUNG_ORDER[r])
-
-
-# ---------------------------------------------------------------------------------------------
-# Copy plans. A copy moves `src.data[src_idx]` into destination shard `dst` at `dst_idx`; flat
-# copies index arrays viewed as [*batch, -1] (all layers of a ZeRO storage shard at once).
-
-
-@dataclasses.dataclass(frozen=True)
-class _Copy:
-    src: Shard
-    src_idx: tuple
-    dst_idx: tuple
-    nbytes: int
-    flat: bool  # index the [*batch, -1] view
-
-
-@dataclasses.dataclass
-class _DstShard:
-    leaf: int  # index into the target leaves
-    device: int
-    shape: tuple[int, ...]
-    dtype: Any
-    batch: int  # leading axes kept when viewed flat
-    box: Box = ()  # global box of a regular leaf's shard (for the log)
-    copies: list[_Copy] = dataclasses.field(default_factory=list)
-    reuse: Any = None  # the source (its `SourceRef`) that is exactly this shard: kept as is
-    covered: bool = False  # the copies write every element (no zero fill needed)
-    gaps: list[tuple] | None = None  # else, when known: the [*batch, -1] slices no copy writes
 
 
 class _Picker:
-    def __init__(self):
+    """Chooses one source per piece: the destination itself, else the cheapest rung, then a
+    source in the destination's process (`where`: device -> process), then the least-loaded
+    sender. Deterministic, so every process picks the same sources."""
+
+    def __init__(self, where: Callable[[Any], int] | None = None):
         self.load: dict = defaultdict(int)
+        self.where = where or (lambda _: 0)
 
     def pick(self, holders: Sequence[Shard], dst: int, nbytes: int) -> Shard:
         for s in holders:
             if s.device == dst:
                 return s
-        best = min(holders, key=lambda s: (RUNG_ORDER[s.rung], self.load[s.device], str(s.device)))
+        home = self.where(dst)
+        best = min(
+            holders,
+            key=lambda s: (
+                RUNG_ORDER[s.rung], self.where(s.device) != home, self.load[s.device], str(s.device)
+            ),
+        )
         self.load[best.device] += nbytes
         return best
 
@@ -263,24 +105,24 @@ def _rel(cell: Box, origin: Box) -> tuple[slice, ...]:
 
 
 def plan_box_leaf(
-    path: str, itemsize: int, sources: list[Shard], dst: _DstShard, box: Box, picker: _Picker
+    path: str, itemsize: int, sources: list[Shard], dst: DstShard, box: Box, picker: _Picker
 ) -> None:
     """Cover destination `box` with source boxes (one source per cell)."""
-    whole = [s for s in sources if _contains(s.box, box)]
+    whole = [s for s in sources if contains(s.box, box)]
     if whole:
-        s = picker.pick(whole, dst.device, _size(box) * itemsize)
+        s = picker.pick(whole, dst.device, box_size(box) * itemsize)
         if s.device == dst.device and s.box == box and s.rung in ("replica", "live"):
             dst.reuse = s.data
         dst.copies.append(
-            _Copy(s, _rel(box, s.box), _rel(box, box), _size(box) * itemsize, False)
+            Copy(s, _rel(box, s.box), _rel(box, box), box_size(box) * itemsize, False)
         )
         return
     for cell in _cells(box, sources):
-        holders = [s for s in sources if _contains(s.box, cell)]
+        holders = [s for s in sources if contains(s.box, cell)]
         if not holders:
             raise UnrecoverableStateError(path, cell, "every device holding it has failed")
-        s = picker.pick(holders, dst.device, _size(cell) * itemsize)
-        dst.copies.append(_Copy(s, _rel(cell, s.box), _rel(cell, box), _size(cell) * itemsize, False))
+        s = picker.pick(holders, dst.device, box_size(cell) * itemsize)
+        dst.copies.append(Copy(s, _rel(cell, s.box), _rel(cell, box), box_size(cell) * itemsize, False))
 
 
 # Pipeline slot leaves: the same layer sits at a different (stage, slot) on another partition.
@@ -302,7 +144,7 @@ def _layer_entries(box: Box, table: np.ndarray | None):
 
 
 def plan_layered_leaf(
-    path: str, itemsize: int, sources: list[Shard], dst: _DstShard, box: Box, old_table,
+    path: str, itemsize: int, sources: list[Shard], dst: DstShard, box: Box, old_table,
     new_table, picker: _Picker,
 ) -> None:
     """Cover each layer of a destination shard from the shards holding that layer (any slot)."""
@@ -312,23 +154,23 @@ def plan_layered_leaf(
             by_layer[lid].append((dataclasses.replace(src, box=rest), prefix))
     for lid, dprefix, drest in _layer_entries(box, new_table):
         holders = by_layer.get(lid, [])
-        nbytes = _size(drest) * itemsize
-        whole = [(h, pre) for h, pre in holders if _contains(h.box, drest)]
+        nbytes = box_size(drest) * itemsize
+        whole = [(h, pre) for h, pre in holders if contains(h.box, drest)]
         if whole:
             h = picker.pick([h for h, _ in whole], dst.device, nbytes)
             pre = next(p for x, p in whole if x is h)
             dst.copies.append(
-                _Copy(h, pre + _rel(drest, h.box), dprefix + _rel(drest, drest), nbytes, False)
+                Copy(h, pre + _rel(drest, h.box), dprefix + _rel(drest, drest), nbytes, False)
             )
             continue
         for cell in _cells(drest, [h for h, _ in holders]):
-            cands = [(h, pre) for h, pre in holders if _contains(h.box, cell)]
+            cands = [(h, pre) for h, pre in holders if contains(h.box, cell)]
             if not cands:
                 raise UnrecoverableStateError(path, ((lid, lid + 1),) + cell, "layer has no live copy")
-            h = picker.pick([c for c, _ in cands], dst.device, _size(cell) * itemsize)
+            h = picker.pick([c for c, _ in cands], dst.device, box_size(cell) * itemsize)
             pre = next(p for x, p in cands if x is h)
             dst.copies.append(
-                _Copy(h, pre + _rel(cell, h.box), dprefix + _rel(cell, drest), _size(cell) * itemsize, False)
+                Copy(h, pre + _rel(cell, h.box), dprefix + _rel(cell, drest), box_size(cell) * itemsize, False)
             )
 
 
@@ -398,7 +240,7 @@ class _SegmentIndex:
 
 
 def plan_storage_shard(
-    family: str, itemsize: int, batch: int, index: _SegmentIndex, segments, dst: _DstShard,
+    family: str, itemsize: int, batch: int, index: _SegmentIndex, segments, dst: DstShard,
     picker: _Picker,
 ) -> None:
     """Fill a destination storage shard's canonical segments from the indexed sources."""
@@ -423,13 +265,13 @@ def plan_storage_shard(
             s0 = c[2] + (g - c[0])
             d0 = doff + (g - g0)
             dst.copies.append(
-                _Copy(chosen, (Ellipsis, slice(s0, s0 + n)), (Ellipsis, slice(d0, d0 + n)), nbytes, True)
+                Copy(chosen, (Ellipsis, slice(s0, s0 + n)), (Ellipsis, slice(d0, d0 + n)), nbytes, True)
             )
             g = e
 
 
 def plan_storage_shard_by_layer(
-    family: str, itemsize: int, index: dict[int, _SegmentIndex], segments, dst: _DstShard,
+    family: str, itemsize: int, index: dict[int, _SegmentIndex], segments, dst: DstShard,
     batch_box: tuple[int, int], layer_ids: np.ndarray, picker: _Picker,
 ) -> None:
     """`plan_storage_shard` for per-layer storage on pipelines: each stacked index (slot) of
@@ -457,7 +299,7 @@ def plan_storage_shard_by_layer(
                     picker.load[chosen.device] += n * itemsize
                 s0, d0 = c[2] + (g - c[0]), doff + (g - g0)
                 dst.copies.append(
-                    _Copy(chosen, (c[4], slice(s0, s0 + n)), (pos - b0, slice(d0, d0 + n)),
+                    Copy(chosen, (c[4], slice(s0, s0 + n)), (pos - b0, slice(d0, d0 + n)),
                           n * itemsize, True)
                 )
                 g = e
@@ -486,160 +328,6 @@ def _index_family_by_layer(
 
 
 # ---------------------------------------------------------------------------------------------
-# Execution.
-
-
-def _host_view(x) -> np.ndarray:
-    """Zero-copy read-only view of a CPU buffer (or the numpy array itself)."""
-    return x if isinstance(x, np.ndarray) else np.asarray(x)
-
-
-_ALIGN = 64  # the CPU client adopts 64-byte-aligned host buffers without a copy
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype, zero: bool) -> np.ndarray:
-    """A fresh host buffer whose data is `_ALIGN`-byte aligned, so that `jax.device_put` on the
-    CPU backend adopts it instead of copying it a second time."""
-    dtype = np.dtype(dtype)
-    n = math.prod(shape) * dtype.itemsize
-    raw = (np.zeros if zero else np.empty)(n + _ALIGN, np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
-    return raw[off : off + n].view(dtype).reshape(shape)
-
-
-def _execute(
-    dsts: list[_DstShard], devices: dict[int, jax.Device], data: dict
-) -> dict[tuple[int, int], Any]:
-    """Build every destination shard: {(leaf, device): buffer}. Copies name their sources by
-    `SourceRef`; `data` maps each ref to its buffer. On the CPU backend a new shard is an aligned
-    numpy buffer (placed, without a copy, when its global array is made); elsewhere it is a
-    single-device array."""
-    cpu = all(d.platform == "cpu" for d in devices.values())
-    out: dict[tuple[int, int], Any] = {}
-    work = []
-    for d in dsts:
-        if d.reuse is not None:
-            out[(d.leaf, d.device)] = data[d.reuse]
-        elif cpu:
-            work.append(d)
-        else:
-            out[(d.leaf, d.device)] = _build_on_device(d, devices, data)
-    if work:
-        # numpy copies release the GIL: split the shards into byte-balanced groups, one per core
-        n = min(_COPY_THREADS, len(work))
-        groups: list[list[_DstShard]] = [[] for _ in range(n)]
-        load = [0] * n
-        for d in sorted(work, key=lambda d: -math.prod(d.shape)):
-            i = load.index(min(load))
-            groups[i].append(d)
-            load[i] += math.prod(d.shape) * np.dtype(d.dtype).itemsize
-        views: dict = {}
-        for d in work:  # source views made once, on this thread
-            for c in d.copies:
-                vkey = (c.src.data, c.flat, d.batch)
-                if vkey not in views:
-                    src = _host_view(data[c.src.data])
-                    views[vkey] = src.reshape(src.shape[: d.batch] + (-1,)) if c.flat else src
-        if n == 1:
-            built = [_build_on_host(groups[0], views)]
-        else:
-            built = list(_copy_pool().map(lambda g: _build_on_host(g, views), groups))
-        for part in built:
-            out.update(part)
-    return out
-
-
-_COPY_THREADS = max(1, min(os.cpu_count() or 1, 8))
-_pool = None
-
-
-def _copy_pool():
-    global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, "elasjax-copy")
-    return _pool
-
-
-def _build_on_host(dsts: list[_DstShard], views: dict) -> dict[tuple[int, int], np.ndarray]:
-    """Assemble destination shards in aligned host buffers from zero-copy source views."""
-    out = {}
-    for d in dsts:
-        # zero only what no copy writes (a full fill would touch every page twice)
-        buf = _aligned_empty(d.shape, d.dtype, zero=not d.covered and d.gaps is None)
-        flatbuf = buf.reshape(d.shape[: d.batch] + (-1,))
-        for g in d.gaps or ():
-            flatbuf[g] = 0
-        for c in d.copies:
-            src = views[(c.src.data, c.flat, d.batch)]
-            if c.flat:
-                flatbuf[c.dst_idx] = src[c.src_idx]
-            else:
-                buf[c.dst_idx] = src[c.src_idx]
-        out[(d.leaf, d.device)] = buf
-    return out
-
-
-def _build_on_device(d: _DstShard, devices: dict[int, jax.Device], data: dict) -> jax.Array:
-    """Assemble a destination shard on its device (non-CPU backends)."""
-    buf = jnp.zeros(d.shape, d.dtype, device=devices[d.device])
-    for c in d.copies:
-        src = data[c.src.data]
-        if isinstance(src, np.ndarray):
-            src = jnp.asarray(src)
-        if c.flat:
-            piece = src.reshape(src.shape[: d.batch] + (-1,))[c.src_idx]
-            piece = jax.device_put(piece, devices[d.device])
-            flatbuf = buf.reshape(d.shape[: d.batch] + (-1,)).at[c.dst_idx].set(piece)
-            buf = flatbuf.reshape(d.shape)
-        else:
-            piece = jax.device_put(src[c.src_idx], devices[d.device])
-            buf = buf.at[c.dst_idx].set(piece)
-    return buf
-
-
-def _private_batched_put():
-    """JAX's one-call construction of a global array from per-device values (what
-    `jax.make_array_from_callback` ends in, without its per-value Python checks; about 3x
-    cheaper per leaf). Private API of the pinned jax; None (the public path) if it moved."""
-    try:
-        from jax._src import core as jcore
-        from jax._src.interpreters import pxla
-
-        def put(shape, sharding, values, devices):
-            aval = jcore.update_aval_with_sharding(
-                jcore.ShapedArray(shape, values[0].dtype), sharding
-            )
-            return pxla.batched_device_put(aval, sharding, values, devices)
-
-        return put if callable(getattr(pxla, "batched_device_put", None)) else None
-    except (ImportError, AttributeError):
-        return None
-
-
-_batched_put = _private_batched_put()
-
-
-def _assemble(shape, sharding, dmap: dict, values: list) -> jax.Array:
-    """One global array from its per-device values (in the order of `dmap`, the sharding's
-    device -> index map): existing single-device arrays are kept, host buffers placed (adopted
-    without a copy when aligned)."""
-    if sharding.is_fully_replicated:  # make_array_from_callback would read one value for all
-        arrays = [v if isinstance(v, jax.Array) else jax.device_put(v, d) for v, d in zip(values, dmap)]
-        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-    if _batched_put is not None:
-        return _batched_put(shape, sharding, values, list(dmap))
-    order = iter(zip(dmap.values(), values))
-
-    def value(index):
-        want, v = next(order)
-        if index != want:  # the callback must visit devices in the order of `values`
-            raise AssertionError(f"make_array_from_callback visited {index}, expected {want}")
-        return v
-
-    return jax.make_array_from_callback(shape, sharding, value)
-
-
-# ---------------------------------------------------------------------------------------------
 # The transition: a plan computed from shard descriptions, then executed on the buffers.
 
 
@@ -651,61 +339,6 @@ class LeafTag:
     key: str
     unit: str | None = None
     tier: int = 0
-
-
-# A source named by what it is, not by its buffer: (leaf path, device, rung, box). Plans refer to
-# sources by ref, so a plan made before a failure (from shard descriptions) runs on the buffers
-# present after it.
-SourceRef = tuple
-
-
-def source_ref(path: str, s: Shard) -> SourceRef:
-    return (path, s.device, s.rung, s.box)
-
-
-def described(path: str, s: Shard) -> Shard:
-    """`s` with its `SourceRef` for data."""
-    return dataclasses.replace(s, data=source_ref(path, s))
-
-
-def describe(store: ShardStore, extra: dict[str, list[Shard]] | None = None):
-    """(store, extra) with every shard's `data` replaced by its `SourceRef`."""
-    desc = ShardStore(
-        store.treedef, store.paths, store.shapes, store.dtypes,
-        [[described(p, s) for s in leaf] for p, leaf in zip(store.paths, store.shards)],
-    )
-    return desc, {p: [described(p, s) for s in shards] for p, shards in (extra or {}).items()}
-
-
-def describe_state(state: PyTree, dead: Iterable[int] = ()) -> ShardStore:
-    """The `ShardStore` a failure of `dead` would leave of `state`, with `SourceRef`s for data:
-    what `faults.inject` returns, without touching a buffer."""
-    dead = set(dead)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    paths, shapes, dtypes, shards = [], [], [], []
-    for path, x in flat:
-        p, shape = path_str(path), tuple(x.shape)
-        paths.append(p)
-        shapes.append(shape)
-        dtypes.append(x.dtype)
-        leaf = []
-        for d, idx in x.sharding.addressable_devices_indices_map(shape).items():
-            if d.id not in dead:
-                leaf.append(described(p, Shard(d.id, index_to_box(idx, shape), None)))
-        shards.append(leaf)
-    return ShardStore(treedef, paths, shapes, dtypes, shards)
-
-
-def _buffers(store: ShardStore, extra: dict[str, list[Shard]]) -> dict:
-    """{SourceRef: buffer} of every source: what a plan's copies read."""
-    data = {}
-    for p, leaf in zip(store.paths, store.shards):
-        for s in leaf:
-            data[source_ref(p, s)] = s.data
-    for p, shards in extra.items():
-        for s in shards:
-            data[source_ref(p, s)] = s.data
-    return data
 
 
 def _signature(store: ShardStore, refs: frozenset, target_flat, old_layout, new_layout) -> tuple:
@@ -726,14 +359,15 @@ def _refs(store: ShardStore, extra: dict) -> frozenset:
 
 @dataclasses.dataclass
 class TransitionPlan:
-    """Every copy of one transition, made from shard descriptions (`SourceRef`s): valid for any
-    buffers that match them. `plan_s` is the time it took to make."""
+    """Every copy of one transition, for every process, made from shard descriptions
+    (`SourceRef`s): valid for any buffers that match them. `plan_s` is the time it took."""
 
     signature: tuple
-    dsts: list[_DstShard]
+    dsts: list[DstShard]
     log: TransferLog
     target_flat: list
     shapes: list[tuple[int, ...]]
+    dtypes: list
     treedef: Any
     plan_s: float
     layouts: tuple = ()  # keeps the layouts whose ids the signature holds alive
@@ -743,26 +377,35 @@ class TransitionPlan:
         """Bytes copied into new shards (local pieces included; kept buffers excluded)."""
         return sum(c.nbytes for d in self.dsts if d.reuse is None for c in d.copies)
 
-    def execute(self, data: dict, devices: dict[int, jax.Device]) -> tuple[PyTree, TransferLog]:
-        built = _execute(self.dsts, devices, data)
+    def execute(
+        self, data: dict, devices: dict[int, jax.Device], *, transport=None,
+        threads: CopyThreads | None = None,
+    ) -> tuple[PyTree, TransferLog]:
+        """Build this process's part of the new state (`data`: the buffers it holds, by
+        `SourceRef`); pieces held by other processes come through `transport`."""
+        built, sent, received = copies.execute(
+            self.dsts, devices, data, transport=transport, threads=threads
+        )
         leaves = []
-        for li, (sh, shape) in enumerate(zip(self.target_flat, self.shapes)):
+        for li, (sh, shape, dtype) in enumerate(zip(self.target_flat, self.shapes, self.dtypes)):
             dmap = sh.addressable_devices_indices_map(shape)
-            leaves.append(_assemble(shape, sh, dmap, [built[(li, d.id)] for d in dmap]))
-        log = TransferLog(list(self.log.entries), self.log.kept_bytes)
+            leaves.append(
+                copies.assemble(shape, sh, dmap, [built[(li, d.id)] for d in dmap], dtype)
+            )
+        log = dataclasses.replace(self.log, entries=list(self.log.entries), sent=sent, received=received)
         return jax.tree_util.tree_unflatten(self.treedef, leaves), log
 
 
 class TransitionPlanCache:
     """Transition plans by signature (layouts, target shardings and the exact set of sources),
     least recently used dropped beyond `max_plans`. Thread-safe: the trainer fills it in the
-    background for the likeliest failures, so that recovery only executes copies."""
+    background for the likeliest failures, so that recovery only executes copies. `where` (device
+    -> process) is the job's: every plan in the cache is made with it."""
 
-    def __init__(self, max_plans: int = 64):
-        self.max_plans = max_plans
+    def __init__(self, max_plans: int = 64, where: Callable[[Any], int] | None = None):
+        self.max_plans, self.where = max_plans, where
         self._plans: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
 
     def get(self, signature: tuple) -> TransitionPlan | None:
         with self._lock:
@@ -792,7 +435,7 @@ class TransitionPlanCache:
         if plan is None:
             plan = plan_transition(
                 store, target_shardings, extra_sources=extra, old_layout=old_layout,
-                new_layout=new_layout, signature=sig,
+                new_layout=new_layout, signature=sig, where=self.where,
             )
             self.put(plan)
         return plan
@@ -814,29 +457,36 @@ def transition(
     new_layout=None,
     plans: TransitionPlanCache | None = None,
     info: dict | None = None,
+    transport=None,
+    threads: CopyThreads | None = None,
 ) -> tuple[PyTree, TransferLog]:
     """Build the state on `target_shardings` from the store's live shards and `extra_sources`
     (snapshot copies, by leaf path). With ZeRO layouts (`state.StateLayout`), storage leaves are
     rebuilt by canonical element ranges; in-place tiers reuse their buffers. With `plans`, a plan
     made earlier for the same sources is reused (and a new one kept); `info`, if given, receives
-    `plan_hit` and `plan_s` (0 on a hit)."""
+    `plan_hit`, `plan_s` (0 on a hit) and `bytes_written`. Under the multi-controller runtime
+    every process calls this with the same (global) store and sources, and `transport` moves
+    the pieces that cross processes."""
     devices = devices or {d.id: d for d in jax.devices()}
-    data = _buffers(store, extra_sources or {})
+    extra_sources = extra_sources or {}
+    desc, desc_extra = describe(store, extra_sources)
     target_flat = _target_leaves(target_shardings)
-    sig = _signature(store, frozenset(data), target_flat, old_layout, new_layout)
+    sig = _signature(store, _refs(desc, desc_extra), target_flat, old_layout, new_layout)
     plan = plans.get(sig) if plans is not None else None
     hit = plan is not None
     if plan is None:
-        desc, desc_extra = describe(store, extra_sources)
+        where = plans.where if plans is not None and plans.where is not None else (
+            transport.process_of if transport is not None else None
+        )
         plan = plan_transition(
             desc, target_shardings, extra_sources=desc_extra, old_layout=old_layout,
-            new_layout=new_layout, signature=sig,
+            new_layout=new_layout, signature=sig, where=where,
         )
         if plans is not None:
             plans.put(plan)
     if info is not None:
         info.update(plan_hit=hit, plan_s=0.0 if hit else plan.plan_s, bytes_written=plan.bytes_written)
-    return plan.execute(data, devices)
+    return plan.execute(buffers(store, extra_sources), devices, transport=transport, threads=threads)
 
 
 def plan_transition(
@@ -847,11 +497,14 @@ def plan_transition(
     old_layout=None,
     new_layout=None,
     signature: tuple = (),
+    where: Callable[[Any], int] | None = None,
 ) -> TransitionPlan:
-    """The copies of a transition, from a described store (shard `data` are `SourceRef`s)."""
+    """The copies of a transition, from a described store (shard `data` are `SourceRef`s), for
+    the destination shards of every process. `where` maps a device (or "host:<h>") to its
+    process; None means one process."""
     t_start = time.perf_counter()
     extra = extra_sources or {}
-    picker = _Picker()
+    picker = _Picker(where)
     log = TransferLog()
     target_flat = _target_leaves(target_shardings)
     if new_layout is not None:
@@ -876,19 +529,19 @@ def plan_transition(
     indexes: dict[str, _SegmentIndex] = {}
     layer_indexes: dict[str, dict[int, _SegmentIndex]] = {}
     seg_cache: dict = {}
-    dsts: list[_DstShard] = []
+    dsts: list[DstShard] = []
     old_tables = _slot_table(old_layout)
     new_tables = _slot_table(new_layout)
     for li, (tag, sh, shape, dtype) in enumerate(zip(new_tags, target_flat, shapes, dtypes)):
         itemsize = np.dtype(dtype).itemsize
-        dmap = sh.addressable_devices_indices_map(shape)
+        dmap = sh.devices_indices_map(shape)  # every process's shards: the plan is global
         if tag.unit is None:
             oi = by_path[tag.key]
             sources = store.shards[oi] + extra.get(tag.key, [])
             layered = "layers" in tag.key.split("/") and _differ(old_tables, new_tables)
             for d, idx in dmap.items():
                 box = index_to_box(idx, shape)
-                ds = _DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, 0, box)
+                ds = DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, 0, box)
                 if layered:
                     plan_layered_leaf(
                         tag.key, itemsize, sources, ds, box, old_tables, new_tables, picker
@@ -911,7 +564,7 @@ def plan_transition(
         for d, idx in dmap.items():
             box = index_to_box(idx, shape)
             rank, row = box[batch][0], box[batch + 2][0]
-            ds = _DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, batch)
+            ds = DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, batch)
             old = held.get(d.id)
             if (
                 same_pieces
@@ -955,16 +608,18 @@ def plan_transition(
             else:
                 box = tuple((o + s.start, o + s.stop) for (o, _), s in zip(ds.box, c.dst_idx))
             log.entries.append(Transfer(leaf, box, c.src.device, ds.device, c.nbytes, c.src.rung))
+            if picker.where(c.src.device) != picker.where(ds.device):
+                log.cross_process_bytes += c.nbytes
     for ds in dsts:
         if ds.reuse is None:
             _find_gaps(ds)
     return TransitionPlan(
-        signature, dsts, log, target_flat, shapes, target_treedef,
+        signature, dsts, log, target_flat, shapes, dtypes, target_treedef,
         time.perf_counter() - t_start, (old_layout, new_layout),
     )
 
 
-def _find_gaps(ds: _DstShard) -> None:
+def _find_gaps(ds: DstShard) -> None:
     """Mark what of a destination shard no copy writes, so that only that is zero-filled (the
     padding of ZeRO partitions); unknown (mixed copy kinds) means a full zero fill."""
     itemsize = np.dtype(ds.dtype).itemsize

@@ -1,24 +1,27 @@
 """Per-step in-memory snapshot pool: buddy-device and host-memory copies of unique state.
 
 A shard is *unique* when every device holding its slice sits on one host, so that one host
-failure (or one device failure, when it is the only holder) loses it: ZeRO partitions, and any
-slice whose data-parallel replicas are gone. After every step the pool copies each unique shard
+failure (or one device failure, when it is the only holder) loses it: ZeRO partitions, tensor
+slices held in one host, pipeline stages without a replica elsewhere. After every step the pool
+copies each unique shard
 
-- to a **buddy** device on another host (`snapshot.buddy`), with `jax.device_put`, dispatched
-  asynchronously so it overlaps the next step; and/or
-- to **host memory** of the holder's host (`snapshot.host`): from the buddy copy, asynchronously,
-  when there is one, else synchronously at the step boundary (the step donates its input state,
-  so a device buffer cannot be read after the next step starts);
+- to a **buddy** device on another host (`snapshot.buddy`), dispatched asynchronously so it
+  overlaps the next step; and/or
+- to **host memory** (`snapshot.host`). Where that memory is depends on the runtime: in one
+  process (simulated hosts) it is the holder's host, so the copy survives a device failure but
+  not the loss of its host; under the multi-controller runtime a host is a process, whose memory
+  dies with it, so the host copy lives in the buddy process's memory;
 
-together with the step id and a per-shard checksum computed on device (`shard_checksums`). A
-host failure loses that host's memory: host copies are modelled as living in the holder's host,
-so they survive a device failure but not the loss of their host, while a buddy survives the loss
-of the holder's host but not its own.
+together with the step id and a per-shard checksum computed on device by the holder. The copies
+travel through the runtime (`Runtime.move`): `jax.device_put` in one process, a point-to-point
+pull between processes.
 
-On a failure `sources` hands the transition verified copies of the dead holders' shards:
-a copy whose step id differs from the state version being restored, or whose checksum does not
-match, is refused (and the refusal reported), and the next rung is tried. After a recovery the
-pool is reconfigured for the new plan (new holders, new buddies), so the next failure is covered.
+On a failure `sources` hands the transition verified copies of the dead holders' shards: a copy
+whose step id differs from the state version being restored, or whose checksum does not match,
+is refused (and the refusal reported), and the next rung is tried. Under the multi-controller
+runtime each process verifies the copies it holds and the refusals are agreed, so every process
+plans with the same sources. After a recovery the pool is configured for the new plan (new
+holders, new buddies), so the next failure is covered.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from . import checksum
 from .config import SnapshotConfig
 from .mesh import MESH_AXES
 from .planner import Topology
-from .reshard import Box, Shard, described, index_to_box
+from .shards import Box, Shard, box_size, described, index_to_box
 from .sharding import path_str
 
 
@@ -46,14 +49,24 @@ class Record:
     path: str
     box: Box
     holder: int
-    buddy: int | None
-    host: int  # the holder's host: where a host copy lives
+    buddy: int | None  # the device that keeps a device copy (`snapshot.buddy`)
+    via: int  # the device the copy lands on first (the buddy, or the holder itself)
+    host: int | None  # the host whose memory keeps a host copy (`snapshot.host`)
     nbytes: int
     step: int = -1
     checksum: np.ndarray | None = None
     buddy_data: Any = None
     host_data: np.ndarray | None = None
-    _host_pending: Any = None
+
+
+@dataclasses.dataclass
+class _Generation:
+    """One `take`: the holders' checksums and the copies landed on this process, not yet filed."""
+
+    version: int
+    sums: Any
+    landed: dict = dataclasses.field(default_factory=dict)  # record index -> copy
+    moved_sums: dict = dataclasses.field(default_factory=dict)  # (holder, via) -> checksums
 
 
 def shard_checksums_fn(state_shardings, mesh: Mesh, leaf_ids: list[int]):
@@ -76,56 +89,71 @@ def shard_checksums_fn(state_shardings, mesh: Mesh, leaf_ids: list[int]):
 
 
 class SnapshotPool:
-    """See the module docstring."""
+    """See the module docstring. `runtime` moves the copies and says which devices are this
+    process's (`runtime.process_of`, `runtime.me`) and where host copies live."""
 
-    def __init__(self, cfg: SnapshotConfig, topo: Topology):
-        self.cfg, self.topo = cfg, topo
+    def __init__(self, cfg: SnapshotConfig, topo: Topology, runtime=None):
+        if runtime is None:  # one process holding every device of `topo`
+            from .runtime import InProcessRuntime
+
+            runtime = InProcessRuntime(topology=topo)
+        self.cfg, self.topo, self.rt = cfg, topo, runtime
         self.records: list[Record] = []
         self.refusals: list[str] = []
         self._fn = None
-        self._mesh_pos: dict[int, tuple[int, ...]] = {}
-        self._pending_sums = None
+        self._pending: _Generation | None = None
         self.bytes_per_step = 0
 
     @property
     def enabled(self) -> bool:
         return self.cfg.buddy or self.cfg.host
 
+    def _local(self, device) -> bool:
+        return self.rt.process_of(device) == self.rt.me
+
     def configure(self, state, state_shardings, mesh: Mesh, live: set[int]) -> None:
-        """Choose what to snapshot on this plan and where (buddies on other hosts, balanced)."""
+        """Choose what to snapshot on this plan and where (buddies on other hosts, balanced).
+        Every process makes the same choice (from the shardings alone)."""
         self.records = []
         self._fn = None
+        self._pending = None
         if not self.enabled:
             return
         load: dict[int, int] = defaultdict(int)
         leaf_ids = []
+        # a copy must leave the holder's host when host memory dies with the holder (a process)
+        off_host = self.cfg.buddy or self.rt.host_copies_off_host
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         for li, (path, x) in enumerate(flat):
             holders: dict[Box, list[int]] = defaultdict(list)
-            for s in x.addressable_shards:
-                holders[index_to_box(s.index, x.shape)].append(s.device.id)
-            nb = x.dtype.itemsize
+            for d, idx in x.sharding.devices_indices_map(tuple(x.shape)).items():
+                holders[index_to_box(idx, x.shape)].append(d.id)
             unique = []
             for box, devs in holders.items():
-                hosts = {self.topo.host_of(d) for d in devs}
-                if len(hosts) == 1:
+                if len({self.topo.host_of(d) for d in devs}) == 1:
                     unique.append((box, sorted(devs)[0]))
             if not unique:
                 continue
             leaf_ids.append(li)
             for box, h in unique:
-                size = int(np.prod([b - a for a, b in box])) * nb if box else nb
-                buddy = self._buddy(h, live, load, size) if self.cfg.buddy else None
+                size = box_size(box) * x.dtype.itemsize
+                via = self._buddy(h, live, load, size) if off_host else None
+                host = None
+                if self.cfg.host:
+                    host = self.topo.host_of(via if self.rt.host_copies_off_host else h)
                 self.records.append(
-                    Record(li, path_str(path), box, h, buddy, self.topo.host_of(h), size)
+                    Record(
+                        li, path_str(path), box, h, via if self.cfg.buddy else None,
+                        h if via is None else via, host, size,
+                    )
                 )
         self.bytes_per_step = sum(r.nbytes for r in self.records) * (
             int(self.cfg.buddy) + int(self.cfg.host)
         )
         if leaf_ids:
             self._leaf_ids = leaf_ids
+            self._pos_in = {li: i for i, li in enumerate(leaf_ids)}
             self._fn = shard_checksums_fn(state_shardings, mesh, leaf_ids)
-            self._mesh_pos = {d.id: idx for idx, d in np.ndenumerate(mesh.devices)}
 
     def _buddy(self, holder: int, live: set[int], load: dict, size: int) -> int | None:
         """A live device on another host, nearest host first (cyclically), least loaded."""
@@ -139,8 +167,11 @@ class SnapshotPool:
                 return best
         return None
 
-    def take(self, state, version: int, devices: dict[int, jax.Device]) -> None:
-        """Snapshot `state` (whose step counter is `version`) right after the step produced it."""
+    def take(self, state, version: int) -> None:
+        """Start snapshotting `state` (whose step counter is `version`) right after the step
+        produced it. The copies land in a pending generation; the last filed one stays the
+        pool's until `complete` files this one (at the next step boundary), and `abort` drops it
+        if its step fails. Collective under the multi-controller runtime."""
         if not self.records:
             return
         self.complete()
@@ -150,78 +181,118 @@ class SnapshotPool:
             for li in {r.leaf for r in self.records}
             for s in leaves[li].addressable_shards
         }
-        self._pending_sums = self._fn(state)
-        self._pending_sums.copy_to_host_async()
-        buddy_x, buddy_dev, buddy_rec = [], [], []
-        for r in self.records:
-            data = held[(r.leaf, r.holder)]
-            r.step = version
-            r.checksum = None
-            if r.buddy is not None:
-                buddy_x.append(data)
-                buddy_dev.append(devices[r.buddy])
-                buddy_rec.append(r)
-            elif self.cfg.host:
-                r.host_data = np.array(data, copy=True)  # synchronous: the next step donates it
-        if buddy_x:
-            # on the CPU backend a device buffer already is host memory: `complete` copies it
-            # once (an async host copy first would copy it twice)
-            cpu = all(d.platform == "cpu" for d in buddy_dev)
-            for r, copy in zip(buddy_rec, jax.device_put(buddy_x, buddy_dev)):
-                r.buddy_data = copy
-                if self.cfg.host:
-                    if not cpu:
-                        copy.copy_to_host_async()
-                    r._host_pending = copy
+        sums = self._fn(state)
+        sums_of = {s.device.id: s.data for s in sums.addressable_shards}
+        gen = _Generation(version, sums)
+        moves, targets = [], []
+        for i, r in enumerate(self.records):
+            if r.via == r.holder:
+                if self._local(r.holder):  # host copy on the holder's host: now, before the
+                    gen.landed[i] = np.array(held[(r.leaf, r.holder)], copy=True)  # next step
+                continue  # donates the buffer
+            if not (self._local(r.holder) or self._local(r.via)):
+                continue
+            data = held.get((r.leaf, r.holder))
+            shape = tuple(b - a for a, b in r.box)
+            moves.append((r.holder, r.via, data, shape, leaves[r.leaf].dtype))
+            targets.append(i)
+            key = (r.holder, r.via)
+            if key not in gen.moved_sums and self.rt.process_of(r.holder) != self.rt.process_of(r.via):
+                gen.moved_sums[key] = None  # the holder's checksums travel with its copies
+                shape = (1, 1, 1, len(self._leaf_ids), 2)
+                moves.append((r.holder, r.via, sums_of.get(r.holder), shape, np.dtype(np.uint32)))
+                targets.append(key)
+        for t, x in zip(targets, self.rt.move(moves) if moves else []):
+            if x is None:
+                continue
+            if isinstance(t, int):
+                gen.landed[t] = x
+            else:
+                gen.moved_sums[t] = x
+        self._pending = gen
+
+    def abort(self, version: int) -> None:
+        """Drop the pending generation of `version` (its step failed): the filed one stays."""
+        if self._pending is not None and self._pending.version == version:
+            self._pending = None
 
     def complete(self) -> None:
-        """Materialise in-flight host copies and checksums (called at the next step boundary)."""
-        if self._pending_sums is None:
+        """File the pending generation: its copies and their checksums become the pool's."""
+        gen, self._pending = self._pending, None
+        if gen is None:
             return
-        sums = np.asarray(self._pending_sums)
-        self._pending_sums = None
-        pos_in = {li: i for i, li in enumerate(self._leaf_ids)}
-        for r in self.records:
-            r.checksum = sums[self._mesh_pos[r.holder]][pos_in[r.leaf]]
-            if r._host_pending is not None:
-                r.host_data = np.array(r._host_pending, copy=True)
-                r._host_pending = None
+        local = {s.device.id: s.data for s in gen.sums.addressable_shards}
+        for i, r in enumerate(self.records):
+            r.step, r.checksum = gen.version, None
+            r.buddy_data = r.host_data = None
+            if self._local(r.holder):
+                blk = local[r.holder]
+            elif gen.moved_sums.get((r.holder, r.via)) is not None:
+                blk = gen.moved_sums[(r.holder, r.via)]
+            else:
+                continue  # neither the holder nor a copy of it lives here
+            r.checksum = np.asarray(blk).reshape(-1, 2)[self._pos_in[r.leaf]]
+            landed = gen.landed.get(i)
+            if landed is not None:
+                if r.host is not None:  # a numpy copy was made in `take` already
+                    r.host_data = landed if isinstance(landed, np.ndarray) else np.array(landed)
+                if r.buddy is not None:
+                    r.buddy_data = landed
 
     def sources(
         self, dead_devices: set[int], dead_hosts: set[int], version: int
     ) -> dict[str, list[Shard]]:
-        """Verified snapshot copies of shards held by dead devices, by leaf path."""
+        """Verified snapshot copies of shards held by dead devices, by leaf path. A copy held by
+        another process is described (data None); the refusals of every process are agreed, so
+        every process gets the same sources."""
         self.complete()
-        out: dict[str, list[Shard]] = defaultdict(list)
+        cands: list[tuple[Record, str, Any]] = []
+        refused_here: list[int] = []
         for r in self.records:
             if r.holder not in dead_devices:
                 continue
-            if r.buddy is not None and r.buddy not in dead_devices and r.buddy_data is not None:
-                ok = self._verify(r, r.buddy_data, "buddy", version)
-                if ok:
-                    out[r.path].append(Shard(r.buddy, r.box, r.buddy_data, "buddy"))
-            if r.host_data is not None and r.host not in dead_hosts:
-                if self._verify(r, r.host_data, "host", version):
-                    out[r.path].append(Shard(f"host:{r.host}", r.box, r.host_data, "host"))
+            if r.buddy is not None and r.buddy not in dead_devices:
+                cands.append((r, "buddy", r.buddy))
+            if r.host is not None and r.host not in dead_hosts:
+                cands.append((r, "host", f"host:{r.host}"))
+        for i, (r, rung, where) in enumerate(cands):
+            if self._local(where):
+                data = r.buddy_data if rung == "buddy" else r.host_data
+                if not self._verify(r, data, rung, version):
+                    refused_here.append(i)
+        refused = set()
+        for ids in self.rt.agree(refused_here).values():
+            refused.update(ids)
+        out: dict[str, list[Shard]] = defaultdict(list)
+        for i, (r, rung, where) in enumerate(cands):
+            if i in refused:
+                continue
+            data = None
+            if self._local(where):
+                data = r.buddy_data if rung == "buddy" else r.host_data
+            out[r.path].append(Shard(where, r.box, data, rung))
         return out
 
     def describe_sources(
         self, dead_devices: set[int], dead_hosts: set[int]
     ) -> dict[str, list[Shard]]:
         """What `sources` will hand over after this failure if every copy verifies, described
-        (`data` is the copy's `reshard.SourceRef`): to plan a transition before it is needed."""
+        (`data` is the copy's `shards.SourceRef`): to plan a transition before it is needed."""
         out: dict[str, list[Shard]] = defaultdict(list)
         for r in self.records:
             if r.holder not in dead_devices:
                 continue
-            if self.cfg.buddy and r.buddy is not None and r.buddy not in dead_devices:
+            if r.buddy is not None and r.buddy not in dead_devices:
                 out[r.path].append(described(r.path, Shard(r.buddy, r.box, None, "buddy")))
-            if self.cfg.host and r.host not in dead_hosts:
+            if r.host is not None and r.host not in dead_hosts:
                 out[r.path].append(described(r.path, Shard(f"host:{r.host}", r.box, None, "host")))
         return dict(out)
 
     def _verify(self, r: Record, data, rung: str, version: int) -> bool:
         where = f"{rung} copy of '{r.path}' {list(r.box)} from device {r.holder}"
+        if data is None:
+            self.refusals.append(f"{where}: no copy was taken, refused")
+            return False
         if r.step != version:
             self.refusals.append(f"{where}: step {r.step} != {version}, refused")
             return False
@@ -236,6 +307,24 @@ class SnapshotPool:
             return False
         return True
 
+    def in_flight(self) -> list:
+        """The copies (and checksums) of the pending generation landing on this process."""
+        gen = self._pending
+        if gen is None:
+            return []
+        return [x for x in (*gen.landed.values(), *gen.moved_sums.values()) if isinstance(x, jax.Array)]
+
+    def device_buffers(self) -> list:
+        """The device copies this process holds (a failure of their device deletes them)."""
+        out = [r.buddy_data for r in self.records if isinstance(r.buddy_data, jax.Array)]
+        return out + self.in_flight()
+
+    def fresh(self) -> SnapshotPool:
+        """An empty pool of the same kind (for a new plan; this one stays until it is replaced)."""
+        pool = SnapshotPool(self.cfg, self.topo, self.rt)
+        pool.refusals = self.refusals
+        return pool
+
     def drop(self) -> None:
         self.records = []
-        self._pending_sums = None
+        self._pending = None

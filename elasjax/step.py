@@ -310,7 +310,16 @@ class Executables:
     compile_s: float
 
     def put_batch(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.device_put(v, self.batch_shardings[k]) for k, v in arrays.items()}
+        """Global batch arrays from the host batch (every process holds the whole host batch
+        and places its own devices' slices)."""
+        out = {}
+        for k, v in arrays.items():
+            sh = self.batch_shardings[k]
+            if sh.is_fully_addressable:
+                out[k] = jax.device_put(v, sh)
+            else:
+                out[k] = jax.make_array_from_callback(v.shape, sh, lambda i, v=v: v[i], dtype=v.dtype)
+        return out
 
     def init(self) -> TrainState:
         return jax.jit(self.layout.init_fn, out_shardings=self.state_shardings)()
@@ -388,17 +397,19 @@ class ExecutableCache:
         self._lock = threading.Lock()  # the standby thread compiles through the same cache
 
     @staticmethod
-    def key(cfg: Config, plan: Plan):
-        return (cfg.model, cfg.train, plan.compile_key)
+    def key(cfg: Config, plan: Plan, donate: bool = True):
+        return (cfg.model, cfg.train, plan.compile_key, donate)
 
-    def get(self, cfg: Config, factory: StateFactory, plan: Plan, devices) -> tuple[Executables, bool]:
-        k = self.key(cfg, plan)
+    def get(
+        self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True
+    ) -> tuple[Executables, bool]:
+        k = self.key(cfg, plan, donate)
         with self._lock:
             if k in self._d:
                 exe = self._d.pop(k)
                 self._d[k] = exe
                 return exe, True
-        exe = compile_plan(cfg, factory, plan, devices)  # outside the lock: it takes seconds
+        exe = compile_plan(cfg, factory, plan, devices, donate=donate)  # outside the lock
         with self._lock:
             self._d[k] = exe
             while len(self._d) > self.max_entries:

@@ -36,9 +36,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from elasjax import config, planner  # noqa: E402
+from elasjax.copies import CopyThreads  # noqa: E402
 from elasjax.faults import inject  # noqa: E402
 from elasjax.mesh import make_mesh  # noqa: E402
-from elasjax.reshard import ShardStore, TransitionPlanCache, describe_state, transition  # noqa: E402
+from elasjax.reshard import TransitionPlanCache, transition  # noqa: E402
+from elasjax.shards import ShardStore, describe_state  # noqa: E402
 from elasjax.snapshot import SnapshotPool  # noqa: E402
 from elasjax.state import StateFactory, make_optimizer  # noqa: E402
 
@@ -76,12 +78,15 @@ def whole_state_device_put(store: ShardStore, snaps, new_layout, new_mesh, old_l
     return state, time.perf_counter() - t0
 
 
+THREADS = CopyThreads()  # one per core, as the trainer's runtime has
+
+
 def planned_transition(store, new_sh, devs, snaps, lay, new_lay, plans):
     """(b): `reshard.transition`, with a plan cache (a prepared plan) or without (cold)."""
     info: dict = {}
     t0 = time.perf_counter()
     out, log = transition(store, new_sh, devices=devs, extra_sources=snaps, old_layout=lay,
-                          new_layout=new_lay, plans=plans, info=info)
+                          new_layout=new_lay, plans=plans, info=info, threads=THREADS)
     jax.block_until_ready(out)
     return time.perf_counter() - t0, out, log, info
 
@@ -126,7 +131,7 @@ def recovery_rows(args, layout: str):
             state = jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))()
         pool = SnapshotPool(cfg.snapshot, topo)
         pool.configure(state, lay.shardings(mesh), mesh, live)
-        pool.take(state, 0, devs)
+        pool.take(state, 0)
         pool.complete()
         described = describe_state(state, failed)  # what the trainer describes before a failure
         store, lost = inject(state, tuple(failed))
@@ -210,7 +215,7 @@ def snapshot_cost(args):
                 state, _ = exe.train(state, batch)
                 jax.block_until_ready(state)
                 if mode != "off":
-                    pool.take(state, i + 1, devs)
+                    pool.take(state, i + 1)
                     if mode == "serial":
                         pool.complete()
                 i += 1

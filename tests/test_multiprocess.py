@@ -1,84 +1,62 @@
-"""Real process failures on JAX's multi-controller runtime (`elasjax launch`).
+"""The multi-controller runtime (`elasjax launch`): the same trainer under real process deaths.
 
-Unit tests cover the pure transfer plan, the snapshot placement and the rebuild itself in this
-process. The slow tests start real `jax.distributed` jobs (gloo collectives on CPU) and SIGKILL
-one of their processes:
+Pure parts first: the launch's view of a config and its one fault schedule, and the cross-process
+copy protocol of a transition, simulated with four "processes" (threads over this process's fake
+devices) that exchange exactly the planned pieces through a mailbox.
+
+The slow tests start real `jax.distributed` jobs (gloo collectives on CPU) and SIGKILL processes:
 
 - 4 processes x 2 devices, process 2 killed at step 4: the survivors finish; every step is
-  logged exactly once; per-step losses equal the single-process fault-free run within relative
-  1e-5 (f32, the reduction order differs between meshes; measured <= 1e-7); the recovery event
-  carries kill -> `ProcessFailureError` and the MTTR breakdown.
-- 4 processes x 1 device with tensor = 4 (each process holds a slice nobody else holds):
-  killing process 1 is survived through process 2's host snapshot of its slice, and the
-  survivors exchange the other slices across processes.
+  logged once; losses equal the single-process fault-free run within relative 1e-5; the recovery
+  event has the same fields as under `elasjax train`, plus kill -> error per survivor.
+- ZeRO-1 with buddy snapshots, 4 processes x 1 device, two kills at one step, the second
+  during the recovery from the first: one recovery, two attempts; the killed processes'
+  optimizer partitions come back from their buddy processes (rung `buddy`, bytes across
+  processes); losses equal the fault-free run.
+- A process and its buddy killed together: every survivor stops with `UnrecoverableStateError`
+  naming the leaf; no process is left running.
 - Killing process 0 (the coordination service) ends every process with a clear message.
 
 Bounded: each job runs under the launcher's own timeout, inside a subprocess timeout; workers
 die with the launcher (PR_SET_PDEATHSIG) and `finally` SIGKILLs any worker pid still alive.
-Workers run with `JAX_DISABLE_MOST_OPTIMIZATIONS=1` to halve compile time on 2 cores.
+Workers run with `JAX_DISABLE_MOST_OPTIMIZATIONS=1`, as this process does (conftest).
 """
 
-import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
-import zlib
+import threading
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from conftest import TINY, tiny_config
-from jax.sharding import NamedSharding, PartitionSpec
 
-from elasjax import trainer
+from elasjax import copies, planner, trainer
 from elasjax.config import ConfigError
-from elasjax.distributed import (
-    LeafLayout,
-    Membership,
-    RuntimeConfig,
-    SnapshotCorruptError,
-    SnapshotPool,
-    execute_rebuild,
-    layouts,
-    local_shards,
-    plan_rebuild,
-    unique_shards,
-    xla_flags,
-)
-from elasjax.launch import MTTR_PHASES, KillSpec, kill_schedule
+from elasjax.launch import KillSpec, resolve_config
+from elasjax.mesh import make_mesh
 from elasjax.metrics import read_jsonl
-from elasjax.reshard import UnrecoverableStateError
+from elasjax.multicontroller import RuntimeConfig, _pack, _packed_size, _unpack, xla_flags
+from elasjax.recovery import MTTR_PHASES
+from elasjax.reshard import plan_transition
+from elasjax.shards import ShardStore, buffers, describe
+from elasjax.state import StateFactory, make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "multiprocess.yaml"
 LOSS_RTOL = 1e-5
 STEPS = 12  # the same run as test_trainer's reference, so the compiled plan is shared
-COLLECTIVE_TIMEOUT_S = 5
+COLLECTIVE_TIMEOUT_S = 10  # generous: CI shares 2 cores between the test workers
 HEARTBEAT_TIMEOUT_S = 5
-RECOVERY_FIELDS = {
-    "type",
-    "step",
-    "failed_devices",
-    "from_plan",
-    "to_plan",
-    "rung",
-    "bytes_moved",
-    "transfers",
-    "detect_s",
-    "plan_s",
-    "compile_s",
-    "standby_hit",
-    "transfer_s",
-    "verify_s",
-    "first_step_s",
-    "mttr_s",
-    "verified",
-    "kill_to_error_s",
-    "detect_per_process_s",
-    "failed_processes",
+RECOVERY_FIELDS = {  # DESIGN section 7, and what `elasjax train` writes too
+    "type", "step", "failed_devices", "from_plan", "to_plan", "rung", "bytes_moved", "transfers",
+    "detect_s", "plan_s", "compile_s", "standby_hit", "transfer_s", "verify_s", "first_step_s",
+    "mttr_s", "verified", "snapshot_s", "retry_s", "attempts", "transfer_plan_hit", "runtime",
+    "failure_simulation", "bytes_cross_process",
 }
 
 
@@ -86,46 +64,38 @@ RECOVERY_FIELDS = {
 # Pure parts.
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeDevice:
-    id: int
-    process_index: int
-
-
-def _member(n_proc: int, k: int) -> Membership:
-    return Membership.of([FakeDevice(p * 100 + i, p) for p in range(n_proc) for i in range(k)])
-
-
-def _tensor_layout(ids, data: int, tensor: int, shape=(8, 4), path="w") -> LeafLayout:
-    """A [8, 4] leaf split over `tensor` along its last axis, replicated over `data`."""
-    cols = shape[1] // tensor
-    boxes = {
-        dev: ((0, shape[0]), ((j % tensor) * cols, (j % tensor + 1) * cols))
-        for j, dev in enumerate(ids[: data * tensor])
-    }
-    return LeafLayout(path, shape, np.float32, boxes)
-
-
-def test_kill_spec_and_schedule_are_checked():
+def test_launch_config_and_one_fault_schedule_are_checked():
     cfg = tiny_config("train.steps=12", "faults=[]")
     assert KillSpec.parse("4:2") == KillSpec(4, 2)
     with pytest.raises(ConfigError, match="STEP:PROCESS"):
         KillSpec.parse("4-2")
-    assert kill_schedule(cfg, [KillSpec(4, 2), KillSpec(2, 1)], 4) == (
-        KillSpec(2, 1),
-        KillSpec(4, 2),
-    )
+    # --kill and the config route are the same schedule
+    by_flag = resolve_config(cfg, 4, 2, [KillSpec(4, 2)])
+    by_config = resolve_config(tiny_config("train.steps=12", "faults=[{at_step: 4, kill_process: 2}]"), 4, 2)
+    assert by_flag.faults == by_config.faults
+    assert by_flag.parallel.devices_per_host == 2 and by_flag.parallel.devices == 8
     with pytest.raises(ConfigError, match="outside the run"):
-        kill_schedule(cfg, [KillSpec(12, 1)], 4)
+        resolve_config(cfg, 4, 2, [KillSpec(12, 1)])
     with pytest.raises(ConfigError, match="does not exist"):
-        kill_schedule(cfg, [KillSpec(3, 4)], 4)
-    with pytest.raises(ConfigError, match="killed twice"):
-        kill_schedule(cfg, [KillSpec(3, 1), KillSpec(5, 1)], 4)
-    with pytest.raises(ConfigError, match="every process"):
-        kill_schedule(cfg, [KillSpec(3, 0), KillSpec(5, 1)], 2)
+        resolve_config(cfg, 4, 2, [KillSpec(3, 4)])
+    with pytest.raises(ConfigError, match="process 1 has already failed"):
+        resolve_config(cfg, 4, 2, [KillSpec(3, 1), KillSpec(5, 1)])
+    two = tiny_config("train.steps=12", "faults=[]", "parallel.devices=-1", "parallel.data=-1")
+    with pytest.raises(ConfigError, match="fails every device"):
+        resolve_config(two, 2, 2, [KillSpec(3, 0), KillSpec(5, 1)])
     faulted = tiny_config("train.steps=12", "faults=[{at_step: 3, devices: [1]}]")
-    with pytest.raises(ConfigError, match=r"faults\[0\].*--kill STEP:PROCESS"):
-        kill_schedule(faulted, [], 4)
+    with pytest.raises(ConfigError, match=r"faults\[0\].*a failure is a process"):
+        resolve_config(faulted, 4, 2)
+    with pytest.raises(ConfigError, match="parallel.devices"):
+        resolve_config(tiny_config("parallel.devices=6"), 4, 2)
+    with pytest.raises(ConfigError, match="standby.cache_dir"):
+        resolve_config(tiny_config("standby.cache_dir=/tmp/x"), 4, 2)
+    lone = tiny_config("train.steps=12", "faults=[{at_step: 3, kill_process: 1, phase: recovery}]")
+    with pytest.raises(ConfigError, match=r"phase.*needs a failure with phase 'step'"):
+        resolve_config(lone, 4, 2)
+    # hosts are processes under launch
+    hosts = resolve_config(tiny_config("train.steps=12", "faults=[{at_step: 3, hosts: [2]}]"), 4, 2)
+    assert hosts.faults[0].hosts == (2,)
 
 
 def test_xla_flags_replace_device_count_and_timeout():
@@ -142,86 +112,98 @@ def test_xla_flags_replace_device_count_and_timeout():
         RuntimeConfig("localhost", 4, 0)
 
 
-def test_rebuild_plan_reads_replicas_in_the_same_process():
-    """4 processes x 2 devices, d4t2; process 2 dies; d3t2 and d6t1 on the survivors."""
-    m = _member(4, 2)
-    old = _tensor_layout(m.ids, data=4, tensor=2)
-    live = m.without({200, 201})
-    for data, tensor in ((3, 2), (6, 1)):
-        new = _tensor_layout(live.ids, data, tensor)
-        pieces = plan_rebuild([old], [new], live.process_of())
-        assert {p.rung for p in pieces} == {"replica"}
-        assert not any(p.remote for p in pieces)  # every survivor holds a full replica
-        assert not {p.src for p in pieces} & {200, 201}
-        covered = sum(p.nbytes for p in pieces)
-        assert covered == sum(
-            int(np.prod([b - a for a, b in box])) * 4 for box in new.boxes.values()
+def test_packed_pieces_round_trip_with_mixed_dtypes():
+    arrays = [np.arange(3, dtype=np.uint8), np.arange(5, dtype=np.float32).reshape(5, 1),
+              np.ones((2, 3), np.int64), np.arange(7, dtype=np.uint16)]
+    specs = [(a.shape, a.dtype) for a in arrays]
+    buf = _pack(arrays)
+    assert buf.size == _packed_size(specs)
+    for a, b in zip(arrays, _unpack(buf, specs)):
+        np.testing.assert_array_equal(a, b)
+        assert a.dtype == b.dtype
+
+
+class _Mailbox:
+    """What the multi-controller runtime's transfer servers do, for threads in one process."""
+
+    def __init__(self, n: int):
+        self.barrier = threading.Barrier(n)
+        self.posts: dict = {}
+        self.sent: dict = {}
+
+    def transport(self, me: int, where):
+        box = self
+
+        class T:
+            def process_of(self, device):
+                return where(device)
+
+            def exchange(self, sends, recvs):
+                for q, arrays in sends.items():
+                    box.posts[(me, q)] = [a.copy() for a in arrays]
+                    box.sent[(me, q)] = sum(a.nbytes for a in arrays)
+                box.barrier.wait(timeout=60)
+                out = {}
+                for p, specs in recvs.items():
+                    got = box.posts[(p, me)]
+                    assert [(a.shape, a.dtype) for a in got] == [(tuple(s), np.dtype(d)) for s, d in specs]
+                    out[p] = got
+                return out
+
+        t = T()
+        t.me = me
+        return t
+
+
+def test_cross_process_transition_moves_exactly_the_planned_pieces():
+    """4 "processes" of 2 devices, interleaved (device d in process d % 4, so that tensor pairs
+    span processes); process 2 dies; d4t2 -> the replan on 6 devices. Each process builds its
+    own shards from its own buffers plus the pieces it receives; together they equal the
+    single-process transition, and the bytes that crossed are the plan's."""
+    cfg = tiny_config()
+    topo = planner.Topology(tuple(range(8)), 2)
+    devs = {d.id: d for d in jax.devices()}
+    where = lambda d: int(d.split(":")[1]) if isinstance(d, str) else d % 4  # noqa: E731
+    factory = StateFactory(cfg, make_optimizer(cfg.train))
+    init = planner.initial_plan(topo, cfg)
+    state = factory.init(make_mesh(init.mesh_shape, [devs[i] for i in init.device_ids]))
+    survivors = [0, 1, 3, 4, 5, 7]
+    plan = planner.replan(survivors, topo, cfg, init, init)
+    target = factory.shardings(make_mesh(plan.mesh_shape, [devs[i] for i in plan.device_ids]))
+    store = ShardStore.capture(state, {2, 6})
+    desc, _ = describe(store)
+    tplan = plan_transition(desc, target, where=where)
+    crossing = [c for d in tplan.dsts for c in d.copies if where(c.src.device) != where(d.device)]
+    assert crossing and tplan.log.cross_process_bytes == sum(c.nbytes for c in crossing)
+    data = buffers(store, {})
+    box = _Mailbox(4)
+    built: dict = {}
+
+    def run(me):
+        mine = {k: v for k, v in data.items() if where(k[1]) == me}  # only its own buffers
+        out, sent, got = copies.execute(tplan.dsts, devs, mine, transport=box.transport(me, where))
+        built.update(out)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    expect = {}
+    ref, _ = tplan.execute(data, devs)  # one process holding everything
+    for li, x in enumerate(jax.tree.leaves(ref)):
+        for s in x.addressable_shards:
+            expect[(li, s.device.id)] = np.asarray(s.data)
+    assert set(built) == set(expect)
+    for k, v in expect.items():
+        np.testing.assert_array_equal(np.asarray(built[k]), v)
+    for (p, q), nbytes in box.sent.items():
+        planned = sum(
+            c.nbytes for d in tplan.dsts for c in d.copies
+            if where(c.src.device) == p and where(d.device) == q and d.reuse is None
         )
-
-
-def test_rebuild_plan_falls_back_to_the_host_snapshot_or_refuses():
-    """2 processes x 2 devices, d1t4: half of every tensor-sharded leaf lives in one process."""
-    m = _member(2, 2)
-    old = _tensor_layout(m.ids, data=1, tensor=4)
-    uniq = unique_shards([old], m)
-    assert [box for _, box, _ in uniq[1]] == [((0, 8), (2, 3)), ((0, 8), (3, 4))]
-    assert m.successor(1) == 0 and m.predecessor(0) == 1  # process 0 holds process 1's copy
-    live = m.without({100, 101})
-    new = _tensor_layout(live.ids, data=2, tensor=1)
-    with pytest.raises(UnrecoverableStateError, match=r"'w' slice \[0:8, 2:4\] has no live copy"):
-        plan_rebuild([old], [new], live.process_of())
-    pool = SnapshotPool(5, m, uniq)
-    pieces = plan_rebuild([old], [new], live.process_of(), pool.holdings(live.processes))
-    rungs = {(p.cell[1], p.rung) for p in pieces}
-    assert rungs == {((0, 1), "replica"), ((1, 2), "replica"), ((2, 3), "host"), ((3, 4), "host")}
-    assert not any(p.remote for p in pieces)
-
-
-def test_rebuild_plan_sends_to_a_process_that_holds_nothing():
-    """The growth path (a process joining, GPU only): its devices are filled from others."""
-    m = _member(3, 2)
-    old = _tensor_layout(m.ids[:4], data=2, tensor=2)
-    new = _tensor_layout(m.ids, data=3, tensor=2)
-    pieces = plan_rebuild([old], [new], m.process_of())
-    to_new = [p for p in pieces if p.dst_process == 2]
-    assert to_new and all(p.remote and p.rung == "replica" for p in to_new)
-
-
-def test_execute_rebuild_on_local_devices_with_a_host_snapshot():
-    """In one process (8 fake devices, all process 0): rebuild a d1t4 leaf after "losing" two
-    devices, from the survivors and a host copy of the lost slices; a corrupted copy is refused."""
-    devs = jax.devices()[:4]
-    mesh = jax.make_mesh((1, 4), ("data", "tensor"), devices=devs)
-    x = np.arange(32, dtype=np.float32).reshape(8, 4)
-    arr = jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, "tensor")))
-    tree = {"w": arr}
-    old = layouts(tree, {"w": arr.sharding})
-    member = Membership.of(devs)
-    dead = {devs[2].id, devs[3].id}
-    live = member.without(dead)
-    new_mesh = jax.make_mesh((2, 1), ("data", "tensor"), devices=list(live.devices))
-    target = {"w": NamedSharding(new_mesh, PartitionSpec(None, "tensor"))}
-    new = layouts(tree, target)
-    pool = SnapshotPool(7, member, {0: [], 1: []})
-    for dev in sorted(dead):
-        box = old[0].boxes[dev]
-        host = x[:, box[1][0] : box[1][1]].copy()
-        pool.held[(0, box)] = (host, zlib.crc32(host.tobytes()))
-    snaps = {0: [(0, old[0].boxes[d]) for d in sorted(dead)]}
-    pieces = plan_rebuild(old, new, live.process_of(), snaps)
-    local = [{d: a for d, a in local_shards(tree)[0].items() if d not in dead}]
-    treedef = jax.tree_util.tree_structure(tree)
-    out, log = execute_rebuild(pieces, old, local, pool, 7, target, treedef, live.by_id(), None)
-    np.testing.assert_array_equal(np.asarray(out["w"]), x)
-    assert out["w"].sharding == target["w"]
-    assert log.rungs() == {"replica", "host"}
-    assert not {t.src for t in log.entries} & dead
-    with pytest.raises(SnapshotCorruptError, match="step 7, restoring step 8"):
-        execute_rebuild(pieces, old, local, pool, 8, target, treedef, live.by_id(), None)
-    arr_, crc = pool.held[(0, old[0].boxes[max(dead)])]
-    pool.held[(0, old[0].boxes[max(dead)])] = (arr_ + 1, crc)
-    with pytest.raises(SnapshotCorruptError, match="fails its checksum"):
-        execute_rebuild(pieces, old, local, pool, 7, target, treedef, live.by_id(), None)
+        assert nbytes == planned
+    assert not any(where(c.src.device) == 2 for d in tplan.dsts for c in d.copies)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,32 +236,16 @@ def _kill_workers(out: Path) -> None:
             pass
 
 
-def _launch(out: Path, *args: str, sets=(), timeout: int = 240) -> tuple[int, str]:
+def _launch(out: Path, *args: str, sets=(), timeout: int = 300) -> tuple[int, str]:
     cmd = [
-        sys.executable,
-        "-m",
-        "elasjax.cli",
-        "launch",
-        str(CONFIG),
-        *_sets(*sets),
-        "--out",
-        str(out),
-        "--timeout",
-        str(timeout - 30),
-        "--collective-timeout",
-        str(COLLECTIVE_TIMEOUT_S),
-        "--heartbeat-timeout",
-        str(HEARTBEAT_TIMEOUT_S),
-        *args,
+        sys.executable, "-m", "elasjax.cli", "launch", str(CONFIG), *_sets(*sets),
+        "--out", str(out), "--timeout", str(timeout - 30),
+        "--collective-timeout", str(COLLECTIVE_TIMEOUT_S),
+        "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), *args,
     ]
     env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
     p = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
         start_new_session=True,
     )
     try:
@@ -296,7 +262,7 @@ def _launch(out: Path, *args: str, sets=(), timeout: int = 240) -> tuple[int, st
     return p.returncode, stdout
 
 
-def _assert_matches_reference(metrics: list[dict], ref) -> None:
+def _assert_matches(metrics: list[dict], ref) -> None:
     assert [r["step"] for r in metrics] == list(range(STEPS)), "a step was lost or repeated"
     for r in metrics:
         s = r["step"]
@@ -313,23 +279,27 @@ def _worker_ended(pid: int) -> bool:
     return False
 
 
+def _ends(out: Path) -> dict:
+    summary = json.loads((out / "launch.json").read_text())
+    assert all(_worker_ended(s["pid"]) for s in summary["processes"])
+    assert summary["left_running_after_reap"] == []
+    return {s["process"]: (s["signal"] or s["returncode"]) for s in summary["processes"]}
+
+
 @pytest.mark.slow
-def test_sigkill_one_of_four_processes_survivors_match_fault_free(reference, tmp_path):
+def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference, tmp_path):
     out = tmp_path / "mp"
     rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:2")
     assert rc == 0, stdout
-    summary = json.loads((out / "launch.json").read_text())
-    assert summary["outcome"] == "finished"
-    ends = {s["process"]: (s["signal"] or s["returncode"]) for s in summary["processes"]}
-    assert ends == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
-    assert all(_worker_ended(s["pid"]) for s in summary["processes"])
+    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
     metrics = read_jsonl(out / "metrics.jsonl")
-    _assert_matches_reference(metrics, reference)
+    _assert_matches(metrics, reference)
     assert [r["n_devices"] for r in metrics] == [8] * 4 + [6] * (STEPS - 4)
     assert [r["n_processes"] for r in metrics] == [4] * 4 + [3] * (STEPS - 4)
     events = read_jsonl(out / "events.jsonl")
     (ev,) = [e for e in events if e["type"] == "recovery"]
     assert RECOVERY_FIELDS <= set(ev)
+    assert ev["runtime"] == "multi-controller" and ev["failure_simulation"].startswith("real")
     assert ev["step"] == 4 and ev["failed_processes"] == [2] and ev["verified"]
     assert ev["rung"] == "replica" and ev["bytes_cross_process"] == 0  # each survivor has a replica
     assert ev["from_plan"].startswith("d4t2") and ev["to_plan"] == metrics[-1]["plan"]
@@ -341,25 +311,58 @@ def test_sigkill_one_of_four_processes_survivors_match_fault_free(reference, tmp
     assert "recovery at step 4: process 2 killed (SIGKILL)" in stdout
 
 
+# ZeRO-1 on 4 processes x 1 device, partitions snapshotted to a buddy in another process
+_ZERO = ("parallel.devices=4", "parallel.devices_per_host=1", "parallel.data=4",
+         "parallel.tensor=1", "zero.stage=1", "snapshot.buddy=true")
+
+
+@pytest.fixture(scope="module")
+def zero_reference(exe_cache):
+    cfg = tiny_config(f"train.steps={STEPS}", "faults=[]", *_ZERO)
+    return trainer.run(cfg, None, exe_cache=exe_cache)
+
+
 @pytest.mark.slow
-def test_unique_slices_come_back_from_the_buddy_host_snapshot_across_processes(reference, tmp_path):
-    """4 processes x 1 device, tensor = 4: every tensor slice lives in one process only. Process
-    1 dies; its slice comes from process 2's host snapshot, the others' slices from their live
-    holders, all across processes (one all-gather)."""
-    out = tmp_path / "mp_snap"
-    sets = ("parallel.devices=-1", "parallel.data=1", "parallel.tensor=4")
+def test_zero_partitions_come_back_from_buddies_across_a_kill_during_recovery(zero_reference, tmp_path):
+    """Process 1 dies in step 3; process 3 dies during the transfer of the recovery from it.
+    The recovery starts again on processes 0 and 2: process 1's optimizer partitions come from
+    its buddy (process 2), process 3's from its buddy (process 0), across processes."""
+    out = tmp_path / "mp_zero"
+    faults = "faults=[{at_step: 3, kill_process: 1}, {at_step: 3, kill_process: 3, phase: recovery}]"
     rc, stdout = _launch(
-        out, "--processes", "4", "--devices-per-process", "1", "--kill", "4:1", sets=sets
+        out, "--processes", "4", "--devices-per-process", "1",
+        sets=("parallel.devices=-1", *_ZERO[2:], faults),
     )
     assert rc == 0, stdout
-    events = read_jsonl(out / "events.jsonl")
-    assert events[0]["snapshot_unique_bytes"] > 0  # each process holds its predecessor's slices
-    (ev,) = [e for e in events if e["type"] == "recovery"]
-    assert ev["rung"] == "host" and ev["rungs"] == ["host", "replica"] and ev["verified"]
-    assert ev["bytes_cross_process"] > 0
+    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0, 3: "SIGKILL"}
+    (ev,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "recovery"]
+    assert ev["attempts"] == 2 and ev["failed_processes"] == [1, 3] and ev["verified"]
+    assert ev["failed_phases"][0] == "step" and ev["failed_phases"][1].startswith("recovery/")
+    assert ev["rung"] == "buddy" and "buddy" in ev["rungs"]
+    assert ev["bytes_cross_process"] > 0 and not ev["refused_snapshots"]
     metrics = read_jsonl(out / "metrics.jsonl")
-    _assert_matches_reference(metrics, reference)
-    assert all(r["snapshot_bytes"] > 0 for r in metrics[:4])
+    assert [r["n_processes"] for r in metrics] == [4] * 3 + [2] * (STEPS - 3)
+    _assert_matches(metrics, zero_reference)
+
+
+@pytest.mark.slow
+def test_killing_a_process_and_its_buddy_stops_every_survivor_with_the_leaf_named(tmp_path):
+    """ZeRO-1, 3 processes x 1 device: process 1's partitions have their only copy on process
+    2 (its buddy); both die in one step."""
+    out = tmp_path / "mp_lost"
+    rc, stdout = _launch(
+        out, "--processes", "3", "--devices-per-process", "1", "--kill", "2:1", "--kill", "2:2",
+        sets=("parallel.devices=-1", "parallel.data=3", "parallel.tensor=1", "zero.stage=1",
+              "snapshot.buddy=true"),
+    )
+    assert rc == 1, stdout
+    ends = _ends(out)
+    assert ends[1] == ends[2] == "SIGKILL" and ends[0] != 0
+    for p in (0,):
+        log = (out / f"worker{p}.log").read_text()
+        assert "UnrecoverableStateError" in log and "has no live copy" in log, log[-2000:]
+    err = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "error"]
+    assert err and err[0]["error"] == "UnrecoverableStateError" and "opt_state" in err[0]["message"]
 
 
 @pytest.mark.slow
@@ -367,14 +370,7 @@ def test_killing_process_0_ends_every_process_with_a_clear_error(tmp_path):
     out = tmp_path / "mp_p0"
     sets = ("parallel.devices=-1", "parallel.data=2", "parallel.tensor=2")
     rc, stdout = _launch(
-        out,
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "2",
-        "--kill",
-        "2:0",
-        sets=sets,
+        out, "--processes", "2", "--devices-per-process", "2", "--kill", "2:0", sets=sets,
         timeout=150,
     )
     assert rc == 3, stdout

@@ -158,7 +158,7 @@ def test_zero1_on_a_pipeline_round_trips_and_restores_lost_partitions():
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, back, jax.device_get(full))))
     pool = SnapshotPool(cfg.snapshot, TOPO)
     pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
-    pool.take(state, 0, DEVS)
+    pool.take(state, 0)
     pool.complete()
     kept = []
     for new in _targets_without_device_3(plan, cfg):

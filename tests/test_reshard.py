@@ -8,7 +8,8 @@ from conftest import tiny_config
 from elasjax import planner
 from elasjax.faults import inject
 from elasjax.mesh import make_mesh
-from elasjax.reshard import ShardStore, UnrecoverableStateError, transition
+from elasjax.reshard import transition
+from elasjax.shards import ShardStore, UnrecoverableStateError
 from elasjax.sharding import path_str
 from elasjax.state import StateFactory, make_optimizer
 

@@ -16,7 +16,7 @@ from conftest import tiny_config
 from elasjax import trainer
 from elasjax.config import ConfigError
 from elasjax.metrics import read_jsonl
-from elasjax.reshard import UnrecoverableStateError
+from elasjax.shards import UnrecoverableStateError
 
 pytestmark = pytest.mark.slow
 

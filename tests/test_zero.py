@@ -8,12 +8,8 @@ from conftest import tiny_config
 from elasjax import checksum, planner, zero
 from elasjax.faults import inject
 from elasjax.mesh import make_mesh
-from elasjax.reshard import (
-    TransitionPlanCache,
-    UnrecoverableStateError,
-    describe_state,
-    transition,
-)
+from elasjax.reshard import TransitionPlanCache, transition
+from elasjax.shards import UnrecoverableStateError, describe_state
 from elasjax.snapshot import SnapshotPool
 from elasjax.state import StateFactory, make_optimizer
 
@@ -120,7 +116,7 @@ def _fail_and_recover(cfg, f, plan, state, failed, live, *, dead_hosts=()):
     lay = f.layout(plan)
     pool = SnapshotPool(cfg.snapshot, TOPO)
     pool.configure(state, lay.shardings(mesh), mesh, live)
-    pool.take(state, 0, DEVS)
+    pool.take(state, 0)
     pool.complete()
     before = _cks(lay, state)
     store, _ = inject(state, tuple(failed))
@@ -216,7 +212,7 @@ def test_corrupted_snapshot_is_refused_and_the_next_rung_used():
     state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))())
     pool = SnapshotPool(cfg.snapshot, TOPO)
     pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
-    pool.take(state, 5, DEVS)
+    pool.take(state, 5)
     pool.complete()
     rec = next(r for r in pool.records if r.holder == 3 and "::" not in r.path and r.path.startswith("opt_state"))
     # flip one byte of the buddy copy
@@ -244,7 +240,7 @@ def test_plan_prepared_before_a_failure_is_used_and_equals_a_cold_plan():
     state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))())
     pool = SnapshotPool(cfg.snapshot, TOPO)
     pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
-    pool.take(state, 0, DEVS)
+    pool.take(state, 0)
     pool.complete()
     before = _cks(lay, state)
     new_plan = planner.replan([d for d in TOPO.device_ids if d != 3], TOPO, cfg, plan, plan)

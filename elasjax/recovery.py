@@ -1,0 +1,530 @@
+"""Recovery as a plan transition, and the cut-over from a fast path to the optimal plan.
+
+One recovery path for both runtimes (the trainer is given a runtime, `elasjax.runtime`). A
+recovery is the timeline of DESIGN section 4, each phase timed:
+
+`detect` (the runtime reports the failed devices) -> `plan` (the planner over the survivors) ->
+`compile` (the new plan's executables: a standby hit, a wait for a background compile, or a
+compile) -> `transfer` (rebuild the state on the new mesh from live sources: surviving replicas,
+verified snapshot copies; or, when a slice has none and a checkpoint is configured, the newest
+Orbax checkpoint, losing the steps since) -> `verify` (checksums of the rebuilt state against
+those of the last good state) -> `snapshot` (the new plan's snapshot pool, filled at once) ->
+`first_step`.
+
+Each phase runs in a runtime `guard`: under the multi-controller runtime its end is a barrier of
+the live processes, and a process that dies inside it makes every survivor raise the same
+`DeviceFailure`. A failure during a recovery starts the recovery again from what is left (the last
+good state's surviving shards and the snapshots); `retry_s` is the time the failed attempts took.
+
+A recovery that cannot be verified raises; a slice with no live copy and no checkpoint raises
+`UnrecoverableStateError`. The run never continues with re-initialised or partly stale state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+
+from . import checksum
+from .config import Config
+from .mesh import make_mesh
+from .planner import Plan, fast_path_plan, replan
+from .reshard import transition
+from .runtime import DeviceFailure, host_values
+from .shards import (
+    ShardStore,
+    Transfer,
+    TransferLog,
+    UnrecoverableStateError,
+    box_size,
+    describe_state,
+    index_to_box,
+)
+from .sharding import path_str
+from .step import Executables
+
+# The phases whose sum is a recovery's `mttr_s`, under every runtime.
+MTTR_PHASES = (
+    "detect_s",
+    "retry_s",
+    "plan_s",
+    "compile_s",
+    "transfer_s",
+    "verify_s",
+    "snapshot_s",
+    "first_step_s",
+)
+
+
+class RecoveryVerificationError(RuntimeError):
+    """The rebuilt state's checksums differ from the last good state's."""
+
+
+@dataclasses.dataclass
+class Position:
+    """Where training stands: `state` is the state after `step` steps on `plan`, `good` its
+    checksums (the last verified ones), `live` the devices alive."""
+
+    step: int
+    plan: Plan
+    exe: Executables
+    state: Any
+    good: dict[str, str] | None
+    live: frozenset[int]
+
+
+@dataclasses.dataclass
+class RecoveryEvent:
+    step: int
+    failed_devices: list[int]
+    fault: str
+    from_plan: str
+    to_plan: str
+    rung: str
+    bytes_moved: int
+    transfers: int
+    max_transfers_per_device: int
+    bytes_lost: int
+    steps_lost: int
+    detect_s: float
+    plan_s: float
+    compile_s: float
+    standby_hit: bool  # the executable was compiled and ready when recovery asked for it
+    exe_cache_hit: bool
+    transfer_s: float
+    verify_s: float
+    runtime: str
+    failure_simulation: str
+    first_step_s: float = 0.0
+    snapshot_s: float = 0.0
+    retry_s: float = 0.0
+    standby_wait_s: float = 0.0  # waited for a background compile already under way
+    attempts: int = 1
+    verified: bool = False
+    resumed_at_step: int = 0
+    bytes_kept_in_place: int = 0
+    bytes_cross_process: int = 0
+    bytes_sent: dict = dataclasses.field(default_factory=dict)  # this process, by peer
+    bytes_received: dict = dataclasses.field(default_factory=dict)
+    failed_processes: list[int] = dataclasses.field(default_factory=list)
+    failed_phases: list[str] = dataclasses.field(default_factory=list)
+    rungs: list[str] = dataclasses.field(default_factory=list)
+    refused_snapshots: list[str] = dataclasses.field(default_factory=list)
+    migration: str = "blocking"  # "blocking" | "async" (resumed on a fast path first)
+    optimal_plan: str = ""
+    strategy: str = "elastic"
+    compiles: int = -1  # XLA compilations on the training thread from detection to first step
+    transfer_plan_hit: bool = False  # the transition was planned before the failure
+    transfer_plan_s: float = 0.0  # planning time inside transfer_s (0 on a hit)
+    detail: dict = dataclasses.field(default_factory=dict)  # what the runtime knows of the cause
+
+    @property
+    def mttr_s(self) -> float:
+        return sum(getattr(self, k) for k in MTTR_PHASES)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        detail = d.pop("detail")
+        return {"type": "recovery", **d, **detail, "mttr_s": self.mttr_s}
+
+
+def host_checksums(rt, sums, plan: Plan) -> dict[str, str]:
+    """Device checksums (replicated over `plan`'s devices) -> {leaf path: hex}, on every live
+    process (`runtime.host_values`)."""
+    values = host_values(rt, sums, plan.device_ids)
+    return {
+        path_str(p): checksum.hex_of(v)
+        for p, v in jax.tree_util.tree_flatten_with_path(values)[0]
+    }
+
+
+def torchft_plan(previous: Plan, survivors, cfg: Config) -> Plan | None:
+    """TorchFT-like recovery: keep the intact data replicas exactly as they are (same
+    micro-batches, same samples) and drop the broken ones with their samples: the global batch
+    shrinks and the loss averages over the surviving replicas."""
+    live = set(survivors)
+    intact = [g for g in previous.groups if all(d in live for d in g)]
+    if not intact:
+        return None
+    used = tuple(d for g in intact for d in g)
+    return Plan(
+        used, len(intact), previous.tensor, previous.microbatches, previous.micro_batch,
+        previous.global_batch * len(intact) // previous.data or 1,
+        tuple(d for d in survivors if d not in used), stage=previous.stage,
+        partition=previous.partition,
+    ).compile_key
+
+
+def kept_ranks(keep, old: Plan, new: Plan) -> tuple[int, ...]:
+    """Initial-layout replica indices that survive into `new` (torchft_like)."""
+    keep = tuple(range(old.data)) if keep is None else keep
+    groups = set(new.groups)
+    return tuple(k for k, g in zip(keep, old.groups) if g in groups)
+
+
+def checkpoint_log(state) -> TransferLog:
+    log = TransferLog()
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = path_str(path)
+        for d, idx in x.sharding.devices_indices_map(tuple(x.shape)).items():
+            box = index_to_box(idx, x.shape)
+            nbytes = x.dtype.itemsize * box_size(box)
+            log.entries.append(Transfer(name, box, "checkpoint", d.id, nbytes, "checkpoint"))
+    return log
+
+
+class Recovering:
+    """The trainer's recovery and cut-over (a mixin of `trainer.Trainer`, which owns the
+    runtime, planner inputs, executables, snapshot pool, checkpoints and background work)."""
+
+    # -- executables ----------------------------------------------------------------------------
+
+    def executables(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
+        """(executables, already compiled in this process, standby hit, seconds waited for a
+        background compile). A standby hit means the executable was ready when asked for."""
+        if self.standby is not None:
+            key = plan.compile_key
+            exe = self.standby.get(key)
+            if exe is not None:
+                return exe, True, True, 0.0
+            if self.standby.pending(key):  # being compiled in the background: do not duplicate
+                t0 = time.perf_counter()
+                exe = self.standby.wait(key)
+                return exe, False, False, time.perf_counter() - t0
+        exe, hit = self.exe_cache.get(
+            self.cfg, self.factory, plan, self.devices, donate=self.rt.donate
+        )
+        return exe, hit, False, 0.0
+
+    def failure_candidates(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
+        """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single
+        device (where the runtime can lose one alone) and every single host."""
+        fails = [({d}, set()) for d in plan.device_ids] if self.rt.device_failures else []
+        fails += [
+            (set(self.topo.host_devices(h)) & live, {h})
+            for h in range(self.topo.n_hosts)
+            if set(self.topo.host_devices(h)) & set(plan.device_ids)
+        ]
+        return fails
+
+    def standby_candidates(self, plan: Plan, live: set[int]) -> list[Plan]:
+        """Plans recovery would need after the likeliest next failures of `plan`
+        (`failure_candidates`): their optimal plans with `standby.enabled`; the no-movement fast
+        paths with `recovery.migration: async`."""
+        out: list[Plan] = []
+        for gone, _ in self.failure_candidates(plan, live):
+            survivors = [d for d in self.topo.device_ids if d in live - gone]
+            if not survivors:
+                continue
+            if self.cfg.recovery.migration == "async":
+                fast = fast_path_plan(plan, survivors, self.cfg)
+                if fast is not None:
+                    out.append(fast)
+            if self.cfg.standby.enabled:
+                try:
+                    out.append(replan(survivors, self.topo, self.cfg, plan, self.initial))
+                except Exception:  # a failure the planner cannot serve needs no standby
+                    pass
+        keys = list(dict.fromkeys(p.compile_key for p in out))
+        return keys[: max(self.cfg.standby.max_plans, 1)]
+
+    def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
+        """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""
+        optimal = replan(survivors, self.topo, self.cfg, plan, self.initial)
+        if self.cfg.recovery.migration == "async" and self.cfg.recovery.strategy == "elastic":
+            fast = fast_path_plan(plan, survivors, self.cfg)
+            if fast is not None and fast != optimal:
+                return fast, optimal
+        return optimal, optimal
+
+    # -- background work ------------------------------------------------------------------------
+
+    def _prepare_transitions(self, plan: Plan, exe: Executables, state, live: set[int]) -> None:
+        """Plan, in the background, the transitions recovery would run after each likely next
+        failure of `plan` (`failure_candidates`), from shard descriptions: `transition` then
+        finds them in `transition_plans` and only executes copies. Elastic strategy only."""
+        if self.jobs is None or self.cfg.recovery.strategy != "elastic":
+            return
+        full = describe_state(state)  # metadata of the buffers only, read on this thread
+        held = set(plan.device_ids) | set(plan.spare_ids)
+        jobs = []
+        for gone, hosts in self.failure_candidates(plan, live):
+            survivors = [d for d in self.topo.device_ids if d in live - gone]
+            if survivors:
+                jobs.append(functools.partial(
+                    self._prepare_one, full, plan, exe.layout, gone & held, survivors,
+                    self.dead_hosts | hosts,
+                ))
+        self.jobs.replace(jobs)
+
+    def _prepare_one(self, full, plan, old_layout, dead, survivors, dead_hosts) -> None:
+        target, _ = self._recovery_plan(plan, survivors)
+        self._prepare_move(
+            full, dead, target, old_layout, self.pool.describe_sources(dead, dead_hosts)
+        )
+
+    def _prepare_move(self, full, dead, target: Plan, old_layout, extra) -> None:
+        layout = self.factory.layout(target)
+        mesh = make_mesh(target.mesh_shape, [self.devices[i] for i in target.device_ids])
+        self.transition_plans.prepare(
+            full.without(dead), layout.shardings(mesh), extra, old_layout=old_layout,
+            new_layout=layout,
+        )
+
+    def _refresh_standby(self, plan: Plan, live: set[int]) -> None:
+        if self.standby is not None:
+            self.standby.submit(self.standby_candidates(plan, live))
+
+    # -- recovery -------------------------------------------------------------------------------
+
+    def _recover(self, pos: Position, failure: DeviceFailure, during: list) -> tuple[Position, RecoveryEvent]:
+        """Recover from `failure` (raised at step `pos.step`), injecting the scheduled failures
+        `during` into the first attempt's transfer. Returns the new position and its event (its
+        `first_step_s` filled in by the loop)."""
+        t_first = time.perf_counter()
+        compiles_before = self.compiles.count
+        if self.jobs is not None:
+            self.jobs.replace([])  # plans for the old plan's failures: stop preparing them
+        self.pending_cutover = None  # a new failure re-plans from scratch
+        strategy = self.cfg.recovery.strategy
+        failures = [failure]
+        dead = set(failure.devices)
+        store = self.rt.capture(pos.state, dead)  # what survives of the last good state
+        attempts, t_attempt = 0, t_first
+        t_setup = time.perf_counter() - t_first  # counted in the plan phase
+        while True:
+            attempts += 1
+            t_attempt = time.perf_counter() if attempts > 1 else t_first + t_setup
+            for f in failures:
+                self.dead_hosts |= self._lost_hosts(f.devices)
+            live = set(pos.live) - dead
+            refusals_before = len(self.pool.refusals)
+            try:
+                with self.rt.guard("recovery/plan"):
+                    t0 = time.perf_counter()
+                    survivors = [d for d in self.topo.device_ids if d in live]
+                    keep = self.torchft_keep
+                    if strategy == "torchft_like":
+                        optimal = torchft_plan(pos.plan, survivors, self.cfg)
+                        if optimal is None:
+                            raise UnrecoverableStateError(
+                                "params", (), f"torchft_like: no data replica is intact after "
+                                f"devices {sorted(dead)} failed at step {pos.step}"
+                            )
+                        keep = kept_ranks(self.torchft_keep, pos.plan, optimal)
+                        new_plan = optimal
+                    else:
+                        new_plan, optimal = self._recovery_plan(pos.plan, survivors)
+                    plan_s = time.perf_counter() - t0 + (t_setup if attempts == 1 else 0.0)
+                    t0 = time.perf_counter()
+                    exe, hit, standby_hit, wait_s = self.executables(new_plan)
+                    compile_s = time.perf_counter() - t0
+                with self.rt.guard("recovery/transfer"):
+                    t0 = time.perf_counter()
+                    if attempts == 1:
+                        self.rt.inject(during, "transfer", [store])
+                    new_state, log, rung, resume_at, expected, tinfo = self._rebuild(
+                        pos, store.without(dead), dead, exe, strategy
+                    )
+                    self.rt.commit(new_state)
+                    transfer_s = time.perf_counter() - t0
+                # a new guard: processes finish their copies at different times, and the
+                # checksums below are a collective that must not wait for a slow one's copies
+                with self.rt.guard("recovery/verify"):
+                    t0 = time.perf_counter()
+                    actual = host_checksums(self.rt, exe.checksum(new_state), new_plan)
+                    bad = checksum.diff(expected, actual)
+                    if bad:
+                        raise RecoveryVerificationError(
+                            f"recovered state differs from the last good state in {len(bad)} "
+                            f"leaves, e.g. {bad[:3]}; refusing to continue"
+                        )
+                    if any(t.src in dead for t in log.entries):
+                        raise AssertionError("a transfer read a failed device")  # invariant
+                    verify_s = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    # the new plan's pool replaces the old one only once this attempt succeeds:
+                    # a retry still needs the old plan's copies
+                    pool = self.pool.fresh()
+                    pool.configure(new_state, exe.state_shardings, exe.mesh, live)
+                    pool.take(new_state, resume_at)
+                    snapshot_s = time.perf_counter() - t0
+                break
+            except DeviceFailure as f:  # a failure during the recovery: start again
+                failures.append(f)
+                dead |= f.devices
+                store = store.without(dead)
+        self.torchft_keep = keep
+        self.pool = pool
+        migration = "async" if new_plan != optimal else "blocking"
+        first = failures[0]
+        procs = sorted({p for f in failures for p in f.detail.get("failed_processes", [])})
+        detail = {k: v for k, v in first.detail.items() if k not in ("failed_processes", "bytes_lost")}
+        ev = RecoveryEvent(
+            step=pos.step,
+            failed_devices=sorted(dead),
+            fault="; ".join(f.cause for f in failures if f.cause) or f"devices {sorted(dead)}",
+            from_plan=pos.plan.name,
+            to_plan=new_plan.name,
+            rung=rung,
+            bytes_moved=log.bytes_moved,
+            transfers=log.transfers,
+            max_transfers_per_device=log.max_per_device(),
+            bytes_lost=sum(f.detail.get("bytes_lost", 0) for f in failures),
+            steps_lost=pos.step - resume_at,
+            detect_s=first.detect_s,
+            retry_s=t_attempt - t_first - t_setup,
+            plan_s=plan_s,
+            compile_s=compile_s,
+            standby_hit=standby_hit,
+            standby_wait_s=wait_s,
+            exe_cache_hit=hit,
+            transfer_s=transfer_s,
+            verify_s=verify_s,
+            snapshot_s=snapshot_s,
+            runtime=self.rt.kind,
+            failure_simulation=self.rt.failure_simulation,
+            attempts=attempts,
+            verified=True,
+            resumed_at_step=resume_at,
+            bytes_kept_in_place=log.kept_bytes,
+            bytes_cross_process=log.cross_process_bytes,
+            bytes_sent=log.sent,
+            bytes_received=log.received,
+            failed_processes=procs,
+            failed_phases=[f.phase for f in failures],
+            rungs=sorted(log.rungs()),
+            refused_snapshots=self.pool.refusals[refusals_before:],
+            migration=migration,
+            optimal_plan=optimal.name,
+            strategy=strategy,
+            compiles=compiles_before,  # completed after the first step
+            transfer_plan_hit=tinfo.get("plan_hit", False),
+            transfer_plan_s=tinfo.get("plan_s", 0.0),
+            detail=detail,
+        )
+        self.transfer_logs.append(log)
+        if migration == "async":
+            self.pending_cutover = (optimal, t_first - first.detect_s, pos.step)
+            self.standby.submit([optimal.compile_key])  # the only plan that matters now
+            if self.jobs is not None:  # plan the cut-over (nothing lost, no snapshots)
+                self.jobs.replace([functools.partial(
+                    self._prepare_move, describe_state(new_state), set(), optimal,
+                    exe.layout, None,
+                )])
+        else:
+            # Refresh the standby set after the first step, so that its compiles do not compete
+            # with the step that ends the recovery.
+            self._standby_due = (new_plan, set(live))
+        new = Position(resume_at, new_plan, exe, new_state, actual, frozenset(live))
+        return new, ev
+
+    def _lost_hosts(self, devices) -> set[int]:
+        """Hosts all of whose devices are gone (a host failure, as opposed to device ones)."""
+        dead = set(devices)
+        return {
+            h for h in range(self.topo.n_hosts) if set(self.topo.host_devices(h)) <= dead
+        }
+
+    def _rebuild(self, pos: Position, store: ShardStore, dead: set[int], exe, strategy: str):
+        """(state, log, rung, resumed step, expected checksums, transition info): from live
+        sources, else from the newest checkpoint (losing the steps since)."""
+        tinfo: dict = {}
+        try:
+            if strategy == "checkpoint_restart":
+                raise UnrecoverableStateError("state", (), "checkpoint_restart restores from disk")
+            snaps = self.pool.sources(dead, self.dead_hosts, version=pos.step)
+            new_state, log = transition(
+                store,
+                exe.state_shardings,
+                devices=self.devices,
+                extra_sources=snaps,
+                old_layout=pos.exe.layout,
+                new_layout=exe.layout,
+                plans=self.transition_plans,
+                info=tinfo,
+                transport=self.rt,
+                threads=self.rt.threads,
+            )
+            return new_state, log, log.worst_rung(), pos.step, pos.good, tinfo
+        except UnrecoverableStateError as err:
+            if self.ckpt is None or strategy == "torchft_like":
+                raise UnrecoverableStateError(
+                    err.leaf, err.box, f"devices {sorted(dead)} failed at step {pos.step}; no "
+                    "surviving copy, no verified snapshot, and no checkpoint (checkpoint.dir)"
+                ) from err
+            ck_step = self.ckpt.latest_step()
+            if ck_step is None:
+                raise
+            new_state, meta = self._restore(ck_step, exe)
+            self.ckpt.drop_after(ck_step)
+            return new_state, checkpoint_log(new_state), "checkpoint", ck_step, meta["checksums"], tinfo
+
+    # -- cut-over -------------------------------------------------------------------------------
+
+    def _cutover_due(self, step: int) -> bool:
+        """Cut over when the optimal plan is compiled (on every process), or wait for it once the
+        run has spent `recovery.max_fast_path_steps` steps on the fast path."""
+        optimal, _, fail_step = self.pending_cutover
+        limit = self.cfg.recovery.max_fast_path_steps
+        if limit and step - fail_step >= limit:
+            self.standby.wait(optimal.compile_key)
+            ready = True
+        else:
+            ready = self.standby.ready(optimal.compile_key)
+        return all(self.rt.agree(ready).values())
+
+    def _cutover(self, pos: Position) -> tuple[Position, dict]:
+        """Move to the optimal plan (compiled in the background) at a step boundary. Each part
+        is its own guard (a failure leaves `pos` as it was: the old state is intact)."""
+        optimal, t_fail, fail_step = self.pending_cutover
+        new_exe = self.standby.get(optimal.compile_key)
+        with self.rt.guard("cutover/transfer"):
+            t0 = time.perf_counter()
+            tinfo: dict = {}
+            new_state, log = transition(
+                ShardStore.capture(pos.state), new_exe.state_shardings, devices=self.devices,
+                old_layout=pos.exe.layout, new_layout=new_exe.layout, plans=self.transition_plans,
+                info=tinfo, transport=self.rt, threads=self.rt.threads,
+            )
+            self.rt.commit(new_state)
+            transfer_s = time.perf_counter() - t0
+        with self.rt.guard("cutover/verify"):
+            t0 = time.perf_counter()
+            actual = host_checksums(self.rt, new_exe.checksum(new_state), optimal)
+            bad = checksum.diff(pos.good, actual)
+            if bad:
+                raise RecoveryVerificationError(f"cut-over changed {len(bad)} leaves, e.g. {bad[:3]}")
+            verify_s = time.perf_counter() - t0
+            pool = self.pool.fresh()
+            pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, set(pos.live))
+            pool.take(new_state, pos.step)
+        self.pool = pool
+        self.pending_cutover = None
+        self.transfer_logs.append(log)
+        self._refresh_standby(optimal, set(pos.live))
+        self._prepare_transitions(optimal, new_exe, new_state, set(pos.live))
+        mig = {
+            "type": "migration",
+            "step": pos.step,
+            "failure_step": fail_step,
+            "from_plan": pos.plan.name,
+            "to_plan": optimal.name,
+            "bytes_moved": log.bytes_moved,
+            "bytes_cross_process": log.cross_process_bytes,
+            "transfers": log.transfers,
+            "transfer_s": transfer_s,
+            "verify_s": verify_s,
+            "stall_s": transfer_s + verify_s,
+            "transfer_plan_hit": tinfo["plan_hit"],
+            "transfer_plan_s": tinfo["plan_s"],
+            "steps_on_fast_path": pos.step - fail_step,
+            "time_to_optimal_s": time.perf_counter() - t_fail,
+            "verified": True,
+        }
+        new = Position(pos.step, optimal, new_exe, new_state, actual, pos.live)
+        return new, mig

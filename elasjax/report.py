@@ -1,0 +1,121 @@
+"""What a run prints: the progress bar, one line per recovery and cut-over, the summary tables.
+
+Every printed MTTR says how the failure happened and was detected (`failure_simulation`), and a
+standby hit is printed only when the executable was ready at detection.
+"""
+
+from __future__ import annotations
+
+from .planner import Plan
+
+
+def recovery_line(ev) -> str:
+    fast = (
+        f" (fast path; optimal {ev.optimal_plan} compiling in the background)"
+        if ev.migration == "async"
+        else ""
+    )
+    retried = f" after {ev.attempts} attempts" if ev.attempts > 1 else ""
+    return (
+        f"step {ev.step}: {ev.fault} failed -> {ev.from_plan} => {ev.to_plan}{fast} via {ev.rung}"
+        f"{retried}; {ev.bytes_moved / 1e6:.2f} MB in {ev.transfers} transfers"
+        f"{' (planned ahead)' if ev.transfer_plan_hit else ''}; MTTR {ev.mttr_s:.2f}s "
+        f"(detect {ev.detect_s:.2f}s, compile {ev.compile_s:.2f}s"
+        f"{', standby hit' if ev.standby_hit else ''}); verified"
+    )
+
+
+def migration_line(mig: dict) -> str:
+    return (
+        f"step {mig['step']}: cut over {mig['from_plan']} => {mig['to_plan']}; stalled "
+        f"{mig['stall_s']:.3f}s; optimal plan running {mig['time_to_optimal_s']:.2f}s after the "
+        "failure"
+    )
+
+
+class Progress:
+    """A rich progress bar (step, loss, devices), or nothing."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.enabled, self.total = enabled, total
+        self._p = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._p = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("devices {task.fields[devices]}"),
+                TextColumn("{task.fields[plan]}"),
+                TimeElapsedColumn(),
+            )
+            self._p.__enter__()
+            self._task = self._p.add_task("train", total=self.total, loss="-", devices="-", plan="")
+        return self
+
+    def update(self, step: int, loss: float, plan: Plan) -> None:
+        if self._p is not None:
+            self._p.update(
+                self._task, completed=step, loss=f"{loss:.4f}", devices=plan.n_devices, plan=plan.name
+            )
+
+    def log(self, msg: str) -> None:
+        if self._p is not None:
+            self._p.console.log(msg)
+
+    def __exit__(self, *exc):
+        if self._p is not None:
+            self._p.__exit__(*exc)
+
+
+def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=()) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if recoveries:
+        t = Table(title=f"Recoveries ({recoveries[0].failure_simulation})")
+        for col in ("step", "failure", "plan change", "rung", "moved", "xfers", "verified", "MTTR"):
+            t.add_column(col)
+        for e in recoveries:
+            rung = e.rung + (f" (-{e.steps_lost} steps)" if e.steps_lost else "")
+            t.add_row(
+                str(e.step), e.fault, f"{e.from_plan} -> {e.to_plan}", rung,
+                f"{e.bytes_moved / 1e6:.2f} MB", str(e.transfers),
+                "yes" if e.verified else "NO", f"{e.mttr_s:.2f}s",
+            )
+        con.print(t)
+        t = Table(title="MTTR breakdown (seconds)")
+        cols = ("step", "detect", "plan", "compile", "transfer", "verify", "snapshot", "1st step",
+                "total")
+        for col in cols:
+            t.add_column(col, justify="right")
+        for e in recoveries:
+            t.add_row(
+                str(e.step), f"{e.detect_s:.4f}", f"{e.plan_s:.4f}", f"{e.compile_s:.3f}",
+                f"{e.transfer_s:.3f}", f"{e.verify_s:.3f}", f"{e.snapshot_s:.3f}",
+                f"{e.first_step_s:.3f}", f"{e.mttr_s:.3f}",
+            )
+        con.print(t)
+    else:
+        con.print("no failures were injected")
+    for note in notes:
+        con.print(note)
+    last = max(losses)
+    msg = f"final loss {losses[last]:.4f} at step {last}; final plan {plan.describe()}"
+    if evals:
+        k = max(evals)
+        msg += f"; held-out loss {evals[k]:.4f}"
+    con.print(msg)
+    if out_dir is not None:
+        con.print(f"outputs: {out_dir}/config.yaml, metrics.jsonl, events.jsonl")

@@ -1,0 +1,197 @@
+"""Where a job runs: the runtime object the trainer is given (DESIGN section 8).
+
+There is one training loop and one recovery path (`elasjax.trainer`). What differs between one
+process with fake devices and a real multi-host job is this object:
+
+| concern | `InProcessRuntime` | `multicontroller.MultiControllerRuntime` |
+|---|---|---|
+| devices | this process's devices | `jax.devices()` of every `jax.distributed` process |
+| a host | `devices_per_host` consecutive devices | a process |
+| a failure | `inject` deletes the failed devices' buffers | the targeted process SIGKILLs itself |
+| detection | the injector reports it (simulated) | `live_devices` / `ProcessFailureError` |
+| cross-process copies | none | point-to-point pulls (`exchange`, `move`) |
+| agreement | trivial | the coordination service's key-value store |
+| outputs | this process | the lowest live process |
+
+The interface, used by the trainer, the snapshot pool and transitions:
+
+- `kind`, `failure_simulation` (what a failure is here; written into every recovery event),
+  `donate` (whether executables may donate their input state: not where a step can fail midway
+  and its input must stay readable), `device_failures` (can one device fail alone?);
+- `devices` (every device of the job, by id), `topology`, `live`, `me`, `process_of(device)`
+  (an int id or "host:<h>"), `writer`, `host_copies_off_host` (host memory dies with its host);
+- `guard(phase)`: a block whose end every live process reaches together; a failure inside it
+  raises `DeviceFailure` on every survivor, naming the same devices;
+- `inject(events, point, trees)`: make scheduled failures happen at `point` ("before_step",
+  "after_dispatch", "transfer"); each runtime acts at the points where its failures happen;
+- `commit(tree)`: wait for `tree` where a guard must see its errors (multi-controller);
+- `exchange(sends, recvs)` and `move(items)`: cross-process pieces, point to point;
+- `agree(value)`: every live process's value; `share(value, src)`: process `src`'s value;
+- `capture(tree, dead)`: what survives of a state after a failure; `log(msg)`;
+  `detection_report(detail)`; `processes()`;
+- `threads`: the copy threads of transitions; `close()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .config import Config, ConfigError
+from .copies import CopyThreads
+from .faults import IN_PROCESS, FaultEvent
+from .planner import Topology
+from .shards import ShardStore
+
+
+class DeviceFailure(Exception):
+    """Devices were lost. Every live process raises it with the same `devices` (the runtime
+    agrees on them); `detect_s` is how long the runtime took to know, `detail` what it knows
+    of the cause (killed processes, timings)."""
+
+    def __init__(
+        self, devices: Iterable[int], phase: str, *, detect_s: float = 0.0,
+        cause: str = "", detail: dict | None = None,
+    ):
+        self.devices = frozenset(devices)
+        self.phase, self.detect_s, self.cause = phase, detect_s, cause
+        self.detail = detail or {}
+        self.t_known = time.perf_counter()
+        super().__init__(f"devices {sorted(self.devices)} failed during {phase}")
+
+
+def read_replicated(x: jax.Array, live: Iterable[int]) -> np.ndarray:
+    """A replicated array's value, read from a shard on a live device of this process (never
+    from a failed device's memory)."""
+    live = set(live)
+    for s in x.addressable_shards:
+        if s.device.id in live:
+            return np.asarray(s.data)
+    raise RuntimeError("no live device of this process holds a copy of the value")
+
+
+def host_values(rt, tree, devices: Iterable[int]):
+    """The values of a tree of arrays replicated over `devices` (a plan's), on every live
+    process: read locally, and handed to the processes holding none of `devices` by the lowest
+    one that does (`rt.share`; only while some process is outside the plan)."""
+    devices = sorted(devices)
+    holders = sorted({rt.process_of(d) for d in devices})
+    value = None
+    if rt.me in holders:
+        value = jax.tree.map(lambda x: read_replicated(x, devices), tree)
+    if (rt.processes() or {rt.me}) - set(holders):
+        value = rt.share(value, holders[0])
+    return value
+
+
+def job_devices(cfg: Config) -> list[jax.Device]:
+    avail = jax.devices()
+    n = len(avail) if cfg.parallel.devices == -1 else cfg.parallel.devices
+    if n > len(avail):
+        raise ConfigError(
+            f"config 'parallel.devices' = {n} but only {len(avail)} devices are visible; allowed "
+            f"values: -1, 1 .. {len(avail)} (for fake CPU devices set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count=N before JAX starts)"
+        )
+    return avail[:n]
+
+
+class InProcessRuntime:
+    """One process owns every device; failures are simulated by deleting buffers.
+
+    A scheduled failure deletes every buffer this process holds on the failed devices (the
+    state's and the snapshot pool's) and is reported at once, before anything could run on the
+    lost buffers: detection here is simulated, and every recovery event says so."""
+
+    kind = IN_PROCESS
+    step_sync = False  # the loop may read a step's metrics one step late
+    failure_simulation = "simulated (single process): the failed devices' buffers were deleted"
+    donate = True
+    device_failures = True
+    host_copies_off_host = False
+    me = 0
+    writer = True
+
+    def __init__(self, cfg: Config | None = None, *, topology: Topology | None = None):
+        if topology is None:
+            devs = job_devices(cfg)
+            topology = Topology(tuple(d.id for d in devs), cfg.parallel.devices_per_host)
+        table = {d.id: d for d in jax.devices()}
+        self.devices = {i: table[i] for i in topology.device_ids}
+        self.topology = topology
+        self.live: set[int] = set(self.devices)
+        self.threads = CopyThreads()
+        self._survivors: dict[int, tuple] = {}  # id(tree) -> (tree, what `inject` left of it)
+
+    def process_of(self, device) -> int:
+        return 0
+
+    def processes(self) -> set[int] | None:
+        """The live processes, for collective I/O (None: this process alone)."""
+        return None
+
+    def log(self, msg: str) -> None:
+        pass  # the progress bar prints here
+
+    def detection_report(self, detail: dict) -> dict:
+        return {}
+
+    @contextlib.contextmanager
+    def guard(self, phase: str):
+        yield
+
+    def inject(self, events: Sequence[FaultEvent], point: str, trees: Sequence[Any] = ()) -> None:
+        if point not in ("before_step", "transfer") or not events:
+            return
+        t0 = time.perf_counter()
+        ids = {d for e in events for d in e.device_ids}
+        lost = 0
+        self._survivors.clear()
+        for tree in trees:
+            if isinstance(tree, ShardStore):
+                lost += tree.fail(ids)
+                continue
+            # a global array with one deleted buffer can no longer be read at all: keep what
+            # survives of it for `capture`
+            store = ShardStore.capture(tree, set(self.devices) - self.live)
+            lost += store.fail(ids)
+            self._survivors[id(tree)] = (tree, store)  # the tree is kept: its id stays unique
+        self.live -= ids
+        raise DeviceFailure(
+            ids, point, detect_s=time.perf_counter() - t0,
+            cause="; ".join(e.spec for e in events), detail={"bytes_lost": lost},
+        )
+
+    def capture(self, tree, dead: Iterable[int]) -> ShardStore:
+        """Every live shard of `tree` (its surviving buffers, if a failure was injected under it)."""
+        kept = self._survivors.get(id(tree))
+        self._survivors.clear()
+        if kept is not None and kept[0] is tree:
+            return kept[1].without(dead)
+        return ShardStore.capture(tree, dead)
+
+    def commit(self, tree) -> None:
+        pass  # nothing fails mid-step here: dispatch stays asynchronous
+
+    def exchange(self, sends: dict, recvs: dict) -> dict:
+        if sends or recvs:
+            raise AssertionError("a single process has no peers to exchange with")
+        return {}
+
+    def move(self, items: Sequence[tuple]) -> list:
+        """(src device, dst device, array, shape, dtype) -> the arrays on their destinations."""
+        return jax.device_put([x for _, _, x, _, _ in items], [self.devices[d] for _, d, *_ in items])
+
+    def agree(self, value) -> dict[int, Any]:
+        return {0: value}
+
+    def share(self, value, src: int):
+        return value
+
+    def close(self) -> None:
+        self.threads.close()

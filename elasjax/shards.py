@@ -1,0 +1,253 @@
+"""What a job holds of a state, shard by shard, and the log of what a transition moved.
+
+A *shard* is one copy of a *box* (a hyper-rectangle of a global array) on one device, or in host
+memory. A `ShardStore` lists every live shard of every leaf of a state, globally: under the
+multi-controller runtime the shards of other processes are described (device, box) with no
+data, so that every process plans the same transition, while each executes its own part with
+the buffers it holds.
+
+Plans name a source by what it is, `SourceRef = (leaf path, device, rung, box)`, never by its
+buffer: a plan made before a failure from descriptions (`describe_state`) runs on the buffers
+present after it, provided they are exactly the described ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+
+from .sharding import path_str
+
+PyTree = Any
+Box = tuple[tuple[int, int], ...]
+# cheapest first; "live" and "replica" both mean a surviving shard of the state itself
+RUNG_ORDER = {"local": 0, "replica": 1, "live": 1, "buddy": 2, "host": 3, "checkpoint": 4}
+
+
+class UnrecoverableStateError(RuntimeError):
+    """A slice of state has no live copy on any rung; the message names the leaf and slice."""
+
+    def __init__(self, leaf: str, box: Box, detail: str = ""):
+        self.leaf, self.box = leaf, box
+        super().__init__(
+            f"state leaf '{leaf}' slice {box_str(box)} has no live copy"
+            + (f" ({detail})" if detail else "")
+        )
+
+
+def index_to_box(index: tuple, shape: tuple[int, ...]) -> Box:
+    out = []
+    for sl, n in zip(index, shape):
+        start, stop, step = sl.indices(n)
+        assert step == 1
+        out.append((start, stop))
+    return tuple(out)
+
+
+def box_str(box: Box) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
+
+
+def box_size(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A copy of `box` of a leaf: on device `device` (an int id), or in host memory
+    (`device` = "host:<h>", `data` a numpy array). `rung` says where it comes from; `data` is
+    None for a shard another process holds (described, not readable here)."""
+
+    device: int | str
+    box: Box
+    data: Any
+    rung: str = "replica"
+
+
+def _leaf_shards(x, dead: set[int], with_data: bool) -> list[Shard]:
+    shape = tuple(x.shape)
+    local = {s.device.id: s.data for s in x.addressable_shards} if with_data else {}
+    return [
+        Shard(d.id, index_to_box(idx, shape), local.get(d.id))
+        for d, idx in x.sharding.devices_indices_map(shape).items()
+        if d.id not in dead
+    ]
+
+
+@dataclasses.dataclass
+class ShardStore:
+    """What the job holds of a state, leaf by leaf: every live shard (global), with its buffer
+    where this process holds it."""
+
+    treedef: Any
+    paths: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[Any]
+    shards: list[list[Shard]]
+
+    @classmethod
+    def capture(cls, tree: PyTree, dead: Iterable[int] = ()) -> ShardStore:
+        """Every shard of `tree` not on a `dead` device; buffers attached where addressable."""
+        return cls._of(tree, set(dead), with_data=True)
+
+    @classmethod
+    def _of(cls, tree: PyTree, dead: set[int], with_data: bool) -> ShardStore:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        paths, shapes, dtypes, shards = [], [], [], []
+        for path, x in flat:
+            p = path_str(path)
+            paths.append(p)
+            shapes.append(tuple(x.shape))
+            dtypes.append(x.dtype)
+            leaf = _leaf_shards(x, dead, with_data)
+            shards.append(leaf if with_data else [described(p, s) for s in leaf])
+        return cls(treedef, paths, shapes, dtypes, shards)
+
+    def fail(self, device_ids: Iterable[int]) -> int:
+        """Delete every buffer this process holds on the given devices (their memory is gone)
+        and forget their shards. Returns the bytes lost."""
+        dead = set(device_ids)
+        lost = 0
+        for i, leaf in enumerate(self.shards):
+            keep = []
+            for s in leaf:
+                if s.device in dead:
+                    if s.data is not None:
+                        lost += s.data.nbytes
+                        if not s.data.is_deleted():
+                            s.data.delete()
+                else:
+                    keep.append(s)
+            self.shards[i] = keep
+        return lost
+
+    def without(self, device_ids: Iterable[int]) -> ShardStore:
+        """The store with the shards on `device_ids` left out (their buffers untouched)."""
+        dead = set(device_ids)
+        return dataclasses.replace(
+            self, shards=[[s for s in leaf if s.device not in dead] for leaf in self.shards]
+        )
+
+    def devices(self) -> set:
+        return {s.device for leaf in self.shards for s in leaf}
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    leaf: str
+    box: Box  # destination slice (global box; for ZeRO storage, the element range in the shard)
+    src: int | str  # device id, "host:<h>" or "checkpoint"
+    dst: int
+    nbytes: int
+    rung: str = "replica"
+
+    @property
+    def local(self) -> bool:
+        return self.src == self.dst
+
+    def to_json(self) -> dict:
+        return {
+            "leaf": self.leaf,
+            "slice": box_str(self.box),
+            "src": self.src,
+            "dst": self.dst,
+            "bytes": self.nbytes,
+            "rung": self.rung,
+        }
+
+
+@dataclasses.dataclass
+class TransferLog:
+    """Every piece of a transition (global: the same on every process), and what this process
+    sent to and received from others (`sent` / `received`: peer process -> bytes)."""
+
+    entries: list[Transfer] = dataclasses.field(default_factory=list)
+    kept_bytes: int = 0  # bytes that stayed in place (buffers reused without a copy)
+    cross_process_bytes: int = 0  # of all pieces, those whose source is in another process
+    sent: dict[int, int] = dataclasses.field(default_factory=dict)
+    received: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def moved(self) -> list[Transfer]:
+        return [t for t in self.entries if not t.local]
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(t.nbytes for t in self.moved)
+
+    @property
+    def transfers(self) -> int:
+        return len(self.moved)
+
+    def sources(self) -> set:
+        return {t.src for t in self.entries}
+
+    def max_per_device(self) -> int:
+        """Largest number of transfers any one device sends or receives."""
+        count: dict = defaultdict(int)
+        for t in self.moved:
+            count[("s", t.src)] += 1
+            count[("r", t.dst)] += 1
+        return max(count.values(), default=0)
+
+    def rungs(self) -> set[str]:
+        return {t.rung for t in self.entries}
+
+    def worst_rung(self) -> str:
+        """The most expensive rung any piece came from. A snapshot copy used on its own device
+        counts too: the state it restores was not on a surviving replica."""
+        rungs = {t.rung for t in self.entries if not t.local or t.rung not in ("replica", "live")}
+        return max(rungs or {"replica"}, key=lambda r: RUNG_ORDER[r])
+
+
+# ---------------------------------------------------------------------------------------------
+# Descriptions: sources named by what they are.
+
+SourceRef = tuple  # (leaf path, device, rung, box)
+
+
+def source_ref(path: str, s: Shard) -> SourceRef:
+    return (path, s.device, s.rung, s.box)
+
+
+def described(path: str, s: Shard) -> Shard:
+    """`s` with its `SourceRef` for data."""
+    return dataclasses.replace(s, data=source_ref(path, s))
+
+
+def describe(store: ShardStore, extra: dict[str, list[Shard]] | None = None):
+    """(store, extra) with every shard's `data` replaced by its `SourceRef`."""
+    desc = ShardStore(
+        store.treedef, store.paths, store.shapes, store.dtypes,
+        [[described(p, s) for s in leaf] for p, leaf in zip(store.paths, store.shards)],
+    )
+    return desc, {p: [described(p, s) for s in shards] for p, shards in (extra or {}).items()}
+
+
+def describe_state(state: PyTree, dead: Iterable[int] = ()) -> ShardStore:
+    """The `ShardStore` a failure of `dead` would leave of `state`, with `SourceRef`s for data,
+    read from the shardings alone (no buffer is touched)."""
+    return ShardStore._of(state, set(dead), with_data=False)
+
+
+def buffers(store: ShardStore, extra: dict[str, list[Shard]]) -> dict:
+    """{SourceRef: buffer} of every source this process holds: what a plan's copies read."""
+    data = {}
+    for p, leaf in zip(store.paths, store.shards):
+        for s in leaf:
+            if s.data is not None:
+                data[source_ref(p, s)] = s.data
+    for p, shards in extra.items():
+        for s in shards:
+            if s.data is not None:
+                data[source_ref(p, s)] = s.data
+    return data
