@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from .config import CheckpointConfig
@@ -31,22 +32,26 @@ class Checkpointer:
 
     def _open(self, processes: set[int] | None):
         mp = ocp.options.MultiprocessingOptions()
-        if processes is not None and len(processes) > 1 or (processes and 0 not in processes):
+        if processes is not None:  # a multi-process job: exactly these take part
             mp = ocp.options.MultiprocessingOptions(
                 primary_host=min(processes), active_processes=set(processes),
                 barrier_sync_key_prefix=f"elasjax-ckpt-{self.generation}",
             )
+        self.dir.mkdir(parents=True, exist_ok=True)  # Orbax will not, over a subset of processes
         return ocp.CheckpointManager(
             self.dir,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=self.cfg.keep, enable_async_checkpointing=True,
-                multiprocessing_options=mp,
+                multiprocessing_options=mp, create=False,
             ),
         )
 
-    def reopen(self, processes: set[int]) -> None:
+    def reopen(self, processes: set[int] | None) -> None:
         """Continue over `processes` (the survivors): a manager whose barriers include a dead
-        process would wait for it forever."""
+        process would wait for it until its timeout. The old manager is dropped, not closed
+        (closing waits on those barriers too); what it had committed stays on disk."""
+        if processes is None:
+            return
         self.generation += 1
         self.manager = self._open(processes)
 
@@ -55,6 +60,12 @@ class Checkpointer:
         return step % self.cfg.every == 0
 
     def save(self, step: int, state: Any, checksums: dict[str, str]) -> None:
+        if jax.process_count() > 1 and all(
+            x.is_fully_addressable for x in jax.tree.leaves(state)
+        ):
+            # the plan lives in this process alone (a lone survivor): Orbax refuses
+            # process-local arrays in a multi-process job, so save their host values
+            state = jax.device_get(state)
         self.manager.save(
             step,
             args=ocp.args.Composite(

@@ -106,6 +106,17 @@ def to_host(sums: Any) -> dict[str, str]:
     return out
 
 
+def stack(sums: dict[str, jax.Array]) -> jax.Array:
+    """Traceable: {key: uint32[2]} -> uint32[n, 2] in sorted key order (one array to read)."""
+    return jnp.stack([sums[k] for k in sorted(sums)])
+
+
+def rows_to_host(keys, rows) -> dict[str, str]:
+    """Stacked checksums (`stack`; `keys` sorted) -> {key: hex}."""
+    rows = np.asarray(rows)
+    return {k: hex_of(r) for k, r in zip(keys, rows)}
+
+
 def diff(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
     """Leaf paths whose checksums differ (or are missing on either side)."""
     keys = sorted(set(expected) | set(actual))

@@ -41,6 +41,7 @@ from .shards import (
     TransferLog,
     UnrecoverableStateError,
     box_size,
+    describe,
     describe_state,
     index_to_box,
 )
@@ -119,7 +120,7 @@ class RecoveryEvent:
     strategy: str = "elastic"
     compiles: int = -1  # XLA compilations on the training thread from detection to first step
     transfer_plan_hit: bool = False  # the transition was planned before the failure
-    transfer_plan_s: float = 0.0  # planning time inside transfer_s (0 on a hit)
+    transfer_plan_s: float = 0.0  # time spent planning it after the failure (0 on a hit)
     detail: dict = dataclasses.field(default_factory=dict)  # what the runtime knows of the cause
 
     @property
@@ -132,14 +133,12 @@ class RecoveryEvent:
         return {"type": "recovery", **d, **detail, "mttr_s": self.mttr_s}
 
 
-def host_checksums(rt, sums, plan: Plan) -> dict[str, str]:
-    """Device checksums (replicated over `plan`'s devices) -> {leaf path: hex}, on every live
+def host_checksums(rt, sums, exe: Executables) -> dict[str, str]:
+    """Stacked device checksums (replicated over `exe`'s plan) -> {key: hex}, on every live
     process (`runtime.host_values`)."""
-    values = host_values(rt, sums, plan.device_ids)
-    return {
-        path_str(p): checksum.hex_of(v)
-        for p, v in jax.tree_util.tree_flatten_with_path(values)[0]
-    }
+    return checksum.rows_to_host(
+        exe.layout.checksum_keys, host_values(rt, sums, exe.plan.device_ids)
+    )
 
 
 def torchft_plan(previous: Plan, survivors, cfg: Config) -> Plan | None:
@@ -267,12 +266,12 @@ class Recovering:
             full, dead, target, old_layout, self.pool.describe_sources(dead, dead_hosts)
         )
 
-    def _prepare_move(self, full, dead, target: Plan, old_layout, extra) -> None:
+    def _prepare_move(self, full, dead, target: Plan, old_layout, extra, info=None) -> None:
         layout = self.factory.layout(target)
         mesh = make_mesh(target.mesh_shape, [self.devices[i] for i in target.device_ids])
         self.transition_plans.prepare(
             full.without(dead), layout.shardings(mesh), extra, old_layout=old_layout,
-            new_layout=layout,
+            new_layout=layout, info=info,
         )
 
     def _refresh_standby(self, plan: Plan, live: set[int]) -> None:
@@ -294,6 +293,8 @@ class Recovering:
         failures = [failure]
         dead = set(failure.devices)
         store = self.rt.capture(pos.state, dead)  # what survives of the last good state
+        if self.ckpt is not None:
+            self.ckpt.reopen(self.rt.processes())
         attempts, t_attempt = 0, t_first
         t_setup = time.perf_counter() - t_first  # counted in the plan phase
         while True:
@@ -319,6 +320,7 @@ class Recovering:
                         new_plan = optimal
                     else:
                         new_plan, optimal = self._recovery_plan(pos.plan, survivors)
+                    early = self._check_recoverable(pos, store, dead, new_plan, strategy)
                     plan_s = time.perf_counter() - t0 + (t_setup if attempts == 1 else 0.0)
                     t0 = time.perf_counter()
                     exe, hit, standby_hit, wait_s = self.executables(new_plan)
@@ -336,7 +338,7 @@ class Recovering:
                 # checksums below are a collective that must not wait for a slow one's copies
                 with self.rt.guard("recovery/verify"):
                     t0 = time.perf_counter()
-                    actual = host_checksums(self.rt, exe.checksum(new_state), new_plan)
+                    actual = host_checksums(self.rt, exe.checksum(new_state), exe)
                     bad = checksum.diff(expected, actual)
                     if bad:
                         raise RecoveryVerificationError(
@@ -355,6 +357,8 @@ class Recovering:
                     snapshot_s = time.perf_counter() - t0
                 break
             except DeviceFailure as f:  # a failure during the recovery: start again
+                if self.ckpt is not None:
+                    self.ckpt.reopen(self.rt.processes())
                 failures.append(f)
                 dead |= f.devices
                 store = store.without(dead)
@@ -403,8 +407,10 @@ class Recovering:
             optimal_plan=optimal.name,
             strategy=strategy,
             compiles=compiles_before,  # completed after the first step
-            transfer_plan_hit=tinfo.get("plan_hit", False),
-            transfer_plan_s=tinfo.get("plan_s", 0.0),
+            # planned before the failure, and the planning time after it (in plan_s, or in
+            # transfer_s when the sources differed from the described ones)
+            transfer_plan_hit=early["plan_hit"] and tinfo.get("plan_hit", False),
+            transfer_plan_s=(early["plan_s"] or 0.0) + tinfo.get("plan_s", 0.0),
             detail=detail,
         )
         self.transfer_logs.append(log)
@@ -429,6 +435,27 @@ class Recovering:
         return {
             h for h in range(self.topo.n_hosts) if set(self.topo.host_devices(h)) <= dead
         }
+
+    def _check_recoverable(self, pos, store, dead, plan: Plan, strategy: str) -> dict:
+        """Plan the transition now, from descriptions (the plan lands in the plan cache, so the
+        transfer phase only executes it): a slice that no source can provide, and no checkpoint
+        to fall back on, stops the recovery here instead of after compiling the new plan.
+        Returns {plan_hit: planned before the failure, plan_s: planning time now}."""
+        info = {"plan_hit": False, "plan_s": 0.0}
+        if strategy != "elastic":
+            return info
+        try:
+            self._prepare_move(
+                describe(store)[0], dead, plan, pos.exe.layout,
+                self.pool.describe_sources(dead, self.dead_hosts), info,
+            )
+        except UnrecoverableStateError as err:
+            if self.ckpt is None:
+                raise UnrecoverableStateError(
+                    err.leaf, err.box, f"devices {sorted(dead)} failed at step {pos.step}; no "
+                    "surviving copy, no snapshot, and no checkpoint (checkpoint.dir)"
+                ) from err
+        return info
 
     def _rebuild(self, pos: Position, store: ShardStore, dead: set[int], exe, strategy: str):
         """(state, log, rung, resumed step, expected checksums, transition info): from live
@@ -495,7 +522,7 @@ class Recovering:
             transfer_s = time.perf_counter() - t0
         with self.rt.guard("cutover/verify"):
             t0 = time.perf_counter()
-            actual = host_checksums(self.rt, new_exe.checksum(new_state), optimal)
+            actual = host_checksums(self.rt, new_exe.checksum(new_state), new_exe)
             bad = checksum.diff(pos.good, actual)
             if bad:
                 raise RecoveryVerificationError(f"cut-over changed {len(bad)} leaves, e.g. {bad[:3]}")

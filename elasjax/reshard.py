@@ -426,18 +426,23 @@ class TransitionPlanCache:
 
     def prepare(
         self, store: ShardStore, target_shardings: PyTree, extra: dict | None = None, *,
-        old_layout=None, new_layout=None,
+        old_layout=None, new_layout=None, info: dict | None = None,
     ) -> TransitionPlan:
-        """Plan (and keep) the transition from a described store (`describe`, `describe_state`)."""
+        """Plan (and keep) the transition from a described store (`describe`, `describe_state`);
+        `info`, if given, receives `plan_hit` (it was kept already) and `plan_s`."""
         target_flat = _target_leaves(target_shardings)
         sig = _signature(store, _refs(store, extra or {}), target_flat, old_layout, new_layout)
         plan = self.get(sig)
+        if info is not None:
+            info.update(plan_hit=plan is not None, plan_s=0.0 if plan is not None else None)
         if plan is None:
             plan = plan_transition(
                 store, target_shardings, extra_sources=extra, old_layout=old_layout,
                 new_layout=new_layout, signature=sig, where=self.where,
             )
             self.put(plan)
+            if info is not None:
+                info["plan_s"] = plan.plan_s
         return plan
 
 

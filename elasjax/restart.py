@@ -270,7 +270,9 @@ def restart_child(
         state = exe.from_canonical(full)
         jax.block_until_ready(state)
         t = _lap(phases, "restore", t)
-        bad_leaves = checksum.diff(meta["checksums"], checksum.to_host(exe.checksum(state)))
+        bad_leaves = checksum.diff(
+            meta["checksums"], checksum.rows_to_host(exe.layout.checksum_keys, exe.checksum(state))
+        )
         if bad_leaves:
             raise RuntimeError(f"checkpoint {ck_step} fails its checksums: {bad_leaves[:3]}")
         t = _lap(phases, "verify", t)

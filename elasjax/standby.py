@@ -13,6 +13,7 @@ device assignment is part of the executable, so every candidate device set is it
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -160,6 +161,7 @@ class BackgroundJobs:
             return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
 
     def _loop(self) -> None:
+        _lower_priority()  # the training thread comes first
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._stop)
@@ -187,6 +189,15 @@ class BackgroundJobs:
             self._queue = []
             self._cv.notify_all()
         self._thread.join(timeout=60)
+
+
+def _lower_priority(nice: int = 10) -> None:
+    """Lower this thread's CPU priority (Linux: threads have their own nice value), so that
+    background work yields the cores to the training thread and XLA's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
 
 
 class CompileCounter:

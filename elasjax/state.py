@@ -145,6 +145,8 @@ class StateLayout:
             self.stage_layout is not None and unit is None and "layers" in key.split("/")
             for key, unit, _ in self._tags
         ]
+        # the order of `stacked_checksums`' rows
+        self.checksum_keys = sorted(jax.eval_shape(self.checksums, self.abstract))
 
     # -- pipeline slots -------------------------------------------------------------------------
 
@@ -324,6 +326,10 @@ class StateLayout:
             for i, key in enumerate(partial_keys):
                 out[key] = out[key] + totals[i] if key in out else totals[i]
         return out
+
+    def stacked_checksums(self, state: TrainState) -> jax.Array:
+        """Traceable: `checksums` as one uint32[n, 2] array, rows in `checksum_keys` order."""
+        return checksum.stack(self.checksums(state))
 
     def _slot_checksum(self, x: jax.Array) -> jax.Array:
         """Checksum of a slot leaf [S, Lmax, *rest] with the element identities of the canonical

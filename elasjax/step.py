@@ -254,7 +254,7 @@ def make_train_step(
         metrics = {
             "loss": loss,
             "grad_norm": norm if cfg.train.deterministic else optax.tree.norm(g_opt),
-            "checksums": layout.checksums(new),
+            "checksums": layout.stacked_checksums(new),
         }
         return new, metrics
 
@@ -305,7 +305,7 @@ class Executables:
     state_shardings: TrainState
     batch_shardings: dict
     train: Any
-    checksum: Any
+    checksum: Any  # state -> uint32[n, 2] checksums, rows in `layout.checksum_keys` order
     eval: Any
     compile_s: float
 
@@ -356,12 +356,7 @@ def compile_plan(
     abs_state = layout.abstract
     rep = replicated(mesh)
     train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh, plan)
-    sums_abs = jax.eval_shape(layout.checksums, abs_state)
-    metric_sh = {
-        "loss": rep,
-        "grad_norm": rep,
-        "checksums": jax.tree.map(lambda _: rep, sums_abs),
-    }
+    metric_sh = {"loss": rep, "grad_norm": rep, "checksums": rep}
     train = (
         jax.jit(
             train_fn,
@@ -373,7 +368,7 @@ def compile_plan(
         .compile()
     )
     sums = (
-        jax.jit(layout.checksums, in_shardings=(st_sh,), out_shardings=metric_sh["checksums"])
+        jax.jit(layout.stacked_checksums, in_shardings=(st_sh,), out_shardings=rep)
         .lower(abs_state)
         .compile()
     )

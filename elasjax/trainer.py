@@ -7,8 +7,8 @@ process that dies. Each step runs in a runtime `guard`; a failure inside it rais
 (`elasjax.recovery`), then runs the step again on the new plan with the same samples and keys.
 
 The host never waits for the step it has just dispatched: a step's metrics (loss, gradient norm,
-and the checksums of the state it produced) are read one step late, after the next step is
-dispatched, so the devices stay busy while the host prepares the next batch. Steps that need the
+and the checksums of the state it produced) are read `READ_BEHIND` steps late, after the next
+steps are dispatched, so the devices stay busy while the host prepares the next batches. Steps that need the
 values at once are read at once: the first step after a recovery (its time is part of the
 MTTR), evaluation and checkpoint steps, and the last step. Recovery first reads the step in
 flight, so it always verifies against the checksums of the exact state it rebuilds.
@@ -16,6 +16,7 @@ flight, so it always verifies against the checksums of the exact state it rebuil
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from pathlib import Path
@@ -89,6 +90,7 @@ class _InFlight:
     plan: Plan
     met: dict
     t0: float
+    keys: list  # the checksum rows' keys
     processed: int
     digest: str
     redo: bool
@@ -97,6 +99,8 @@ class _InFlight:
 
 class Trainer(Recovering):
     """Trains `cfg` on `runtime` (default: this process's devices, simulated failures)."""
+
+    READ_BEHIND = 2  # steps the host may dispatch before it reads the oldest one's metrics
 
     def __init__(
         self,
@@ -148,7 +152,7 @@ class Trainer(Recovering):
         self.losses: dict[int, float] = {}
         self.evals: dict[int, float] = {}
         self.digests: dict[int, str] = {}
-        self._inflight: _InFlight | None = None
+        self._inflight: collections.deque[_InFlight] = collections.deque()
         self._t_done = self._t_first_done = 0.0
 
     @property
@@ -225,8 +229,9 @@ class Trainer(Recovering):
                     plans.append(pos.plan.name)
                     continue
                 pos = dataclasses.replace(pos, step=step + 1, state=new_state, good=None)
-                self._flush(mw, bar)  # the step before: it has finished or is about to
-                self._inflight = flight
+                self._inflight.append(flight)
+                while len(self._inflight) > self.READ_BEHIND:  # the oldest has finished by now
+                    self._flush(mw, bar, one=True)
                 sync = self.rt.step_sync or open_event is not None or flight.evals is not None or (
                     pos.step == T
                 ) or (
@@ -294,6 +299,8 @@ class Trainer(Recovering):
         t0 = time.perf_counter()
         batch = exe.put_batch(host_batch.arrays())
         new_state, met = exe.train(pos.state, batch)
+        for x in jax.tree.leaves(met):  # queued now, right behind the step: read later without
+            x.copy_to_host_async()  # waiting for the steps dispatched after it
         self.rt.inject(due, "after_dispatch")
         self.pool.take(new_state, step + 1)
         evals = None
@@ -302,18 +309,26 @@ class Trainer(Recovering):
             evals = self._eval(exe, plan, new_state)
         self.rt.commit((new_state, met, evals, self.pool.in_flight()))
         processed = int((host_batch.weights > 0).sum())
-        flight = _InFlight(step, plan, met, t0, processed, DataPipeline.digest(idx), redo, evals)
+        flight = _InFlight(
+            step, plan, met, t0, exe.layout.checksum_keys, processed, DataPipeline.digest(idx),
+            redo, evals,
+        )
         return new_state, flight
 
-    def _flush(self, mw: JsonlWriter, bar: Progress) -> None:
-        """Read the step in flight (if any) and log it."""
-        f = self._inflight
-        if f is None:
-            return
-        self._inflight = None
-        scalars = host_values(self.rt, (f.met["loss"], f.met["grad_norm"], f.evals), f.plan.device_ids)
+    def _flush(self, mw: JsonlWriter, bar: Progress, one: bool = False) -> None:
+        """Read the steps in flight (or the oldest one) and log them."""
+        while self._inflight:
+            self._read(self._inflight.popleft(), mw, bar)
+            if one:
+                return
+
+    def _read(self, f: _InFlight, mw: JsonlWriter, bar: Progress) -> None:
+        scalars = host_values(
+            self.rt, (f.met["loss"], f.met["grad_norm"], f.met["checksums"], f.evals),
+            f.plan.device_ids,
+        )
         loss, gnorm = float(scalars[0]), float(scalars[1])
-        self.good = host_checksums(self.rt, f.met["checksums"], f.plan)
+        self.good = checksum.rows_to_host(f.keys, scalars[2])
         t_done = time.perf_counter()
         dt = t_done - max(f.t0, self._t_done)
         if not self.losses:
@@ -415,7 +430,7 @@ class Trainer(Recovering):
             self.dropped_checkpoints = self.ckpt.drop_after(step)
         else:
             step, state = 0, exe.init()
-        good = host_checksums(self.rt, exe.checksum(state), exe.plan)
+        good = host_checksums(self.rt, exe.checksum(state), exe)
         if rs is None and self.ckpt is not None:
             self.ckpt.save(0, exe.to_canonical(state), good)
         all_live = live | set(exe.plan.spare_ids)
@@ -427,7 +442,7 @@ class Trainer(Recovering):
         """Restore checkpoint `step` (stored in canonical form) onto `exe`'s plan, verified."""
         full, meta = self.ckpt.restore(step, self.factory.abstract_on(exe.mesh))
         state = exe.from_canonical(full)
-        got = host_checksums(self.rt, exe.checksum(state), exe.plan)
+        got = host_checksums(self.rt, exe.checksum(state), exe)
         bad = checksum.diff(meta["checksums"], got)
         if bad:
             raise RecoveryVerificationError(f"checkpoint {step} fails its checksums: {bad[:3]}")

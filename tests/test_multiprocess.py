@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "multiprocess.yaml"
 LOSS_RTOL = 1e-5
 STEPS = 12  # the same run as test_trainer's reference, so the compiled plan is shared
-COLLECTIVE_TIMEOUT_S = 10  # generous: CI shares 2 cores between the test workers
+COLLECTIVE_TIMEOUT_S = 8  # generous: CI shares 2 cores between the test workers
 HEARTBEAT_TIMEOUT_S = 5
 RECOVERY_FIELDS = {  # DESIGN section 7, and what `elasjax train` writes too
     "type", "step", "failed_devices", "from_plan", "to_plan", "rung", "bytes_moved", "transfers",
