@@ -353,8 +353,8 @@ class Trainer(Recovering):
         if f.redo:
             rec["redo"] = True
         if f.evals is not None:
-            tot = sum(float(t) for t, _ in scalars[2])
-            n = sum(float(c) for _, c in scalars[2])
+            tot = sum(float(t) for t, _ in scalars[3])
+            n = sum(float(c) for _, c in scalars[3])
             self.evals[f.step] = rec["eval_loss"] = tot / n
         mw.write(rec)
         bar.update(f.step + 1, loss, f.plan)

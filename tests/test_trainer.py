@@ -38,6 +38,10 @@ def _assert_same_computation(a, ref, steps=None):
         assert a.sample_digests[s] == ref.sample_digests[s], f"different samples at step {s}"
         rel = abs(a.losses[s] - ref.losses[s]) / ref.losses[s]
         assert rel <= LOSS_RTOL, f"step {s}: loss {a.losses[s]} vs {ref.losses[s]} (rel {rel:.2e})"
+    for s in set(a.eval_losses) & set(ref.eval_losses):  # held-out loss of the same state
+        v = ref.eval_losses[s]
+        rel = abs(a.eval_losses[s] - v) / v
+        assert rel <= LOSS_RTOL, f"step {s}: held-out loss {a.eval_losses[s]} vs {v} (rel {rel:.2e})"
 
 
 def _assert_params_close(a, b):
@@ -47,15 +51,19 @@ def _assert_params_close(a, b):
 
 @pytest.fixture(scope="module")
 def reference(exe_cache, tmp_path_factory):
-    return _run(exe_cache, tmp_path_factory.mktemp("ref"), "faults=[]")
+    return _run(exe_cache, tmp_path_factory.mktemp("ref"), "faults=[]", "train.eval_every=8")
 
 
 def test_device_and_host_failure_match_fault_free(exe_cache, reference, tmp_path):
     out = tmp_path / "faulted"
-    s = _run(exe_cache, out, "faults=[{at_step: 4, devices: [3]}, {at_step: 8, hosts: [0]}]")
+    s = _run(
+        exe_cache, out, "faults=[{at_step: 4, devices: [3]}, {at_step: 8, hosts: [0]}]",
+        "train.eval_every=8",  # held-out loss at step 7 (plan after the first failure) and 11
+    )
     assert [r.to_plan.split("m")[0] for r in s.recoveries] == ["d7t1", "d5t1"]
     assert all(r.verified and r.rung == "replica" and r.steps_lost == 0 for r in s.recoveries)
     _assert_same_computation(s, reference)
+    assert sorted(s.eval_losses) == [7, 11] and 1.0 < s.eval_losses[7] < 10.0  # cross-entropy
     _assert_params_close(s, reference)
     events = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "recovery"]
     assert len(events) == 2 and RECOVERY_FIELDS <= set(events[0])
