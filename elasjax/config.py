@@ -156,8 +156,26 @@ class FaultConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotConfig:
-    buddy: bool = False
-    host: bool = False
+    """Per-step copies of the state a failure would otherwise lose: shards whose every holder
+    sits on one host (ZeRO partitions, tensor slices or pipeline stages with no replica on
+    another host). `buddy`: a device copy on another host; `host`: a copy in host memory (under
+    `elasjax launch`, in another process's memory). `null` (the default) protects by itself:
+    buddy copies when the job has two hosts or more, host copies when it has one (they survive a
+    device failure). Only unique shards are copied, so a plan with none costs nothing. Setting
+    both to `false` opts out: a run whose plan leaves unique state then warns at start."""
+
+    buddy: Optional[bool] = None
+    host: Optional[bool] = None
+
+    @property
+    def opted_out(self) -> bool:
+        return self.buddy is False and self.host is False
+
+    def resolved(self, n_hosts: int) -> "SnapshotConfig":
+        """The copies to take on a job of `n_hosts` hosts (`null` decided)."""
+        if self.buddy is None and self.host is None:
+            return SnapshotConfig(buddy=n_hosts >= 2, host=n_hosts < 2)
+        return SnapshotConfig(buddy=bool(self.buddy), host=bool(self.host))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,9 +522,9 @@ def validate(cfg: Config) -> None:
             )
         _require(f.kill_process >= -1, f"{key}.kill_process", "must be a process index >= 0")
         _require(
-            1 <= f.at_step < t.steps,
+            0 <= f.at_step < t.steps,
             f"{key}.at_step",
-            f"= {f.at_step} is outside the run; allowed values: 1 .. {t.steps - 1} "
+            f"= {f.at_step} is outside the run; allowed values: 0 .. {t.steps - 1} "
             f"(train.steps = {t.steps})",
         )
         _require(f.count >= 0, f"{key}.count", "must be >= 0")

@@ -47,10 +47,10 @@ def resolve_schedule(
     events: list[FaultEvent] = []
     for i, f in enumerate(faults):
         key = f"faults[{i}]"
-        if not 1 <= f.at_step < steps:
+        if not 0 <= f.at_step < steps:
             raise ConfigError(
                 f"config '{key}.at_step' = {f.at_step} is outside the run; allowed values: "
-                f"1 .. {steps - 1}"
+                f"0 .. {steps - 1}"
             )
         hosts: tuple[int, ...] = ()
         if runtime == MULTI_CONTROLLER and (f.devices or f.count):

@@ -47,6 +47,7 @@ from .multicontroller import (
     xla_flags,
 )
 from .planner import Topology, initial_plan
+from .snapshot import check_coverable
 
 # ---------------------------------------------------------------------------------------------
 # The config as a launch runs it.
@@ -105,6 +106,7 @@ def resolve_config(
     if killed >= set(range(n_processes)):
         raise ConfigError("the fault schedule kills every process; at least one must survive")
     initial_plan(topo, out)  # a config no plan can run is an error here, not in P processes
+    check_coverable(out.snapshot, topo)
     return out
 
 

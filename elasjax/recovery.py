@@ -493,17 +493,34 @@ class Recovering:
 
     # -- cut-over -------------------------------------------------------------------------------
 
-    def _cutover_due(self, step: int) -> bool:
-        """Cut over when the optimal plan is compiled (on every process), or wait for it once the
-        run has spent `recovery.max_fast_path_steps` steps on the fast path."""
+    def _cutover_due(self, step: int) -> tuple[bool, dict | None]:
+        """(cut over now?, an `cutover_abandoned` event). Cut over when the optimal plan is
+        compiled on every process, or wait for it once the run has spent
+        `recovery.max_fast_path_steps` steps on the fast path. If its background compile failed
+        on any process, the run stays on the fast path (which trains the same computation) and
+        the error is returned as an event, never raised."""
         optimal, _, fail_step = self.pending_cutover
+        key = optimal.compile_key
         limit = self.cfg.recovery.max_fast_path_steps
-        if limit and step - fail_step >= limit:
-            self.standby.wait(optimal.compile_key)
-            ready = True
-        else:
-            ready = self.standby.ready(optimal.compile_key)
-        return all(self.rt.agree(ready).values())
+        try:
+            if limit and step - fail_step >= limit:
+                self.standby.wait(key)
+            err = self.standby.error(key)
+            status = f"error: {type(err).__name__}: {err}" if err is not None else (
+                "ready" if self.standby.ready(key) else "compiling"
+            )
+        except Exception as e:  # the compile failed while we waited
+            status = f"error: {type(e).__name__}: {e}"
+        votes = self.rt.agree(status)
+        errors = {p: v for p, v in votes.items() if v.startswith("error")}
+        if errors:
+            self.pending_cutover = None
+            return False, {
+                "type": "cutover_abandoned", "step": step, "optimal_plan": optimal.name,
+                "errors": {str(p): v[len("error: "):][:500] for p, v in errors.items()},
+                "stays_on": "the fast path (the same computation; fewer devices used)",
+            }
+        return all(v == "ready" for v in votes.values()), None
 
     def _cutover(self, pos: Position) -> tuple[Position, dict]:
         """Move to the optimal plan (compiled in the background) at a step boundary. Each part

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import checksum
-from .config import SnapshotConfig
+from .config import ConfigError, SnapshotConfig
 from .mesh import MESH_AXES
 from .planner import Topology
 from .shards import Box, Shard, box_size, described, index_to_box
@@ -88,16 +88,44 @@ def shard_checksums_fn(state_shardings, mesh: Mesh, leaf_ids: list[int]):
     return jax.jit(lambda state: f(*[jax.tree.leaves(state)[i] for i in leaf_ids]))
 
 
+def check_coverable(cfg: SnapshotConfig, topo: Topology) -> None:
+    """A buddy must sit on another host: refuse a buddy request on a job of one host."""
+    if cfg.buddy and topo.n_hosts < 2:
+        raise ConfigError(
+            f"config 'snapshot.buddy' = true needs a buddy device on another host, and this job "
+            f"has one host ({len(topo.device_ids)} devices, {topo.devices_per_host} per host). Fixes: "
+            "set parallel.devices_per_host below the device count (under `elasjax launch`: start "
+            "2 processes or more), use snapshot.host = true (a host-memory copy, which survives "
+            "a device failure), or leave snapshot unset (it protects by itself)"
+        )
+
+
+def _unique_shards(x, topo: Topology) -> list[tuple[Box, int]]:
+    """(box, first holder) of each block of `x` whose holders all sit on one host."""
+    holders: dict[Box, list[int]] = defaultdict(list)
+    for d, idx in x.sharding.devices_indices_map(tuple(x.shape)).items():
+        holders[index_to_box(idx, x.shape)].append(d.id)
+    return [
+        (box, sorted(devs)[0])
+        for box, devs in holders.items()
+        if len({topo.host_of(d) for d in devs}) == 1
+    ]
+
+
 class SnapshotPool:
     """See the module docstring. `runtime` moves the copies and says which devices are this
-    process's (`runtime.process_of`, `runtime.me`) and where host copies live."""
+    process's (`runtime.process_of`, `runtime.me`) and where host copies live. `cfg` as given
+    (`null` fields are decided from the topology: `SnapshotConfig.resolved`)."""
 
     def __init__(self, cfg: SnapshotConfig, topo: Topology, runtime=None):
         if runtime is None:  # one process holding every device of `topo`
             from .runtime import InProcessRuntime
 
             runtime = InProcessRuntime(topology=topo)
-        self.cfg, self.topo, self.rt = cfg, topo, runtime
+        check_coverable(cfg, topo)
+        self.given = cfg
+        self.cfg, self.topo, self.rt = cfg.resolved(topo.n_hosts), topo, runtime
+        self.unprotected: list[str] = []  # unique shards left uncovered (opted out), described
         self.records: list[Record] = []
         self.refusals: list[str] = []
         self._fn = None
@@ -115,9 +143,15 @@ class SnapshotPool:
         """Choose what to snapshot on this plan and where (buddies on other hosts, balanced).
         Every process makes the same choice (from the shardings alone)."""
         self.records = []
+        self.unprotected = []
         self._fn = None
         self._pending = None
         if not self.enabled:
+            self.unprotected = [
+                f"'{path_str(p)}' {list(box)} on device {h}"
+                for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+                for box, h in _unique_shards(x, self.topo)
+            ]
             return
         load: dict[int, int] = defaultdict(int)
         leaf_ids = []
@@ -125,13 +159,7 @@ class SnapshotPool:
         off_host = self.cfg.buddy or self.rt.host_copies_off_host
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         for li, (path, x) in enumerate(flat):
-            holders: dict[Box, list[int]] = defaultdict(list)
-            for d, idx in x.sharding.devices_indices_map(tuple(x.shape)).items():
-                holders[index_to_box(idx, x.shape)].append(d.id)
-            unique = []
-            for box, devs in holders.items():
-                if len({self.topo.host_of(d) for d in devs}) == 1:
-                    unique.append((box, sorted(devs)[0]))
+            unique = _unique_shards(x, self.topo)
             if not unique:
                 continue
             leaf_ids.append(li)
@@ -154,6 +182,17 @@ class SnapshotPool:
             self._leaf_ids = leaf_ids
             self._pos_in = {li: i for i, li in enumerate(leaf_ids)}
             self._fn = shard_checksums_fn(state_shardings, mesh, leaf_ids)
+
+    def risk(self) -> str | None:
+        """What an opted-out pool leaves exposed on this plan, or None."""
+        if not self.unprotected:
+            return None
+        n = len(self.unprotected)
+        return (
+            f"snapshot.buddy and snapshot.host are false, and this plan holds {n} shard(s) on "
+            f"one host only (e.g. {self.unprotected[0]}): a failure of that host (or device) "
+            "loses them, and recovery then needs a checkpoint or raises UnrecoverableStateError"
+        )
 
     def _buddy(self, holder: int, live: set[int], load: dict, size: int) -> int | None:
         """A live device on another host, nearest host first (cyclically), least loaded."""
@@ -321,7 +360,7 @@ class SnapshotPool:
 
     def fresh(self) -> SnapshotPool:
         """An empty pool of the same kind (for a new plan; this one stays until it is replaced)."""
-        pool = SnapshotPool(self.cfg, self.topo, self.rt)
+        pool = SnapshotPool(self.given, self.topo, self.rt)
         pool.refusals = self.refusals
         return pool
 

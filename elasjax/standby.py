@@ -59,6 +59,11 @@ class StandbyCompiler:
         with self._cv:
             return plan in self._ready
 
+    def error(self, plan) -> BaseException | None:
+        """The error of `plan`'s failed compile, if it failed (kept: `wait` still raises it)."""
+        with self._cv:
+            return self._errors.get(plan)
+
     def pending(self, plan) -> bool:
         """Is `plan` being compiled or queued?"""
         with self._cv:

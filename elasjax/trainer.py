@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,10 @@ class _InFlight:
     evals: list | None = None
 
 
+class UnprotectedStateWarning(UserWarning):
+    """The run opted out of snapshots and its plan holds state that one failure can lose."""
+
+
 class Trainer(Recovering):
     """Trains `cfg` on `runtime` (default: this process's devices, simulated failures)."""
 
@@ -141,6 +146,7 @@ class Trainer(Recovering):
                 max_plans=max(cfg.standby.max_plans, 2),
             )
         self.pending_cutover: tuple[Plan, float, int] | None = None
+        self.abandoned_cutovers: list[dict] = []
         self.torchft_keep: tuple[int, ...] | None = None  # initial replicas still training
         self.compiles = CompileCounter()
         self._standby_due: tuple[Plan, set[int]] | None = None
@@ -202,7 +208,12 @@ class Trainer(Recovering):
                 try:
                     if self.pending_cutover is not None:
                         with self.rt.guard("cutover"):
-                            due_now = self._cutover_due(step)
+                            due_now, abandoned = self._cutover_due(step)
+                        if abandoned is not None:
+                            ew.write(abandoned)
+                            self.abandoned_cutovers.append(abandoned)
+                            bar.log(f"step {step}: cut-over to {abandoned['optimal_plan']} "
+                                    f"abandoned, its compile failed: {abandoned['errors']}")
                         if due_now:
                             self._flush(mw, bar)
                             pos = dataclasses.replace(pos, good=self.good)
@@ -257,7 +268,12 @@ class Trainer(Recovering):
                     with self.rt.guard("checkpoint"):
                         self.ckpt.save(pos.step, pos.exe.to_canonical(pos.state), self.good)
         self._flush(mw, bar)
-        notes = []
+        notes = [
+            f"the cut-over to {a['optimal_plan']} was abandoned at step {a['step']}: its "
+            f"background compile failed ({next(iter(a['errors'].values()))[:200]}); the run "
+            "stayed on its fast path"
+            for a in self.abandoned_cutovers
+        ]
         if self.pending_cutover is not None:
             optimal, _, fail_step = self.pending_cutover
             notes.append(
@@ -410,11 +426,18 @@ class Trainer(Recovering):
                 "compile_s": exe.compile_s,
                 "n_params": self.factory.n_params,
                 "snapshot_bytes_per_step": self.pool.bytes_per_step,
+                "snapshot": {"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
+                             "auto": self.pool.given.buddy is None and self.pool.given.host is None},
                 "resumed_from_checkpoint": step if self.cfg.checkpoint.resume_step is not None else None,
                 "dropped_newer_checkpoints": self.dropped_checkpoints,
                 "faults": [e.spec for e in self.schedule],
             }
         )
+        risk = self.pool.risk()
+        if risk is not None:
+            ew.write({"type": "warning", "field": "snapshot", "message": risk})
+            if self.rt.writer:
+                warnings.warn(risk, UnprotectedStateWarning, stacklevel=2)
         return pos
 
     def _init_state(self, exe: Executables):

@@ -53,7 +53,7 @@ def test_tensor_degree_must_divide_heads():
 
 
 def test_fault_beyond_run():
-    with pytest.raises(ConfigError, match=r"'faults\[0\].at_step' = 50 is outside the run; allowed values: 1 .. 39"):
+    with pytest.raises(ConfigError, match=r"'faults\[0\].at_step' = 50 is outside the run; allowed values: 0 .. 39"):
         config.load("configs/demo.yaml", ["faults=[{at_step: 50, devices: [1]}]"])
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import PIPE, tiny_config
 from elasjax import planner, trainer
+from elasjax.metrics import read_jsonl
 from elasjax.state import StateFactory, make_optimizer
 
 TOPO = planner.Topology(tuple(range(8)), 2)
@@ -75,3 +76,32 @@ def test_deterministic_async_and_blocking_migrations_are_bitwise_equal(exe_cache
         assert run.checksums == ref.checksums
         same = jax.tree.map(lambda a, b: np.array_equal(a, b), canonical(run), want)
         assert all(jax.tree.leaves(same))
+
+
+@pytest.mark.slow
+def test_failed_background_compile_keeps_the_fast_path(exe_cache, tmp_path):
+    """The optimal plan's background compile fails: the run stays on its fast path (the same
+    computation, losses within 1e-5 of the fault-free run), logs the error and says so at the end."""
+    fault = "faults=[{at_step: 3, devices: [3]}]"
+    ref = trainer.run(tiny_config(*PIPE, "faults=[]"), exe_cache=exe_cache)
+    t = trainer.Trainer(
+        tiny_config(*PIPE, fault, "recovery.migration=async", "recovery.max_fast_path_steps=2"),
+        tmp_path, exe_cache=exe_cache,
+    )
+
+    def failing(plan):
+        raise RuntimeError(f"injected compile failure of {plan}")
+
+    t.standby.compile_fn = failing
+    run = t.run()
+    (ev,) = run.recoveries
+    assert ev.migration == "async" and run.migrations == []
+    assert run.final_plan.name == ev.to_plan and ev.to_plan != ev.optimal_plan
+    events = read_jsonl(tmp_path / "events.jsonl")
+    (ab,) = [e for e in events if e["type"] == "cutover_abandoned"]
+    assert ab["optimal_plan"] == ev.optimal_plan and "injected compile failure" in ab["errors"]["0"]
+    (end,) = [e for e in events if e["type"] == "end"]
+    assert any("abandoned" in n for n in end["notes"]) and not end["cutover_pending"]
+    for s in range(10):
+        rel = abs(run.losses[s] - ref.losses[s]) / ref.losses[s]
+        assert rel <= 1e-5, (s, rel)

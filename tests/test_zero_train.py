@@ -9,6 +9,8 @@ import pytest
 
 from conftest import tiny_config
 from elasjax import trainer
+from elasjax.config import ConfigError, SnapshotConfig
+from elasjax.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -23,9 +25,13 @@ def reference(exe_cache):
 
 @pytest.mark.parametrize("stage,prepare", [(1, True), (3, False)])
 def test_zero_8_7_5_4_matches_fault_free(exe_cache, reference, stage, prepare):
+    """ZeRO-1 runs on the default snapshot config (it protects the partitions by itself) and
+    loses its first device at step 0 (the initial state's snapshot is taken before step 0)."""
+    faults = FAULTS if stage == 3 else FAULTS.replace("at_step: 3,", "at_step: 0,")
     s = trainer.run(
-        tiny_config(*COMMON, f"zero.stage={stage}", "snapshot.buddy=true", FAULTS,
-                    f"recovery.prepare_transfers={str(prepare).lower()}", "standby.wait_at_start=true"),
+        tiny_config(*COMMON, f"zero.stage={stage}", *(["snapshot.buddy=true"] if stage == 3 else []),
+                    faults, f"recovery.prepare_transfers={str(prepare).lower()}",
+                    "standby.wait_at_start=true"),
         exe_cache=exe_cache,
     )
     assert [int(p.split("t")[0][1:]) for p in s.plans] == [8, 7, 5, 4]
@@ -59,3 +65,23 @@ def test_zero_device_and_buddy_lost_falls_back_to_checkpoint(exe_cache, referenc
     assert (ev.rung, ev.resumed_at_step, ev.steps_lost) == ("checkpoint", 4, 1)
     for step in range(12):
         assert abs(s.losses[step] - ref.losses[step]) <= 1e-5 * ref.losses[step]
+
+
+def test_opting_out_of_snapshots_with_unique_state_warns(exe_cache, tmp_path):
+    cfg = tiny_config(*COMMON, "zero.stage=1", "snapshot.buddy=false", "snapshot.host=false",
+                      "faults=[]", "train.steps=2")
+    with pytest.warns(trainer.UnprotectedStateWarning, match=r"snapshot.buddy and snapshot.host "
+                      r"are false, and this plan holds \d+ shard\(s\) on one host only"):
+        trainer.run(cfg, tmp_path, exe_cache=exe_cache)
+    (warning,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "warning"]
+    assert warning["field"] == "snapshot" and "UnrecoverableStateError" in warning["message"]
+
+
+def test_buddy_request_on_one_host_is_a_config_error():
+    cfg = tiny_config(*COMMON, "zero.stage=1", "parallel.devices_per_host=8", "snapshot.buddy=true")
+    with pytest.raises(ConfigError, match=r"'snapshot.buddy' = true needs a buddy device on "
+                       r"another host, and this job has one host"):
+        trainer.Trainer(cfg)
+    # left unset on one host, the pool keeps host copies (they survive a device failure)
+    assert SnapshotConfig().resolved(1) == SnapshotConfig(buddy=False, host=True)
+    assert SnapshotConfig().resolved(4) == SnapshotConfig(buddy=True, host=False)
