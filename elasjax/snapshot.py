@@ -158,6 +158,7 @@ class SnapshotPool:
         # a copy must leave the holder's host when host memory dies with the holder (a process)
         off_host = self.cfg.buddy or self.rt.host_copies_off_host
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        homeless: list[str] = []
         for li, (path, x) in enumerate(flat):
             unique = _unique_shards(x, self.topo)
             if not unique:
@@ -166,8 +167,10 @@ class SnapshotPool:
             for box, h in unique:
                 size = box_size(box) * x.dtype.itemsize
                 via = self._buddy(h, live, load, size) if off_host else None
+                if off_host and via is None:
+                    homeless.append(f"'{path_str(path)}' {list(box)} from device {h}")
                 host = None
-                if self.cfg.host:
+                if self.cfg.host and not (self.rt.host_copies_off_host and via is None):
                     host = self.topo.host_of(via if self.rt.host_copies_off_host else h)
                 self.records.append(
                     Record(
@@ -175,6 +178,11 @@ class SnapshotPool:
                         h if via is None else via, host, size,
                     )
                 )
+        if homeless:  # every other host is gone: these shards have no off-host copy
+            self.refusals.append(
+                f"no live device on another host: {len(homeless)} buddy copies not taken, "
+                f"e.g. {homeless[0]}"
+            )
         self.bytes_per_step = sum(r.nbytes for r in self.records) * (
             int(self.cfg.buddy) + int(self.cfg.host)
         )

@@ -306,3 +306,19 @@ def test_host_failure_needs_buddies():
     state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(_mesh(plan)))())
     with pytest.raises(UnrecoverableStateError):
         _fail_and_recover(cfg, f, plan, state, [0, 1], set(TOPO.device_ids), dead_hosts=(0,))
+
+
+def test_buddy_without_a_live_host_elsewhere_is_a_logged_refusal():
+    """Holders on host 0 have no live device on another host: their copies are not taken, and
+    the pool says so (never silently uncovered)."""
+    cfg, f = _setup(1, "interleaved", buddy=True, host=False)
+    plan = planner.initial_plan(TOPO, cfg)
+    mesh = _mesh(plan)
+    lay = f.layout(plan)
+    state = jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))()
+    pool = SnapshotPool(cfg.snapshot, TOPO)
+    pool.configure(state, lay.shardings(mesh), mesh, {0, 1})
+    assert all(r.buddy in (0, 1) for r in pool.records if r.holder not in (0, 1))
+    assert all(r.buddy is None for r in pool.records if r.holder in (0, 1))
+    (msg,) = pool.refusals
+    assert msg.startswith("no live device on another host: ") and "buddy copies not taken" in msg
