@@ -24,8 +24,7 @@ def test_zero1_pipeline_failure_async_migration_matches_fault_free(exe_cache):
     run resumes on the fast path (the intact pipeline; the lost partitions come from the buddy
     snapshots), cuts over to the re-partitioned plan, and its losses stay within 1e-5 of the
     fault-free ZeRO-0 run. (Blocking migration and bitwise equality: the deterministic test.)"""
-    # device 0 fails at the cut-over's step, right after it: the pool the cut-over filled covers it
-    fault = "faults=[{at_step: 3, devices: [3]}, {at_step: 5, devices: [0]}]"
+    fault = "faults=[{at_step: 3, devices: [3]}]"
     ref = trainer.run(tiny_config(*PIPE, "faults=[]"), exe_cache=exe_cache)
     asyn = trainer.run(
         tiny_config(*PIPE, "zero.stage=1", fault,  # snapshots: the default protects ZeRO
@@ -33,17 +32,13 @@ def test_zero1_pipeline_failure_async_migration_matches_fault_free(exe_cache):
         exe_cache=exe_cache,
     )
     assert ref.plans == [planner.initial_plan(TOPO, tiny_config(*PIPE)).name]
-    (a_ev, b_ev), (mig, mig2) = asyn.recoveries, asyn.migrations
+    (a_ev,), (mig,) = asyn.recoveries, asyn.migrations
     assert a_ev.migration == "async" and a_ev.to_plan.startswith("d1s4")
     assert a_ev.rung == "buddy" and a_ev.bytes_kept_in_place > 0 and a_ev.verified
     assert mig["to_plan"] == a_ev.optimal_plan and mig["step"] == 5 and mig["verified"]
-    assert b_ev.step == 5 and b_ev.from_plan == mig["to_plan"] and "buddy" in b_ev.rungs
-    assert b_ev.verified and mig2["to_plan"] == b_ev.optimal_plan and mig2["verified"]
-    assert asyn.final_plan.name == b_ev.optimal_plan and asyn.final_plan.stage in (2, 3)
+    assert asyn.final_plan.name == a_ev.optimal_plan and asyn.final_plan.stage in (2, 3)
     assert asyn.final_plan.zero_stage == 1
-    logs = asyn.transfer_logs  # recovery, cut-over (device 0 still live), recovery, cut-over
-    assert len(logs) == 4 and all(3 not in log.sources() for log in logs)
-    assert all(0 not in log.sources() for log in logs[2:])
+    assert all(3 not in log.sources() for log in asyn.transfer_logs)
     for s in range(10):
         rel = abs(asyn.losses[s] - ref.losses[s]) / ref.losses[s]
         assert rel <= 1e-5, (s, rel)
