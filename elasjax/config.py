@@ -168,12 +168,13 @@ class SnapshotConfig:
     host: Optional[bool] = None
 
     @property
-    def opted_out(self) -> bool:
-        return self.buddy is False and self.host is False
+    def auto(self) -> bool:
+        """Left unset: the copies are decided from the topology (`resolved`)."""
+        return self.buddy is None and self.host is None
 
     def resolved(self, n_hosts: int) -> "SnapshotConfig":
         """The copies to take on a job of `n_hosts` hosts (`null` decided)."""
-        if self.buddy is None and self.host is None:
+        if self.auto:
             return SnapshotConfig(buddy=n_hosts >= 2, host=n_hosts < 2)
         return SnapshotConfig(buddy=bool(self.buddy), host=bool(self.host))
 

@@ -506,21 +506,22 @@ class Recovering:
             if limit and step - fail_step >= limit:
                 self.standby.wait(key)
             err = self.standby.error(key)
-            status = f"error: {type(err).__name__}: {err}" if err is not None else (
-                "ready" if self.standby.ready(key) else "compiling"
-            )
-        except Exception as e:  # the compile failed while we waited
-            status = f"error: {type(e).__name__}: {e}"
+        except Exception as e:  # the compile failed while we waited (`wait` raises its error)
+            err = e
+        # each process's [state, error message]: lists survive the runtime's agreement
+        status = ["ready" if self.standby.ready(key) else "compiling", ""]
+        if err is not None:
+            status = ["error", f"{type(err).__name__}: {err}"[:500]]
         votes = self.rt.agree(status)
-        errors = {p: v for p, v in votes.items() if v.startswith("error")}
+        errors = {str(p): msg for p, (state, msg) in votes.items() if state == "error"}
         if errors:
             self.pending_cutover = None
             return False, {
                 "type": "cutover_abandoned", "step": step, "optimal_plan": optimal.name,
-                "errors": {str(p): v[len("error: "):][:500] for p, v in errors.items()},
+                "errors": errors,
                 "stays_on": "the fast path (the same computation; fewer devices used)",
             }
-        return all(v == "ready" for v in votes.values()), None
+        return all(state == "ready" for state, _ in votes.values()), None
 
     def _cutover(self, pos: Position) -> tuple[Position, dict]:
         """Move to the optimal plan (compiled in the background) at a step boundary. Each part

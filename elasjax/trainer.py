@@ -8,8 +8,8 @@ process that dies. Each step runs in a runtime `guard`; a failure inside it rais
 
 The host never waits for the step it has just dispatched: a step's metrics (loss, gradient norm,
 and the checksums of the state it produced) are read `READ_BEHIND` steps late, after the next
-steps are dispatched, so the devices stay busy while the host prepares the next batches. Steps that need the
-values at once are read at once: the first step after a recovery (its time is part of the
+steps are dispatched, so the devices stay busy while the host prepares the next batches. Steps
+that need the values at once are read at once: the first step after a recovery (its time is part of the
 MTTR), evaluation and checkpoint steps, and the last step. Recovery first reads the step in
 flight, so it always verifies against the checksums of the exact state it rebuilds.
 """
@@ -212,8 +212,10 @@ class Trainer(Recovering):
                         if abandoned is not None:
                             ew.write(abandoned)
                             self.abandoned_cutovers.append(abandoned)
-                            bar.log(f"step {step}: cut-over to {abandoned['optimal_plan']} "
+                            line = (f"step {step}: cut-over to {abandoned['optimal_plan']} "
                                     f"abandoned, its compile failed: {abandoned['errors']}")
+                            bar.log(line)
+                            self.rt.log(line)
                         if due_now:
                             self._flush(mw, bar)
                             pos = dataclasses.replace(pos, good=self.good)
@@ -242,7 +244,7 @@ class Trainer(Recovering):
                 pos = dataclasses.replace(pos, step=step + 1, state=new_state, good=None)
                 self._inflight.append(flight)
                 while len(self._inflight) > self.READ_BEHIND:  # the oldest has finished by now
-                    self._flush(mw, bar, one=True)
+                    self._read(self._inflight.popleft(), mw, bar)
                 sync = self.rt.step_sync or open_event is not None or flight.evals is not None or (
                     pos.step == T
                 ) or (
@@ -331,12 +333,10 @@ class Trainer(Recovering):
         )
         return new_state, flight
 
-    def _flush(self, mw: JsonlWriter, bar: Progress, one: bool = False) -> None:
-        """Read the steps in flight (or the oldest one) and log them."""
+    def _flush(self, mw: JsonlWriter, bar: Progress) -> None:
+        """Read the steps in flight and log them."""
         while self._inflight:
             self._read(self._inflight.popleft(), mw, bar)
-            if one:
-                return
 
     def _read(self, f: _InFlight, mw: JsonlWriter, bar: Progress) -> None:
         scalars = host_values(
@@ -427,7 +427,7 @@ class Trainer(Recovering):
                 "n_params": self.factory.n_params,
                 "snapshot_bytes_per_step": self.pool.bytes_per_step,
                 "snapshot": {"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
-                             "auto": self.pool.given.buddy is None and self.pool.given.host is None},
+                             "auto": self.pool.given.auto},
                 "resumed_from_checkpoint": step if self.cfg.checkpoint.resume_step is not None else None,
                 "dropped_newer_checkpoints": self.dropped_checkpoints,
                 "faults": [e.spec for e in self.schedule],
