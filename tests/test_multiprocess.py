@@ -332,6 +332,7 @@ def test_zero_partitions_come_back_from_buddies_across_a_kill_during_recovery(ze
     rc, stdout = _launch(
         out, "--processes", "4", "--devices-per-process", "1",
         sets=("parallel.devices=-1", *_ZERO[2:], faults),
+        timeout=480,  # two recoveries' compiles on 2 loaded cores: 270 s was not always enough
     )
     assert rc == 0, stdout
     assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0, 3: "SIGKILL"}
