@@ -2,20 +2,33 @@
 
 Saves are atomic (Orbax writes to a temporary directory and renames on commit, so a half-written
 checkpoint is never restored) and asynchronous; `keep` bounds retention. Each checkpoint stores
-the `TrainState` and a JSON record with the step and the per-leaf checksums of that state, so a
-restore is verified like any other recovery. Restore always passes an abstract target carrying
-the *new* plan's shardings: that is Orbax's supported path onto a different mesh.
+the `TrainState` *in the form of the plan that saved it* (ZeRO storage tiers and pipeline slots
+as they are: every device writes its own shards, nothing is gathered), and a JSON record with
+the step, the per-leaf checksums of that state (layout-independent) and the saved form (tensor
+degree, ZeRO stage and layout tables, pipeline partition).
+
+`restore_onto` reads a checkpoint onto any plan without materialising replicated full state:
+Orbax reads each saved leaf spread over the live devices (`spread_shardings`: split along the
+dimension that splits the most ways), and the same transition planner that recovery uses turns
+that saved form into the new plan's form (`reshard.transition`, by canonical element
+identities). Checkpoints written before the form was recorded hold the canonical (ZeRO-0) form
+and are still read, through the canonical form.
 """
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .config import CheckpointConfig
+from .shards import Shard, ShardStore
+from .zero import ZeroLayout
 
 
 class Checkpointer:
@@ -59,7 +72,9 @@ class Checkpointer:
         """Save after `step` steps have completed?"""
         return step % self.cfg.every == 0
 
-    def save(self, step: int, state: Any, checksums: dict[str, str]) -> None:
+    def save(self, step: int, state: Any, checksums: dict[str, str], form: dict | None = None) -> None:
+        """Save `state` as it is; `form` (`form_of(plan)`) says which plan's form that is (None:
+        the canonical form)."""
         if jax.process_count() > 1 and all(
             x.is_fully_addressable for x in jax.tree.leaves(state)
         ):
@@ -70,7 +85,7 @@ class Checkpointer:
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave({"step": step, "checksums": checksums}),
+                meta=ocp.args.JsonSave({"step": step, "checksums": checksums, "form": form}),
             ),
             force=True,
         )
@@ -89,6 +104,11 @@ class Checkpointer:
             ),
         )
         return out["state"], out["meta"]
+
+    def metadata(self, step: int) -> dict:
+        """The JSON record of checkpoint `step` alone: {step, checksums, form}."""
+        self.manager.wait_until_finished()
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def drop_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (an abandoned timeline after resuming from
@@ -114,4 +134,117 @@ def restore_latest(cfg: CheckpointConfig, abstract_target: Any) -> tuple[Any, di
         ck.close()
 
 
-__all__ = ["Checkpointer", "restore_latest"]
+def form_of(plan) -> dict:
+    """What identifies a plan's state form (`StateFactory.layout`), as JSON."""
+    z = plan.zero
+    return {
+        "tensor": plan.tensor,
+        "zero_stage": plan.zero_stage,
+        "zero": None if z is None else {
+            "kind": z.kind, "stage": z.stage, "n_pieces": z.n_pieces,
+            "tiers": [[list(slots) for slots in t] for t in z.tiers],
+        },
+        "partition": list(plan.partition),
+    }
+
+
+def _plan_of_form(form: dict):
+    """The plan fields `StateFactory.layout` reads, from `form_of`'s record."""
+    z = form["zero"]
+    zero = None if z is None else ZeroLayout(
+        z["kind"], z["stage"], z["n_pieces"],
+        tuple(tuple(tuple(slots) for slots in t) for t in z["tiers"]),
+    )
+    partition = tuple(form["partition"])
+    return types.SimpleNamespace(
+        tensor=form["tensor"], zero_stage=form["zero_stage"], zero=zero, partition=partition,
+        stage=max(1, len(partition)),
+    )
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(k for k in range(1, min(n, at_most) + 1) if n % k == 0) if n else 1
+
+
+def spread_shardings(abstract: Any, devices, dims: list[int | None] | None = None) -> Any:
+    """Per leaf, a sharding over the first `g` of `devices` along one dimension, `g` the
+    largest divisor of its size that is <= len(devices): the dimension `dims[i]` where given
+    (ZeRO storage: its `data` axis), else the one that splits the most ways. Leaves with no
+    such dimension, scalars included, stay on the first device: no leaf is replicated."""
+    devices = list(devices)
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    dims = dims or [None] * len(leaves)
+
+    def one(x, want):
+        cands = [want] if want is not None else range(len(x.shape))
+        best, dim = 1, None
+        for i in cands:
+            g = _largest_divisor(x.shape[i], len(devices))
+            if g > best:
+                best, dim = g, i
+        mesh = Mesh(np.array(devices[:best]), ("spread",))
+        spec = PartitionSpec() if dim is None else PartitionSpec(*([None] * dim), "spread")
+        return NamedSharding(mesh, spec)
+
+    return treedef.unflatten([one(x, d) for x, d in zip(leaves, dims)])
+
+
+def _as_checkpoint_sources(store, saved) -> None:
+    """Mark every shard of a restored saved form as rung `checkpoint`, and cut ZeRO storage
+    shards (several ranks and rows of one leaf on one device) into one shard per (rank, row),
+    the unit the transition planner reads storage in. The cuts are slices on the device that
+    holds them: nothing crosses devices."""
+    for i, (tag, shape) in enumerate(zip(saved._tags, store.shapes)):
+        out = []
+        for s in store.shards[i]:
+            if tag[1] is None:
+                out.append(Shard(s.device, s.box, s.data, "checkpoint"))
+                continue
+            b = len(shape) - 4  # [*layers, data, slots, rows, piece]
+            (r0, r1), (q0, q1) = s.box[b], s.box[b + 2]
+            for r in range(r0, r1):
+                for q in range(q0, q1):
+                    box = s.box[:b] + ((r, r + 1), s.box[b + 1], (q, q + 1), s.box[b + 3])
+                    cut = (slice(None),) * b + (slice(r - r0, r - r0 + 1), slice(None),
+                                                slice(q - q0, q - q0 + 1))
+                    out.append(Shard(s.device, box, None if s.data is None else s.data[cut],
+                                     "checkpoint"))
+        store.shards[i] = out
+
+
+def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, transport=None,
+                 threads=None) -> tuple[Any, dict, dict]:
+    """Checkpoint `step` on `exe`'s plan: (state, metadata, {"peak_restore_bytes": the most
+    bytes one device held of the restored saved form}). Not verified here: the caller compares
+    the state's checksums with `metadata["checksums"]`."""
+    from .reshard import transition
+
+    meta = ckpt.metadata(step)
+    if meta.get("form") is None:  # an older checkpoint: the canonical form
+        full, meta = ckpt.restore(step, factory.abstract_on(exe.mesh))
+        return exe.from_canonical(full), meta, {"peak_restore_bytes": None}
+    saved = factory.layout(_plan_of_form(meta["form"]))
+    live = sorted(exe.plan.device_ids, key=lambda d: d)
+    by_id = devices or {d.id: d for d in jax.devices()}
+    data_dims = [None if t[1] is None else len(x.shape) - 4
+                 for t, x in zip(saved._tags, jax.tree.leaves(saved.abstract))]
+    sh = spread_shardings(saved.abstract, [by_id[i] for i in live], data_dims)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), saved.abstract, sh
+    )
+    restored, meta = ckpt.restore(step, target)
+    per_device: dict[int, int] = {}
+    for x in jax.tree.leaves(restored):
+        for s in x.addressable_shards:
+            per_device[s.device.id] = per_device.get(s.device.id, 0) + s.data.nbytes
+    store = ShardStore.capture(restored)
+    _as_checkpoint_sources(store, saved)
+    state, _ = transition(
+        store, exe.state_shardings, devices=by_id,
+        old_layout=saved, new_layout=exe.layout, transport=transport, threads=threads,
+    )
+    del restored
+    return state, meta, {"peak_restore_bytes": max(per_device.values(), default=0)}
+
+
+__all__ = ["Checkpointer", "form_of", "restore_latest", "restore_onto", "spread_shardings"]

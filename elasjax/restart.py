@@ -12,8 +12,8 @@ and times every phase of it, so that the baseline's MTTR is measured rather than
     plan_mesh     model shapes (`StateFactory`), the survivors' plan (`planner.replan`), mesh
     compile       `step.compile_plan` of that plan (cold unless the config sets
                   `standby.cache_dir`, JAX's persistent compilation cache)
-    restore       Orbax restore of the checkpoint onto the new mesh (`Checkpointer`, canonical
-                  form -> the plan's layout), as `trainer.Trainer._restore` does
+    restore       Orbax restore of the checkpoint onto the new mesh and its transition to the
+                  plan's form (`checkpoint.restore_onto`), as `trainer.Trainer._restore` does
     verify        the restored state's checksums against the ones saved with the checkpoint
     data          the data pipeline (token source, sampler)
     first_step    one train step on the checkpoint's step
@@ -219,7 +219,7 @@ def restart_child(
     import numpy as np
 
     from . import checksum
-    from .checkpoint import Checkpointer
+    from .checkpoint import Checkpointer, restore_onto
     from .config import ConfigError, load
     from .data import DataPipeline
     from .mesh import make_mesh
@@ -266,8 +266,7 @@ def restart_child(
         ck_step = ckpt.latest_step() if step is None else step
         if ck_step is None:
             raise FileNotFoundError(f"no checkpoint in {ckpt.dir}")
-        full, meta = ckpt.restore(ck_step, factory.abstract_on(exe.mesh))
-        state = exe.from_canonical(full)
+        state, meta, _ = restore_onto(ckpt, ck_step, factory, exe, devices=job)
         jax.block_until_ready(state)
         t = _lap(phases, "restore", t)
         bad_leaves = checksum.diff(

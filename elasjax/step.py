@@ -324,14 +324,9 @@ class Executables:
     def init(self) -> TrainState:
         return jax.jit(self.layout.init_fn, out_shardings=self.state_shardings)()
 
-    def to_canonical(self, state: TrainState) -> TrainState:
-        """The canonical (ZeRO-0, unpipelined) form of a state, for checkpoints."""
-        if self.layout.codec is None and self.layout.stage_layout is None:
-            return state
-        sh = self.layout.factory.shardings(self.mesh)
-        return jax.jit(self.layout.to_canonical, out_shardings=sh)(state)
-
     def from_canonical(self, full: TrainState) -> TrainState:
+        """A canonical (ZeRO-0, unpipelined) state in this plan's form (checkpoints written
+        before the saved form was recorded)."""
         if self.layout.codec is None and self.layout.stage_layout is None:
             return full
         return jax.jit(self.layout.from_canonical, out_shardings=self.state_shardings)(full)

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from . import checksum
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, form_of, restore_onto
 from .config import Config, dump
 from .data import DataPipeline
 from .faults import resolve_schedule
@@ -268,7 +268,7 @@ class Trainer(Recovering):
                     self._standby_due = None
                 if self.ckpt is not None and self.ckpt.due(pos.step):
                     with self.rt.guard("checkpoint"):
-                        self.ckpt.save(pos.step, pos.exe.to_canonical(pos.state), self.good)
+                        self.ckpt.save(pos.step, pos.state, self.good, form_of(pos.exe.plan))
         self._flush(mw, bar)
         notes = [
             f"the cut-over to {a['optimal_plan']} was abandoned at step {a['step']}: its "
@@ -455,16 +455,19 @@ class Trainer(Recovering):
             step, state = 0, exe.init()
         good = host_checksums(self.rt, exe.checksum(state), exe)
         if rs is None and self.ckpt is not None:
-            self.ckpt.save(0, exe.to_canonical(state), good)
+            self.ckpt.save(0, state, good, form_of(exe.plan))
         all_live = live | set(exe.plan.spare_ids)
         self.pool.configure(state, exe.state_shardings, exe.mesh, all_live)
         self.pool.take(state, step)  # the initial state is protected too
         return step, state, good
 
     def _restore(self, step: int, exe: Executables):
-        """Restore checkpoint `step` (stored in canonical form) onto `exe`'s plan, verified."""
-        full, meta = self.ckpt.restore(step, self.factory.abstract_on(exe.mesh))
-        state = exe.from_canonical(full)
+        """Restore checkpoint `step` (stored in the form of the plan that saved it) onto `exe`'s
+        plan, verified."""
+        state, meta, _ = restore_onto(
+            self.ckpt, step, self.factory, exe, devices=self.devices, transport=self.rt,
+            threads=self.rt.threads,
+        )
         got = host_checksums(self.rt, exe.checksum(state), exe)
         bad = checksum.diff(meta["checksums"], got)
         if bad:

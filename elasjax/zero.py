@@ -17,15 +17,21 @@ partitioned state lives in a *storage layout* of its own:
   is an array `[*layers, data, slots_i, rows, piece]` sharded over `data` (and `tensor` on the
   rows). A table entry of -1 is an empty slot (zeros).
 
-Elastic transitions (see `evolve`): with `interleaved`, `K = lcm(1..D0)` pieces per row, so any
-data degree up to the initial one divides the pieces evenly. When ranks leave and the others
-keep their tensor groups, every surviving rank keeps all of its tiers *in place* (the new global
-arrays are assembled from the very same buffers) and the departed ranks' pieces, restored from
-the snapshot pool, are dealt out in contiguous runs to the survivors in one new tier. Recovery is
-then a set of disjoint rank-to-rank copies of exactly the lost bytes. With `contiguous`, a unit is
-cut into one piece per rank; losing a rank shifts every boundary, so almost all bytes move (an
-all-to-all), which is what the benchmark contrasts. A change of tensor degree, a new device in a
-group, or too many tiers re-lays out everything (`relayout`): all bytes are re-partitioned.
+Elastic transitions (see `evolve`): with `interleaved`, `K = lcm(1..D0)` pieces per row for
+D0 <= 10, so any data degree up to the initial one divides the pieces evenly, and `K = 64 * D0`
+beyond, so that a rank's share is at most one piece (1/64) over the ideal. When ranks leave and
+the others keep their tensor groups, every surviving rank keeps all of its tiers *in place* (the
+new global arrays are assembled from the very same buffers) and the departed ranks' pieces,
+restored from the snapshot pool, are dealt out in contiguous runs to the survivors in one new
+tier, as narrow as the orphans allow. Recovery is then a set of disjoint rank-to-rank copies of
+exactly the lost bytes. Every rank allocates every slot of every tier, so each in-place shrink
+costs up to one extra slot per rank: when that would put a rank over `MAX_STORAGE_RATIO` (1.05)
+times the ideal `total / D`, or the tiers are used up, the layout is rebuilt instead (1024 ranks
+losing one at a time re-lay out every third or fourth loss; see tests/test_zero.py). With
+`contiguous`, a unit is cut into one piece per rank; losing a rank shifts every boundary, so
+almost all bytes move (an all-to-all), which is what the benchmark contrasts. A change of tensor
+degree, a new device in a group, or a rebuild re-lays out everything: all bytes are
+re-partitioned.
 
 Pieces are padded and empty slots are zero. Adam keeps zeros zero (zero gradient, zero moment,
 zero update, and weight decay of zero is zero), so padding never leaks into real values.
@@ -49,14 +55,20 @@ from .sharding import path_str
 
 PyTree = Any
 MAX_TIERS = 4
-MAX_PIECES = 2520  # lcm(1..10); beyond that the piece count is a multiple of D0 only
+MAX_PIECES = 2520  # lcm(1..10)
+PIECES_PER_RANK = 64  # beyond lcm(1..d0) <= MAX_PIECES: K = 64 * d0
+# An in-place evolution whose ranks would allocate more than this times the ideal share
+# (`n_pieces / data` pieces) re-lays out instead (all bytes move, overhead <= 1 + 1/64).
+MAX_STORAGE_RATIO = 1.05
 
 
 def piece_count(d0: int) -> int:
-    """Pieces per row for an initial data degree `d0`: lcm(1..d0), so every data degree up to
-    d0 divides it, capped at `MAX_PIECES` (then a multiple of d0)."""
-    k = reduce(math.lcm, range(1, d0 + 1), 1)
-    return k if k <= MAX_PIECES else d0 * max(1, MAX_PIECES // d0)
+    """Pieces per row for an initial data degree `d0`: lcm(1..d0) while that is at most
+    `MAX_PIECES` (every smaller data degree divides it: shrinks stay exactly balanced), else
+    `PIECES_PER_RANK * d0`, fine enough that a rank's share after any shrink is within
+    1 + 1/64 of the ideal before the tiers' rounding (see `MAX_STORAGE_RATIO`)."""
+    k = reduce(math.lcm, range(1, min(d0, 11) + 1), 1)
+    return k if k <= MAX_PIECES else PIECES_PER_RANK * d0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,19 +112,22 @@ def evolve(old: ZeroLayout, kept: dict[int, int], new_data: int) -> tuple[ZeroLa
     `kept` maps new rank -> old rank for ranks whose devices (tensor group) are unchanged. When
     every new rank is kept (a pure shrink), their tiers stay in place and the pieces of departed
     ranks are dealt out, in contiguous runs, to balance the ranks in one new tier. Otherwise the
-    layout is rebuilt from scratch. Returns (layout, in_place).
+    layout is rebuilt from scratch, as it is when the tiers are used up or the in-place layout
+    would allocate more than `MAX_STORAGE_RATIO` times the ideal share. Returns
+    (layout, in_place).
     """
     if old.kind == "contiguous" or len(kept) != new_data or len(old.tiers) >= MAX_TIERS:
         return fresh_layout(old.kind, old.stage, new_data, old.n_pieces), False
     keep_old = set(kept.values())
     orphans = [k for r in range(old.data) if r not in keep_old for k in old.rank_pieces(r)]
     counts = [len(old.rank_pieces(kept[j])) for j in range(new_data)]
-    target = -(-old.n_pieces // new_data)
-    need = [max(0, target - c) for c in counts]
-    width = max(need) if orphans else 0
+    # Every rank allocates every slot of every tier, so the new tier is as narrow as the orphans
+    # allow (ceil(orphans / ranks)); within it, the ranks holding the fewest pieces fill first.
+    width = -(-len(orphans) // new_data)
+    quota = _water_fill(counts, len(orphans), width)
     new_tier, pos = [], 0
     for j in range(new_data):
-        take = orphans[pos : pos + need[j]]
+        take = orphans[pos : pos + quota[j]]
         pos += len(take)
         new_tier.append(tuple(take) + (-1,) * (width - len(take)))
     assert pos == len(orphans), "orphan pieces left over"
@@ -121,7 +136,34 @@ def evolve(old: ZeroLayout, kept: dict[int, int], new_data: int) -> tuple[ZeroLa
         tiers = tiers + (tuple(new_tier),)
     lay = ZeroLayout(old.kind, old.stage, old.n_pieces, tiers)
     lay.check()
+    if storage_ratio(lay) > MAX_STORAGE_RATIO:
+        return fresh_layout(old.kind, old.stage, new_data, old.n_pieces), False
     return lay, True
+
+
+def _water_fill(counts: Sequence[int], n: int, cap: int) -> list[int]:
+    """Quotas q (0 <= q_j <= cap, sum n) that raise the lowest counts first."""
+    lo, hi = min(counts), max(counts) + cap
+    while lo < hi:  # the lowest level L at which clamp(L - c, 0, cap) holds n pieces
+        mid = (lo + hi) // 2
+        if sum(min(cap, max(0, mid - c)) for c in counts) >= n:
+            hi = mid
+        else:
+            lo = mid + 1
+    q = [min(cap, max(0, lo - c)) for c in counts]
+    extra = sum(q) - n
+    for j in range(len(q)):  # ranks at the level give one back until the total is exact
+        if extra == 0:
+            break
+        if q[j] and counts[j] + q[j] == lo:
+            q[j] -= 1
+            extra -= 1
+    return q
+
+
+def storage_ratio(layout: ZeroLayout) -> float:
+    """Slots every rank allocates over the ideal share `n_pieces / data` (1.0 = no overhead)."""
+    return sum(len(t[0]) for t in layout.tiers) * layout.data / layout.n_pieces
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,11 +339,8 @@ class ZeroCodec:
         width, offs = sum(widths), np.cumsum([0] + widths)
         pos = np.zeros(K, np.int32)
         for i in range(len(self.tables)):
-            rot = self._rotated(u, i)
-            for r in range(rot.shape[0]):
-                for sl in range(rot.shape[1]):
-                    if self.tables[i][r, sl] >= 0:
-                        pos[rot[r, sl]] = r * width + offs[i] + sl
+            r, sl = np.nonzero(self.tables[i] >= 0)
+            pos[self._rotated(u, i)[r, sl]] = r * width + offs[i] + sl
         allslots = jnp.concatenate(tiers, axis=b + 1) if len(tiers) > 1 else tiers[0]
         flat = allslots.reshape(allslots.shape[:b] + (-1,) + allslots.shape[b + 2 :])
         canon = jnp.take(flat, jnp.asarray(pos), axis=b)
