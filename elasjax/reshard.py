@@ -345,9 +345,13 @@ def _signature(store: ShardStore, refs: frozenset, target_flat, old_layout, new_
     """What a transition plan depends on: the layouts, the target shardings, the leaves and the
     exact set of sources."""
     return (
-        id(old_layout), id(new_layout), tuple(target_flat), tuple(store.paths),
+        _form(old_layout), _form(new_layout), tuple(target_flat), tuple(store.paths),
         tuple(store.shapes), tuple(str(d) for d in store.dtypes), refs,
     )
+
+
+def _form(layout) -> Any:
+    return None if layout is None else layout.key
 
 
 def _refs(store: ShardStore, extra: dict) -> frozenset:

@@ -15,6 +15,7 @@ on canonical element identities, so they compare across plans.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import flax.struct
@@ -33,6 +34,7 @@ from .pipeline import StageLayout, from_slots, slot_logical, to_slots
 from .zero import ZeroCodec
 
 PyTree = Any
+MAX_LAYOUTS = 32  # StateFactory.layout keeps this many forms
 
 
 @flax.struct.dataclass
@@ -80,7 +82,7 @@ class StateFactory:
             params=self.param_logical,
             opt_state=opt_state_logical(tx, self.abstract.opt_state, self.param_logical),
         )
-        self._layouts: dict = {}
+        self._layouts: OrderedDict = OrderedDict()
         self._layouts_lock = threading.Lock()  # the standby and transfer-plan threads ask too
 
     def _init_params(self):
@@ -109,11 +111,15 @@ class StateFactory:
         return jax.jit(self._init, out_shardings=self.shardings(mesh))()
 
     def layout(self, plan) -> "StateLayout":
+        """The state's form on `plan`, one object per form, the `MAX_LAYOUTS` most recently used
+        kept (a long elastic run meets a new form at most plan changes)."""
         key = (plan.tensor, plan.zero_stage, plan.zero, plan.partition)
-        with self._layouts_lock:  # one object per form: transition plans are keyed by it
-            if key not in self._layouts:
-                self._layouts[key] = StateLayout(self, plan)
-            return self._layouts[key]
+        with self._layouts_lock:  # the standby and transfer-plan threads ask too
+            lay = self._layouts.pop(key, None) or StateLayout(self, plan)
+            self._layouts[key] = lay
+            while len(self._layouts) > MAX_LAYOUTS:
+                self._layouts.popitem(last=False)
+            return lay
 
 
 class StateLayout:
@@ -121,6 +127,8 @@ class StateLayout:
 
     def __init__(self, factory: StateFactory, plan):
         self.factory, self.tx = factory, factory.tx
+        # what identifies the form (by value: plans and caches keyed by it survive eviction)
+        self.key = (plan.tensor, plan.zero_stage, plan.zero, plan.partition)
         self.stage = plan.zero_stage
         self.stage_layout = StageLayout(plan.partition) if plan.stage > 1 else None
         self.codec = None

@@ -104,6 +104,8 @@ def skip_if_not_enough_devices(n: int) -> None:
 # long file collected last runs alone at the end while the other worker idles.
 LONGEST_FIRST = [
     "test_multiprocess.py",
+    "test_fault_schedules.py",
+    "test_optimized.py",
     "test_zero_train.py",
     "test_pipeline_recovery.py",
     "test_pipeline.py",
