@@ -17,6 +17,7 @@ and are still read, through the canonical form.
 
 from __future__ import annotations
 
+import itertools
 import types
 from pathlib import Path
 from typing import Any
@@ -169,9 +170,16 @@ def _largest_divisor(n: int, at_most: int) -> int:
 def spread_shardings(abstract: Any, devices, dims: list[int | None] | None = None) -> Any:
     """Per leaf, a sharding over the first `g` of `devices` along one dimension, `g` the
     largest divisor of its size that is <= len(devices): the dimension `dims[i]` where given
-    (ZeRO storage: its `data` axis), else the one that splits the most ways. Leaves with no
-    such dimension, scalars included, stay on the first device: no leaf is replicated."""
-    devices = list(devices)
+    (ZeRO storage: its `data` axis), else the one that splits the most ways. Devices are taken
+    round-robin over processes, and every process must hold a part of every leaf (Orbax builds
+    no array a process has no shard of): a leaf that splits fewer ways than there are processes
+    (a scalar, a small or oddly sized leaf) is replicated once per process; in one process it
+    stays on the first device. Otherwise no leaf is replicated."""
+    by_proc: dict[int, list] = {}
+    for d in devices:
+        by_proc.setdefault(d.process_index, []).append(d)
+    devices = [d for group in itertools.zip_longest(*by_proc.values()) for d in group if d is not None]
+    n_proc = len(by_proc)
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
     dims = dims or [None] * len(leaves)
 
@@ -182,6 +190,8 @@ def spread_shardings(abstract: Any, devices, dims: list[int | None] | None = Non
             g = _largest_divisor(x.shape[i], len(devices))
             if g > best:
                 best, dim = g, i
+        if best < n_proc:  # one copy per process
+            return NamedSharding(Mesh(np.array(devices[:n_proc]), ("spread",)), PartitionSpec())
         mesh = Mesh(np.array(devices[:best]), ("spread",))
         spec = PartitionSpec() if dim is None else PartitionSpec(*([None] * dim), "spread")
         return NamedSharding(mesh, spec)
