@@ -39,7 +39,7 @@ from . import checksum
 from .config import ConfigError, SnapshotConfig
 from .mesh import MESH_AXES
 from .planner import Topology
-from .shards import Box, Shard, box_size, described, index_to_box
+from .shards import Box, Shard, box_size, box_str, described, index_to_box
 from .sharding import path_str
 
 
@@ -280,6 +280,14 @@ class SnapshotPool:
                 continue  # neither the holder nor a copy of it lives here
             r.checksum = np.asarray(blk).reshape(-1, 2)[self._pos_in[r.leaf]]
             landed = gen.landed.get(i)
+            if isinstance(landed, jax.Array) and landed.is_deleted():
+                # still on its way (a host copy not yet off its device) when that device failed
+                self.refusals.append(
+                    f"the {'host' if r.host is not None else 'buddy'} copy of '{r.path}' "
+                    f"{box_str(r.box)} (step {gen.version}) was lost in flight: its device "
+                    "failed before it landed"
+                )
+                continue
             if landed is not None:
                 if r.host is not None:  # a numpy copy was made in `take` already
                     r.host_data = landed if isinstance(landed, np.ndarray) else np.array(landed)

@@ -6,6 +6,8 @@ checksums against the pre-failure state (the trainer raises otherwise). Loss tol
 test_trainer: relative 1e-5 per step.
 """
 
+import jax
+import numpy as np
 import pytest
 
 from conftest import tiny_config
@@ -65,6 +67,43 @@ def test_zero2_contiguous_trains_through_a_failure(exe_cache, reference):
     (r,) = s.recoveries
     assert s.plans[-1].startswith("d7") and r.verified and r.rung == "buddy"
     assert r.steps_lost == 0 and r.bytes_moved > 0
+    for step in range(12):
+        rel = abs(s.losses[step] - reference.losses[step]) / reference.losses[step]
+        assert rel <= 1e-5, (step, rel)
+
+
+def test_flipped_byte_in_the_newest_snapshot_is_refused_and_the_next_rung_used(
+    exe_cache, reference, tmp_path, monkeypatch
+):
+    """One byte of the newest buddy copy of a partition of the failing device is flipped: the
+    copy fails its checksum, the refusal is in the recovery event, and the host copy (the next
+    rung) restores it. The host copies of that device's other partitions were still on it when it
+    failed (lost in flight, also logged); their buddy copies restore them."""
+    from elasjax.snapshot import SnapshotPool
+
+    sources, flipped = SnapshotPool.sources, []
+
+    def flip_then_sources(pool, dead, dead_hosts, version):
+        pool.complete()  # the newest generation, filed
+        rec = next(r for r in pool.records if r.holder in dead and r.buddy_data is not None
+                   and not r.buddy_data.is_deleted() and r.step == version)
+        bad = np.array(rec.buddy_data, copy=True)
+        bad.view(np.uint8).reshape(-1)[7] ^= 0x10
+        rec.buddy_data = jax.device_put(bad, next(iter(rec.buddy_data.devices())))
+        flipped.append(rec.path)
+        return sources(pool, dead, dead_hosts, version)
+
+    monkeypatch.setattr(SnapshotPool, "sources", flip_then_sources)
+    s = trainer.run(
+        tiny_config(*COMMON, "zero.stage=1", "snapshot.buddy=true", "snapshot.host=true",
+                    "faults=[{at_step: 4, devices: [3]}]"),
+        tmp_path, exe_cache=exe_cache,
+    )
+    (ev,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "recovery"]
+    assert ev["rung"] == "host" and ev["verified"] and ev["steps_lost"] == 0
+    refused = [m for m in ev["refused_snapshots"] if "checksum" in m]
+    assert len(refused) == 1 and f"buddy copy of '{flipped[0]}'" in refused[0]
+    assert any("lost in flight" in m for m in ev["refused_snapshots"])
     for step in range(12):
         rel = abs(s.losses[step] - reference.losses[step]) / reference.losses[step]
         assert rel <= 1e-5, (step, rel)
