@@ -3,10 +3,11 @@
 Hypothesis draws schedules over tiny versions of the demo configs (data x tensor with replicas;
 ZeRO-1 on the default snapshot config): one to three failures of a device, a host, or `count`
 random devices, at any step including 0, and failures during a recovery (`phase: recovery`).
-Explicit examples add an uneven 8 -> 7 -> 5 -> 3 shrink, the loss of every holder of a tensor
-slice, and, on a pipeline with asynchronous migration, a failure at the cut-over step. Drawn
-pipeline schedules (which also draw failures at the cut-over step) run with
-`ELASJAX_FAULT_SCHEDULES=N`: N schedules over all three variants.
+Explicit examples add an uneven 8 -> 7 -> 5 -> 3 shrink and the loss of every holder of a
+tensor slice. Pipeline schedules (a pipeline with asynchronous migration; they also draw
+failures at the cut-over step) compile about 4x longer: they run with
+`ELASJAX_FAULT_SCHEDULES=N`, N schedules over all three variants. (In CI, a failure at a
+pipeline's cut-over step is test_pipeline_recovery.py's.)
 
 Each run either matches its fault-free run (the same samples, every loss within 1e-5, every
 recovery verified) or raises `UnrecoverableStateError` naming the state leaf that has no copy.
@@ -36,8 +37,8 @@ VARIANTS = {
     "zero1": ["train.steps=8", "parallel.tensor=1", "parallel.data=8", "zero.stage=1"],
     "pipeline": [*PIPE, "recovery.migration=async", "recovery.max_fast_path_steps=2"],
 }
-# CI draws 5 schedules over the two cheaper variants (a pipeline run compiles ~4x longer; the
-# pipeline runs its explicit example). ELASJAX_FAULT_SCHEDULES=N draws N over all three.
+# CI draws 5 schedules over the two cheaper variants; ELASJAX_FAULT_SCHEDULES=N draws N over
+# all three.
 LONG = int(os.environ.get("ELASJAX_FAULT_SCHEDULES", "0"))
 DRAWN = sorted(VARIANTS) if LONG else ["default", "zero1"]
 CUTOVER_AFTER = 2  # recovery.max_fast_path_steps of the pipeline variant
@@ -128,9 +129,6 @@ def references(exe_cache):
     {"at_step": 2, "devices": [3]}, {"at_step": 4, "hosts": [0]}, {"at_step": 6, "devices": [2, 4]},
 ]))
 @example(schedule=("default", [{"at_step": 5, "devices": [0, 2, 4, 6]}]))  # slice 0 is gone
-@example(schedule=("pipeline", [  # the second failure lands on the cut-over step
-    {"at_step": 3, "devices": [3]}, {"at_step": 3 + CUTOVER_AFTER, "devices": [0]},
-]))
 @settings(max_examples=LONG or 5, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 def test_a_fault_schedule_recovers_exactly_or_names_the_lost_leaf(exe_cache, references,
