@@ -579,6 +579,8 @@ def plan_transition(
                 same_pieces
                 and old is not None
                 and tuple(b - a for a, b in old.box) == ds.shape
+                # the same tensor row: a device can change its tensor rank in a new group
+                and old.box[batch + 2][0] == row
                 and tuple(old_layout.codec.tables[tag.tier][old.box[batch][0]])
                 == tuple(codec.tables[tag.tier][rank])
                 and (not slotted or (same_slots and old.box[:batch] == box[:batch]))

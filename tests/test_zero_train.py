@@ -146,3 +146,19 @@ def test_buddy_request_on_one_host_is_a_config_error():
     # left unset on one host, the pool keeps host copies (they survive a device failure)
     assert SnapshotConfig().resolved(1) == SnapshotConfig(buddy=False, host=True)
     assert SnapshotConfig().resolved(4) == SnapshotConfig(buddy=True, host=False)
+
+
+def test_a_device_that_changes_tensor_rank_keeps_nothing_in_place(exe_cache):
+    """Regression (found by experiments/bench_memory.py at 16 and 64 devices): device 5 is tensor
+    rank 1 of group (4, 5) on d3t2, then rank 0 of the new group (5, 6) after device 4 fails,
+    while its data rank's pieces are the same. Its old storage shard holds the other tensor row,
+    so it must not be kept in place (the recovery used to fail verification in every tensor-
+    sharded leaf)."""
+    s = trainer.run(
+        tiny_config("zero.stage=1", "train.steps=6", "parallel.tensor=1", "parallel.data=8",
+                    "train.global_batch=8", "train.microbatches=1", "parallel.devices_per_host=4",
+                    "faults=[{at_step: 2, devices: [0]}, {at_step: 4, devices: [4]}]"),
+        exe_cache=exe_cache,
+    )
+    assert [r.to_plan.split(".")[0] for r in s.recoveries] == ["d3t2m3b1+1spare", "d3t2m3b1"]
+    assert all(r.verified and r.rung == "buddy" for r in s.recoveries)
