@@ -234,7 +234,7 @@ def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, t
         full, meta = ckpt.restore(step, factory.abstract_on(exe.mesh))
         return exe.from_canonical(full), meta, {"peak_restore_bytes": None}
     saved = factory.layout(_plan_of_form(meta["form"]))
-    live = sorted(exe.plan.device_ids, key=lambda d: d)
+    live = sorted(exe.plan.device_ids)
     by_id = devices or {d.id: d for d in jax.devices()}
     data_dims = [None if t[1] is None else len(x.shape) - 4
                  for t, x in zip(saved._tags, jax.tree.leaves(saved.abstract))]

@@ -103,15 +103,15 @@ def skip_if_not_enough_devices(n: int) -> None:
 # are handed out in collection order, so the longest ones (measured) go first: otherwise a
 # long file collected last runs alone at the end while the other worker idles.
 LONGEST_FIRST = [
-    "test_multiprocess.py",
-    "test_fault_schedules.py",
-    "test_optimized.py",
     "test_zero_train.py",
+    "test_multiprocess.py",
+    "test_optimized.py",
+    "test_fault_schedules.py",
     "test_pipeline_recovery.py",
-    "test_pipeline.py",
-    "test_standby_baselines.py",
     "test_zero.py",
+    "test_standby_baselines.py",
     "test_cli.py",
+    "test_pipeline.py",
     "test_trainer.py",
 ]
 
