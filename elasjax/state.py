@@ -37,6 +37,11 @@ PyTree = Any
 MAX_LAYOUTS = 32  # StateFactory.layout keeps this many forms
 
 
+def form_key(plan) -> tuple:
+    """What a plan's state form depends on: tensor degree, ZeRO stage and layout, partition."""
+    return (plan.tensor, plan.zero_stage, plan.zero, plan.partition)
+
+
 @flax.struct.dataclass
 class TrainState:
     """Only arrays: the step counter, parameters and optimizer state."""
@@ -113,7 +118,7 @@ class StateFactory:
     def layout(self, plan) -> "StateLayout":
         """The state's form on `plan`, one object per form, the `MAX_LAYOUTS` most recently used
         kept (a long elastic run meets a new form at most plan changes)."""
-        key = (plan.tensor, plan.zero_stage, plan.zero, plan.partition)
+        key = form_key(plan)
         with self._layouts_lock:  # the standby and transfer-plan threads ask too
             lay = self._layouts.pop(key, None) or StateLayout(self, plan)
             self._layouts[key] = lay
@@ -128,7 +133,7 @@ class StateLayout:
     def __init__(self, factory: StateFactory, plan):
         self.factory, self.tx = factory, factory.tx
         # what identifies the form (by value: plans and caches keyed by it survive eviction)
-        self.key = (plan.tensor, plan.zero_stage, plan.zero, plan.partition)
+        self.key = form_key(plan)
         self.stage = plan.zero_stage
         self.stage_layout = StageLayout(plan.partition) if plan.stage > 1 else None
         self.codec = None
