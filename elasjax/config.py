@@ -143,7 +143,10 @@ class FaultConfig:
     `phase`: `step` fails the devices during step `at_step` (in one process: at the boundary
     before it; under launch: right after the process dispatched it, its collectives in flight);
     `recovery` fails them during the transfer of the recovery that another fault at the same
-    step started, so that recovery has to start again from what is left."""
+    step started, so that recovery has to start again from what is left; `cutover` (one
+    process) fails them at the first step boundary at or after `at_step` where an async
+    migration cuts over, right after the new plan is installed (a run that never cuts over
+    then says so in its summary)."""
 
     at_step: int
     devices: tuple[int, ...] = ()
@@ -151,7 +154,7 @@ class FaultConfig:
     count: int = 0
     seed: int = 0
     kill_process: int = -1
-    phase: Literal["step", "recovery"] = "step"
+    phase: Literal["step", "recovery", "cutover"] = "step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,14 +213,15 @@ class RecoveryConfig:
 @dataclasses.dataclass(frozen=True)
 class StandbyConfig:
     """Background compilation of the plans recovery would need after each single-device and
-    single-host failure (`enabled`), at most `max_plans`. `wait_at_start` blocks before step 0
+    single-host failure of the current plan (`enabled`): all of them, unless `max_plans` caps
+    their number (the first ones in device order, then hosts; the cap is logged). `wait_at_start` blocks before step 0
     until they are compiled, and the transitions of `recovery.prepare_transfers` are planned (demos and benchmarks; a long job builds them while it trains).
     `cache_dir` turns on JAX's persistent compilation cache there, so a restarted job (or the
     next run) loads executables instead of compiling them; on CPU its key includes the device
     assignment, so each candidate device set is its own entry."""
 
     enabled: bool = False
-    max_plans: int = 8
+    max_plans: Optional[int] = None  # None: every likely failure's plan
     wait_at_start: bool = False
     cache_dir: Optional[str] = None  # JAX persistent compilation cache (process-wide setting)
 
@@ -494,7 +498,8 @@ def validate(cfg: Config) -> None:
                  "= 'torchft_like' is implemented for data x tensor plans with zero.stage = 0 and "
                  "train.deterministic = false")
     _require(cfg.recovery.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
-    _require(cfg.standby.max_plans >= 0, "standby.max_plans", "must be >= 0")
+    _require(cfg.standby.max_plans is None or cfg.standby.max_plans >= 1, "standby.max_plans",
+             "must be null (every likely failure's plan) or >= 1")
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
     if t.deterministic:
         _require(

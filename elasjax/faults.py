@@ -35,7 +35,7 @@ class FaultEvent:
     device_ids: tuple[int, ...]
     kind: str  # "devices" | "hosts" | "random" | "process"
     spec: str  # human-readable origin, e.g. "hosts [1]"
-    phase: str = "step"  # "step" | "recovery"
+    phase: str = "step"  # "step" | "recovery" | "cutover"
     hosts: tuple[int, ...] = ()  # the hosts (processes) it takes down whole
 
 
@@ -114,6 +114,11 @@ def resolve_schedule(
             pick = np.random.default_rng(f.seed).choice(len(live), size=f.count, replace=False)
             ids = tuple(sorted(live[j] for j in pick))
             kind, spec = "random", f"count {f.count} seed {f.seed}"
+        if f.phase == "cutover" and runtime == MULTI_CONTROLLER:
+            raise ConfigError(
+                f"config '{key}.phase' = 'cutover' is not available under `elasjax launch` (a "
+                "process is killed at a step, not at an event); allowed values: 'step', 'recovery'"
+            )
         if f.phase == "recovery" and not any(
             e.at_step == f.at_step and e.phase == "step" for e in events
         ):
@@ -129,7 +134,8 @@ def resolve_schedule(
                 "device must survive"
             )
         events.append(FaultEvent(f.at_step, ids, kind, spec + (
-            " (during recovery)" if f.phase == "recovery" else ""), f.phase, hosts))
+            {"recovery": " (during recovery)", "cutover": " (at the cut-over)"}.get(f.phase, "")),
+            f.phase, hosts))
     return events
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -35,6 +36,7 @@ from .mesh import make_mesh
 from .planner import Plan, fast_path_plan, replan
 from .reshard import transition
 from .runtime import DeviceFailure, host_values
+from .sharding import path_str
 from .shards import (
     ShardStore,
     Transfer,
@@ -45,7 +47,7 @@ from .shards import (
     describe_state,
     index_to_box,
 )
-from .sharding import path_str
+from .standby import StandbyCoverageWarning
 from .step import Executables
 
 # The phases whose sum is a recovery's `mttr_s`, under every runtime.
@@ -182,15 +184,26 @@ class Recovering:
 
     # -- executables ----------------------------------------------------------------------------
 
+    # a queued needed plan waits for the compile under way unless that has more than this
+    # fraction of a mean compile left; beyond it, a cold compile now is sooner
+    WAIT_BEHIND = 0.25
+
     def executables(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
         """(executables, already compiled in this process, standby hit, seconds waited for a
-        background compile). A standby hit means the executable was ready when asked for."""
+        background compile). A standby hit means the executable was ready when asked for. A
+        needed plan never waits in line: a queued one jumps to the front, or is compiled cold
+        here when the compile under way would take longer than `WAIT_BEHIND` of a compile."""
         if self.standby is not None:
             key = plan.compile_key
             exe = self.standby.get(key)
             if exe is not None:
                 return exe, True, True, 0.0
-            if self.standby.pending(key):  # being compiled in the background: do not duplicate
+            where = self.standby.expedite(key)
+            left = self.standby.busy_left_s()
+            mean = self.standby.compile_s / max(self.standby.compiled, 1)
+            if where == "front" and left is not None and left > self.WAIT_BEHIND * mean:
+                self.standby.take(key)  # compile it here, now
+            elif where in ("busy", "front"):
                 t0 = time.perf_counter()
                 exe = self.standby.wait(key)
                 return exe, False, False, time.perf_counter() - t0
@@ -228,8 +241,7 @@ class Recovering:
                     out.append(replan(survivors, self.topo, self.cfg, plan, self.initial))
                 except Exception:  # a failure the planner cannot serve needs no standby
                     pass
-        keys = list(dict.fromkeys(p.compile_key for p in out))
-        return keys[: max(self.cfg.standby.max_plans, 1)]
+        return list(dict.fromkeys(p.compile_key for p in out))
 
     def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
         """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""
@@ -276,7 +288,17 @@ class Recovering:
 
     def _refresh_standby(self, plan: Plan, live: set[int]) -> None:
         if self.standby is not None:
-            self.standby.submit(self.standby_candidates(plan, live))
+            keys = self.standby_candidates(plan, live)
+            self.standby.submit(keys)
+            if self.standby.dropped:
+                msg = (
+                    f"standby.max_plans={self.standby.max_plans} covers "
+                    f"{len(keys) - self.standby.dropped} of the {len(keys)} plans of {plan.name}'s "
+                    "likely failures (every single device and host); the others compile when "
+                    "they are needed (unset max_plans to cover all)"
+                )
+                self.rt.log(msg)
+                warnings.warn(msg, StandbyCoverageWarning, stacklevel=2)
 
     # -- recovery -------------------------------------------------------------------------------
 
@@ -288,6 +310,8 @@ class Recovering:
         compiles_before = self.compiles.count
         if self.jobs is not None:
             self.jobs.replace([])  # plans for the old plan's failures: stop preparing them
+        if self.standby is not None:  # and their compiles: the cores go to this recovery
+            self.standby.drop_queued()
         self.pending_cutover = None  # a new failure re-plans from scratch
         strategy = self.cfg.recovery.strategy
         failures = [failure]

@@ -4,7 +4,8 @@ In JAX the analogue of a communicator is a mesh plus the executable compiled for
 compilation dominates reconfiguration time. A `StandbyCompiler` keeps one background thread that
 compiles a queue of plans ahead of time; recovery asks for the plan it needs and, on a hit, skips
 compilation entirely. The queue is replaced whenever the trainer's plan changes (the likely next
-plans change with it); plans already compiled stay cached, up to `max_plans`.
+plans change with it); plans already compiled stay cached. A plan recovery needs jumps the
+queue (`expedite`, `wait`), and the queue is dropped when a death is known.
 
 The compile function is the same `step.compile_plan` the foreground uses, so a standby
 executable is exactly the executable recovery would otherwise compile. On the CPU backend the
@@ -21,32 +22,86 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-class StandbyCompiler:
-    """Background compilation of plans; thread-safe `get` / `wait` / `submit`."""
+class StandbyCoverageWarning(UserWarning):
+    """`standby.max_plans` leaves some likely failures without a standby executable."""
 
-    def __init__(self, compile_fn: Callable[[Any], Any], max_plans: int = 8):
+
+class StandbyCompiler:
+    """Background compilation of plans; thread-safe `get` / `wait` / `submit` / `expedite`.
+
+    `max_plans=None` keeps every plan of the latest `submit` (plus two more: the plan in use
+    and a fast path); an int caps the queue and the cache, and `dropped` says how many
+    submitted plans the cap left out."""
+
+    def __init__(self, compile_fn: Callable[[Any], Any], max_plans: int | None = None):
         self.compile_fn, self.max_plans = compile_fn, max_plans
         self._ready: OrderedDict = OrderedDict()
         self._queue: list = []
         self._busy: Any = None
+        self._busy_since = 0.0
         self._errors: dict = {}
         self._cv = threading.Condition()
         self._stop = False
+        self._capacity = max_plans or 2
         self.compiled = 0
         self.compile_s = 0.0
+        self.dropped = 0  # plans of the latest `submit` left out by `max_plans`
+        self.started: list = []  # plans in the order their compiles started
         self._thread = threading.Thread(target=self._loop, name="elasjax-standby", daemon=True)
         self._thread.start()
 
     def submit(self, plans: Sequence[Any], *, front: bool = False) -> None:
-        """Queue `plans` (deduplicated, at most `max_plans`); with `front`, ahead of the rest,
-        otherwise replacing the queue."""
+        """Queue `plans` (deduplicated); with `front`, ahead of the rest, otherwise replacing
+        the queue (at most `max_plans` when it is set: `dropped` counts the rest)."""
         with self._cv:
-            new = [p for p in dict.fromkeys(plans) if p not in self._ready and p != self._busy]
+            plans = list(dict.fromkeys(plans))
+            new = [p for p in plans if p not in self._ready and p != self._busy]
             if front:
                 self._queue = new + [p for p in self._queue if p not in new]
             else:
-                self._queue = new[: self.max_plans]
+                keep = plans if self.max_plans is None else plans[: self.max_plans]
+                self.dropped = len(plans) - len(keep)
+                self._capacity = max(self._capacity, len(keep) + (2 if self.max_plans is None else 0))
+                self._queue = [p for p in new if p in keep]
             self._cv.notify_all()
+
+    def expedite(self, plan) -> str:
+        """Make `plan` the next compile. Returns where it was: "ready", "busy" (compiling now),
+        "front" (it was queued and now comes next) or "absent" (neither: the caller compiles
+        it). Nothing queued is compiled before an expedited plan."""
+        with self._cv:
+            if plan in self._ready:
+                return "ready"
+            if plan == self._busy:
+                return "busy"
+            if plan in self._queue:
+                self._queue.remove(plan)
+                self._queue.insert(0, plan)
+                return "front"
+            return "absent"
+
+    def take(self, plan) -> bool:
+        """Remove `plan` from the queue (the caller compiles it itself); False if not queued."""
+        with self._cv:
+            if plan in self._queue:
+                self._queue.remove(plan)
+                return True
+            return False
+
+    def busy_left_s(self) -> float | None:
+        """Expected seconds until the compile under way ends (the mean of the compiles so far
+        less its elapsed time; None when nothing compiles or nothing has compiled yet)."""
+        with self._cv:
+            if self._busy is None or not self.compiled:
+                return None
+            return max(self.compile_s / self.compiled - (time.perf_counter() - self._busy_since), 0.0)
+
+    def drop_queued(self) -> int:
+        """Drop every queued compile (a death is known: the cores go to recovery); returns how
+        many. The compile under way, if any, finishes."""
+        with self._cv:
+            n, self._queue = len(self._queue), []
+            return n
 
     def get(self, plan) -> Any | None:
         with self._cv:
@@ -78,7 +133,9 @@ class StandbyCompiler:
         """Block until `plan` is compiled (queueing it first if needed)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            if plan not in self._ready and plan != self._busy and plan not in self._queue:
+            if plan not in self._ready and plan != self._busy:
+                if plan in self._queue:  # a needed plan never waits in line
+                    self._queue.remove(plan)
                 self._queue.insert(0, plan)
                 self._cv.notify_all()
             while plan not in self._ready:
@@ -97,7 +154,7 @@ class StandbyCompiler:
             self._trim()
 
     def _trim(self) -> None:
-        while len(self._ready) > self.max_plans:
+        while len(self._ready) > self._capacity:
             self._ready.popitem(last=False)
 
     def _loop(self) -> None:
@@ -107,7 +164,8 @@ class StandbyCompiler:
                 if self._stop:
                     return
                 plan = self._queue.pop(0)
-                self._busy = plan
+                self._busy, self._busy_since = plan, time.perf_counter()
+                self.started.append(plan)
             t0 = time.perf_counter()
             try:
                 exe = self.compile_fn(plan)

@@ -143,7 +143,7 @@ class Trainer(Recovering):
                 lambda plan: self.exe_cache.get(
                     cfg, self.factory, plan, self.devices, donate=self.rt.donate
                 )[0],
-                max_plans=max(cfg.standby.max_plans, 2),
+                max_plans=cfg.standby.max_plans,
             )
         self.pending_cutover: tuple[Plan, float, int] | None = None
         self.abandoned_cutovers: list[dict] = []
@@ -205,6 +205,7 @@ class Trainer(Recovering):
         with bar:
             while pos.step < T:
                 step = pos.step
+                cutover_now = False
                 try:
                     if self.pending_cutover is not None:
                         with self.rt.guard("cutover"):
@@ -216,6 +217,7 @@ class Trainer(Recovering):
                                     f"abandoned, its compile failed: {abandoned['errors']}")
                             bar.log(line)
                             self.rt.log(line)
+                        cutover_now = due_now
                         if due_now:
                             self._flush(mw, bar)
                             pos = dataclasses.replace(pos, good=self.good)
@@ -225,7 +227,10 @@ class Trainer(Recovering):
                             bar.log(migration_line(mig))
                             self.rt.log(migration_line(mig))
                             plans.append(pos.plan.name)
-                    due = [e for e in pending if e.at_step == step and e.phase == "step"]
+                    due = [e for e in pending if e.at_step == step and e.phase == "step"] + [
+                        e for e in pending if e.phase == "cutover" and e.at_step <= step
+                        and self.pending_cutover is None and cutover_now
+                    ]
                     with self.rt.guard("step"):
                         self.rt.inject(due, "before_step", [pos.state, self.pool.device_buffers()])
                         new_state, flight = self._dispatch(pos, due, redo=step < redo_until)
@@ -275,6 +280,11 @@ class Trainer(Recovering):
             f"background compile failed ({next(iter(a['errors'].values()))[:200]}); the run "
             "stayed on its fast path"
             for a in self.abandoned_cutovers
+        ]
+        notes += [
+            f"the fault '{e.spec}' (phase cutover, from step {e.at_step}) never fired: the run "
+            "did not cut over at or after that step"
+            for e in pending if e.phase == "cutover"
         ]
         if self.pending_cutover is not None:
             optimal, _, fail_step = self.pending_cutover

@@ -92,6 +92,23 @@ def run_one(label: str, cfg: config.Config, out: Path, cache: ExecutableCache) -
     }
 
 
+def check_rows_match_names(rows: list[dict]) -> None:
+    """Fail loudly when a row's own counters contradict its name: the standby row must have
+    hit (the executable ready at detection) and compiled nothing; the cold row must have missed
+    and compiled."""
+    hit, cold = rows[0], rows[1]
+    wrong = []
+    if not hit["event"]["standby_hit"] or hit["compiles"] != 0:
+        wrong.append(f"row 1 is named 'standby hit' but standby_hit={hit['event']['standby_hit']}"
+                     f", {hit['compiles']} XLA compiles after detection")
+    if cold["event"]["standby_hit"] or not cold["compiles"]:
+        wrong.append(f"row 2 is named 'cold compile' but standby_hit="
+                     f"{cold['event']['standby_hit']}, {cold['compiles']} XLA compiles after "
+                     "detection")
+    if wrong:
+        raise SystemExit("mttr.py: " + "; ".join(wrong))
+
+
 def full_restart(cfg: config.Config, ckpt_row: dict, failed: int) -> dict:
     """Time a fresh process restoring the checkpoint the in-process run restored."""
     ev = ckpt_row["event"]
@@ -166,8 +183,9 @@ def main() -> None:
     ap.add_argument("--fail-step", type=int, default=15)
     ap.add_argument("--device", type=int, default=3)
     ap.add_argument("--ckpt-every", type=int, default=10)
-    ap.add_argument("--standby-plans", type=int, default=8,
-                    help="standby.max_plans (8 = every single-device failure of the demo)")
+    ap.add_argument("--standby-plans", type=int, default=None,
+                    help="standby.max_plans (default: unset, every single-device and "
+                         "single-host failure's plan)")
     ap.add_argument("--out", default="results/mttr")
     args = ap.parse_args()
     if not 0 < args.fail_step < args.steps:
@@ -180,18 +198,21 @@ def main() -> None:
     settings = (
         f"{args.config}, {args.steps} steps, device {args.device} fails before step "
         f"{args.fail_step}; checkpoints every {args.ckpt_every} steps ({lost} steps lost); "
-        f"standby.max_plans={args.standby_plans}; jax {jax.__version__}, "
+        f"standby.max_plans={args.standby_plans or 'unset (all likely failures)'}; jax {jax.__version__}, "
         f"{len(jax.devices())} fake CPU devices on {os.cpu_count()} cores; "
         "single-process simulated device loss"
     )
     print(f"# MTTR: {settings}")
-    cache = ExecutableCache()
+    cap = [] if args.standby_plans is None else [f"standby.max_plans={args.standby_plans}"]
+    # every row its own executable cache: a row compiles (or not) what its name says
     rows = [
         run_one("1. elastic, standby hit", demo_config(
-            args, "standby.enabled=true", "standby.wait_at_start=true",
-            f"standby.max_plans={args.standby_plans}"), out / "runs/elastic_standby", cache),
-        run_one("2. elastic, cold compile", demo_config(args), out / "runs/elastic_cold", cache),
+            args, "standby.enabled=true", "standby.wait_at_start=true", *cap),
+            out / "runs/elastic_standby", ExecutableCache()),
+        run_one("2. elastic, cold compile", demo_config(args), out / "runs/elastic_cold",
+                ExecutableCache()),
     ]
+    check_rows_match_names(rows)
     ck_dir = (out / "runs/ckpt_dir").absolute()
     shutil.rmtree(ck_dir, ignore_errors=True)
     ck_cfg = demo_config(

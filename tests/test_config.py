@@ -57,6 +57,20 @@ def test_fault_beyond_run():
         config.load("configs/demo.yaml", ["faults=[{at_step: 50, devices: [1]}]"])
 
 
+def test_fault_at_the_cut_over_is_one_process_only():
+    from elasjax import faults, planner
+
+    cfg = config.load(None, ["faults=[{at_step: 3, hosts: [1], phase: cutover}]"])
+    topo = planner.Topology(tuple(range(8)), 2)
+    (e,) = faults.resolve_schedule(cfg.faults, topo, cfg.train.steps)
+    assert e.phase == "cutover" and e.spec == "hosts [1] (at the cut-over)"
+    with pytest.raises(ConfigError, match=r"'faults\[0\].phase' = 'cutover' is not available "
+                                          r"under `elasjax launch`.*allowed values: 'step'"):
+        faults.resolve_schedule(cfg.faults, topo, cfg.train.steps, faults.MULTI_CONTROLLER)
+    with pytest.raises(ConfigError, match=r"allowed values: 'step', 'recovery', 'cutover'"):
+        config.load(None, ["faults=[{at_step: 3, devices: [1], phase: later}]"])
+
+
 def test_fault_needs_exactly_one_kind():
     with pytest.raises(ConfigError, match=r"exactly one of 'devices', 'hosts', 'count' \(\+ 'seed'\) or 'kill_process'"):
         config.load(None, ["faults=[{at_step: 3, devices: [1], hosts: [0]}]"])

@@ -4,7 +4,9 @@ with `jax_disable_most_optimizations` to save compile time, see conftest.py).
 Default mode (device and host failure, within 1e-5 of the fault-free run), deterministic mode
 across meshes (bitwise), and a pipeline's async and blocking migrations in deterministic mode
 (bitwise). The module compiles with its own executable cache and clears JAX's caches on entry
-and exit, so nothing compiled unoptimised is used here or leaks out.
+and exit, so nothing compiled unoptimised is used here or leaks out. XLA_FLAGS are process-wide:
+here too XLA:CPU emits its older loop kernels instead of its fusion emitters (conftest.py);
+`ELASJAX_TEST_XLA_OPT=1` runs every test with XLA exactly as users run it.
 """
 
 import jax
@@ -94,8 +96,9 @@ def test_deterministic_mode_is_bitwise_across_meshes(exe_cache, tmp_path):
 
 def test_deterministic_async_and_blocking_migrations_are_bitwise_equal(exe_cache):
     """Deterministic mode on a pipeline (data 2 x stage 4, one device fails): the blocking
-    migration goes straight to the re-partitioned plan; the async one runs two steps on the
-    fast path (one replica, no layer moved) first. Every loss, every held-out loss and the final
+    migration goes straight to the re-partitioned plan; the async one runs at most two steps on
+    the fast path (one replica, no layer moved) first: it cuts over as soon as the optimal plan
+    is compiled. Every loss, every held-out loss and the final
     state of both are bitwise equal to each other and to the fault-free run."""
     det = [*PIPE, "parallel.min_stage=2", "train.deterministic=true", "train.eval_every=3"]
     fault = "faults=[{at_step: 3, devices: [3]}]"
@@ -108,7 +111,7 @@ def test_deterministic_async_and_blocking_migrations_are_bitwise_equal(exe_cache
     (b_ev,), (a_ev,), (mig,) = blocking.recoveries, asyn.recoveries, asyn.migrations
     assert b_ev.migration == "blocking" and b_ev.to_plan.split("t")[0] in ("d2s3", "d3s2")
     assert a_ev.migration == "async" and a_ev.to_plan.startswith("d1s4") and a_ev.bytes_moved == 0
-    assert mig["to_plan"] == b_ev.to_plan and mig["step"] == 5 and mig["bytes_moved"] > 0
+    assert mig["to_plan"] == b_ev.to_plan and 3 < mig["step"] <= 5 and mig["bytes_moved"] > 0
     for run in (blocking, asyn):
         assert all(3 not in log.sources() for log in run.transfer_logs)
     assert sum(log.bytes_moved for log in asyn.transfer_logs) == mig["bytes_moved"]

@@ -20,11 +20,12 @@ def test_zero1_pipeline_failure_async_migration_matches_fault_free(exe_cache):
     """Default (non-deterministic) mode, ZeRO-1 on the pipeline (optimizer state partitioned
     over `data` within each stage, buddy snapshots): one device of data 2 x stage 4 fails. The
     run resumes on the fast path (the intact pipeline; the lost partitions come from the buddy
-    snapshots) and cuts over to the re-partitioned plan at step 5, where a second device fails
-    (a fault at the cut-over step: the pool, re-configured by the cut-over, covers it). Its
+    snapshots) and cuts over to the re-partitioned plan at step 4 or 5 (as soon as it is
+    compiled, at most 2 fast-path steps), where a second device fails right after the new plan
+    is installed (`phase: cutover`: the pool, re-configured by the cut-over, covers it). Its
     losses stay within 1e-5 of the fault-free ZeRO-0 run. (Blocking migration and bitwise
     equality: test_optimized.py.)"""
-    fault = "faults=[{at_step: 3, devices: [3]}, {at_step: 5, devices: [0]}]"
+    fault = "faults=[{at_step: 3, devices: [3]}, {at_step: 4, devices: [0], phase: cutover}]"
     ref = trainer.run(tiny_config(*PIPE, "faults=[]"), exe_cache=exe_cache)
     asyn = trainer.run(
         tiny_config(*PIPE, "zero.stage=1", fault,  # snapshots: the default protects ZeRO
@@ -37,9 +38,10 @@ def test_zero1_pipeline_failure_async_migration_matches_fault_free(exe_cache):
         (m["step"], m["from_plan"], m["to_plan"]) for m in asyn.migrations]
     assert a_ev.migration == "async" and a_ev.to_plan.startswith("d1s4")
     assert a_ev.rung == "buddy" and a_ev.bytes_kept_in_place > 0 and a_ev.verified
-    assert mig["to_plan"] == a_ev.optimal_plan and mig["step"] == 5 and mig["verified"]
-    # the second failure hits the plan the cut-over just installed
-    assert c_ev.step == 5 and c_ev.from_plan == a_ev.optimal_plan and c_ev.verified, flow
+    assert mig["to_plan"] == a_ev.optimal_plan and mig["step"] in (4, 5) and mig["verified"]
+    # the second failure hits the plan the cut-over just installed, at the cut-over step
+    assert c_ev.step == mig["step"] and c_ev.from_plan == a_ev.optimal_plan, flow
+    assert c_ev.verified, flow
     assert c_ev.rung in ("replica", "buddy") and c_ev.steps_lost == 0, flow
     assert asyn.final_plan.zero_stage == 1
     assert all(3 not in log.sources() for log in asyn.transfer_logs)

@@ -39,6 +39,72 @@ def test_standby_compiler_queue_and_errors():
         sb.close()
 
 
+def test_a_queued_needed_plan_is_compiled_before_every_other_queued_plan():
+    """Counted by compile order, not time: while "a" compiles, "e" (last in the queue) is
+    needed; it is the next compile, then "d", needed later through `wait`. The others follow
+    in their order. Dropping the queue at a death leaves only the compile under way."""
+    gate = threading.Event()
+
+    def compile_fn(plan):
+        if plan.startswith("a"):
+            gate.wait()
+        return f"exe:{plan}"
+
+    def until(cond):
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+
+    sb = StandbyCompiler(compile_fn)  # max_plans None: every submitted plan is kept
+    try:
+        sb.submit(["a", "b", "c", "d", "e"])
+        assert sb.dropped == 0
+        until(lambda: sb.started == ["a"])  # "a" holds the thread at the gate
+        assert sb.expedite("e") == "front" and sb.expedite("a") == "busy"
+        waiter = threading.Thread(target=sb.wait, args=("d",))  # `wait` jumps the line too
+        waiter.start()
+        until(lambda: sb.pending("d") and sb._queue[0] == "d")
+        gate.set()
+        waiter.join(timeout=10)
+        assert sb.wait_all(timeout=10)
+        assert sb.started == ["a", "d", "e", "b", "c"]
+        assert sb.expedite("e") == "ready" and sb.expedite("z") == "absent"
+        gate.clear()
+        sb.submit(["a2", "b2", "c2"])
+        until(lambda: sb.started[-1] == "a2")
+        assert sb.drop_queued() == 2 and not sb.take("b2")
+        gate.set()
+        assert sb.wait_all(timeout=10) and sb.started[-3:] == ["b", "c", "a2"]
+    finally:
+        gate.set()
+        sb.close()
+
+
+def test_standby_covers_every_likely_failure_unless_capped():
+    """Tiny config, 8 devices on 4 hosts: 8 single-device and 4 single-host failures, each its
+    own plan (on CPU the device set is part of the executable). The default keeps all 12;
+    a cap keeps its number, counts the rest and warns."""
+    from elasjax.standby import StandbyCoverageWarning
+    from elasjax.trainer import Trainer
+
+    t = Trainer(tiny_config("standby.enabled=true"))
+    try:
+        keys = t.standby_candidates(t.initial, set(t.topo.device_ids))
+        assert len(keys) == 12 and len({k.device_ids for k in keys}) == 12
+        t.standby.submit([])  # nothing compiles here
+    finally:
+        t.standby.close()
+    capped = Trainer(tiny_config("standby.enabled=true", "standby.max_plans=5"))
+    try:
+        capped.standby.close()  # its thread stops: submit only records the queue
+        with pytest.warns(StandbyCoverageWarning, match="covers 5 of the 12 plans"):
+            capped._refresh_standby(capped.initial, set(capped.topo.device_ids))
+        assert capped.standby.dropped == 7
+    finally:
+        capped.standby.close()
+
+
 def test_background_jobs_run_in_order_replace_drops_queued_and_record_errors():
     jobs = BackgroundJobs("test-jobs")
     started, gate, ran = threading.Event(), threading.Event(), []
@@ -71,6 +137,7 @@ def test_compile_counter_counts_this_thread_only():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::elasjax.standby.StandbyCoverageWarning")  # max_plans=1
 def test_standby_hit_recovers_without_compiling(exe_cache):
     """With standby on, the plan after losing device 0 is compiled before the failure: the
     recovery uses it and compiles nothing between detection and the first step."""
