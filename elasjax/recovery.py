@@ -310,8 +310,6 @@ class Recovering:
         compiles_before = self.compiles.count
         if self.jobs is not None:
             self.jobs.replace([])  # plans for the old plan's failures: stop preparing them
-        if self.standby is not None:  # and their compiles: the cores go to this recovery
-            self.standby.drop_queued()
         self.pending_cutover = None  # a new failure re-plans from scratch
         strategy = self.cfg.recovery.strategy
         failures = [failure]
@@ -347,6 +345,8 @@ class Recovering:
                     early = self._check_recoverable(pos, store, dead, new_plan, strategy)
                     plan_s = time.perf_counter() - t0 + (t_setup if attempts == 1 else 0.0)
                     t0 = time.perf_counter()
+                    if self.standby is not None:  # the cores go to this recovery
+                        self.standby.drop_queued(keep=new_plan.compile_key)
                     exe, hit, standby_hit, wait_s = self.executables(new_plan)
                     compile_s = time.perf_counter() - t0
                 with self.rt.guard("recovery/transfer"):

@@ -96,11 +96,12 @@ class StandbyCompiler:
                 return None
             return max(self.compile_s / self.compiled - (time.perf_counter() - self._busy_since), 0.0)
 
-    def drop_queued(self) -> int:
-        """Drop every queued compile (a death is known: the cores go to recovery); returns how
-        many. The compile under way, if any, finishes."""
+    def drop_queued(self, keep: Any = None) -> int:
+        """Drop every queued compile but `keep` (a death is known: the cores go to recovery);
+        returns how many were dropped. The compile under way, if any, finishes."""
         with self._cv:
-            n, self._queue = len(self._queue), []
+            kept = [p for p in self._queue if p == keep]
+            n, self._queue = len(self._queue) - len(kept), kept
             return n
 
     def get(self, plan) -> Any | None:
