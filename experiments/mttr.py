@@ -249,9 +249,13 @@ def main() -> None:
     (out / "mttr.json").write_text(json.dumps(
         {"settings": settings, "rows": rows, "ratio_restart": ratio_restart,
          "ratio_cold": ratio_cold}, indent=1, default=str))
-    plot(rows, out / "mttr_phases.png")
+    try:
+        plot(rows, out / "mttr_phases.png")
+        wrote = "mttr.md, mttr.json, mttr_phases.png"
+    except ModuleNotFoundError as e:  # the plot needs the `experiments` extra
+        wrote = (f"mttr.md, mttr.json (no plot: {e}; pip install -e '.[experiments]')")
     print("\n" + report)
-    print(f"\nwrote {out}/mttr.md, mttr.json, mttr_phases.png")
+    print(f"\nwrote {out}/{wrote}")
 
 
 if __name__ == "__main__":
