@@ -200,10 +200,11 @@ class Recovering:
                 return exe, True, True, 0.0
             where = self.standby.expedite(key)
             left = self.standby.busy_left_s()
-            mean = self.standby.compile_s / max(self.standby.compiled, 1)
-            if where == "front" and left is not None and left > self.WAIT_BEHIND * mean:
-                self.standby.take(key)  # compile it here, now
-            elif where in ("busy", "front"):
+            long_wait = left is not None and left > self.WAIT_BEHIND * self.standby.mean_compile_s
+            # `take` fails if the thread started it meanwhile: then it is waited for, never
+            # compiled twice
+            cold = where == "absent" or (where == "front" and long_wait and self.standby.take(key))
+            if not cold:
                 t0 = time.perf_counter()
                 exe = self.standby.wait(key)
                 return exe, False, False, time.perf_counter() - t0

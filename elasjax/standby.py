@@ -5,7 +5,7 @@ compilation dominates reconfiguration time. A `StandbyCompiler` keeps one backgr
 compiles a queue of plans ahead of time; recovery asks for the plan it needs and, on a hit, skips
 compilation entirely. The queue is replaced whenever the trainer's plan changes (the likely next
 plans change with it); plans already compiled stay cached. A plan recovery needs jumps the
-queue (`expedite`, `wait`), and the queue is dropped when a death is known.
+queue (`expedite`, `wait`); once recovery has planned, the rest of the queue is dropped.
 
 The compile function is the same `step.compile_plan` the foreground uses, so a standby
 executable is exactly the executable recovery would otherwise compile. On the CPU backend the
@@ -33,6 +33,8 @@ class StandbyCompiler:
     and a fast path); an int caps the queue and the cache, and `dropped` says how many
     submitted plans the cap left out."""
 
+    STARTED_KEPT = 64
+
     def __init__(self, compile_fn: Callable[[Any], Any], max_plans: int | None = None):
         self.compile_fn, self.max_plans = compile_fn, max_plans
         self._ready: OrderedDict = OrderedDict()
@@ -46,7 +48,7 @@ class StandbyCompiler:
         self.compiled = 0
         self.compile_s = 0.0
         self.dropped = 0  # plans of the latest `submit` left out by `max_plans`
-        self.started: list = []  # plans in the order their compiles started
+        self.started: list = []  # the last STARTED_KEPT plans, in the order compiles started
         self._thread = threading.Thread(target=self._loop, name="elasjax-standby", daemon=True)
         self._thread.start()
 
@@ -61,7 +63,8 @@ class StandbyCompiler:
             else:
                 keep = plans if self.max_plans is None else plans[: self.max_plans]
                 self.dropped = len(plans) - len(keep)
-                self._capacity = max(self._capacity, len(keep) + (2 if self.max_plans is None else 0))
+                if self.max_plans is None:
+                    self._capacity = max(self._capacity, len(keep) + 2)
                 self._queue = [p for p in new if p in keep]
             self._cv.notify_all()
 
@@ -88,13 +91,18 @@ class StandbyCompiler:
                 return True
             return False
 
+    @property
+    def mean_compile_s(self) -> float:
+        """Mean seconds of the background compiles so far (0 before the first)."""
+        return self.compile_s / self.compiled if self.compiled else 0.0
+
     def busy_left_s(self) -> float | None:
         """Expected seconds until the compile under way ends (the mean of the compiles so far
         less its elapsed time; None when nothing compiles or nothing has compiled yet)."""
         with self._cv:
             if self._busy is None or not self.compiled:
                 return None
-            return max(self.compile_s / self.compiled - (time.perf_counter() - self._busy_since), 0.0)
+            return max(self.mean_compile_s - (time.perf_counter() - self._busy_since), 0.0)
 
     def drop_queued(self, keep: Any = None) -> int:
         """Drop every queued compile but `keep` (a death is known: the cores go to recovery);
@@ -167,6 +175,7 @@ class StandbyCompiler:
                 plan = self._queue.pop(0)
                 self._busy, self._busy_since = plan, time.perf_counter()
                 self.started.append(plan)
+                del self.started[: -self.STARTED_KEPT]
             t0 = time.perf_counter()
             try:
                 exe = self.compile_fn(plan)

@@ -217,7 +217,6 @@ class Trainer(Recovering):
                                     f"abandoned, its compile failed: {abandoned['errors']}")
                             bar.log(line)
                             self.rt.log(line)
-                        cutover_now = due_now
                         if due_now:
                             self._flush(mw, bar)
                             pos = dataclasses.replace(pos, good=self.good)
@@ -227,9 +226,9 @@ class Trainer(Recovering):
                             bar.log(migration_line(mig))
                             self.rt.log(migration_line(mig))
                             plans.append(pos.plan.name)
+                            cutover_now = True
                     due = [e for e in pending if e.at_step == step and e.phase == "step"] + [
-                        e for e in pending if e.phase == "cutover" and e.at_step <= step
-                        and self.pending_cutover is None and cutover_now
+                        e for e in pending if cutover_now and e.phase == "cutover" and e.at_step <= step
                     ]
                     with self.rt.guard("step"):
                         self.rt.inject(due, "before_step", [pos.state, self.pool.device_buffers()])
