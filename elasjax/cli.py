@@ -18,7 +18,8 @@ def _ensure_devices(n: int = 8) -> None:
 def _train(args) -> int:
     from . import config, trainer
 
-    cfg = config.load(args.config, args.set)
+    standby = ["standby.enabled=true", "standby.wait_at_start=true"] if args.standby else []
+    cfg = config.load(args.config, [*standby, *args.set])
     trainer.run(cfg, args.out, progress=not args.quiet)
     return 0
 
@@ -115,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=10")
     t.add_argument("--out", default=None, help="output directory (config.yaml, metrics.jsonl, events.jsonl)")
     t.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
+    t.add_argument(
+        "--standby", action="store_true",
+        help="sub-second recovery: compile (or rebind) the plan of every likely failure before "
+        "step 0 (= --set standby.enabled=true --set standby.wait_at_start=true; costs start-up "
+        "time, about a minute for configs/demo.yaml on 2 cores)",
+    )
     p = sub.add_parser("plan", help="print the plan for N devices and after failures")
     p.add_argument("config")
     p.add_argument("--devices", type=int, required=True)

@@ -27,9 +27,11 @@ def recovery_line(ev) -> str:
 
 def migration_line(mig: dict) -> str:
     return (
-        f"step {mig['step']}: cut over {mig['from_plan']} => {mig['to_plan']}; stalled "
-        f"{mig['stall_s']:.3f}s; optimal plan running {mig['time_to_optimal_s']:.2f}s after the "
-        "failure"
+        f"step {mig['step']}: cut over {mig['from_plan']} => {mig['to_plan']} after "
+        f"{mig['steps_on_fast_path']} fast-path steps; stalled {mig['stall_s']:.3f}s"
+        + (f" ({mig['compile_wait_s']:.2f}s waiting for its compile)"
+           if mig.get("compile_wait_s") else "")
+        + f"; optimal plan running {mig['time_to_optimal_s']:.2f}s after the failure"
     )
 
 

@@ -48,7 +48,7 @@ from .shards import TransferLog
 from .snapshot import SnapshotPool
 from .standby import BackgroundJobs, CompileCounter, StandbyCompiler
 from .state import StateFactory, make_optimizer
-from .step import ExecutableCache, Executables
+from .step import ExecutableCache, Executables, warm_up
 
 __all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer", "run"]
 
@@ -140,12 +140,11 @@ class Trainer(Recovering):
         self.standby: StandbyCompiler | None = None
         if cfg.standby.enabled or cfg.recovery.migration == "async":
             self.standby = StandbyCompiler(
-                lambda plan: self.exe_cache.get(
-                    cfg, self.factory, plan, self.devices, donate=self.rt.donate
-                )[0],
-                max_plans=cfg.standby.max_plans,
+                self._standby_build, max_plans=cfg.standby.max_plans,
+                cheap=lambda plan: self.exe_cache.has_program(cfg, plan, self.rt.donate),
             )
         self.pending_cutover: tuple[Plan, float, int] | None = None
+        self.cutover_wait_s = 0.0  # the pending cut-over's wait for its compile
         self.abandoned_cutovers: list[dict] = []
         self.torchft_keep: tuple[int, ...] | None = None  # initial replicas still training
         self.compiles = CompileCounter()
@@ -160,6 +159,16 @@ class Trainer(Recovering):
         self.digests: dict[int, str] = {}
         self._inflight: collections.deque[_InFlight] = collections.deque()
         self._t_done = self._t_first_done = 0.0
+
+    def _standby_build(self, plan: Plan) -> Executables:
+        """The standby thread's build of `plan`: compiled (or rebound), then warmed where every
+        device is this process's (a warm-up elsewhere would be a collective of its own)."""
+        exe, hit = self.exe_cache.get(self.cfg, self.factory, plan, self.devices, donate=self.rt.donate)
+        if not hit and not exe.rebound:
+            self.exe_cache.prepare_rebind(self.cfg, plan, self.rt.donate)
+        if not hit and self.cfg.standby.warm and jax.process_count() == 1:
+            exe.warm_s = warm_up(exe)
+        return exe
 
     @property
     def loop_s(self) -> float:
@@ -415,8 +424,16 @@ class Trainer(Recovering):
         if self.standby is not None and self.cfg.standby.wait_at_start:
             t0 = time.perf_counter()
             self.standby.wait_all()
-            ew.write({"type": "standby_ready", "plans": self.standby.compiled,
-                      "wait_s": time.perf_counter() - t0, "compile_s": self.standby.compile_s})
+            sb = self.standby
+            ew.write({"type": "standby_ready", "plans": sb.compiled + sb.rebound,
+                      "compiled": sb.compiled, "rebound": sb.rebound,
+                      "wait_s": time.perf_counter() - t0, "compile_s": sb.compile_s,
+                      "rebind_s": sb.rebind_s})
+            line = (f"standby ready in {time.perf_counter() - t0:.1f}s: {sb.compiled} plans "
+                    f"compiled, {sb.rebound} rebound")
+            self.rt.log(line)
+            if self.progress:
+                print(line)
         if self.jobs is not None and self.cfg.standby.wait_at_start:
             self.jobs.wait_idle()  # the likely transitions are planned before step 0, too
         for f in failures:
