@@ -218,8 +218,9 @@ class StandbyConfig:
     process the others are rebound from it (`elasjax.rebind`: the same program on other devices,
     a fraction of a compile). `depth: 2` also compiles, behind them, one plan of each program a
     second failure would need, so that the standby after the first recovery is rebinds only.
-    `warm` runs each standby executable once on placeholder zeros (one process), so the first
-    step after a hit runs at steady-state speed. `wait_at_start` blocks before step 0 until the
+    `warm` runs each standby executable built before step 0 (`wait_at_start`) once on
+    placeholder zeros (one process), so the first step after a hit runs at steady-state speed;
+    executables built later, beside training, are not warmed. `wait_at_start` blocks before step 0 until the
     standby is ready and the transitions of `recovery.prepare_transfers` are planned (demos and
     benchmarks; a long job builds them while it trains). `cache_dir` turns on JAX's persistent
     compilation cache there, so a restarted job (or the next run) loads executables instead of

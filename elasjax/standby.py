@@ -138,6 +138,11 @@ class StandbyCompiler:
                 self._ready.move_to_end(plan)
             return exe
 
+    def ready_values(self) -> list:
+        """Every executable built so far (kept ones)."""
+        with self._cv:
+            return list(self._ready.values())
+
     def ready(self, plan) -> bool:
         with self._cv:
             return plan in self._ready

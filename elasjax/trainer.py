@@ -161,13 +161,12 @@ class Trainer(Recovering):
         self._t_done = self._t_first_done = 0.0
 
     def _standby_build(self, plan: Plan) -> Executables:
-        """The standby thread's build of `plan`: compiled (or rebound), then warmed where every
-        device is this process's (a warm-up elsewhere would be a collective of its own)."""
+        """The standby thread's build of `plan`: compiled (or rebound), its program serialized
+        for the next rebinds. (Warm-ups run on the training thread, `_start`: an execution on
+        this thread beside a training step aborted the process in a test run.)"""
         exe, hit = self.exe_cache.get(self.cfg, self.factory, plan, self.devices, donate=self.rt.donate)
         if not hit and not exe.rebound:
             self.exe_cache.prepare_rebind(self.cfg, plan, self.rt.donate)
-        if not hit and self.cfg.standby.warm and jax.process_count() == 1:
-            exe.warm_s = warm_up(exe)
         return exe
 
     @property
@@ -424,6 +423,10 @@ class Trainer(Recovering):
         if self.standby is not None and self.cfg.standby.wait_at_start:
             t0 = time.perf_counter()
             self.standby.wait_all()
+            if self.cfg.standby.warm and jax.process_count() == 1:
+                for exe in self.standby.ready_values():  # nothing else runs now
+                    if exe.warm_s == 0.0:
+                        exe.warm_s = warm_up(exe)
             sb = self.standby
             ew.write({"type": "standby_ready", "plans": sb.compiled + sb.rebound,
                       "compiled": sb.compiled, "rebound": sb.rebound,
