@@ -163,7 +163,8 @@ class Trainer(Recovering):
     def _standby_build(self, plan: Plan) -> Executables:
         """The standby thread's build of `plan`: compiled (or rebound), its program serialized
         for the next rebinds. (Warm-ups run on the training thread, `_start`: an execution on
-        this thread beside a training step aborted the process in a test run.)"""
+        this thread beside training steps, a test process aborted; that concurrency is the
+        suspected cause.)"""
         exe, hit = self.exe_cache.get(self.cfg, self.factory, plan, self.devices, donate=self.rt.donate)
         if not hit and not exe.rebound:
             self.exe_cache.prepare_rebind(self.cfg, plan, self.rt.donate)
