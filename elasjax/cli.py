@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
     t.add_argument(
         "--standby", action="store_true",
-        help="sub-second recovery: compile (or rebind) the plan of every likely failure before "
-        "step 0 (= --set standby.enabled=true --set standby.wait_at_start=true; costs start-up "
-        "time, about a minute for configs/demo.yaml on 2 cores)",
+        help="sub-second recovery: compile the plan of every likely failure before step 0 "
+        "(= --set standby.enabled=true --set standby.wait_at_start=true; costs start-up time, "
+        "about 2.5 minutes for configs/demo.yaml on 2 cores)",
     )
     p = sub.add_parser("plan", help="print the plan for N devices and after failures")
     p.add_argument("config")

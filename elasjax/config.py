@@ -214,21 +214,18 @@ class RecoveryConfig:
 class StandbyConfig:
     """Background compilation of the plans recovery would need after each single-device and
     single-host failure of the current plan (`enabled`): all of them, unless `max_plans` caps
-    their number (the cap is logged). One plan per distinct program is compiled first; in one
-    process the others are rebound from it (`elasjax.rebind`: the same program on other devices,
-    a fraction of a compile). `depth: 2` also compiles, behind them, one plan of each program a
-    second failure would need, so that the standby after the first recovery is rebinds only.
-    `warm` runs each standby executable built before step 0 (`wait_at_start`) once on
-    placeholder zeros (one process), so the first step after a hit runs at steady-state speed;
-    executables built later, beside training, are not warmed. `wait_at_start` blocks before step 0 until the
-    standby is ready and the transitions of `recovery.prepare_transfers` are planned (demos and
-    benchmarks; a long job builds them while it trains). `cache_dir` turns on JAX's persistent
-    compilation cache there, so a restarted job (or the next run) loads executables instead of
-    compiling them; on CPU its key includes the device assignment."""
+    their number (the first ones in device order, then hosts; the cap is logged). On CPU an
+    executable is tied to its devices, so every candidate device set is compiled. `warm` runs
+    each standby executable built before step 0 (`wait_at_start`) once on placeholder zeros, on
+    the training thread (one process), so the first step after a hit runs at steady-state speed;
+    executables built later are not warmed (a warm-up beside training steps is untested). `wait_at_start` blocks before
+    step 0 until the standby is ready and the transitions of `recovery.prepare_transfers` are
+    planned (demos and benchmarks; a long job builds them while it trains). `cache_dir` turns on
+    JAX's persistent compilation cache there, so a restarted job (or the next run) loads
+    executables instead of compiling them; on CPU its key includes the device assignment."""
 
     enabled: bool = False
     max_plans: Optional[int] = None  # None: every likely failure's plan
-    depth: int = 2  # 1: the current plan's likely failures; 2: and the programs of a second
     warm: bool = True
     wait_at_start: bool = False
     cache_dir: Optional[str] = None  # JAX persistent compilation cache (process-wide setting)
@@ -506,7 +503,6 @@ def validate(cfg: Config) -> None:
                  "= 'torchft_like' is implemented for data x tensor plans with zero.stage = 0 and "
                  "train.deterministic = false")
     _require(cfg.recovery.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
-    _require(cfg.standby.depth in (1, 2), "standby.depth", f"must be 1 or 2, got {cfg.standby.depth}")
     _require(cfg.standby.max_plans is None or cfg.standby.max_plans >= 1, "standby.max_plans",
              "must be null (every likely failure's plan) or >= 1")
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")

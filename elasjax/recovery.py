@@ -48,7 +48,7 @@ from .shards import (
     index_to_box,
 )
 from .standby import StandbyCoverageWarning
-from .step import Executables, program_key
+from .step import Executables
 
 # The phases whose sum is a recovery's `mttr_s`, under every runtime.
 MTTR_PHASES = (
@@ -106,7 +106,6 @@ class RecoveryEvent:
     snapshot_s: float = 0.0
     retry_s: float = 0.0
     standby_wait_s: float = 0.0  # waited for a background compile already under way
-    exe_rebound: bool = False  # built from its program compiled for other devices (no compile)
     attempts: int = 1
     verified: bool = False
     resumed_at_step: int = 0
@@ -142,18 +141,6 @@ def host_checksums(rt, sums, exe: Executables) -> dict[str, str]:
     return checksum.rows_to_host(
         exe.layout.checksum_keys, host_values(rt, sums, exe.plan.device_ids)
     )
-
-
-def programs_first(plans: list[Plan], head: int | None = None) -> list[Plan]:
-    """`plans` with the first plan of each distinct program (`step.program_key`) moved ahead of
-    the others, among the first `head` plans (all by default); order kept otherwise."""
-    head = len(plans) if head is None else min(head, len(plans))
-    seen: set = set()
-    firsts, rest = [], []
-    for p in plans[:head]:
-        (rest if program_key(p) in seen else firsts).append(p)
-        seen.add(program_key(p))
-    return firsts + rest + plans[head:]
 
 
 def torchft_plan(previous: Plan, survivors, cfg: Config) -> Plan | None:
@@ -202,45 +189,29 @@ class Recovering:
     WAIT_BEHIND = 0.25
 
     def executables(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
-        """(executables, already built in this process, standby hit, seconds waited for a
+        """(executables, already compiled in this process, standby hit, seconds waited for a
         background compile). A standby hit means the executable was ready when asked for. A
-        needed plan never waits in line: a queued one jumps to the front, or is built here: by a
-        rebind when its program is compiled for other devices (after waiting for that compile if
-        the standby thread is on it), cold when the compile under way would take longer than
-        `WAIT_BEHIND` of a compile."""
-        waited = 0.0
+        needed plan never waits in line: a queued one jumps to the front, or is compiled cold
+        here when the compile under way would take longer than `WAIT_BEHIND` of a compile."""
         if self.standby is not None:
             key = plan.compile_key
             exe = self.standby.get(key)
             if exe is not None:
                 return exe, True, True, 0.0
             where = self.standby.expedite(key)
-            if where in ("front", "absent"):
-                busy = self.standby.busy
-                if (busy is not None and program_key(busy) == program_key(key)
-                        and not self.exe_cache.has_program(self.cfg, plan, self.rt.donate)):
-                    t0 = time.perf_counter()  # its program, on other devices: then a rebind
-                    self.standby.wait(busy)
-                    waited = time.perf_counter() - t0
-                    where = self.standby.expedite(key)
-            rebind = where in ("front", "absent") and self.exe_cache.has_program(
-                self.cfg, plan, self.rt.donate
-            )
             left = self.standby.busy_left_s()
             long_wait = left is not None and left > self.WAIT_BEHIND * self.standby.mean_compile_s
             # `take` fails if the thread started it meanwhile: then it is waited for, never
-            # built twice
-            here = where == "absent" or (
-                where == "front" and (rebind or long_wait) and self.standby.take(key)
-            )
-            if not here:
+            # compiled twice
+            cold = where == "absent" or (where == "front" and long_wait and self.standby.take(key))
+            if not cold:
                 t0 = time.perf_counter()
                 exe = self.standby.wait(key)
-                return exe, False, False, waited + time.perf_counter() - t0
+                return exe, False, False, time.perf_counter() - t0
         exe, hit = self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.rt.donate
         )
-        return exe, hit, False, waited
+        return exe, hit, False, 0.0
 
     def failure_candidates(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
         """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single
@@ -256,44 +227,22 @@ class Recovering:
     def standby_candidates(self, plan: Plan, live: set[int]) -> list[Plan]:
         """Plans recovery would need after the likeliest next failures of `plan`
         (`failure_candidates`): their optimal plans with `standby.enabled`; the no-movement fast
-        paths with `recovery.migration: async`. The first plan of each distinct program comes
-        first (the others are rebound from it, `elasjax.rebind`, in a fraction of a compile).
-        With `standby.depth: 2`, then one plan of each further program a second failure would
-        need (expanded from the first plan of each program: the rest differ in devices only)."""
-        first = self._next_plans(plan, live)
-        out = list(dict.fromkeys(p.compile_key for p, _ in first))
-        head = len(out)
-        if self.cfg.standby.enabled and self.cfg.standby.depth >= 2:
-            seen = {program_key(p) for p in out}
-            expanded = set()
-            for p1, live1 in first:
-                if program_key(p1) in expanded:
-                    continue
-                expanded.add(program_key(p1))
-                for p2, _ in self._next_plans(p1, live1, fast=False):
-                    if program_key(p2) not in seen:
-                        seen.add(program_key(p2))
-                        out.append(p2.compile_key)
-        return programs_first(out, head)
-
-    def _next_plans(self, plan: Plan, live: set[int], fast: bool = True) -> list[tuple[Plan, set[int]]]:
-        """(plan, live devices) after each of `plan`'s likeliest next failures."""
-        out = []
+        paths with `recovery.migration: async`."""
+        out: list[Plan] = []
         for gone, _ in self.failure_candidates(plan, live):
-            left = live - gone
-            survivors = [d for d in self.topo.device_ids if d in left]
+            survivors = [d for d in self.topo.device_ids if d in live - gone]
             if not survivors:
                 continue
-            if fast and self.cfg.recovery.migration == "async":
-                fast_plan = fast_path_plan(plan, survivors, self.cfg)
-                if fast_plan is not None:
-                    out.append((fast_plan, left))
+            if self.cfg.recovery.migration == "async":
+                fast = fast_path_plan(plan, survivors, self.cfg)
+                if fast is not None:
+                    out.append(fast)
             if self.cfg.standby.enabled:
                 try:
-                    out.append((replan(survivors, self.topo, self.cfg, plan, self.initial), left))
+                    out.append(replan(survivors, self.topo, self.cfg, plan, self.initial))
                 except Exception:  # a failure the planner cannot serve needs no standby
                     pass
-        return out
+        return list(dict.fromkeys(p.compile_key for p in out))
 
     def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
         """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""
@@ -462,7 +411,6 @@ class Recovering:
             compile_s=compile_s,
             standby_hit=standby_hit,
             standby_wait_s=wait_s,
-            exe_rebound=exe.rebound,
             exe_cache_hit=hit,
             transfer_s=transfer_s,
             verify_s=verify_s,

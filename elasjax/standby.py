@@ -9,9 +9,7 @@ queue (`expedite`, `wait`); once recovery has planned, the rest of the queue is 
 
 The compile function is the same `step.compile_plan` the foreground uses, so a standby
 executable is exactly the executable recovery would otherwise compile. On the CPU backend the
-device assignment is part of the executable, so every candidate device set is its own entry;
-within one process, the executable cache rebinds a program compiled for other devices
-(`elasjax.rebind`) instead of compiling it again.
+device assignment is part of the executable, so every candidate device set is its own entry.
 """
 
 from __future__ import annotations
@@ -37,15 +35,8 @@ class StandbyCompiler:
 
     STARTED_KEPT = 64
 
-    def __init__(
-        self, compile_fn: Callable[[Any], Any], max_plans: int | None = None,
-        cheap: Callable[[Any], bool] | None = None,
-    ):
-        """`cheap(plan)`: will `compile_fn` build `plan` without compiling (a rebind)? Their
-        times are kept apart from the compiles' (`busy_left_s` expects the right one)."""
+    def __init__(self, compile_fn: Callable[[Any], Any], max_plans: int | None = None):
         self.compile_fn, self.max_plans = compile_fn, max_plans
-        self.cheap = cheap or (lambda plan: False)
-        self._busy_cheap = False
         self._ready: OrderedDict = OrderedDict()
         self._queue: list = []
         self._busy: Any = None
@@ -56,8 +47,6 @@ class StandbyCompiler:
         self._capacity = max_plans or 2
         self.compiled = 0
         self.compile_s = 0.0
-        self.rebound = 0  # plans built without a compile (`cheap`)
-        self.rebind_s = 0.0
         self.dropped = 0  # plans of the latest `submit` left out by `max_plans`
         self.started: list = []  # the last STARTED_KEPT plans, in the order compiles started
         self._thread = threading.Thread(target=self._loop, name="elasjax-standby", daemon=True)
@@ -103,12 +92,6 @@ class StandbyCompiler:
             return False
 
     @property
-    def busy(self) -> Any:
-        """The plan being compiled now (None when idle)."""
-        with self._cv:
-            return self._busy
-
-    @property
     def mean_compile_s(self) -> float:
         """Mean seconds of the background compiles so far (0 before the first)."""
         return self.compile_s / self.compiled if self.compiled else 0.0
@@ -117,11 +100,9 @@ class StandbyCompiler:
         """Expected seconds until the compile under way ends (the mean of the compiles so far
         less its elapsed time; None when nothing compiles or nothing has compiled yet)."""
         with self._cv:
-            n, total = (self.rebound, self.rebind_s) if self._busy_cheap else (
-                self.compiled, self.compile_s)
-            if self._busy is None or not n:
+            if self._busy is None or not self.compiled:
                 return None
-            return max(total / n - (time.perf_counter() - self._busy_since), 0.0)
+            return max(self.mean_compile_s - (time.perf_counter() - self._busy_since), 0.0)
 
     def drop_queued(self, keep: Any = None) -> int:
         """Drop every queued compile but `keep` (a death is known: the cores go to recovery);
@@ -139,7 +120,7 @@ class StandbyCompiler:
             return exe
 
     def ready_values(self) -> list:
-        """Every executable built so far (kept ones)."""
+        """Every executable built so far (the kept ones)."""
         with self._cv:
             return list(self._ready.values())
 
@@ -198,9 +179,6 @@ class StandbyCompiler:
                     return
                 plan = self._queue.pop(0)
                 self._busy, self._busy_since = plan, time.perf_counter()
-            cheap = self.cheap(plan)  # outside the lock: it may take the cache's
-            with self._cv:
-                self._busy_cheap = cheap
                 self.started.append(plan)
                 del self.started[: -self.STARTED_KEPT]
             t0 = time.perf_counter()
@@ -214,12 +192,8 @@ class StandbyCompiler:
                 self._busy = None
                 if err is None:
                     self._ready[plan] = exe
-                    if cheap:
-                        self.rebound += 1
-                        self.rebind_s += dt
-                    else:
-                        self.compiled += 1
-                        self.compile_s += dt
+                    self.compiled += 1
+                    self.compile_s += dt
                     self._trim()
                 else:
                     self._errors[plan] = err

@@ -24,13 +24,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import rebind, rng
+from . import rng
 from .config import Config
 from .mesh import DATA, LOGICAL_RULES, make_mesh, replicated
 from .microbatch import accumulate
 from .pipeline import pipeline_loss, pipeline_slot_losses
 from .planner import Plan
 from .sharding import batch_shardings
+from .shards import index_to_box
 from .state import StateFactory, StateLayout, TrainState
 
 PyTree = Any
@@ -307,9 +308,8 @@ class Executables:
     train: Any
     checksum: Any  # state -> uint32[n, 2] checksums, rows in `layout.checksum_keys` order
     eval: Any
-    compile_s: float  # seconds to build them (a compile, or a rebind)
+    compile_s: float
     batch_abstract: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
-    rebound: bool = False  # loaded from the same program compiled for other devices (`rebind`)
     warm_s: float = 0.0  # seconds of its warm-up run (`warm_up`), 0 if never warmed
 
     def put_batch(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -335,22 +335,6 @@ class Executables:
         return jax.jit(self.layout.from_canonical, out_shardings=self.state_shardings)(full)
 
 
-def _bind(cfg: Config, factory: StateFactory, plan: Plan, devices: dict[int, jax.Device]):
-    """What a plan's executables are built around: its mesh, state layout and shardings."""
-    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
-    layout = factory.layout(plan)
-    st_sh = layout.shardings(mesh)
-    ab = abstract_batch(plan, cfg.model.seq_len)
-    b_sh = batch_shardings(mesh, ab)
-    # Evaluation is not on the recovery path: it compiles on first use (see `Executables.eval`).
-    ev = jax.jit(
-        make_eval_step(cfg, factory.model, layout, mesh, plan),
-        in_shardings=(st_sh.params, b_sh),
-        out_shardings=(replicated(mesh), replicated(mesh)),
-    )
-    return mesh, layout, st_sh, ab, b_sh, ev
-
-
 def compile_plan(
     cfg: Config,
     factory: StateFactory,
@@ -362,7 +346,11 @@ def compile_plan(
     """AOT-compile the train and checksum functions of `plan`; time it. `donate=False` keeps
     the input state valid after a step (multi-process runs, where a step can fail midway)."""
     t0 = time.perf_counter()
-    mesh, layout, st_sh, ab, b_sh, ev = _bind(cfg, factory, plan, devices)
+    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
+    layout = factory.layout(plan)
+    st_sh = layout.shardings(mesh)
+    ab = abstract_batch(plan, cfg.model.seq_len)
+    b_sh = batch_shardings(mesh, ab)
     abs_state = layout.abstract
     rep = replicated(mesh)
     train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh, plan)
@@ -382,36 +370,19 @@ def compile_plan(
         .lower(abs_state)
         .compile()
     )
+    # Evaluation is not on the recovery path: it compiles on first use (see `Executables.eval`).
+    ev = jax.jit(
+        make_eval_step(cfg, factory.model, layout, mesh, plan),
+        in_shardings=(st_sh.params, b_sh),
+        out_shardings=(rep, rep),
+    )
     return Executables(
         plan, mesh, layout, st_sh, b_sh, train, sums, ev, time.perf_counter() - t0, ab
     )
 
 
-def program_key(plan: Plan) -> Plan:
-    """The plan as XLA's program sees it: which devices carry it does not change the program
-    (only the executable's device assignment, see `elasjax.rebind`)."""
-    key = plan.compile_key
-    return dataclasses.replace(key, device_ids=tuple(range(key.n_devices)))
-
-
-def rebind_plan(
-    cfg: Config, factory: StateFactory, plan: Plan, devices, train: rebind.Serialized,
-    sums: rebind.Serialized,
-) -> Executables:
-    """`plan`'s executables from the serialized ones of a plan with the same program on other
-    devices (`rebind`): no compile. `compile_s` is the time it took; `rebound` is set."""
-    t0 = time.perf_counter()
-    mesh, layout, st_sh, ab, b_sh, ev = _bind(cfg, factory, plan, devices)
-    exe = Executables(
-        plan, mesh, layout, st_sh, b_sh, train.load(plan.device_ids, devices),
-        sums.load(plan.device_ids, devices), ev, 0.0, ab, rebound=True,
-    )
-    exe.compile_s = time.perf_counter() - t0
-    return exe
-
-
 def warm_up(exe: Executables) -> float:
-    """Run `exe`'s train and checksum executables once on placeholder zeros, so that the first
+    """Run `exe`'s checksum and train executables once on placeholder zeros, so that the first
     real step after a recovery does not pay the executable's first-run cost (measured here: a
     first step 0.25-0.33 s, later ones 0.10-0.13 s). Needs one more copy of the state on the
     devices while it runs. Returns its seconds."""
@@ -419,7 +390,8 @@ def warm_up(exe: Executables) -> float:
 
     def zeros(a: jax.ShapeDtypeStruct, sh) -> jax.Array:
         return jax.make_array_from_callback(
-            a.shape, sh, lambda idx: np.zeros(_shard_shape(a.shape, idx), a.dtype)
+            a.shape, sh,
+            lambda idx: np.zeros([hi - lo for lo, hi in index_to_box(idx, a.shape)], a.dtype),
         )
 
     state = jax.tree.map(zeros, exe.layout.abstract, exe.state_shardings)
@@ -429,89 +401,35 @@ def warm_up(exe: Executables) -> float:
     return time.perf_counter() - t0
 
 
-def _shard_shape(shape: tuple[int, ...], idx: tuple[slice, ...]) -> tuple[int, ...]:
-    return tuple(len(range(*s.indices(n))) for s, n in zip(idx, shape))
-
-
 class ExecutableCache:
     """Compiled plans, keyed by what the executables depend on (model and train config, and the
     plan); bounded, least recently used out first. A trainer owns one; pass a shared one to reuse
-    executables across runs in one process (tests, experiment sweeps).
+    executables across runs in one process (tests, experiment sweeps)."""
 
-    A plan whose program is already compiled for other devices is rebound (`elasjax.rebind`)
-    where the runtime allows it, not compiled: `compiles` and `rebinds` count each."""
-
-    def __init__(self, max_entries: int = 16, *, rebind_programs: bool = True):
+    def __init__(self, max_entries: int = 16):
         self.max_entries = max_entries
-        self.rebind_programs = rebind_programs and rebind.supported()
         self._d: dict = {}
-        self._programs: dict = {}  # program key -> (source Executables, serialized or None)
         self._lock = threading.Lock()  # the standby thread compiles through the same cache
-        self.compiles = 0
-        self.rebinds = 0
 
     @staticmethod
     def key(cfg: Config, plan: Plan, donate: bool = True):
         return (cfg.model, cfg.train, plan.compile_key, donate)
 
-    @staticmethod
-    def program(cfg: Config, plan: Plan, donate: bool = True):
-        return (cfg.model, cfg.train, program_key(plan), donate)
-
-    def has_program(self, cfg: Config, plan: Plan, donate: bool = True) -> bool:
-        """Would `get` rebind `plan` rather than compile it?"""
-        with self._lock:
-            return self.rebind_programs and self.program(cfg, plan, donate) in self._programs
-
     def get(
         self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True
     ) -> tuple[Executables, bool]:
-        """(executables, found in the cache). A miss rebinds the same program compiled for
-        other devices if there is one (`exe.rebound`), and compiles otherwise."""
-        k, pk = self.key(cfg, plan, donate), self.program(cfg, plan, donate)
+        k = self.key(cfg, plan, donate)
         with self._lock:
             if k in self._d:
                 exe = self._d.pop(k)
                 self._d[k] = exe
                 return exe, True
-            source = self._programs.get(pk) if self.rebind_programs else None
-        if source is not None:  # outside the lock, as the compile below
-            src, ser = source
-            ser = ser or self._serialize(src)
-            exe = rebind_plan(cfg, factory, plan, devices, *ser)
-        else:
-            exe = compile_plan(cfg, factory, plan, devices, donate=donate)
+        exe = compile_plan(cfg, factory, plan, devices, donate=donate)  # outside the lock
         with self._lock:
-            if source is not None:
-                self.rebinds += 1
-                self._programs[pk] = (source[0], ser)
-            else:
-                self.compiles += 1
-                self._programs.setdefault(pk, (exe, None))
             self._d[k] = exe
             while len(self._d) > self.max_entries:
                 self._d.pop(next(iter(self._d)))
-            while len(self._programs) > self.max_entries:
-                self._programs.pop(next(iter(self._programs)))
         return exe, False
-
-    def prepare_rebind(self, cfg: Config, plan: Plan, donate: bool = True) -> None:
-        """Serialize `plan`'s compiled program now (background work), so that its first rebind
-        does not pay for it."""
-        pk = self.program(cfg, plan, donate)
-        with self._lock:
-            source = self._programs.get(pk) if self.rebind_programs else None
-        if source is not None and source[1] is None:
-            ser = self._serialize(source[0])
-            with self._lock:
-                self._programs[pk] = (source[0], ser)
-
-    @staticmethod
-    def _serialize(src: Executables) -> tuple[rebind.Serialized, rebind.Serialized]:
-        return (
-            rebind.Serialized(src.train, src.plan.device_ids),
-            rebind.Serialized(src.checksum, src.plan.device_ids),
-        )
 
     def __contains__(self, item) -> bool:
         return item in self._d

@@ -140,8 +140,10 @@ class Trainer(Recovering):
         self.standby: StandbyCompiler | None = None
         if cfg.standby.enabled or cfg.recovery.migration == "async":
             self.standby = StandbyCompiler(
-                self._standby_build, max_plans=cfg.standby.max_plans,
-                cheap=lambda plan: self.exe_cache.has_program(cfg, plan, self.rt.donate),
+                lambda plan: self.exe_cache.get(
+                    cfg, self.factory, plan, self.devices, donate=self.rt.donate
+                )[0],
+                max_plans=cfg.standby.max_plans,
             )
         self.pending_cutover: tuple[Plan, float, int] | None = None
         self.cutover_wait_s = 0.0  # the pending cut-over's wait for its compile
@@ -159,16 +161,6 @@ class Trainer(Recovering):
         self.digests: dict[int, str] = {}
         self._inflight: collections.deque[_InFlight] = collections.deque()
         self._t_done = self._t_first_done = 0.0
-
-    def _standby_build(self, plan: Plan) -> Executables:
-        """The standby thread's build of `plan`: compiled (or rebound), its program serialized
-        for the next rebinds. (Warm-ups run on the training thread, `_start`: an execution on
-        this thread beside training steps, a test process aborted; that concurrency is the
-        suspected cause.)"""
-        exe, hit = self.exe_cache.get(self.cfg, self.factory, plan, self.devices, donate=self.rt.donate)
-        if not hit and not exe.rebound:
-            self.exe_cache.prepare_rebind(self.cfg, plan, self.rt.donate)
-        return exe
 
     @property
     def loop_s(self) -> float:
@@ -424,17 +416,19 @@ class Trainer(Recovering):
         if self.standby is not None and self.cfg.standby.wait_at_start:
             t0 = time.perf_counter()
             self.standby.wait_all()
+            compile_s = time.perf_counter() - t0
+            warm_s = 0.0
             if self.cfg.standby.warm and jax.process_count() == 1:
-                for exe in self.standby.ready_values():  # nothing else runs now
+                # on the training thread, before step 0: nothing else runs on the devices
+                for exe in self.standby.ready_values():
                     if exe.warm_s == 0.0:
                         exe.warm_s = warm_up(exe)
+                        warm_s += exe.warm_s
             sb = self.standby
-            ew.write({"type": "standby_ready", "plans": sb.compiled + sb.rebound,
-                      "compiled": sb.compiled, "rebound": sb.rebound,
-                      "wait_s": time.perf_counter() - t0, "compile_s": sb.compile_s,
-                      "rebind_s": sb.rebind_s})
-            line = (f"standby ready in {time.perf_counter() - t0:.1f}s: {sb.compiled} plans "
-                    f"compiled, {sb.rebound} rebound")
+            ew.write({"type": "standby_ready", "plans": sb.compiled, "wait_s": compile_s + warm_s,
+                      "compile_s": sb.compile_s, "warm_s": warm_s})
+            line = (f"standby ready in {compile_s + warm_s:.1f}s: {sb.compiled} plans compiled, "
+                    f"warmed in {warm_s:.1f}s")
             self.rt.log(line)
             if self.progress:
                 print(line)
