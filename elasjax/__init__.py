@@ -1,0 +1,62 @@
+"""elasjax: elastic-native hybrid-parallel training on JAX.
+
+When a device or a host fails, the job goes on at the next step without a restart: a smaller
+mesh over the live devices, the state rebuilt on it from live copies only (surviving replicas,
+then checksummed snapshots), verified bitwise, and the same computation as the fault-free run.
+
+Two ways in:
+
+- **the pieces**, for your own model, loss, optimizer and loop (`elasjax.elastic`):
+  `plan_mesh` picks a mesh over the live devices; `ElasticState` keeps any pytree state
+  (PRNG keys, integer, 64-bit and bf16 leaves included) elastic: `commit(state, step)` after each
+  good step snapshots what a failure would lose, `recover()` rebuilds and verifies it on the new
+  mesh; `partition_over` shards optimizer state over the data axis (ZeRO-1 as a sharding edit);
+  `pad_batch` and `sample_keys` keep the batch, the loss normalisation and the random numbers
+  those of the fault-free run. Below them: `ShardStore` + `transition` (move what survives of
+  any state onto new shardings) and `state_checksums`.
+- **the loop**, `run(load_config(path))`: the bundled GPT trainer with planning by cost model,
+  pipelines, elasjax's ZeRO-1/2/3 storage, standby executables, async migration, checkpoints
+  and both runtimes (one process with simulated failures; `elasjax launch` with real process
+  deaths). It takes elasjax's GPT only for now (see docs/api.md).
+
+See docs/api.md and examples/. Everything not listed in `__all__` is internal.
+"""
+
+from .config import Config, ConfigError, SnapshotConfig, load as load_config
+from .elastic import (
+    ElasticState,
+    Recovery,
+    StateMismatchError,
+    pad_batch,
+    partition_over,
+    plan_mesh,
+    sample_keys,
+    state_checksums,
+)
+from .reshard import transition
+from .shards import ShardStore, TransferLog, UnrecoverableStateError
+from .trainer import RunSummary, run
+
+__all__ = [
+    # the pieces
+    "ElasticState",
+    "Recovery",
+    "plan_mesh",
+    "partition_over",
+    "pad_batch",
+    "sample_keys",
+    "state_checksums",
+    "ShardStore",
+    "transition",
+    "TransferLog",
+    "SnapshotConfig",
+    # errors
+    "UnrecoverableStateError",
+    "StateMismatchError",
+    "ConfigError",
+    # the loop
+    "Config",
+    "load_config",
+    "run",
+    "RunSummary",
+]

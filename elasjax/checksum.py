@@ -22,16 +22,23 @@ _K2 = np.uint32(0x85EBCA77)
 
 
 def _bits(x: jax.Array) -> jax.Array:
+    """The bit pattern of `x` as uint32, one value per element; a 64-bit element becomes two
+    (its low and high words, in a trailing axis of 2), a PRNG key its key data."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
     width = x.dtype.itemsize * 8
     if width == 8:
         return jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
     if width == 16:
         return jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    if width == 32:
+    if width in (32, 64):  # a 64-bit element bitcasts to uint32[..., 2]
         return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    raise TypeError(f"checksum of dtype {x.dtype} is not supported")
+    raise TypeError(
+        f"checksum of dtype {x.dtype} is not supported; supported: 8-, 16-, 32- and 64-bit "
+        "numbers, bool and PRNG keys"
+    )
 
 
 def weights(idx: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -66,8 +73,6 @@ def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None =
 
 def leaf_checksum(x: jax.Array) -> jax.Array:
     """uint32[2] checksum of one array (any sharding); element identity = row-major index."""
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
     bits = _bits(x).reshape(-1)
     return weighted_checksum(bits, jax.lax.iota(jnp.uint32, bits.size))
 
@@ -78,7 +83,11 @@ def np_leaf_checksum(x: np.ndarray) -> np.ndarray:
     if x.dtype == np.bool_:
         x = x.astype(np.uint8)
     width = x.dtype.itemsize * 8
-    bits = x.reshape(-1).view({8: np.uint8, 16: np.uint16, 32: np.uint32}[width]).astype(np.uint32)
+    if width not in (8, 16, 32, 64):
+        raise TypeError(f"checksum of dtype {x.dtype} is not supported")
+    # a 64-bit element is its two uint32 words, low first (little-endian), as `_bits`
+    view = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint32}[width]
+    bits = np.ascontiguousarray(x).reshape(-1).view(view).astype(np.uint32)
     idx = np.arange(bits.size, dtype=np.uint32)
     with np.errstate(over="ignore"):
         w1 = idx * np.uint32(2) * _K1 + np.uint32(1)

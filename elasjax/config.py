@@ -246,6 +246,8 @@ class HardwareConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """A whole run, one frozen dataclass per YAML section (see README, 'Configs')."""
+
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()

@@ -58,6 +58,7 @@ from .shards import (
     contains,
     describe,
     index_to_box,
+    key_data_sharding,
 )
 
 PyTree = Any
@@ -478,6 +479,8 @@ def transition(
     the pieces that cross processes."""
     devices = devices or {d.id: d for d in jax.devices()}
     extra_sources = extra_sources or {}
+    if store.key_dtypes:  # typed PRNG keys travel as their key data, and are wrapped again
+        target_shardings = _key_data_targets(store, target_shardings)
     desc, desc_extra = describe(store, extra_sources)
     target_flat = _target_leaves(target_shardings)
     sig = _signature(store, _refs(desc, desc_extra), target_flat, old_layout, new_layout)
@@ -495,7 +498,35 @@ def transition(
             plans.put(plan)
     if info is not None:
         info.update(plan_hit=hit, plan_s=0.0 if hit else plan.plan_s, bytes_written=plan.bytes_written)
-    return plan.execute(buffers(store, extra_sources), devices, transport=transport, threads=threads)
+    state, log = plan.execute(
+        buffers(store, extra_sources), devices, transport=transport, threads=threads
+    )
+    if store.key_dtypes:
+        state = _wrap_keys(store, state)
+    return state, log
+
+
+def _key_data_targets(store: ShardStore, target_shardings: PyTree) -> PyTree:
+    flat, treedef = jax.tree_util.tree_flatten(
+        target_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    if len(flat) != len(store.paths):
+        raise ValueError(
+            f"target_shardings has {len(flat)} leaves and the state {len(store.paths)}; give one "
+            "sharding per leaf of the state"
+        )
+    return jax.tree_util.tree_unflatten(treedef, [
+        key_data_sharding(sh, store.key_dtypes[p][0]) if p in store.key_dtypes else sh
+        for p, sh in zip(store.paths, flat)
+    ])
+
+
+def _wrap_keys(store: ShardStore, state: PyTree) -> PyTree:
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    return jax.tree_util.tree_unflatten(treedef, [
+        jax.random.wrap_key_data(x, impl=store.key_dtypes[p][1]) if p in store.key_dtypes else x
+        for p, x in zip(store.paths, leaves)
+    ])
 
 
 def plan_transition(

@@ -20,6 +20,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .sharding import path_str
 
@@ -73,6 +75,37 @@ class Shard:
     rung: str = "replica"
 
 
+def is_key(x) -> bool:
+    """Whether `x` (an array or an abstract value) holds typed PRNG keys."""
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _key_data(x, with_data: bool):
+    """A key array as its key data: uint32 with trailing axes of the key's words, sharded as the
+    keys are (the trailing axes whole). A description needs only the shape and sharding."""
+    if with_data:
+        return jax.random.key_data(x)
+    shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype)).shape
+    return jax.ShapeDtypeStruct(shape, np.uint32, sharding=key_data_sharding(x.sharding, x.dtype))
+
+
+def key_data_sharding(sharding, key_dtype):
+    """The sharding of the key data of keys of `key_dtype` sharded by `sharding` (the trailing
+    axes of each key's words whole)."""
+    if isinstance(sharding, NamedSharding):
+        words = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), key_dtype)).ndim
+        return NamedSharding(
+            sharding.mesh, PartitionSpec(*sharding.spec, *([None] * words)),
+            memory_kind=sharding.memory_kind,
+        )
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return sharding
+    raise TypeError(
+        f"a PRNG-key leaf sharded by {type(sharding).__name__} is not supported; allowed: "
+        "NamedSharding, SingleDeviceSharding"
+    )
+
+
 def _leaf_shards(x, dead: set[int], with_data: bool) -> list[Shard]:
     shape = tuple(x.shape)
     local = {s.device.id: s.data for s in x.addressable_shards} if with_data else {}
@@ -93,6 +126,9 @@ class ShardStore:
     shapes: list[tuple[int, ...]]
     dtypes: list[Any]
     shards: list[list[Shard]]
+    # typed PRNG-key leaves are held as their key data (uint32, trailing axes of the key's words):
+    # path -> (the key dtype, its implementation), which a transition restores them with
+    key_dtypes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def capture(cls, tree: PyTree, dead: Iterable[int] = ()) -> ShardStore:
@@ -103,14 +139,18 @@ class ShardStore:
     def _of(cls, tree: PyTree, dead: set[int], with_data: bool) -> ShardStore:
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         paths, shapes, dtypes, shards = [], [], [], []
+        impls = {}
         for path, x in flat:
             p = path_str(path)
+            if is_key(x):
+                impls[p] = (x.dtype, jax.random.key_impl(x))
+                x = _key_data(x, with_data)
             paths.append(p)
             shapes.append(tuple(x.shape))
             dtypes.append(x.dtype)
             leaf = _leaf_shards(x, dead, with_data)
             shards.append(leaf if with_data else [described(p, s) for s in leaf])
-        return cls(treedef, paths, shapes, dtypes, shards)
+        return cls(treedef, paths, shapes, dtypes, shards, impls)
 
     def fail(self, device_ids: Iterable[int]) -> int:
         """Delete every buffer this process holds on the given devices (their memory is gone)
@@ -134,7 +174,8 @@ class ShardStore:
         """The store with the shards on `device_ids` left out (their buffers untouched)."""
         dead = set(device_ids)
         return dataclasses.replace(
-            self, shards=[[s for s in leaf if s.device not in dead] for leaf in self.shards]
+            self, shards=[[s for s in leaf if s.device not in dead] for leaf in self.shards],
+            key_dtypes=dict(self.key_dtypes),
         )
 
     def devices(self) -> set:
@@ -229,6 +270,7 @@ def describe(store: ShardStore, extra: dict[str, list[Shard]] | None = None):
     desc = ShardStore(
         store.treedef, store.paths, store.shapes, store.dtypes,
         [[described(p, s) for s in leaf] for p, leaf in zip(store.paths, store.shards)],
+        dict(store.key_dtypes),
     )
     return desc, {p: [described(p, s) for s in shards] for p, shards in (extra or {}).items()}
 

@@ -37,7 +37,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import checksum
 from .config import ConfigError, SnapshotConfig
-from .mesh import MESH_AXES
 from .planner import Topology
 from .shards import Box, Shard, box_size, box_str, described, index_to_box
 from .sharding import path_str
@@ -70,19 +69,21 @@ class _Generation:
 
 
 def shard_checksums_fn(state_shardings, mesh: Mesh, leaf_ids: list[int]):
-    """jit: state -> uint32[data, stage, tensor, len(leaf_ids), 2], each device's checksum of its
-    own block of each listed leaf (block-local element order, as `checksum.np_leaf_checksum`)."""
+    """jit: state -> uint32[*mesh.shape, len(leaf_ids), 2], each device's checksum of its own
+    block of each listed leaf (block-local element order, as `checksum.np_leaf_checksum`). Any
+    mesh: the trainer's (data, stage, tensor) or a user's own axes."""
     specs = [s.spec for s in jax.tree.leaves(state_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
+    ndim = len(mesh.axis_names)
 
     def local(*blocks):
         sums = jnp.stack([checksum.leaf_checksum(b) for b in blocks])
-        return sums[None, None, None]
+        return sums[(None,) * ndim]
 
     f = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=tuple(specs[i] for i in leaf_ids),
-        out_specs=PartitionSpec(*MESH_AXES),
+        out_specs=PartitionSpec(*mesh.axis_names),
         check_vma=False,
     )
     return jax.jit(lambda state: f(*[jax.tree.leaves(state)[i] for i in leaf_ids]))
@@ -190,6 +191,7 @@ class SnapshotPool:
             self._leaf_ids = leaf_ids
             self._pos_in = {li: i for i, li in enumerate(leaf_ids)}
             self._fn = shard_checksums_fn(state_shardings, mesh, leaf_ids)
+            self._mesh_ndim = len(mesh.axis_names)
 
     def risk(self) -> str | None:
         """What an opted-out pool leaves exposed on this plan, or None."""
@@ -246,7 +248,7 @@ class SnapshotPool:
             key = (r.holder, r.via)
             if key not in gen.moved_sums and self.rt.process_of(r.holder) != self.rt.process_of(r.via):
                 gen.moved_sums[key] = None  # the holder's checksums travel with its copies
-                shape = (1, 1, 1, len(self._leaf_ids), 2)
+                shape = (1,) * self._mesh_ndim + (len(self._leaf_ids), 2)
                 moves.append((r.holder, r.via, sums_of.get(r.holder), shape, np.dtype(np.uint32)))
                 targets.append(key)
         for t, x in zip(targets, self.rt.move(moves) if moves else []):

@@ -55,6 +55,9 @@ __all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer"
 
 @dataclasses.dataclass
 class RunSummary:
+    """What a run did: losses by step, recoveries and cut-overs, the final plan and the final
+    state's per-leaf checksums."""
+
     out_dir: Path | None
     losses: dict[int, float]
     eval_losses: dict[int, float]
@@ -538,4 +541,7 @@ def run(
     exe_cache: ExecutableCache | None = None,
     runtime=None,
 ) -> RunSummary:
+    """Train the config's model with failures handled as they come (the loop entry point):
+    outputs under `out_dir` (config.yaml, metrics.jsonl, events.jsonl), a summary returned.
+    `runtime`: where it runs (default: this process, failures simulated)."""
     return Trainer(cfg, out_dir, progress=progress, exe_cache=exe_cache, runtime=runtime).run()

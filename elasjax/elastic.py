@@ -1,0 +1,418 @@
+"""Elasticity for your own JAX state and train step: the *pieces* entry point.
+
+You keep your model, your loss, your optax optimizer and your loop. At step boundaries you call:
+
+- `plan_mesh(devices, axes)`: a mesh over the live devices (which axis sizes to use, spares);
+- `ElasticState.commit(state, step)`: after a good step, record the state's checksums and
+  snapshot the shards a failure would otherwise lose (buddy device / host memory copies);
+- `ElasticState.recover(failed)`: after a failure, re-plan the mesh over the survivors, rebuild
+  the state on it from live copies only (surviving replicas, then verified snapshots), and verify
+  every leaf against the checksums of the last committed step. The state is bitwise the one that
+  was committed, or recovery raises (`UnrecoverableStateError`, `StateMismatchError`); it never
+  continues with re-initialised or partly stale values.
+
+Any pytree of arrays works: float (f32, bf16, f64), integer (int32, int64), bool leaves and typed
+PRNG keys. The state's layout is yours: a function `shardings(mesh)` returning a pytree of
+`NamedSharding`s that matches the state, on any mesh axes. `partition_over` shards optimizer
+state over the data axis (ZeRO-1 as a sharding edit: the optimizer still sees the parameter
+structure, so any optax transform keeps its meaning).
+
+The computation stays the fault-free one when the step follows the consistency contract: the
+same global batch at every step (`pad_batch` pads it to the data degree with weight-0 rows),
+the loss normalised by the global count of real items (not a mean over replicas), and random
+draws keyed by (step, global sample id) (`sample_keys`).
+
+Failures here are the in-process kind: `simulate_failure` deletes every buffer on the failed
+devices (the state's and the snapshots'), so recovery can only read what a real failure leaves.
+Real process deaths under `jax.distributed` run through the trainer (`elasjax launch`); this
+class refuses a multi-process job with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import checksum, reshard, rng
+from .config import SnapshotConfig
+from .planner import Topology
+from .shards import ShardStore, UnrecoverableStateError, is_key, key_data_sharding
+from .sharding import path_str
+from .snapshot import SnapshotPool
+
+PyTree = Any
+
+__all__ = [
+    "ElasticState",
+    "Recovery",
+    "StateMismatchError",
+    "pad_batch",
+    "partition_over",
+    "plan_mesh",
+    "sample_keys",
+    "state_checksums",
+]
+
+
+class StateMismatchError(RuntimeError):
+    """A recovered state's checksums differ from those of the state that was committed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Meshes.
+
+
+def plan_mesh(
+    devices: Sequence[jax.Device], axes: Mapping[str, int | Sequence[int]]
+) -> tuple[Mesh, list[jax.Device]]:
+    """A mesh over as many of `devices` as the axis sizes allow, and the devices left spare.
+
+    `axes` maps each mesh axis name, in mesh order, to its size: an int, a sequence of allowed
+    sizes (first preferred), or -1 for at most one axis that takes the rest. Among the allowed
+    sizes, the choice that uses the most devices wins; ties go to the earlier preferences. With
+    `{"data": -1, "model": (2, 1)}`, 8 devices give data 4 x model 2 and 7 give data 7 x model 1
+    (all 7 used) where `{"data": -1, "model": 2}` gives data 3 x model 2 and one spare.
+    Devices keep their given order (the last axis fastest), so keep a host's devices together.
+    """
+    devices = list(devices)
+    if not devices:
+        raise ValueError("plan_mesh: no devices")
+    names = list(axes)
+    rest = [a for a in names if axes[a] == -1]
+    if len(rest) > 1:
+        raise ValueError(f"plan_mesh: axes {rest} are all -1; at most one axis may take the rest")
+    options = []
+    for a in names:
+        v = axes[a]
+        sizes = [-1] if v == -1 else ([int(v)] if isinstance(v, (int, np.integer)) else [int(s) for s in v])
+        if not sizes or any(s < 1 and s != -1 for s in sizes):
+            raise ValueError(
+                f"plan_mesh: axis '{a}' = {v!r}; allowed values: a positive int, a sequence of "
+                "positive ints (first preferred), or -1 (the rest)"
+            )
+        options.append(sizes)
+    best = None
+    for rank, combo in enumerate(itertools.product(*options)):
+        fixed = math.prod(s for s in combo if s != -1)
+        if fixed > len(devices):
+            continue
+        shape = [len(devices) // fixed if s == -1 else s for s in combo]
+        used = math.prod(shape)
+        if best is None or used > best[0]:
+            best = (used, shape)
+    if best is None or best[0] == 0:
+        raise ValueError(
+            f"plan_mesh: no allowed shape of axes {dict(axes)} fits {len(devices)} live device(s)"
+        )
+    used, shape = best
+    mesh = Mesh(np.asarray(devices[:used], dtype=object).reshape(shape), tuple(names))
+    return mesh, devices[used:]
+
+
+def partition_over(
+    shardings: PyTree, abstract: PyTree, axis: str = "data"
+) -> tuple[PyTree, list[str]]:
+    """Shard each leaf over mesh axis `axis` as well (ZeRO-1 for optimizer state): the first
+    dimension that is not sharded yet and divides by the axis size gets it. Returns the new
+    shardings and the paths of the arrays that could not be partitioned (no free dimension
+    divides by the axis size, as happens on an uneven data degree), which stay as they were:
+    they are listed, never hidden. Scalars stay as they are."""
+    left: list[str] = []
+
+    def one(path, sh, x):
+        if not isinstance(sh, NamedSharding):
+            raise TypeError(f"partition_over: '{path_str(path)}' has a {type(sh).__name__}; "
+                            "allowed: NamedSharding")
+        n = sh.mesh.shape[axis]
+        spec = list(sh.spec) + [None] * (len(x.shape) - len(sh.spec))
+        if n == 1 or len(x.shape) == 0 or axis in jax.tree.leaves(spec):
+            return sh  # nothing to do, or a scalar: nothing to partition
+        for i, (dim, s) in enumerate(zip(x.shape, spec)):
+            if s is None and dim % n == 0:
+                spec[i] = axis
+                return NamedSharding(sh.mesh, PartitionSpec(*spec))
+        left.append(path_str(path))
+        return sh
+
+    out = jax.tree_util.tree_map_with_path(
+        one, shardings, abstract, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+    )
+    return out, left
+
+
+# ---------------------------------------------------------------------------------------------
+# The consistency contract: the same batch, keys and normalisation on any mesh.
+
+
+def pad_batch(batch: Mapping[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+    """The global batch padded along its first axis to a multiple of `multiple` (the data
+    degree), with a `weight` entry: 1 for real rows, 0 for padding. A loss of the form
+    `sum(loss_i * weight_i) / sum(weight)` is then the same estimator on any data degree."""
+    sizes = {k: np.shape(v)[0] for k, v in batch.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"pad_batch: the batch's entries differ in their first axis: {sizes}")
+    if "weight" in batch:
+        raise ValueError("pad_batch: the batch already has a 'weight' entry")
+    n = next(iter(sizes.values()))
+    pad = -n % multiple
+    out = {k: np.concatenate([v, np.zeros((pad, *np.shape(v)[1:]), np.asarray(v).dtype)])
+           for k, v in batch.items()}
+    out["weight"] = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
+    return out
+
+
+def sample_keys(root: jax.Array, step, sample_ids) -> jax.Array:
+    """One PRNG key per global sample id at `step`: `fold_in(fold_in(root, step), id)`. No draw
+    then depends on the mesh or on which device runs the sample."""
+    return rng.sample_keys(rng.step_key(root, step), sample_ids)
+
+
+@jax.jit
+def _checksums(tree):
+    return checksum.tree_checksums(tree)
+
+
+def state_checksums(state: PyTree) -> dict[str, str]:
+    """{leaf path: 16 hex digits}: a checksum of each leaf's bits that does not depend on how the
+    leaf is sharded (equal values give equal checksums on any mesh)."""
+    return checksum.to_host(_checksums(state))
+
+
+# ---------------------------------------------------------------------------------------------
+# The state.
+
+
+@dataclasses.dataclass
+class Recovery:
+    """What one `recover` did. `rung` is the most expensive source any piece came from
+    (`replica`: surviving copies only; `buddy`/`host`: a snapshot). Times in seconds."""
+
+    step: int
+    failed_devices: list[int]
+    from_mesh: dict[str, int]
+    to_mesh: dict[str, int]
+    spares: list[int]
+    rung: str
+    bytes_moved: int
+    transfers: int
+    verified: bool
+    plan_s: float
+    transfer_s: float
+    verify_s: float
+    refused_snapshots: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return self.plan_s + self.transfer_s + self.verify_s
+
+
+def _unwrap_keys(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+
+class ElasticState:
+    """A state that survives device failures: snapshots at each `commit`, rebuilt by `recover`.
+
+    Args:
+      state: any pytree of `jax.Array`s (placed on `shardings(mesh)` if it is not already).
+      shardings: `mesh -> pytree of NamedSharding` matching `state`: your layout on any mesh.
+      mesh: the mesh to start on.
+      axes: how to re-plan after a failure (`plan_mesh`); by default the same axis names with
+        the first axis taking the rest and the others kept.
+      devices_per_host: the failure domain: consecutive devices of `devices` fail together when
+        a host fails. Buddy snapshots go to another host.
+      devices: every device of the job, in host order (default: the mesh's, sorted by id).
+      snapshot: which copies of unique shards to keep (`SnapshotConfig`; default: buddy copies
+        with two hosts or more, host-memory copies with one).
+    """
+
+    def __init__(
+        self,
+        state: PyTree,
+        shardings: Callable[[Mesh], PyTree],
+        mesh: Mesh,
+        *,
+        axes: Mapping[str, int | Sequence[int]] | None = None,
+        devices_per_host: int = 1,
+        devices: Sequence[jax.Device] | None = None,
+        snapshot: SnapshotConfig | None = None,
+    ):
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "ElasticState runs in one process (simulated failures); for real process deaths "
+                "on jax.distributed use the trainer (`elasjax launch`)"
+            )
+        devs = sorted(mesh.devices.flat, key=lambda d: d.id) if devices is None else list(devices)
+        if devices_per_host < 1 or len(devs) % devices_per_host:
+            raise ValueError(
+                f"devices_per_host = {devices_per_host} must be >= 1 and divide the job's "
+                f"{len(devs)} devices"
+            )
+        self.devices = {d.id: d for d in devs}
+        self.topology = Topology(tuple(d.id for d in devs), devices_per_host)
+        self.axes = dict(axes) if axes is not None else {
+            a: (-1 if i == 0 else n) for i, (a, n) in enumerate(mesh.shape.items())
+        }
+        self.shardings_fn = shardings
+        self.mesh = mesh
+        self.live: set[int] = set(self.devices)
+        self.spares: list[int] = sorted(self.live - {d.id for d in mesh.devices.flat})
+        self.pool = SnapshotPool(snapshot or SnapshotConfig(), self.topology)
+        self.dead_hosts: set[int] = set()
+        self.step = -1
+        self.good: dict[str, str] | None = None
+        self._sums = None
+        self._survivors: ShardStore | None = None
+        self._failed: set[int] = set()  # failed since the last recovery
+        self.recoveries: list[Recovery] = []
+        self.state = jax.device_put(state, self.shardings())
+        self._configure_pool()
+
+    # -- layout ---------------------------------------------------------------------------------
+
+    def shardings(self, mesh: Mesh | None = None) -> PyTree:
+        """Your shardings of the state on `mesh` (default: the current one)."""
+        return self.shardings_fn(self.mesh if mesh is None else mesh)
+
+    def _raw_shardings(self, mesh: Mesh) -> PyTree:
+        return jax.tree.map(
+            lambda sh, x: key_data_sharding(sh, x.dtype) if is_key(x) else sh,
+            self.shardings(mesh), self.state,
+            is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+        )
+
+    def _configure_pool(self) -> None:
+        self.pool.configure(
+            _unwrap_keys(self.state), self._raw_shardings(self.mesh), self.mesh, self.live
+        )
+
+    @property
+    def unprotected(self) -> list[str]:
+        """Shards a failure would lose that no snapshot covers (empty unless you opted out)."""
+        return list(self.pool.unprotected)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def commit(self, state: PyTree, step: int) -> None:
+        """`state` is the good state after `step`: keep its checksums (computed on device, read
+        lazily) and snapshot its unique shards (asynchronously; filed at the next commit or
+        recovery). Call it once per step, after your train step returns."""
+        want = jax.tree.leaves(self.shardings(), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        for (path, x), sh in zip(jax.tree_util.tree_flatten_with_path(state)[0], want):
+            if not x.sharding.is_equivalent_to(sh, x.ndim):
+                raise ValueError(
+                    f"commit: leaf '{path_str(path)}' is sharded {x.sharding}, not as "
+                    f"`shardings(mesh)` says ({sh}); jit your step with "
+                    "out_shardings=elastic.shardings() so the snapshots cover what you hold"
+                )
+        self.state, self.step = state, step
+        self._sums = _checksums(state)
+        for x in jax.tree.leaves(self._sums):
+            x.copy_to_host_async()
+        self.good = None
+        self.pool.take(_unwrap_keys(state), step)
+
+    def committed_checksums(self) -> dict[str, str]:
+        """The checksums of the last committed state (what `recover` verifies against)."""
+        if self.good is None:
+            self.good = (
+                checksum.to_host(self._sums) if self._sums is not None
+                else state_checksums(self.state)
+            )
+        return self.good
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def simulate_failure(self, devices: Iterable[int]) -> set[int]:
+        """Simulate the loss of `devices` (ids): every buffer on them is deleted (the state's and
+        the snapshot copies'), as a real failure leaves nothing readable there. Call `recover`
+        next."""
+        ids = set(devices)
+        unknown = ids - set(self.devices)
+        if unknown:
+            raise ValueError(
+                f"simulate_failure: devices {sorted(unknown)} are not in this job; allowed: "
+                f"{sorted(self.live)}"
+            )
+        dead = ids - self.live
+        if dead:
+            raise ValueError(f"simulate_failure: devices {sorted(dead)} have failed already")
+        self.committed_checksums()  # read now: a replicated checksum may sit on a failed device
+        store = ShardStore.capture(self.state, set(self.devices) - self.live)
+        store.fail(ids)
+        for x in self.pool.device_buffers():
+            for s in x.addressable_shards:
+                if s.device.id in ids and not s.data.is_deleted():
+                    s.data.delete()
+        self._survivors = store
+        self._failed |= ids
+        self.live -= ids
+        return ids
+
+    def recover(self, failed: Iterable[int] = (), *, mesh: Mesh | None = None) -> Recovery:
+        """Move the last committed state onto a mesh of the live devices (`mesh`, or one planned
+        by `plan_mesh` over `axes`), from live copies only, and verify it. `failed`: devices
+        lost since the last `simulate_failure` (that one's are already known).
+
+        Raises `UnrecoverableStateError` (a slice has no live copy; the message names the leaf)
+        or `StateMismatchError` (a rebuilt leaf's checksum differs); the state is then unusable
+        and the previous one is not touched."""
+        t0 = time.perf_counter()
+        extra_dead = set(failed) - (set(self.devices) - self.live)
+        good = self.committed_checksums()
+        self.live -= extra_dead
+        self._failed |= extra_dead
+        dead = set(self.devices) - self.live
+        hosts = {self.topology.host_of(d) for d in dead}
+        self.dead_hosts |= {
+            h for h in hosts if all(d in dead for d in self.topology.host_devices(h))
+        }
+        if mesh is None:
+            mesh, spare = plan_mesh([self.devices[i] for i in self.topology.device_ids
+                                     if i in self.live], self.axes)
+        else:
+            gone = {d.id for d in mesh.devices.flat} & dead
+            if gone:
+                raise ValueError(f"recover: the given mesh uses failed devices {sorted(gone)}")
+            spare = [self.devices[i] for i in sorted(self.live - {d.id for d in mesh.devices.flat})]
+        store = self._survivors if self._survivors is not None else ShardStore.capture(self.state)
+        store = store.without(dead)
+        refusals_before = len(self.pool.refusals)
+        extra = self.pool.sources(dead, self.dead_hosts, version=self.step)
+        t1 = time.perf_counter()
+        new, log = reshard.transition(
+            store, self.shardings(mesh), devices=self.devices, extra_sources=extra
+        )
+        jax.block_until_ready(new)
+        t2 = time.perf_counter()
+        got = state_checksums(new)
+        bad = checksum.diff(good, got)
+        t3 = time.perf_counter()
+        if bad:
+            raise StateMismatchError(
+                f"recovered leaves {bad[:5]}{' ...' if len(bad) > 5 else ''} differ from the "
+                f"state committed at step {self.step}: refused"
+            )
+        rec = Recovery(
+            step=self.step, failed_devices=sorted(self._failed),
+            from_mesh=dict(self.mesh.shape), to_mesh=dict(mesh.shape),
+            spares=[d.id for d in spare], rung=log.worst_rung(), bytes_moved=log.bytes_moved,
+            transfers=log.transfers, verified=True, plan_s=t1 - t0, transfer_s=t2 - t1,
+            verify_s=t3 - t2, refused_snapshots=self.pool.refusals[refusals_before:],
+        )
+        self.state, self.mesh, self.spares = new, mesh, rec.spares
+        self._survivors, self._failed = None, set()
+        self.pool = self.pool.fresh()
+        self._configure_pool()
+        self.pool.take(_unwrap_keys(new), self.step)  # the new layout is protected at once
+        self.recoveries.append(rec)
+        return rec
+

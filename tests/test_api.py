@@ -1,0 +1,191 @@
+"""The public API (`import elasjax`): the pieces on a user's own state, mesh and optimizer."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import elasjax
+from elasjax import checksum
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_public_name_is_documented():
+    assert elasjax.__doc__ and "pieces" in elasjax.__doc__
+    for name in elasjax.__all__:
+        obj = getattr(elasjax, name)
+        assert (obj.__doc__ or "").strip(), f"elasjax.{name} has no docstring"
+
+
+def test_plan_mesh_uses_the_most_devices_then_the_preferred_sizes():
+    devs = jax.devices()
+    mesh, spare = elasjax.plan_mesh(devs, {"data": -1, "model": (2, 1)})
+    assert dict(mesh.shape) == {"data": 4, "model": 2} and spare == []
+    mesh, spare = elasjax.plan_mesh(devs[:7], {"data": -1, "model": (2, 1)})
+    assert dict(mesh.shape) == {"data": 7, "model": 1} and spare == []
+    mesh, spare = elasjax.plan_mesh(devs[:7], {"data": -1, "model": 2})
+    assert dict(mesh.shape) == {"data": 3, "model": 2} and [d.id for d in spare] == [devs[6].id]
+
+
+@pytest.mark.parametrize(
+    "axes, match",
+    [
+        ({"data": -1, "model": -1}, "at most one axis"),
+        ({"data": -1, "model": 0}, "axis 'model'"),
+        ({"data": -1, "model": 16}, "no allowed shape"),
+    ],
+)
+def test_plan_mesh_bad_axes_name_the_field(axes, match):
+    with pytest.raises(ValueError, match=match):
+        elasjax.plan_mesh(jax.devices(), axes)
+
+
+def test_checksums_cover_64_bit_leaves_on_device_and_host():
+    with jax.enable_x64(True):
+        for dt in (np.int64, np.float64, np.uint64):
+            x = (np.arange(10) * 123456789123 + 7).astype(dt)
+            on_device = checksum.hex_of(checksum.leaf_checksum(jnp.asarray(x)))
+            assert on_device == checksum.hex_of(checksum.np_leaf_checksum(x))
+            y = x.copy()
+            y.view(np.uint8)[13] ^= 1  # a bit of the high word of element 1
+            assert checksum.hex_of(checksum.np_leaf_checksum(y)) != on_device
+
+
+def _mixed_state(tx, step_dtype=jnp.int64):
+    """bf16 params with f32 master weights, Adam moments, an int64 step counter and a PRNG key."""
+    master = {
+        "w1": jnp.linspace(-1, 1, 24 * 32, dtype=jnp.float32).reshape(24, 32),
+        "w2": jnp.linspace(-2, 2, 32 * 12, dtype=jnp.float32).reshape(32, 12),
+    }
+    return {
+        "master": master,
+        "params": jax.tree.map(lambda x: x.astype(jnp.bfloat16), master),
+        "opt": tx.init(master),
+        "step": jnp.asarray(7, step_dtype),
+        "key": jax.random.key(3),
+    }
+
+
+def _layout(mesh, state):
+    rep = NamedSharding(mesh, P())
+    p = {"w1": NamedSharding(mesh, P(None, "model")), "w2": NamedSharding(mesh, P("model", None))}
+    opt = jax.tree.map(lambda _: rep, state["opt"])
+    opt = (opt[0]._replace(mu=p, nu=p), *opt[1:])
+    opt, left = elasjax.partition_over(opt, state["opt"], "data")
+    assert left == []  # every moment partitions over data 4 and 3 here
+    return {"master": p, "params": p, "opt": opt, "step": rep, "key": rep}
+
+
+def _advance(state):
+    """A stand-in for a train step that changes every leaf (so snapshots of the committed step
+    are what recovery must return)."""
+    return {
+        "master": jax.tree.map(lambda x: x * 1.5 + 0.25, state["master"]),
+        "params": jax.tree.map(lambda x: (x * 3).astype(jnp.bfloat16), state["params"]),
+        "opt": jax.tree.map(lambda x: x + 1, state["opt"]),
+        "step": state["step"] + (1 << 40),  # needs all 64 bits
+        "key": jax.random.fold_in(state["key"], 1),
+    }
+
+
+def test_key_int64_and_bf16_leaves_survive_a_zero1_recovery_bitwise():
+    with jax.enable_x64(True):
+        tx = optax.adam(1e-2)
+        state = _mixed_state(tx)
+        mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
+        es = elasjax.ElasticState(state, lambda m: _layout(m, state), mesh, devices_per_host=2)
+        es.commit(es.state, 0)
+        new = jax.jit(_advance, out_shardings=es.shardings())(es.state)
+        es.commit(new, 1)
+        before = elasjax.state_checksums(new)
+        values = jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if elasjax.elastic.is_key(x) else x), new)
+        es.simulate_failure([2, 3])  # host 1: the only holders of data rank 1's moments
+        rec = es.recover()
+        assert rec.verified and rec.rung == "buddy" and rec.to_mesh == {"data": 3, "model": 2}
+        assert rec.failed_devices == [2, 3]
+        assert elasjax.state_checksums(es.state) == before
+        got = jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if elasjax.elastic.is_key(x) else x), es.state)
+        for a, b in zip(jax.tree.leaves(values), jax.tree.leaves(got)):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        assert es.state["step"].dtype == jnp.int64 and int(es.state["step"]) == 7 + (1 << 40)
+        assert jnp.issubdtype(es.state["key"].dtype, jax.dtypes.prng_key)
+        assert es.state["params"]["w1"].dtype == jnp.bfloat16
+
+
+def test_unique_state_without_snapshots_is_unrecoverable_and_named():
+    tx = optax.adam(1e-2)
+    state = _mixed_state(tx, jnp.int32)
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
+    es = elasjax.ElasticState(
+        state, lambda m: _layout(m, state), mesh, devices_per_host=2,
+        snapshot=elasjax.SnapshotConfig(buddy=False, host=False),
+    )
+    assert es.unprotected  # the opted-out pool says what it leaves exposed
+    es.commit(es.state, 0)
+    es.simulate_failure([2, 3])
+    with pytest.raises(elasjax.UnrecoverableStateError, match="opt/0/"):
+        es.recover()
+
+
+def test_commit_refuses_a_state_not_on_its_shardings():
+    state = {"w": jnp.zeros((8, 4))}
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1})
+    es = elasjax.ElasticState(state, lambda m: {"w": NamedSharding(m, P("data"))}, mesh)
+    wrong = jax.device_put(state, NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match="leaf 'w'.*out_shardings"):
+        es.commit(wrong, 0)
+
+
+def test_simulate_failure_bad_devices_name_the_allowed_ones():
+    state = {"w": jnp.zeros((8, 4))}
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1})
+    es = elasjax.ElasticState(state, lambda m: {"w": NamedSharding(m, P("data"))}, mesh)
+    with pytest.raises(ValueError, match="not in this job"):
+        es.simulate_failure([99])
+
+
+def test_adafactor_under_zero1_equals_unsharded_adafactor():
+    """partition_over is a sharding edit: the optimizer sees the parameter structure, so a
+    factored optimizer keeps its meaning (tolerance 1e-6 over 5 steps)."""
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+    params = {"w": jnp.linspace(-1, 1, 32 * 16, dtype=jnp.float32).reshape(32, 16)}
+    grads = [jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 1)), params) for i in range(5)]
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
+    psh = {"w": NamedSharding(mesh, P(None, "model"))}
+    opt0 = tx.init(params)
+    rep = jax.tree.map(lambda _: NamedSharding(mesh, P()), opt0)
+    osh, left = elasjax.partition_over(rep, opt0, "data")
+    assert any("data" in str(s.spec) for s in jax.tree.leaves(osh))  # factored rows split
+    step = jax.jit(lambda p, o, g: (lambda u, o2: (optax.apply_updates(p, u), o2))(*tx.update(g, o, p)),
+                   out_shardings=(psh, osh))
+    ref = jax.jit(lambda p, o, g: (lambda u, o2: (optax.apply_updates(p, u), o2))(*tx.update(g, o, p)))
+    p1, o1 = jax.device_put(params, psh), jax.device_put(opt0, osh)
+    p2, o2 = params, opt0
+    for g in grads:
+        p1, o1 = step(p1, o1, jax.device_put(g, psh))
+        p2, o2 = ref(p2, o2, g)
+    np.testing.assert_allclose(np.asarray(p1["w"]), np.asarray(p2["w"]), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, first", [
+    ("mlp_pieces.py", "step 8: devices [3] failed"),
+    ("adafactor_mixed.py", "step 6: devices [2, 3] failed"),
+])
+def test_examples_survive_failures_within_the_contract(script, first):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True,
+        timeout=600, env=dict(os.environ), cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert first in out.stdout and "verified True" in out.stdout
+    dev = float(out.stdout.split("fault-free run:")[1].split()[0])
+    assert dev <= 1e-5
