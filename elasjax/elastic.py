@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import checksum, reshard, rng
 from .config import SnapshotConfig
 from .planner import Topology
-from .shards import ShardStore, UnrecoverableStateError, is_key, key_data_sharding
+from .shards import ShardStore, is_key, key_data_sharding
 from .sharding import path_str
 from .snapshot import SnapshotPool
 
