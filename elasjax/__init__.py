@@ -22,7 +22,7 @@ Two ways in:
 See docs/api.md and examples/. Everything not listed in `__all__` is internal.
 """
 
-from .config import Config, ConfigError, SnapshotConfig, load as load_config
+from .config import CheckpointConfig, Config, ConfigError, SnapshotConfig, load as load_config
 from .elastic import (
     ElasticState,
     Recovery,
@@ -50,6 +50,7 @@ __all__ = [
     "transition",
     "TransferLog",
     "SnapshotConfig",
+    "CheckpointConfig",
     # errors
     "UnrecoverableStateError",
     "StateMismatchError",

@@ -42,11 +42,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import checksum, reshard, rng
-from .config import SnapshotConfig
+from .checkpoint import Checkpointer
+from .config import CheckpointConfig, SnapshotConfig
 from .planner import Topology
-from .shards import ShardStore, is_key, key_data_sharding
+from .shards import ShardStore, UnrecoverableStateError, is_key, key_data_sharding
 from .sharding import path_str
 from .snapshot import SnapshotPool
+from .standby import StandbyCompiler
 
 PyTree = Any
 
@@ -193,7 +195,9 @@ def state_checksums(state: PyTree) -> dict[str, str]:
 @dataclasses.dataclass
 class Recovery:
     """What one `recover` did. `rung` is the most expensive source any piece came from
-    (`replica`: surviving copies only; `buddy`/`host`: a snapshot). Times in seconds."""
+    (`replica`: surviving copies only; `buddy`/`host`: a snapshot; `checkpoint`: the newest
+    persistent checkpoint, after which `steps_lost` steps must be run again). `step` is the step
+    whose state was recovered: continue with step + 1. Times in seconds."""
 
     step: int
     failed_devices: list[int]
@@ -208,10 +212,16 @@ class Recovery:
     transfer_s: float
     verify_s: float
     refused_snapshots: list[str] = dataclasses.field(default_factory=list)
+    steps_lost: int = 0
+    unrecoverable: str = ""  # why the snapshot rungs failed, when a checkpoint was used
+    # with `standby`: the step's executable for the new mesh. `standby_hit`: it was compiled
+    # when the failure was known; otherwise `compile_s` is the wait for it (or a cold compile)
+    standby_hit: bool | None = None
+    compile_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.plan_s + self.transfer_s + self.verify_s
+        return self.plan_s + self.compile_s + self.transfer_s + self.verify_s
 
 
 def _unwrap_keys(tree: PyTree) -> PyTree:
@@ -232,6 +242,9 @@ class ElasticState:
       devices: every device of the job, in host order (default: the mesh's, sorted by id).
       snapshot: which copies of unique shards to keep (`SnapshotConfig`; default: buddy copies
         with two hosts or more, host-memory copies with one).
+      checkpoint: Orbax checkpoints (`CheckpointConfig(dir, every, keep)`), the last rung: when
+        no live copy or snapshot holds a slice, `recover` restores the newest checkpoint onto
+        the new mesh (and reports the steps lost).
     """
 
     def __init__(
@@ -244,6 +257,7 @@ class ElasticState:
         devices_per_host: int = 1,
         devices: Sequence[jax.Device] | None = None,
         snapshot: SnapshotConfig | None = None,
+        checkpoint: CheckpointConfig | None = None,
     ):
         if jax.process_count() > 1:
             raise NotImplementedError(
@@ -273,6 +287,9 @@ class ElasticState:
         self._survivors: ShardStore | None = None
         self._failed: set[int] = set()  # failed since the last recovery
         self.recoveries: list[Recovery] = []
+        self.checkpointer = Checkpointer(checkpoint) if checkpoint and checkpoint.dir else None
+        self._standby: StandbyCompiler | None = None
+        self._exe = None
         self.state = jax.device_put(state, self.shardings())
         self._configure_pool()
 
@@ -319,6 +336,72 @@ class ElasticState:
             x.copy_to_host_async()
         self.good = None
         self.pool.take(_unwrap_keys(state), step)
+        if self.checkpointer is not None and self.checkpointer.due(step):
+            self.checkpointer.save(step, _unwrap_keys(state), self.committed_checksums())
+
+    def close(self) -> None:
+        """Wait for checkpoint writes in flight; stop the standby compiles."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self._standby is not None:
+            self._standby.close()
+
+    # -- standby executables --------------------------------------------------------------------
+
+    def standby(
+        self,
+        make_step: Callable[[Mesh], Any],
+        batch: Callable[[Mesh], PyTree],
+        *,
+        wait: bool = False,
+    ) -> None:
+        """Compile your step ahead of time for the mesh of every likely failure (each single
+        device and each single host of the live set), in a background thread, so that a
+        recovery finds it ready. `make_step(mesh)` returns your jitted step for that mesh
+        (`jax.jit(step, out_shardings=(es.shardings(mesh), ...))`), called as
+        `step(state, batch)`; `batch(mesh)` the batch's `jax.ShapeDtypeStruct`s with their
+        shardings on that mesh. With `wait`, block until all are compiled (start-up time for a
+        first recovery that is a hit). `executable()` then returns the current mesh's step."""
+        self._make_step, self._batch_fn = make_step, batch
+        if self._standby is None:
+            self._standby = StandbyCompiler(self._compile)
+        self._standby.put(self.mesh, self._compile(self.mesh))
+        self._exe = self._standby.get(self.mesh)[0]
+        self._standby.submit(self.likely_meshes())
+        if wait:
+            self._standby.wait_all()
+
+    def likely_meshes(self) -> list[Mesh]:
+        """The meshes `recover` would plan after each single device or host failure."""
+        live = [i for i in self.topology.device_ids if i in self.live]
+        lose = [{d} for d in live] + [
+            set(self.topology.host_devices(h)) & set(live) for h in range(self.topology.n_hosts)
+        ]
+        out = {}
+        for gone in lose:
+            left = [self.devices[i] for i in live if i not in gone]
+            if gone and left and len(gone) < len(live):
+                try:
+                    mesh, _ = plan_mesh(left, self.axes)
+                except ValueError:
+                    continue  # no allowed shape fits: that failure cannot be survived anyway
+                out.setdefault(mesh, None)
+        return list(out)
+
+    def _compile(self, mesh: Mesh):
+        """(your step, the checksum function) compiled for the state on `mesh`."""
+        abstract = jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+            self.state, self.shardings(mesh),
+        )
+        step = self._make_step(mesh).lower(abstract, self._batch_fn(mesh)).compile()
+        return step, _checksums.lower(abstract).compile()
+
+    def executable(self):
+        """Your step compiled for the current mesh (after `standby`)."""
+        if self._standby is None:
+            raise RuntimeError("executable(): call standby(make_step, batch) first")
+        return self._exe
 
     def committed_checksums(self) -> dict[str, str]:
         """The checksums of the last committed state (what `recover` verifies against)."""
@@ -383,36 +466,79 @@ class ElasticState:
             if gone:
                 raise ValueError(f"recover: the given mesh uses failed devices {sorted(gone)}")
             spare = [self.devices[i] for i in sorted(self.live - {d.id for d in mesh.devices.flat})]
+        hit, compile_s = None, 0.0
+        if self._standby is not None:
+            self._standby.drop_queued(keep=mesh)  # the cores go to this recovery
+            hit = self._standby.ready(mesh)
+            tc = time.perf_counter()
+            # at once on a hit; a queued mesh jumps the line
+            exe, sums_fn = self._standby.wait(mesh)
+            compile_s = time.perf_counter() - tc
         store = self._survivors if self._survivors is not None else ShardStore.capture(self.state)
         store = store.without(dead)
         refusals_before = len(self.pool.refusals)
         extra = self.pool.sources(dead, self.dead_hosts, version=self.step)
         t1 = time.perf_counter()
-        new, log = reshard.transition(
-            store, self.shardings(mesh), devices=self.devices, extra_sources=extra
-        )
+        plan_s = t1 - t0 - compile_s
+        step, why = self.step, ""
+        try:
+            new, log = reshard.transition(
+                store, self.shardings(mesh), devices=self.devices, extra_sources=extra
+            )
+            rung, moved, transfers = log.worst_rung(), log.bytes_moved, log.transfers
+        except UnrecoverableStateError as e:
+            if self.checkpointer is None or self.checkpointer.latest_step() is None:
+                raise
+            why = str(e)
+            new, step, good = self._from_checkpoint(mesh)
+            rung, moved, transfers = "checkpoint", 0, 0
         jax.block_until_ready(new)
         t2 = time.perf_counter()
-        got = state_checksums(new)
+        ready = self._standby is not None and rung != "checkpoint"  # compiled for this layout
+        got = checksum.to_host((sums_fn if ready else _checksums)(new))
         bad = checksum.diff(good, got)
         t3 = time.perf_counter()
         if bad:
             raise StateMismatchError(
                 f"recovered leaves {bad[:5]}{' ...' if len(bad) > 5 else ''} differ from the "
-                f"state committed at step {self.step}: refused"
+                f"state of step {step}: refused"
             )
         rec = Recovery(
-            step=self.step, failed_devices=sorted(self._failed),
+            step=step, failed_devices=sorted(self._failed),
             from_mesh=dict(self.mesh.shape), to_mesh=dict(mesh.shape),
-            spares=[d.id for d in spare], rung=log.worst_rung(), bytes_moved=log.bytes_moved,
-            transfers=log.transfers, verified=True, plan_s=t1 - t0, transfer_s=t2 - t1,
+            spares=[d.id for d in spare], rung=rung, bytes_moved=moved,
+            transfers=transfers, verified=True, plan_s=plan_s, transfer_s=t2 - t1,
             verify_s=t3 - t2, refused_snapshots=self.pool.refusals[refusals_before:],
+            steps_lost=self.step - step, unrecoverable=why, standby_hit=hit,
+            compile_s=compile_s,
         )
+        self.step = step
         self.state, self.mesh, self.spares = new, mesh, rec.spares
         self._survivors, self._failed = None, set()
         self.pool = self.pool.fresh()
         self._configure_pool()
         self.pool.take(_unwrap_keys(new), self.step)  # the new layout is protected at once
         self.recoveries.append(rec)
+        if self._standby is not None:
+            self._exe = exe
+            self._standby.submit(self.likely_meshes())  # the next failure's meshes
         return rec
+
+    def _from_checkpoint(self, mesh: Mesh) -> tuple[PyTree, int, dict[str, str]]:
+        """The newest checkpoint read onto `mesh` (keys wrapped again), its step and checksums."""
+        ck = self.checkpointer
+        step = ck.latest_step()
+        target = jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(
+                jax.eval_shape(jax.random.key_data, x).shape if is_key(x) else x.shape,
+                np.uint32 if is_key(x) else x.dtype, sharding=sh,
+            ),
+            self.state, self._raw_shardings(mesh),
+        )
+        raw, meta = ck.restore(step, target)
+        state = jax.tree.map(
+            lambda x, r: jax.random.wrap_key_data(r, impl=jax.random.key_impl(x)) if is_key(x) else r,
+            self.state, raw,
+        )
+        return state, int(meta["step"]), meta["checksums"]
 

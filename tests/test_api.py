@@ -91,7 +91,8 @@ def _advance(state):
         "master": jax.tree.map(lambda x: x * 1.5 + 0.25, state["master"]),
         "params": jax.tree.map(lambda x: (x * 3).astype(jnp.bfloat16), state["params"]),
         "opt": jax.tree.map(lambda x: x + 1, state["opt"]),
-        "step": state["step"] + (1 << 40),  # needs all 64 bits
+        # needs all 64 bits where the counter has them
+        "step": state["step"] + ((1 << 40) if state["step"].dtype == jnp.int64 else 1),
         "key": jax.random.fold_in(state["key"], 1),
     }
 
@@ -133,6 +134,29 @@ def test_unique_state_without_snapshots_is_unrecoverable_and_named():
     es.simulate_failure([2, 3])
     with pytest.raises(elasjax.UnrecoverableStateError, match="opt/0/"):
         es.recover()
+
+
+def test_a_checkpoint_is_the_last_rung_and_says_what_was_lost(tmp_path):
+    tx = optax.adam(1e-2)
+    state = _mixed_state(tx, jnp.int32)
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
+    es = elasjax.ElasticState(
+        state, lambda m: _layout(m, state), mesh, devices_per_host=2,
+        snapshot=elasjax.SnapshotConfig(buddy=False, host=False),
+        checkpoint=elasjax.CheckpointConfig(dir=str(tmp_path / "ck"), every=2),
+    )
+    step = jax.jit(_advance, out_shardings=es.shardings())
+    for s in range(4):  # checkpoints after steps 0 and 2
+        es.commit(step(es.state) if s else es.state, s)
+        if s == 2:
+            at_2 = elasjax.state_checksums(es.state)
+    es.simulate_failure([2, 3])
+    rec = es.recover()
+    assert rec.rung == "checkpoint" and rec.step == 2 and rec.steps_lost == 1 and rec.verified
+    assert "has no live copy" in rec.unrecoverable
+    assert elasjax.state_checksums(es.state) == at_2 and es.step == 2
+    assert jnp.issubdtype(es.state["key"].dtype, jax.dtypes.prng_key)
+    es.close()
 
 
 def test_commit_refuses_a_state_not_on_its_shardings():
@@ -189,3 +213,48 @@ def test_examples_survive_failures_within_the_contract(script, first):
     assert first in out.stdout and "verified True" in out.stdout
     dev = float(out.stdout.split("fault-free run:")[1].split()[0])
     assert dev <= 1e-5
+
+
+def _tiny_standby(wait):
+    state = {"w": jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4)}
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1})
+    es = elasjax.ElasticState(state, lambda m: {"w": NamedSharding(m, P())}, mesh,
+                              devices_per_host=2)
+
+    def step(s, b):
+        return {"w": s["w"] + jnp.sum(b["x"])}, jnp.sum(b["x"])
+
+    def batch_like(m):
+        n = m.shape["data"]
+        return {"x": jax.ShapeDtypeStruct((n,), jnp.float32, sharding=NamedSharding(m, P("data")))}
+
+    es.standby(lambda m: jax.jit(step, out_shardings=(es.shardings(m), None)), batch_like, wait=wait)
+    return es
+
+
+def test_standby_recovery_uses_the_executable_compiled_ahead():
+    es = _tiny_standby(wait=True)
+    meshes = es.likely_meshes()
+    assert len(meshes) == 8 + 4  # each device's and each host's failure, distinct device sets
+    ready = {m: es._standby.get(m) for m in meshes}
+    assert all(v is not None for v in ready.values())
+    es.commit(es.state, 0)
+    es.simulate_failure([5])
+    rec = es.recover()
+    assert rec.standby_hit is True and rec.to_mesh == {"data": 7}
+    assert es.executable() is ready[es.mesh][0]  # the very executable compiled before the failure
+    es.close()
+
+
+def test_standby_miss_is_reported_as_a_miss():
+    es = _tiny_standby(wait=False)
+    es._standby.drop_queued()  # nothing but the current mesh compiled, nothing queued
+    es._standby.wait_all()
+    es.commit(es.state, 0)
+    es.simulate_failure([0, 1, 2])  # not a likely failure: no standby for 5 devices
+    rec = es.recover()
+    assert rec.standby_hit is False and rec.to_mesh == {"data": 5}
+    x = jax.device_put(jnp.ones(5), NamedSharding(es.mesh, P("data")))
+    state, total = es.executable()(es.state, {"x": x})
+    assert float(total) == 5.0
+    es.close()
