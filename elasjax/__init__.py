@@ -14,10 +14,12 @@ Two ways in:
   `pad_batch` and `sample_keys` keep the batch, the loss normalisation and the random numbers
   those of the fault-free run. Below them: `ShardStore` + `transition` (move what survives of
   any state onto new shardings) and `state_checksums`.
-- **the loop**, `run(load_config(path))`: the bundled GPT trainer with planning by cost model,
-  pipelines, elasjax's ZeRO-1/2/3 storage, standby executables, async migration, checkpoints
-  and both runtimes (one process with simulated failures; `elasjax launch` with real process
-  deaths). It takes elasjax's GPT only for now (see docs/api.md).
+- **the loop**, `run(load_config(path))`: the trainer with planning by cost model, elasjax's
+  ZeRO-1/2/3 storage, standby executables, async migration, checkpoints and both runtimes (one
+  process with simulated failures; `elasjax launch` with real process deaths). It trains any
+  model given as a `ModelSpec` (init, logical axis names, a loss over a weighted batch, its
+  data) registered with `register_model` and selected by `model.type`; elasjax's GPT is the
+  built-in `gpt` spec, the one with a layer stack for pipelines.
 
 See docs/api.md and examples/. Everything not listed in `__all__` is internal.
 """
@@ -33,8 +35,10 @@ from .elastic import (
     sample_keys,
     state_checksums,
 )
+from .models import ArraySource, ModelSpec, register as register_model
 from .reshard import transition
 from .shards import ShardStore, TransferLog, UnrecoverableStateError
+from .state import OptimizerMeaningError
 from .trainer import RunSummary, run
 
 __all__ = [
@@ -55,7 +59,11 @@ __all__ = [
     "UnrecoverableStateError",
     "StateMismatchError",
     "ConfigError",
+    "OptimizerMeaningError",
     # the loop
+    "ModelSpec",
+    "ArraySource",
+    "register_model",
     "Config",
     "load_config",
     "run",

@@ -37,9 +37,11 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only GPT dimensions. `d_model` must equal `n_heads * head_dim`."""
+    """`type`: `gpt` (elasjax's decoder-only GPT, whose dimensions are the other fields;
+    `d_model` must equal `n_heads * head_dim`) or the name of a model registered with
+    `elasjax.register_model` (the other fields then do not apply and must stay unset)."""
 
-    type: Literal["gpt"] = "gpt"
+    type: str = "gpt"
     vocab_size: int = 256
     seq_len: int = 64
     d_model: int = 64
@@ -415,7 +417,12 @@ def divisors(n: int) -> list[int]:
 
 
 def allowed_tensor_degrees(model: ModelConfig) -> list[int]:
-    """Tensor degrees the model allows: they must divide heads, the MLP width and the vocab."""
+    """Tensor degrees the model allows: for the GPT they must divide heads, the MLP width and
+    the vocab; a registered model states its own (`ModelSpec.tensor_degrees`)."""
+    if model.type != "gpt":
+        from . import models
+
+        return sorted(models.get(model).tensor_degrees)
     return [
         t
         for t in divisors(model.n_heads)
@@ -423,8 +430,25 @@ def allowed_tensor_degrees(model: ModelConfig) -> list[int]:
     ]
 
 
-def validate(cfg: Config) -> None:
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+def _validate_model(m: ModelConfig) -> int:
+    """Check the model section; returns the model's layer count (for the stage bounds)."""
+    if m.type != "gpt":
+        from . import models
+
+        try:
+            spec = models.get(m)
+        except ValueError as e:
+            raise ConfigError(f"config 'model.type' {str(e).split('model.type ', 1)[-1]}") from None
+        set_gpt = [
+            f.name for f in dataclasses.fields(ModelConfig)
+            if f.name != "type" and getattr(m, f.name) != f.default
+        ]
+        _require(
+            not set_gpt, f"model.{set_gpt[0] if set_gpt else ''}",
+            f"is a GPT dimension and model.type = '{m.type}' is a registered model; remove "
+            "the model section's other keys",
+        )
+        return spec.n_layers
     for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_mlp"):
         _require(getattr(m, name) >= 1, f"model.{name}", "must be >= 1")
     _require(
@@ -433,6 +457,22 @@ def validate(cfg: Config) -> None:
         f"= {m.d_model} must be a multiple of model.n_heads = {m.n_heads}",
     )
     _require(0.0 <= m.dropout < 1.0, "model.dropout", f"= {m.dropout} must be in [0, 1)")
+    return m.n_layers
+
+
+def validate(cfg: Config) -> None:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    n_layers = _validate_model(m)
+    if m.type != "gpt":  # a registered model brings its own data: only the sampler's seed applies
+        set_data = [
+            f.name for f in dataclasses.fields(DataConfig)
+            if f.name != "seed" and getattr(cfg.data, f.name) != f.default
+        ]
+        _require(
+            not set_data, f"data.{set_data[0] if set_data else ''}",
+            f"is the GPT's token data and model.type = '{m.type}' brings its own data "
+            "(ModelSpec.data); allowed in the data section: seed",
+        )
     _require(t.steps >= 1, "train.steps", "must be >= 1")
     _require(t.global_batch >= 1, "train.global_batch", "must be >= 1")
     _require(t.microbatches >= 1, "train.microbatches", "must be >= 1")
@@ -449,20 +489,32 @@ def validate(cfg: Config) -> None:
     _require(p.data == -1 or p.data >= 1, "parallel.data", "must be -1 (the rest) or >= 1")
     tensors = allowed_tensor_degrees(m)
     if p.tensor != -1 and p.tensor not in tensors:
-        raise ConfigError(
-            f"config 'parallel.tensor' = {p.tensor} does not divide the model (n_heads="
-            f"{m.n_heads}, d_mlp={m.d_mlp}, vocab_size={m.vocab_size}); allowed values: "
-            f"-1, {', '.join(map(str, tensors))}"
+        what = (
+            f"(n_heads={m.n_heads}, d_mlp={m.d_mlp}, vocab_size={m.vocab_size})"
+            if m.type == "gpt" else f"'{m.type}' (its ModelSpec.tensor_degrees)"
         )
+        raise ConfigError(
+            f"config 'parallel.tensor' = {p.tensor} does not divide the model {what}; allowed "
+            f"values: -1, {', '.join(map(str, tensors))}"
+        )
+    if m.type != "gpt":
+        from . import models
+
+        if not models.get(m).pipeline and max(p.stage, p.max_stage) > 1:
+            raise ConfigError(
+                f"config 'parallel.stage' = {p.stage} (max_stage {p.max_stage}): model "
+                f"'{m.type}' has no layer stack (ModelSpec.pipeline is false), so it cannot be "
+                "pipelined; allowed values: 1 (data x tensor x ZeRO only)"
+            )
     _require(
-        1 <= p.stage <= m.n_layers,
+        1 <= p.stage <= n_layers,
         "parallel.stage",
-        f"= {p.stage}; allowed values: 1 .. {m.n_layers} (model.n_layers)",
+        f"= {p.stage}; allowed values: 1 .. {n_layers} (the model's layers)",
     )
     _require(
-        0 <= p.max_stage <= m.n_layers,
+        0 <= p.max_stage <= n_layers,
         "parallel.max_stage",
-        f"= {p.max_stage}; allowed values: 0 (= parallel.stage) .. {m.n_layers} (model.n_layers)",
+        f"= {p.max_stage}; allowed values: 0 (= parallel.stage) .. {n_layers} (the model's layers)",
     )
     _require(
         1 <= p.min_stage <= max(p.max_stage or p.stage, p.stage),

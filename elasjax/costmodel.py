@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from .config import ModelConfig
 
 
@@ -53,6 +55,26 @@ class ModelProfile:
 
     @classmethod
     def from_model(cls, m: ModelConfig) -> "ModelProfile":
+        """The profile of `model.type`'s spec: the GPT's from its dimensions, a user model's
+        its own (`ModelSpec.profile`) or, without one, `from_params`."""
+        from . import models
+
+        spec = models.get(m)
+        if spec.profile is not None:
+            return spec.profile
+        n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(spec.init_params, jax.random.key(0))))
+        return cls.from_params(n)
+
+    @classmethod
+    def from_params(cls, n_params: int, activation_width: int | None = None) -> "ModelProfile":
+        """A model known only by its size: one "layer" of `n_params`, 6 FLOPs per parameter
+        per example (forward 2, backward 4), activations of `activation_width` floats per
+        example (default: sqrt(n_params))."""
+        width = activation_width or max(int(n_params**0.5), 1)
+        return cls(1, 1, width, n_params, 0, 6.0 * n_params, 0.0)
+
+    @classmethod
+    def from_gpt(cls, m: ModelConfig) -> "ModelProfile":
         d, f, v, t = m.d_model, m.d_mlp, m.vocab_size, m.seq_len
         # attention qkv (q and v biases) + out, mlp in + out, two layer norms (scale + bias)
         per_layer = 4 * d * d + 3 * d + 2 * d * f + f + d + 4 * d

@@ -80,6 +80,11 @@ class TokenSource:
         offs = idx[:, None] * T + np.arange(T + 1)[None, :]
         return arr[offs].astype(np.int32)
 
+    def examples(self, idx: np.ndarray, split: str = "train") -> dict[str, np.ndarray]:
+        """The GPT's examples (`models.spec.DataSource`): inputs and next-token targets."""
+        w = self.windows(idx, split)
+        return {"inputs": w[..., :-1], "targets": w[..., 1:]}
+
 
 class SyntheticSource(TokenSource):
     def __init__(self, n_samples: int, seq_len: int, vocab: int, seed: int):
@@ -147,28 +152,45 @@ class Sampler:
 class HostBatch:
     """One step's batch laid out for a plan: arrays [microbatches, data * micro_batch, ...]."""
 
-    inputs: np.ndarray  # int32 [m, D*b, T]
-    targets: np.ndarray  # int32 [m, D*b, T]
+    fields: dict[str, np.ndarray]  # the model's example arrays, [m, D*b, ...]; 0 in padding
     weights: np.ndarray  # f32 [m, D*b]; 1 = real sample, 0 = padding
     key_ids: np.ndarray  # uint32 [m, D*b]; the id folded into the sample's RNG key
     sample_ids: np.ndarray  # int64 [m, D*b]; global sample id, -1 = padding
+    counts: np.ndarray  # f32 [m, D*b]; each sample's share of the loss normaliser
+
+    @property
+    def inputs(self) -> np.ndarray:
+        return self.fields["inputs"]
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self.fields["targets"]
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {
-            "inputs": self.inputs,
-            "targets": self.targets,
-            "weights": self.weights,
-            "key_ids": self.key_ids,
-        }
+        return {**self.fields, "weights": self.weights, "key_ids": self.key_ids, "counts": self.counts}
+
+    def columns(self, cols: np.ndarray) -> "HostBatch":
+        """These sample columns only (every micro-batch)."""
+        return HostBatch(
+            {k: v[:, cols] for k, v in self.fields.items()}, self.weights[:, cols],
+            self.key_ids[:, cols], self.sample_ids[:, cols], self.counts[:, cols],
+        )
 
 
-def layout_batch(windows: np.ndarray, gids: np.ndarray, plan: Plan, rng: RngConfig) -> HostBatch:
-    """Place a step's B windows (with their global ids) into the plan's slots."""
+def layout_batch(
+    examples: dict[str, np.ndarray], counts: np.ndarray, gids: np.ndarray, plan: Plan,
+    rng: RngConfig,
+) -> HostBatch:
+    """Place a step's B examples (with their global ids and normaliser counts) into the plan's
+    slots."""
     pos = plan.slot_positions()
     real = pos >= 0
     safe = np.where(real, pos, 0)
-    w = windows[safe]
-    w[~real] = 0
+    fields = {}
+    for k, v in examples.items():
+        a = v[safe]
+        a[~real] = 0
+        fields[k] = a
     sample_ids = np.where(real, gids[safe], -1)
     if rng.mode == "per_sample":
         key_ids = np.where(real, gids[safe], 0).astype(np.uint32)
@@ -179,11 +201,11 @@ def layout_batch(windows: np.ndarray, gids: np.ndarray, plan: Plan, rng: RngConf
         r, j = np.divmod(np.arange(Db)[None, :], b)
         key_ids = (r * m * b + k * b + j).astype(np.uint32)
     return HostBatch(
-        inputs=w[..., :-1],
-        targets=w[..., 1:],
+        fields=fields,
         weights=real.astype(np.float32),
         key_ids=key_ids,
         sample_ids=sample_ids,
+        counts=np.where(real, np.asarray(counts, np.float32)[safe], 0.0).astype(np.float32),
     )
 
 
@@ -191,9 +213,16 @@ class DataPipeline:
     """Step -> global batch for a plan, and fixed validation batches."""
 
     def __init__(self, cfg: DataConfig, model: ModelConfig, rng: RngConfig, global_batch: int):
-        self.source = make_source(cfg, model)
+        from . import models
+
+        self.spec = models.get(model)
+        self.source = self.spec.data(cfg)
         self.sampler = Sampler(self.source.n_train, cfg.seed)
         self.rng, self.global_batch = rng, global_batch
+
+    def _layout(self, idx: np.ndarray, gids: np.ndarray, plan: Plan, split: str) -> HostBatch:
+        ex = self.source.examples(idx, split)
+        return layout_batch(ex, self.spec.count(ex), gids, plan, self.rng)
 
     def step_ids(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(global sample ids, dataset window indices) of a step."""
@@ -202,12 +231,12 @@ class DataPipeline:
 
     def batch(self, step: int, plan: Plan) -> HostBatch:
         gids, idx = self.step_ids(step)
-        return layout_batch(self.source.windows(idx), gids, plan, self.rng)
+        return self._layout(idx, gids, plan, "train")
 
     def eval_batch(self, i: int, plan: Plan) -> HostBatch:
         B = self.global_batch
         idx = (np.arange(B, dtype=np.int64) + i * B) % self.source.n_val
-        return layout_batch(self.source.windows(idx, "val"), idx, plan, self.rng)
+        return self._layout(idx, idx, plan, "val")
 
     @staticmethod
     def digest(idx: np.ndarray) -> str:

@@ -68,14 +68,18 @@ def named_shardings(abstract: PyTree, logical: PyTree, mesh: Mesh) -> PyTree:
     )
 
 
-def opt_state_logical(tx: optax.GradientTransformation, opt_state: PyTree, param_logical: PyTree):
+def opt_state_logical(
+    tx: optax.GradientTransformation, opt_state: PyTree, param_logical: PyTree, params: PyTree
+):
     """Logical specs of an optimizer state: parameter-shaped parts follow the parameters, the rest
-    (counts, schedules) is replicated."""
+    (counts, schedules, and statistics of another rank such as Adafactor's factored rows and
+    columns) is replicated."""
     return optax.tree_map_params(
         tx,
-        lambda _, spec: spec,
+        lambda leaf, spec, p: spec if leaf.shape == p.shape else PartitionSpec(),
         opt_state,
         param_logical,
+        params,
         transform_non_params=lambda _: PartitionSpec(),
         is_leaf=lambda s: isinstance(s, PartitionSpec),
     )

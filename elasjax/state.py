@@ -77,22 +77,27 @@ def _is_tag(x) -> bool:
 class StateFactory:
     """Model, optimizer and canonical (ZeRO-0) state shapes; `layout(plan)` for a plan's form."""
 
-    def __init__(self, cfg: Config, tx: optax.GradientTransformation):
+    def __init__(self, cfg: Config, tx: optax.GradientTransformation, *, custom_tx: bool = False):
         self.cfg, self.tx = cfg, tx
-        self.model = models.get(cfg.model.type)
+        # a user's optimizer is part of what an executable depends on (the default is fixed by
+        # `cfg.train`, which the executable cache keys on already)
+        self.tx_key = tx if custom_tx else None
+        self.model = models.get(cfg.model)  # its ModelSpec
         self.abstract = jax.eval_shape(self._init)
-        self.param_logical = self.model.logical_specs(cfg.model)
+        self.param_logical = self.model.logical_specs()
         self.logical = TrainState(
             step=PartitionSpec(),
             params=self.param_logical,
-            opt_state=opt_state_logical(tx, self.abstract.opt_state, self.param_logical),
+            opt_state=opt_state_logical(
+                tx, self.abstract.opt_state, self.param_logical, self.abstract.params
+            ),
         )
         self._layouts: OrderedDict = OrderedDict()
         self._layouts_lock = threading.Lock()  # the standby and transfer-plan threads ask too
 
     def _init_params(self):
         key = jax.random.fold_in(root_key(self.cfg.train.seed), 0x1A17)
-        return self.model.init_params(self.cfg.model, key)
+        return self.model.init_params(key)
 
     def _init(self) -> TrainState:
         params = self._init_params()
@@ -252,7 +257,9 @@ class StateLayout:
                 logical = TrainState(
                     PartitionSpec(),
                     p_logical,
-                    opt_state_logical(self.tx, self.abstract.opt_state, p_logical),
+                    opt_state_logical(
+                        self.tx, self.abstract.opt_state, p_logical, self.abstract.params
+                    ),
                 )
                 return named_shardings(self.abstract, logical, mesh)
             param_sh = named_shardings(self.abstract.params, p_logical, mesh)
@@ -374,3 +381,71 @@ class StateLayout:
         v = jnp.concatenate(parts)
         total, _ = jax.lax.scan(lambda acc, x: (acc + x, None), jnp.zeros((), v.dtype), v)
         return jnp.sqrt(total)
+
+
+class OptimizerMeaningError(ValueError):
+    """An optimizer whose updates change when it sees ZeRO storage instead of parameters."""
+
+
+def check_elementwise(factory: StateFactory, plan, *, steps: int = 2, seed: int = 0) -> None:
+    """Refuse an optimizer that ZeRO storage would change the meaning of.
+
+    Under elasjax's ZeRO storage (`zero.stage` >= 1) the optimizer updates storage units (flat
+    partitions of the parameters) instead of the parameters themselves. That is right for
+    elementwise transforms (Adam, SGD, weight decay) and for global ones whose value does not
+    depend on shapes (global-norm clipping), and wrong for factored or per-leaf ones (Adafactor,
+    LAMB's trust ratio, a mask by path or shape). This runs `steps` updates of random gradients
+    both ways, on one device, and compares them (rtol 1e-5). An optimizer state with a
+    parameter-structured part of other shapes (Adafactor's factored statistics) is refused
+    before that."""
+    fix = (
+        "Fixes: zero.stage = 0, or an elementwise optimizer (adam, sgd, ...), or keep your loop "
+        "and shard the optimizer state with elasjax.partition_over (ZeRO-1 as a sharding edit, "
+        "which keeps the parameter structure)"
+    )
+    like = jax.tree_util.tree_structure(factory.abstract.params)
+    shapes = [x.shape for x in jax.tree.leaves(factory.abstract.params)]
+    for sub in jax.tree.leaves(
+        factory.abstract.opt_state, is_leaf=lambda t: jax.tree_util.tree_structure(t) == like
+    ):
+        if jax.tree_util.tree_structure(sub) == like and [x.shape for x in jax.tree.leaves(sub)] != shapes:
+            raise OptimizerMeaningError(
+                f"the optimizer is not elementwise: its state holds parameter-structured "
+                f"statistics of other shapes (e.g. {jax.tree.leaves(sub)[0].shape} for a "
+                f"parameter of shape {shapes[0]}), which ZeRO storage (zero.stage = "
+                f"{plan.zero_stage}) cannot partition like the parameters. {fix}"
+            )
+    layout = factory.layout(plan)
+    abstract = factory.abstract.params
+    keys = jax.random.split(jax.random.key(seed), 2 * steps + 1)
+    leaves, treedef = jax.tree.flatten(abstract)
+    rand = lambda k: jax.tree.unflatten(treedef, [  # noqa: E731
+        0.02 * jax.random.normal(kk, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+        else jnp.zeros(x.shape, x.dtype)
+        for kk, x in zip(jax.random.split(k, len(leaves)), leaves)
+    ])
+    tx = layout.tx
+
+    @jax.jit
+    def both(params, grads_list):
+        p, o = params, tx.init(params)
+        sp = layout.to_storage(params)
+        so = tx.init(sp)
+        for g in grads_list:
+            u, o = tx.update(g, o, p)
+            p = optax.apply_updates(p, u)
+            su, so = tx.update(layout.to_storage(g), so, sp)
+            sp = optax.apply_updates(sp, su)
+        return p, layout.from_storage(sp)
+
+    ref, got = both(rand(keys[0]), [rand(k) for k in keys[1 : 1 + steps]])
+    bad = [
+        path_str(path)
+        for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got))
+        if not np.allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    ]
+    if bad:
+        raise OptimizerMeaningError(
+            f"the optimizer is not elementwise: on zero.stage = {layout.stage} storage its updates "
+            f"differ from those on the parameters (e.g. '{bad[0]}', {len(bad)} leaves). {fix}"
+        )

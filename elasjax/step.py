@@ -37,19 +37,28 @@ from .state import StateFactory, StateLayout, TrainState
 PyTree = Any
 
 
-def abstract_batch(plan: Plan, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_batch(plan: Plan, spec) -> dict[str, jax.ShapeDtypeStruct]:
+    """The step's batch: the model's example arrays (`ModelSpec.example_shapes`) and the
+    trainer's weights, RNG key ids and normaliser counts, each `[micro-batches, samples, ...]`."""
     m, n = plan.microbatches, plan.data * plan.micro_batch
-    return {
-        "inputs": jax.ShapeDtypeStruct((m, n, seq_len), jnp.int32),
-        "targets": jax.ShapeDtypeStruct((m, n, seq_len), jnp.int32),
-        "weights": jax.ShapeDtypeStruct((m, n), jnp.float32),
-        "key_ids": jax.ShapeDtypeStruct((m, n), jnp.uint32),
-    }
+    out = {k: jax.ShapeDtypeStruct((m, n, *a.shape), a.dtype) for k, a in spec.example_shapes.items()}
+    out.update(
+        weights=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        key_ids=jax.ShapeDtypeStruct((m, n), jnp.uint32),
+        counts=jax.ShapeDtypeStruct((m, n), jnp.float32),
+    )
+    return out
+
+
+def normaliser(batch: dict) -> jax.Array:
+    """The step's loss normaliser: the real samples' counts (the GPT: its tokens)."""
+    return jnp.sum(batch["weights"] * batch["counts"])
 
 
 def make_loss_fn(cfg: Config, model, deterministic: bool, layout: StateLayout | None = None):
-    """(params, micro-batch, step key) -> summed weighted token loss. Under ZeRO-3 `params` is the
-    storage; non-layer parameters are gathered up front and each layer inside the layer loop."""
+    """(params, micro-batch, step key) -> the model's summed weighted loss (`ModelSpec.loss`).
+    Under ZeRO-3 `params` is the storage; non-layer parameters are gathered up front and each
+    layer inside the layer loop."""
     zero3 = layout is not None and layout.stage == 3
 
     def loss_fn(params, mb, key):
@@ -57,10 +66,7 @@ def make_loss_fn(cfg: Config, model, deterministic: bool, layout: StateLayout | 
         lt = None
         if zero3:
             params, lt = layout.codec.zero3_inputs(params)
-        tl = model.token_losses(
-            params, cfg.model, mb["inputs"], mb["targets"], keys, deterministic, layer_transform=lt
-        )
-        return jnp.sum(tl * mb["weights"][:, None])
+        return model.loss(params, mb, keys, mb["weights"], deterministic, layer_transform=lt)
 
     return loss_fn
 
@@ -105,7 +111,7 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
             grad_constraint=constrain_grads,
             to_acc=to_acc,
         )
-        n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        n_tokens = normaliser(batch)
         return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
 
     return grad_fn
@@ -162,7 +168,7 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
         order = canonical_order(plan)
         loss_sum = fixed_order_sum(losses, order, rep)
         grads = jax.tree.map(lambda g: fixed_order_sum(g, order, rep), grads)
-        n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        n_tokens = normaliser(batch)
         return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
 
     return grad_fn
@@ -181,7 +187,7 @@ def _deterministic_pipelined_grad_fn(cfg: Config, mesh: Mesh, state_sh: TrainSta
 
     def grad_fn(params, batch, step, plan: Plan):
         key = rng.step_key(rng.root_key(seed), step)
-        m = batch["inputs"].shape[0]
+        m = batch["weights"].shape[0]
         copies = jax.tree.map(
             lambda x, sh: jax.lax.with_sharding_constraint(
                 jnp.broadcast_to(x, (m, D) + x.shape), spec(sh, None, DATA)
@@ -202,7 +208,7 @@ def _deterministic_pipelined_grad_fn(cfg: Config, mesh: Mesh, state_sh: TrainSta
         grads = jax.tree.map(
             lambda g, sh: fixed_order_sum(g, order, spec(sh, None)), grads, state_sh.params
         )
-        n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        n_tokens = normaliser(batch)
         return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
 
     return grad_fn
@@ -217,7 +223,7 @@ def _pipelined_grad_fn(cfg: Config, mesh: Mesh, layout: StateLayout):
         loss_sum, grads = jax.value_and_grad(
             lambda p: pipeline_loss(p, batch, key, cfg.model, layout.stage_layout, mesh)
         )(params)
-        n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        n_tokens = normaliser(batch)
         return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
 
     return grad_fn
@@ -271,7 +277,7 @@ def make_eval_step(
     key = rng.root_key(0)
 
     def eval_step(params, batch):
-        n_tokens = jnp.sum(batch["weights"]) * batch["inputs"].shape[-1]
+        n_tokens = normaliser(batch)
         if cfg.train.deterministic and pipelined:
             per = pipeline_slot_losses(
                 params, batch, key, cfg.model, layout.stage_layout, mesh, mesh.shape[DATA],
@@ -349,7 +355,7 @@ def compile_plan(
     mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
     layout = factory.layout(plan)
     st_sh = layout.shardings(mesh)
-    ab = abstract_batch(plan, cfg.model.seq_len)
+    ab = abstract_batch(plan, factory.model)
     b_sh = batch_shardings(mesh, ab)
     abs_state = layout.abstract
     rep = replicated(mesh)
@@ -412,13 +418,16 @@ class ExecutableCache:
         self._lock = threading.Lock()  # the standby thread compiles through the same cache
 
     @staticmethod
-    def key(cfg: Config, plan: Plan, donate: bool = True):
-        return (cfg.model, cfg.train, plan.compile_key, donate)
+    def key(cfg: Config, plan: Plan, donate: bool = True, tx_key=None):
+        from . import models  # a registered model is its spec object, never its name alone
+
+        spec = models.get(cfg.model) if cfg.model.type != "gpt" else None
+        return (cfg.model, spec, cfg.train, tx_key, plan.compile_key, donate)
 
     def get(
         self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True
     ) -> tuple[Executables, bool]:
-        k = self.key(cfg, plan, donate)
+        k = self.key(cfg, plan, donate, factory.tx_key)
         with self._lock:
             if k in self._d:
                 exe = self._d.pop(k)

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from . import checksum
 from .checkpoint import Checkpointer, form_of, restore_onto
@@ -47,7 +48,7 @@ from .runtime import DeviceFailure, InProcessRuntime, host_values
 from .shards import TransferLog
 from .snapshot import SnapshotPool
 from .standby import BackgroundJobs, CompileCounter, StandbyCompiler
-from .state import StateFactory, make_optimizer
+from .state import StateFactory, check_elementwise, make_optimizer
 from .step import ExecutableCache, Executables, warm_up
 
 __all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer", "run"]
@@ -99,6 +100,7 @@ class _InFlight:
     digest: str
     redo: bool
     evals: list | None = None
+    tokens: float = 0.0  # the step's loss normaliser: its real samples' counts (GPT: tokens)
 
 
 class UnprotectedStateWarning(UserWarning):
@@ -118,6 +120,7 @@ class Trainer(Recovering):
         runtime=None,
         progress: bool = False,
         exe_cache: ExecutableCache | None = None,
+        optimizer: optax.GradientTransformation | None = None,
     ):
         check_backend_config()
         if cfg.standby.cache_dir:
@@ -130,7 +133,11 @@ class Trainer(Recovering):
         self.topo = self.rt.topology
         self.schedule = resolve_schedule(cfg.faults, self.topo, cfg.train.steps, self.rt.kind)
         self.initial = initial_plan(self.topo, cfg)
-        self.factory = StateFactory(cfg, make_optimizer(cfg.train))
+        self.factory = StateFactory(
+            cfg, optimizer or make_optimizer(cfg.train), custom_tx=optimizer is not None
+        )
+        if optimizer is not None and cfg.zero.stage > 0:
+            check_elementwise(self.factory, self.initial)
         self.data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
         self.ckpt = (
@@ -342,7 +349,7 @@ class Trainer(Recovering):
         processed = int((host_batch.weights > 0).sum())
         flight = _InFlight(
             step, plan, met, t0, exe.layout.checksum_keys, processed, DataPipeline.digest(idx),
-            redo, evals,
+            redo, evals, float((host_batch.counts * host_batch.weights).sum()),
         )
         return new_state, flight
 
@@ -371,7 +378,7 @@ class Trainer(Recovering):
             "step": f.step,
             "loss": loss,
             "global_batch": f.processed,
-            "tokens": f.processed * self.cfg.model.seq_len,
+            "tokens": int(round(f.tokens)),
             "n_devices": f.plan.n_devices,
             "n_processes": len({self.rt.process_of(d) for d in f.plan.device_ids}),
             "plan": f.plan.name,
@@ -519,14 +526,8 @@ class Trainer(Recovering):
         if self.torchft_keep is None:
             return hb
         b = self.initial.micro_batch
-        cols = np.concatenate([np.arange(r * b, (r + 1) * b) for r in self.torchft_keep])
-        return dataclasses.replace(
-            hb,
-            inputs=hb.inputs[:, cols],
-            targets=hb.targets[:, cols],
-            weights=hb.weights[:, cols],
-            key_ids=hb.key_ids[:, cols],
-            sample_ids=hb.sample_ids[:, cols],
+        return hb.columns(
+            np.concatenate([np.arange(r * b, (r + 1) * b) for r in self.torchft_keep])
         )
 
     def _batch(self, step: int, plan: Plan):
@@ -540,8 +541,14 @@ def run(
     progress: bool = False,
     exe_cache: ExecutableCache | None = None,
     runtime=None,
+    optimizer: optax.GradientTransformation | None = None,
 ) -> RunSummary:
     """Train the config's model with failures handled as they come (the loop entry point):
     outputs under `out_dir` (config.yaml, metrics.jsonl, events.jsonl), a summary returned.
-    `runtime`: where it runs (default: this process, failures simulated)."""
-    return Trainer(cfg, out_dir, progress=progress, exe_cache=exe_cache, runtime=runtime).run()
+    `runtime`: where it runs (default: this process, failures simulated). `optimizer`: any
+    optax transformation instead of `train`'s AdamW (with `zero.stage` >= 1 it must keep its
+    meaning on ZeRO storage: checked at start, `OptimizerMeaningError` otherwise). Deterministic
+    mode clips gradients itself (`train.grad_clip`), so leave clipping out of `optimizer` there."""
+    return Trainer(
+        cfg, out_dir, progress=progress, exe_cache=exe_cache, runtime=runtime, optimizer=optimizer
+    ).run()

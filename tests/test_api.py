@@ -203,6 +203,7 @@ def test_adafactor_under_zero1_equals_unsharded_adafactor():
 @pytest.mark.parametrize("script, first", [
     ("mlp_pieces.py", "step 8: devices [3] failed"),
     ("adafactor_mixed.py", "step 6: devices [2, 3] failed"),
+    ("classifier_loop.py", "step 6: devices [3] failed"),
 ])
 def test_examples_survive_failures_within_the_contract(script, first):
     out = subprocess.run(

@@ -14,12 +14,16 @@ mask would depend on its position in the batch; it is not used.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 
 from ..config import ModelConfig
+from .spec import ModelSpec
 
 INIT_STD = 0.02
 EMBED_DROPOUT_LAYER = 0xFFFF  # layer id of the embedding dropout site (no real layer has it)
@@ -216,3 +220,37 @@ def token_losses(
     """Per-token cross-entropy, f32 [batch, seq]."""
     logits = forward(params, inputs, keys, cfg, deterministic, layer_transform)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def spec(cfg: ModelConfig) -> ModelSpec:
+    """elasjax's GPT as a `ModelSpec` (cached per config): token windows, a per-token loss
+    normalised by the step's tokens, a layer stack (pipelines, ZeRO-3 layer gathers)."""
+    return _spec(cfg)
+
+
+@functools.lru_cache(maxsize=16)
+def _spec(cfg: ModelConfig) -> ModelSpec:
+    from ..config import allowed_tensor_degrees
+    from ..costmodel import ModelProfile
+    from ..data import make_source
+
+    def loss(params, batch, keys, weights, deterministic, layer_transform=None):
+        tl = token_losses(
+            params, cfg, batch["inputs"], batch["targets"], keys, deterministic, layer_transform
+        )
+        return jnp.sum(tl * weights[:, None])
+
+    window = jax.ShapeDtypeStruct((cfg.seq_len,), jnp.int32)
+    return ModelSpec(
+        name="gpt",
+        init_params=functools.partial(init_params, cfg),
+        logical_specs=functools.partial(logical_specs, cfg),
+        loss=loss,
+        example_shapes={"inputs": window, "targets": window},
+        data=lambda data_cfg: make_source(data_cfg, cfg),
+        count=lambda ex: np.full(len(ex["inputs"]), cfg.seq_len, np.float32),
+        tensor_degrees=tuple(allowed_tensor_degrees(cfg)),
+        profile=ModelProfile.from_gpt(cfg),
+        pipeline=True,
+        n_layers=cfg.n_layers,
+    )
