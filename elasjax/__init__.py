@@ -18,8 +18,8 @@ Two ways in:
   ZeRO-1/2/3 storage, standby executables, async migration, checkpoints and both runtimes (one
   process with simulated failures; `elasjax launch` with real process deaths). It trains any
   model given as a `ModelSpec` (init, logical axis names, a loss over a weighted batch, its
-  data) registered with `register_model` and selected by `model.type`; elasjax's GPT is the
-  built-in `gpt` spec, the one with a layer stack for pipelines.
+  data; for pipelines a `LayerStack`) registered with `register_model` and selected by
+  `model.type`; elasjax's GPT is the built-in `gpt` spec.
 
 See docs/api.md and examples/. Everything not listed in `__all__` is internal.
 """
@@ -35,7 +35,7 @@ from .elastic import (
     sample_keys,
     state_checksums,
 )
-from .models import ArraySource, ModelSpec, register as register_model
+from .models import ArraySource, LayerStack, ModelSpec, register as register_model
 from .reshard import transition
 from .shards import ShardStore, TransferLog, UnrecoverableStateError
 from .state import OptimizerMeaningError
@@ -62,6 +62,7 @@ __all__ = [
     "OptimizerMeaningError",
     # the loop
     "ModelSpec",
+    "LayerStack",
     "ArraySource",
     "register_model",
     "Config",

@@ -430,6 +430,16 @@ def allowed_tensor_degrees(model: ModelConfig) -> list[int]:
     ]
 
 
+def layer_count(m: ModelConfig) -> int:
+    """The model's layers (what pipelines partition): the GPT's `n_layers`, or a registered
+    model's `ModelSpec.n_layers`."""
+    if m.type == "gpt":
+        return m.n_layers
+    from . import models
+
+    return models.get(m).n_layers
+
+
 def _validate_model(m: ModelConfig) -> int:
     """Check the model section; returns the model's layer count (for the stage bounds)."""
     if m.type != "gpt":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from .config import ModelConfig
 
@@ -63,15 +64,21 @@ class ModelProfile:
         if spec.profile is not None:
             return spec.profile
         n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(spec.init_params, jax.random.key(0))))
-        return cls.from_params(n)
+        width = None
+        if spec.layers is not None:
+            width = max(int(np.prod(spec.layers.activation_shape)), 1)
+        return cls.from_params(n, width, spec.n_layers)
 
     @classmethod
-    def from_params(cls, n_params: int, activation_width: int | None = None) -> "ModelProfile":
-        """A model known only by its size: one "layer" of `n_params`, 6 FLOPs per parameter
-        per example (forward 2, backward 4), activations of `activation_width` floats per
-        example (default: sqrt(n_params))."""
+    def from_params(
+        cls, n_params: int, activation_width: int | None = None, n_layers: int = 1
+    ) -> "ModelProfile":
+        """A model known only by its size: `n_layers` equal layers sharing `n_params`, 6 FLOPs
+        per parameter per example (forward 2, backward 4), activations of `activation_width`
+        floats per example (default: sqrt(n_params))."""
         width = activation_width or max(int(n_params**0.5), 1)
-        return cls(1, 1, width, n_params, 0, 6.0 * n_params, 0.0)
+        per = max(n_params // n_layers, 1)
+        return cls(n_layers, 1, width, per, 0, 6.0 * per, 0.0)
 
     @classmethod
     def from_gpt(cls, m: ModelConfig) -> "ModelProfile":

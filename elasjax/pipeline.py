@@ -16,6 +16,8 @@ pass is the autodiff transpose of the same loop. The embedding runs only on the 
 the head only on the last (`lax.cond` on the stage index); their parameters are replicated over
 `stage`, and their gradients are summed over stages by the transpose of that replication.
 
+The model comes as its layer stack (`models.spec.LayerStack`: embed, block, head loss and the
+activation shape; the GPT's in `models/gpt.py`), so any model with one can be pipelined.
 Random numbers stay layout-independent: a block folds in its *global* layer id and each sample
 its global sample id, exactly as in the unpipelined model (`models.gpt.forward`), so the
 pipelined loss and gradients equal the unpipelined ones up to floating-point reduction order.
@@ -29,13 +31,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from . import rng
+from . import models, rng
 from .config import ModelConfig
 from .mesh import STAGE
-from .models import gpt
 
 PyTree = Any
 
@@ -88,6 +88,11 @@ def to_slots(layers: PyTree, layout: StageLayout) -> PyTree:
     idx = jnp.asarray(np.where(table >= 0, table, L))
 
     def one(x):
+        if x.shape[0] != L:
+            raise ValueError(
+                f"a stacked layer leaf has {x.shape[0]} layers and the partition "
+                f"{layout.partition} {L}; ModelSpec.n_layers must be the stack's length"
+            )
         padded = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
         return jnp.take(padded, idx, axis=0)
 
@@ -114,25 +119,36 @@ def slot_logical(layer_logical: PyTree) -> PyTree:
     )
 
 
+_TRAINER_KEYS = ("weights", "key_ids", "counts")
+
+
 def _over_stages(local, mesh: Mesh, layer_params, other, batch: dict, key, lead: int):
-    """Run `local(layers, other, inputs, targets, weights, key_ids, key)` manual over `stage`:
-    layer leaves split over `stage` on axis `lead`, everything else whole on every stage
-    (`data` and `tensor` stay automatic); the result is replicated."""
+    """Run `local(layers, other, examples, weights, key_ids, key)` manual over `stage`: layer
+    leaves split over `stage` on axis `lead`, everything else whole on every stage (`data` and
+    `tensor` stay automatic); the result is replicated. `examples`: the model's batch arrays."""
     whole = PartitionSpec()
+    examples = {k: v for k, v in batch.items() if k not in _TRAINER_KEYS}
     f = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(
             jax.tree.map(lambda _: PartitionSpec(*([None] * lead), STAGE), layer_params),
             jax.tree.map(lambda _: whole, other),
-            whole, whole, whole, whole, whole,
+            jax.tree.map(lambda _: whole, examples),
+            whole, whole, whole,
         ),
         out_specs=whole,
         axis_names={STAGE},
         check_vma=False,
     )
-    b = batch
-    return f(layer_params, other, b["inputs"], b["targets"], b["weights"], b["key_ids"], key)
+    return f(layer_params, other, examples, batch["weights"], batch["key_ids"], key)
+
+
+def _stack(cfg: ModelConfig):
+    spec = models.get(cfg)
+    if spec.layers is None:
+        raise ValueError(f"model '{spec.name}' has no layer stack (ModelSpec.layers): no pipelines")
+    return spec.layers
 
 
 def pipeline_loss(
@@ -179,7 +195,8 @@ def pipeline_slot_losses(
     zeros (their outputs never reach a loss), so no value depends on the stage count or on
     which tick ran a slot. Layer copies are `[m, D, S, Lmax, ...]`, sharded over `stage` on axis 2.
     """
-    S, m, D = layout.stages, batch["inputs"].shape[0], replicas
+    S, m, D = layout.stages, batch["weights"].shape[0], replicas
+    stack = _stack(cfg)
     assert mesh.shape[STAGE] == S, f"mesh has {mesh.shape[STAGE]} stages, layout {S}"
     table = layout.slot_layer()
     layer_params = params["layers"]
@@ -189,11 +206,11 @@ def pipeline_slot_losses(
     def split(x):  # [D*b, ...] -> [D, b, ...]
         return x.reshape((D, x.shape[0] // D) + x.shape[1:])
 
-    def local(layers, other, inputs, targets, weights, key_ids, key):
+    def local(layers, other, examples, weights, key_ids, key):
         s = jax.lax.axis_index(STAGE)
         layers = jax.tree.map(lambda x: x[(slice(None),) * lead + (0,)], layers)
         ids = jnp.asarray(table)[s]  # [Lmax] global layer ids (-1 empty)
-        act_shape = (D, inputs.shape[1] // D) + inputs.shape[2:] + (cfg.d_model,)
+        act_shape = (D, weights.shape[1] // D) + tuple(stack.activation_shape)
         dtype = jax.tree.leaves(other)[0].dtype
 
         def at(tree, k):
@@ -216,7 +233,7 @@ def pipeline_slot_losses(
                 y = jax.lax.cond(
                     lid >= 0,
                     lambda: jax.vmap(
-                        lambda p, xi, ki: gpt.block_apply(p, xi, ki, lid, cfg, deterministic),
+                        lambda p, xi, ki: stack.block(p, xi, ki, lid, deterministic),
                         in_axes=(ax, 0, 0),
                     )(lp, x, keys),
                     lambda: x,
@@ -233,9 +250,9 @@ def pipeline_slot_losses(
             def embed():
                 op, ax = at(other, k_in)
                 return jax.vmap(
-                    lambda p, t, kk: gpt.embed_apply(p, t, kk, cfg, deterministic),
+                    lambda p, ex, kk: stack.embed(p, ex, kk, deterministic),
                     in_axes=(ax, 0, 0),
-                )(op, split(inputs[k_in]), micro_keys(k_in))
+                )(op, jax.tree.map(lambda v: split(v[k_in]), examples), micro_keys(k_in))
 
             state = jax.lax.cond((s == 0) & (i < m), embed, lambda: state)
             state = run_layers(state, jnp.clip(i - s, 0, m - 1))
@@ -244,13 +261,9 @@ def pipeline_slot_losses(
             def head_loss():
                 op, ax = at(other, k_out)
 
-                def one(p, x, t, w):
-                    logits = gpt.head_apply(p, x, cfg)
-                    tl = optax.softmax_cross_entropy_with_integer_labels(logits, t)
-                    return jnp.sum(tl * w[:, None])
-
-                return jax.vmap(one, in_axes=(ax, 0, 0, 0))(
-                    op, state, split(targets[k_out]), split(weights[k_out])
+                return jax.vmap(stack.head_loss, in_axes=(ax, 0, 0, 0))(
+                    op, state, jax.tree.map(lambda v: split(v[k_out]), examples),
+                    split(weights[k_out]),
                 )
 
             slot = jax.lax.cond(

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .config import Config, ConfigError, allowed_tensor_degrees
+from .config import Config, ConfigError, allowed_tensor_degrees, layer_count
 from .zero import ZeroLayout, evolve, fresh_layout, kept_ranks
 from .costmodel import (
     Hardware,
@@ -237,7 +237,7 @@ def _make(
 ) -> tuple[Plan, StepCost]:
     B = cfg.train.global_batch
     per_replica = ceil_div(B, data)
-    partition = layer_partition(cfg.model.n_layers, stage, previous_partition)
+    partition = layer_partition(layer_count(cfg.model), stage, previous_partition)
     canon = canonical_size(cfg) if cfg.train.deterministic else 0
     if canon:
         # Deterministic mode: micro-batches are the canonical ones, dealt over the replicas.
@@ -327,7 +327,7 @@ def stage_options(cfg: Config) -> list[int]:
     if cfg.zero.stage > 1:  # ZeRO-2/3 do not run on pipelines (config refuses stage > 1)
         return [1]
     top = cfg.parallel.max_stage or cfg.parallel.stage
-    return list(range(cfg.parallel.min_stage, min(top, cfg.model.n_layers) + 1))
+    return list(range(cfg.parallel.min_stage, min(top, layer_count(cfg.model)) + 1))
 
 
 def fast_path_plan(

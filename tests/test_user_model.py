@@ -140,3 +140,65 @@ def test_adafactor_trains_a_registered_model_without_zero(exe_cache):
         optimizer=optax.adafactor(1e-2, min_dim_size_to_factor=8), exe_cache=exe_cache,
     )
     assert s.recoveries[0].verified and s.losses[3] < s.losses[0]
+
+
+# A user model with a layer stack: residual blocks stacked on a leading layer axis, so it can be
+# pipelined (parallel.stage > 1) like the GPT.
+L, H = 4, 16
+
+
+def _deep_init(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {"embed": {"w": 0.3 * jax.random.normal(k1, (DIM, H))},
+            "layers": {"w": 0.3 * jax.random.normal(k2, (L, H, H)), "b": jnp.zeros((L, H))},
+            "head": {"w": 0.3 * jax.random.normal(k3, (H, CLASSES))}}
+
+
+def _embed(p, batch, keys, det):
+    return jnp.tanh(batch["x"] @ p["embed"]["w"])
+
+
+def _block(lp, x, keys, lid, det):
+    return x + jnp.tanh(x @ lp["w"] + lp["b"])
+
+
+def _head_loss(p, x, batch, weights):
+    ce = optax.softmax_cross_entropy_with_integer_labels(x @ p["head"]["w"], batch["y"])
+    return jnp.sum(ce * weights)
+
+
+def _deep_loss(params, batch, keys, weights, det, layer_transform=None):
+    x = _embed(params, batch, keys, det)
+
+    def body(x, inp):
+        lp, lid = inp
+        lp = layer_transform(lp) if layer_transform is not None else lp
+        return _block(lp, x, keys, lid, det), None
+
+    x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(L)))
+    return _head_loss(params, x, batch, weights)
+
+
+DEEP = elasjax.register_model(elasjax.ModelSpec(
+    name="test-deep-mlp",
+    init_params=_deep_init,
+    logical_specs=lambda: {"embed": {"w": P(None, None)},
+                           "layers": {"w": P("layers", None, None), "b": P("layers", None)},
+                           "head": {"w": P(None, None)}},
+    loss=_deep_loss,
+    example_shapes=SPEC.example_shapes,
+    data=_data,
+    layers=elasjax.LayerStack(_embed, _block, _head_loss, activation_shape=(H,)),
+    n_layers=L,
+), replace=True)
+
+
+def test_a_registered_model_with_a_layer_stack_is_pipelined_through_a_failure(exe_cache):
+    pipe = ["model.type=test-deep-mlp", "parallel.data=4", "parallel.tensor=1",
+            "parallel.stage=2", "parallel.max_stage=2", "train.microbatches=2", "train.steps=6"]
+    faulty = _run(*pipe, "faults=[{at_step: 2, devices: [3]}]", exe_cache=exe_cache)
+    clean = _run(*pipe, "faults=[]", exe_cache=exe_cache)
+    assert faulty.plans[0].startswith("d4s2")  # data 4 x stage 2: pipelined
+    assert faulty.recoveries[0].verified
+    for s in clean.losses:
+        assert abs(faulty.losses[s] - clean.losses[s]) <= 1e-5 * clean.losses[s], s

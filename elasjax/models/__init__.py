@@ -8,11 +8,11 @@ dimensions do not apply to it.
 from __future__ import annotations
 
 from . import gpt
-from .spec import ArraySource, DataSource, ModelSpec
+from .spec import ArraySource, DataSource, LayerStack, ModelSpec
 
 _USER: dict[str, ModelSpec] = {}
 
-__all__ = ["ArraySource", "DataSource", "ModelSpec", "get", "names", "register"]
+__all__ = ["ArraySource", "DataSource", "LayerStack", "ModelSpec", "get", "names", "register"]
 
 
 def register(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:

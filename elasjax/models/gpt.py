@@ -23,7 +23,7 @@ import optax
 from flax import linen as nn
 
 from ..config import ModelConfig
-from .spec import ModelSpec
+from .spec import LayerStack, ModelSpec
 
 INIT_STD = 0.02
 EMBED_DROPOUT_LAYER = 0xFFFF  # layer id of the embedding dropout site (no real layer has it)
@@ -251,6 +251,16 @@ def _spec(cfg: ModelConfig) -> ModelSpec:
         count=lambda ex: np.full(len(ex["inputs"]), cfg.seq_len, np.float32),
         tensor_degrees=tuple(allowed_tensor_degrees(cfg)),
         profile=ModelProfile.from_gpt(cfg),
-        pipeline=True,
+        layers=LayerStack(
+            embed=lambda p, batch, keys, det: embed_apply(p, batch["inputs"], keys, cfg, det),
+            block=lambda lp, x, keys, lid, det: block_apply(lp, x, keys, lid, cfg, det),
+            head_loss=functools.partial(_head_loss, cfg),
+            activation_shape=(cfg.seq_len, cfg.d_model),
+        ),
         n_layers=cfg.n_layers,
     )
+
+
+def _head_loss(cfg: ModelConfig, params, x, batch, weights):
+    tl = optax.softmax_cross_entropy_with_integer_labels(head_apply(params, x, cfg), batch["targets"])
+    return jnp.sum(tl * weights[:, None])

@@ -20,9 +20,9 @@ The trainer (`elasjax.run`) plans, steps and recovers any model given as a `Mode
 - `tensor_degrees`: the tensor-parallel degrees the model's shapes allow (default: 1 only);
 - `profile`: sizes for the cost model (`costmodel.ModelProfile`; default: from the parameter
   count, one "layer");
-- `pipeline`: True only for a model with a layer stack (`params["layers"]` stacked along a
-  leading layer axis, and embed / block / head functions): today elasjax's GPT. A model without
-  one runs data x tensor x ZeRO and gets a clear error if it asks for `parallel.stage > 1`.
+- `layers` (`LayerStack`) and `n_layers`: for pipelines, the model split into embed, a stack of
+  blocks (`params["layers"]`, stacked along a leading layer axis) and head. A model without one
+  runs data x tensor x ZeRO and gets a clear error if it asks for `parallel.stage > 1`.
 
 Register a spec under its name (`elasjax.register_model(spec)`) and select it with
 `model.type: <name>`; elasjax's GPT is the spec registered as `gpt`, built from the `model`
@@ -83,6 +83,25 @@ def _ones(examples: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.ones(len(next(iter(examples.values()))), np.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """A model split for pipelines (`parallel.stage` > 1): `params["layers"]` holds the blocks'
+    parameters stacked on a leading layer axis; everything else belongs to the embed and head.
+
+    - `embed(params, batch, keys, deterministic)`: a micro-batch's examples -> activations
+      `[n, *activation_shape]` (`params` without `"layers"`);
+    - `block(layer_params, x, keys, layer_id, deterministic)`: one block with one layer's
+      (unstacked) parameters; `layer_id` is the global layer index (fold it into random draws);
+    - `head_loss(params, x, batch, weights)`: the summed weighted loss of the activations;
+    - `activation_shape`: one sample's activation between blocks (what stages send).
+    """
+
+    embed: Callable[..., jax.Array]
+    block: Callable[..., jax.Array]
+    head_loss: Callable[..., jax.Array]
+    activation_shape: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ModelSpec:
     """See the module docstring. Specs compare by identity (an executable compiled for one is
@@ -97,8 +116,13 @@ class ModelSpec:
     count: Callable[[Mapping[str, np.ndarray]], np.ndarray] = _ones
     tensor_degrees: tuple[int, ...] = (1,)
     profile: Any = None
-    pipeline: bool = False
+    layers: LayerStack | None = None
     n_layers: int = 1
+
+    @property
+    def pipeline(self) -> bool:
+        """Can it be pipelined (has it a layer stack)?"""
+        return self.layers is not None
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
