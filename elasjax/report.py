@@ -25,7 +25,23 @@ def recovery_line(ev) -> str:
     )
 
 
+def join_line(ev: dict) -> str:
+    then = (f"growing to {ev['best_plan']} (predicted {ev['predicted_gain']:.0%} faster), "
+            "compiling in the background" if ev["grow"] else f"staying on {ev['plan']}: "
+            f"{ev['reason']}")
+    return f"step {ev['step']}: {ev['spec']} -> devices {ev['devices']} returned; {then}"
+
+
 def migration_line(mig: dict) -> str:
+    if mig["type"] == "growth":
+        return (
+            f"step {mig['step']}: grew {mig['from_plan']} => {mig['to_plan']} "
+            f"({mig['from_n_devices']} -> {mig['n_devices']} devices) after "
+            f"{mig['steps_on_fast_path']} steps on the old plan; stalled {mig['stall_s']:.3f}s"
+            + (f" ({mig['compile_wait_s']:.2f}s waiting for its compile)"
+               if mig.get("compile_wait_s") else "")
+            + f"; {mig['bytes_moved'] / 1e6:.2f} MB from live devices; verified"
+        )
     return (
         f"step {mig['step']}: cut over {mig['from_plan']} => {mig['to_plan']} after "
         f"{mig['steps_on_fast_path']} fast-path steps; stalled {mig['stall_s']:.3f}s"
