@@ -177,6 +177,12 @@ def _resolve_join(
         ids = f.join.devices
         if len(set(ids)) != len(ids):
             raise ConfigError(f"config '{key}.join.devices' = {list(ids)} names a device twice")
+        for d in ids:
+            if d in live:
+                raise ConfigError(
+                    f"config '{key}.join.devices' names device {d}, which is live at step "
+                    f"{f.at_step}; allowed values: {allowed}"
+                )
         if len(live) + len(ids) > n:
             raise ConfigError(
                 f"config '{key}.join.devices' = {list(ids)} would bring the job to "
@@ -188,11 +194,6 @@ def _resolve_join(
                 raise ConfigError(
                     f"config '{key}.join.devices' names device {d}, which was never part of the "
                     f"job (devices {list(topo.device_ids)}); allowed values: {allowed}"
-                )
-            if d in live:
-                raise ConfigError(
-                    f"config '{key}.join.devices' names device {d}, which is live at step "
-                    f"{f.at_step}; allowed values: {allowed}"
                 )
         return FaultEvent(f.at_step, tuple(ids), "join", f"join devices {list(ids)}")
     hosts = f.join.hosts
