@@ -226,13 +226,17 @@ class RecoveryConfig:
     background and cuts over at a step boundary (the returned devices are filled from live
     sources). `grow_min_gain` says how eager that is: the least predicted relative step-time
     gain (0.05: at least 5% faster) for which the run grows; below it the returned devices stay
-    spare and the `join` event says why."""
+    spare and the `join` event says why. `grow_standby` compiles, in the background while some
+    devices are down, the plan growth would pick if every device of the job returned (the
+    likeliest growth: the repaired devices come back), so that a join finds it compiled and the
+    cut-over does not wait for a compile (one extra background compile per plan change)."""
 
     strategy: Literal["elastic", "checkpoint_restart", "torchft_like"] = "elastic"
     migration: Literal["blocking", "async"] = "blocking"
     max_fast_path_steps: int = 0  # async: wait for the optimal plan after this many steps; 0 = never
     prepare_transfers: bool = True
     grow_min_gain: float = 0.05  # joins: the least predicted relative step-time gain to grow
+    grow_standby: bool = False  # compile the every-device plan in the background while some are down
 
 
 @dataclasses.dataclass(frozen=True)

@@ -248,7 +248,8 @@ class Recovering:
     def standby_candidates(self, plan: Plan, live: set[int]) -> list[Plan]:
         """Plans recovery would need after the likeliest next failures of `plan`
         (`failure_candidates`): their optimal plans with `standby.enabled`; the no-movement fast
-        paths with `recovery.migration: async`."""
+        paths with `recovery.migration: async`; and with `recovery.grow_standby`, the plan of
+        the likeliest growth (every down device returns)."""
         out: list[Plan] = []
         for gone, _ in self.failure_candidates(plan, live):
             survivors = [d for d in self.topo.device_ids if d in live - gone]
@@ -263,7 +264,22 @@ class Recovering:
                     out.append(replan(survivors, self.topo, self.cfg, plan, self.initial))
                 except Exception:  # a failure the planner cannot serve needs no standby
                     pass
+        if self.cfg.recovery.grow_standby and hasattr(self.rt, "join"):
+            grown = self._growth_candidate(plan, live)
+            if grown is not None:
+                out.append(grown)
         return list(dict.fromkeys(p.compile_key for p in out))
+
+    def _growth_candidate(self, plan: Plan, live: set[int]) -> Plan | None:
+        """The plan growth would move to from `plan` if every down device of the job returned
+        (`recovery.grow_standby`); None when none is down or it would not grow."""
+        if set(self.topo.device_ids) <= set(live):
+            return None
+        try:
+            g = growth_plan(list(self.topo.device_ids), self.topo, self.cfg, plan, self.initial)
+        except Exception:  # nothing to compile ahead for a plan the planner cannot serve
+            return None
+        return g.best if g.grow else None
 
     def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
         """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""

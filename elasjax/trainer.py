@@ -30,7 +30,7 @@ import numpy as np
 
 from . import checksum
 from .checkpoint import Checkpointer, form_of, restore_onto
-from .config import Config, dump
+from .config import Config, ConfigError, dump
 from .data import DataPipeline
 from .faults import resolve_schedule
 from .metrics import JsonlWriter
@@ -130,6 +130,11 @@ class Trainer(Recovering):
         self.devices = self.rt.devices
         self.topo = self.rt.topology
         self.schedule = resolve_schedule(cfg.faults, self.topo, cfg.train.steps, self.rt.kind)
+        if cfg.recovery.grow_standby and not hasattr(self.rt, "join"):
+            raise ConfigError(
+                f"config 'recovery.grow_standby' = true needs a runtime where devices can return; "
+                f"the {self.rt.kind} runtime has none yet; allowed values here: false"
+            )
         self.initial = initial_plan(self.topo, cfg)
         self.factory = StateFactory(cfg, make_optimizer(cfg.train))
         self.data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
@@ -142,7 +147,7 @@ class Trainer(Recovering):
         self.dead_hosts: set[int] = set()
         self.transfer_logs: list[TransferLog] = []
         self.standby: StandbyCompiler | None = None
-        grows = any(e.is_join for e in self.schedule)
+        grows = any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
         if cfg.standby.enabled or cfg.recovery.migration == "async" or grows:
             self.standby = StandbyCompiler(
                 lambda plan: self.exe_cache.get(

@@ -152,6 +152,32 @@ def test_planner_grows_only_when_the_cost_model_predicts_a_gain():
     assert not k.grow and k.best.compile_key == six.compile_key and "current one" in k.reason
 
 
+def test_grow_standby_queues_the_every_device_plan_while_devices_are_down():
+    """`recovery.grow_standby`: the standby set of a plan on a shrunk job includes the plan
+    growth would pick if every down device returned; not when all are live, not when off, and
+    a runtime where devices cannot return refuses the option."""
+    import types
+
+    cfg = tiny_config("recovery.grow_standby=true")
+    t = trainer.Trainer(cfg)
+    try:
+        init = t.initial
+        five = planner.replan([2, 4, 5, 6, 7], TOPO, cfg, init, init)
+        want = planner.growth_plan(list(range(8)), TOPO, cfg, five, init).best.compile_key
+        assert t.standby_candidates(five, {2, 4, 5, 6, 7}) == [want]
+        assert t.standby_candidates(init, set(range(8))) == []
+    finally:
+        t.standby.close()
+        t.rt.close()
+    off = trainer.Trainer(tiny_config())
+    assert off.standby is None  # nothing to compile in the background for this run
+    off.rt.close()
+    fake = types.SimpleNamespace(writer=True, devices={}, topology=TOPO, kind="multi-controller")
+    with pytest.raises(ConfigError, match=r"'recovery.grow_standby' = true needs a runtime where "
+                                          r"devices can return.*allowed values here: false"):
+        trainer.Trainer(cfg, runtime=fake)
+
+
 # -- end to end -----------------------------------------------------------------------------------
 
 
