@@ -41,7 +41,7 @@ import jax
 from . import checksum
 from .config import Config
 from .mesh import make_mesh
-from .planner import Plan, fast_path_plan, growth_plan, replan
+from .planner import NoPlanError, Plan, fast_path_plan, growth_plan, replan
 from .reshard import transition
 from .runtime import DeviceFailure, host_values
 from .sharding import path_str
@@ -277,7 +277,7 @@ class Recovering:
             return None
         try:
             g = growth_plan(list(self.topo.device_ids), self.topo, self.cfg, plan, self.initial)
-        except Exception:  # nothing to compile ahead for a plan the planner cannot serve
+        except NoPlanError:  # nothing to compile ahead for a set the planner cannot serve
             return None
         return g.best if g.grow else None
 

@@ -4,9 +4,9 @@ One loop drives both runtimes (`elasjax.runtime`): a single process with fake de
 simulated failures, and the multi-controller runtime of `elasjax launch`, where a failure is a
 process that dies. Each step runs in a runtime `guard`; a failure inside it raises
 `DeviceFailure` on every survivor, and the loop hands it to the one recovery path
-(`elasjax.recovery`), then runs the step again on the new plan with the same samples and keys. Devices that return
-(a schedule's `join`) join at a step boundary; the run grows onto them with a background compile
-and a cut-over (`Recovering._join`).
+(`elasjax.recovery`), then runs the step again on the new plan with the same samples and keys.
+Devices that return (a schedule's `join`) join at a step boundary; the run grows onto them with
+a background compile and a cut-over (`Recovering._join`).
 
 The host never waits for the step it has just dispatched: a step's metrics (loss, gradient norm,
 and the checksums of the state it produced) are read `READ_BEHIND` steps late, after the next

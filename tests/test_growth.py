@@ -11,8 +11,8 @@ test_optimized.py), bitwise equal losses and final state checksums.
 
 import jax
 import pytest
-
 from conftest import assert_same_computation, tiny_config
+
 from elasjax import checksum, config, faults, planner, trainer
 from elasjax.config import ConfigError
 from elasjax.metrics import read_jsonl
