@@ -96,7 +96,7 @@ class Progress:
             self._p.__exit__(*exc)
 
 
-def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=()) -> None:
+def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), growths=()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -127,6 +127,19 @@ def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=()) -> N
         con.print(t)
     else:
         con.print("no failures were injected")
+    if growths:
+        t = Table(title="Growth (returned devices; cut-over at a step boundary)")
+        for col in ("join", "cut-over", "devices", "plan change", "moved", "compile wait", "stall",
+                    "verified"):
+            t.add_column(col)
+        for g in growths:
+            t.add_row(
+                str(g["join_step"]), str(g["step"]), f"{g['from_n_devices']} -> {g['n_devices']}",
+                f"{g['from_plan']} -> {g['to_plan']}", f"{g['bytes_moved'] / 1e6:.2f} MB",
+                f"{g['compile_wait_s']:.2f}s", f"{g['stall_s']:.3f}s",
+                "yes" if g["verified"] else "NO",
+            )
+        con.print(t)
     for note in notes:
         con.print(note)
     last = max(losses)

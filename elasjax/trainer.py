@@ -339,7 +339,8 @@ class Trainer(Recovering):
         for note in notes:
             self.rt.log(note)
         if self.progress:
-            print_summary(recoveries, self.losses, self.evals, pos.plan, self.out_dir, notes)
+            print_summary(recoveries, self.losses, self.evals, pos.plan, self.out_dir, notes,
+                          growths)
         return RunSummary(
             self.out_dir, self.losses, self.evals, recoveries, plans, pos.plan, self.good,
             self.digests, pos.state, migrations, self.transfer_logs, notes, joins, growths,
