@@ -134,8 +134,20 @@ class RngConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class JoinConfig:
+    """Devices that return to the job at a step boundary (repaired, or replaced in the same
+    slot): exactly one of `devices` (device ids) or `hosts` (host indices; a host returns every
+    device of it that has failed). Only devices of the job that are down at that step can
+    return; they come back empty and are filled from live sources when the run grows onto them
+    (`recovery.grow_min_gain`)."""
+
+    devices: tuple[int, ...] = ()
+    hosts: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class FaultConfig:
-    """One scripted failure.
+    """One scripted failure, or a return (`join`).
 
     Exactly one of: `devices` (device ids), `hosts` (host indices; a host is
     `parallel.devices_per_host` consecutive devices of the job; under `elasjax launch` a host is
@@ -148,7 +160,11 @@ class FaultConfig:
     step started, so that recovery has to start again from what is left; `cutover` (one
     process) fails them at the first step boundary at or after `at_step` where an async
     migration cuts over, right after the new plan is installed (a run that never cuts over
-    then says so in its summary)."""
+    then says so in its summary).
+
+    `join` (instead of a failure; `JoinConfig`): devices that failed earlier return at the
+    boundary before step `at_step` (phase `step`; one process only for now). A join must come
+    before the failures of its step in the list."""
 
     at_step: int
     devices: tuple[int, ...] = ()
@@ -157,6 +173,7 @@ class FaultConfig:
     seed: int = 0
     kill_process: int = -1
     phase: Literal["step", "recovery", "cutover"] = "step"
+    join: Optional[JoinConfig] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,12 +221,24 @@ class RecoveryConfig:
     fast-path plan that moves no layers, compiles the optimal plan in the background and cuts
     over to it at a step boundary. `prepare_transfers` plans, in a background thread, the
     transitions of the likeliest next failures (each single device and host, and a pending
-    cut-over) from shard descriptions, so that recovery only executes copies."""
+    cut-over) from shard descriptions, so that recovery only executes copies.
+
+    When devices return (a fault schedule's `join`), the run grows like an async migration: it
+    keeps training on its plan, compiles the best plan over the bigger live set in the
+    background and cuts over at a step boundary (the returned devices are filled from live
+    sources). `grow_min_gain` says how eager that is: the least predicted relative step-time
+    gain (0.05: at least 5% faster) for which the run grows; below it the returned devices stay
+    spare and the `join` event says why. `grow_standby` compiles, in the background while some
+    devices are down, the plan growth would pick if every device of the job returned (the
+    likeliest growth: the repaired devices come back), so that a join finds it compiled and the
+    cut-over does not wait for a compile (one extra background compile per plan change)."""
 
     strategy: Literal["elastic", "checkpoint_restart", "torchft_like"] = "elastic"
     migration: Literal["blocking", "async"] = "blocking"
     max_fast_path_steps: int = 0  # async: wait for the optimal plan after this many steps; 0 = never
     prepare_transfers: bool = True
+    grow_min_gain: float = 0.05  # joins: the least predicted relative step-time gain to grow
+    grow_standby: bool = False  # compile the every-device plan in the background while some are down
 
 
 @dataclasses.dataclass(frozen=True)
@@ -567,6 +596,9 @@ def validate(cfg: Config) -> None:
                  "= 'torchft_like' is implemented for data x tensor plans with zero.stage = 0 and "
                  "train.deterministic = false")
     _require(cfg.recovery.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
+    _require(0.0 <= cfg.recovery.grow_min_gain < 1.0, "recovery.grow_min_gain",
+             f"= {cfg.recovery.grow_min_gain}; allowed values: 0 <= grow_min_gain < 1 (a "
+             "relative step-time gain; 0 grows whenever the bigger plan is predicted faster)")
     _require(cfg.standby.max_plans is None or cfg.standby.max_plans >= 1, "standby.max_plans",
              "must be null (every likely failure's plan) or >= 1")
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
@@ -589,12 +621,26 @@ def validate(cfg: Config) -> None:
         )
     for i, f in enumerate(cfg.faults):
         key = f"faults[{i}]"
-        kinds = [bool(f.devices), bool(f.hosts), f.count > 0, f.kill_process >= 0]
+        kinds = [bool(f.devices), bool(f.hosts), f.count > 0, f.kill_process >= 0,
+                 f.join is not None]
         if sum(kinds) != 1:
             raise ConfigError(
                 f"config '{key}' must name exactly one of 'devices', 'hosts', 'count' (+ 'seed') "
-                "or 'kill_process'"
+                "or 'kill_process' (a failure), or 'join' (devices that return)"
             )
+        if f.join is not None:
+            if bool(f.join.devices) == bool(f.join.hosts):
+                raise ConfigError(
+                    f"config '{key}.join' must name exactly one of 'devices' (device ids) or "
+                    "'hosts' (host indices)"
+                )
+            _require(f.phase == "step", f"{key}.phase",
+                     f"= '{f.phase}' with 'join': devices return at a step boundary; allowed "
+                     "values: 'step'")
+            _require(cfg.recovery.strategy == "elastic", f"{key}.join",
+                     f"needs recovery.strategy = 'elastic' (growing back is not implemented for "
+                     f"'{cfg.recovery.strategy}'); allowed values of recovery.strategy with "
+                     "joins: 'elastic'")
         _require(f.kill_process >= -1, f"{key}.kill_process", "must be a process index >= 0")
         _require(
             0 <= f.at_step < t.steps,

@@ -1,4 +1,4 @@
-"""The fault schedule: one list of scripted failures for both runtimes.
+"""The fault schedule: one list of scripted failures (and returns) for both runtimes.
 
 A schedule from config (`{at_step, devices | hosts | count + seed | kill_process, phase}`; `elasjax
 launch --kill STEP:PROCESS` adds `{at_step, kill_process}` entries to the same list) is resolved
@@ -12,6 +12,11 @@ deletes every buffer on the failed devices (`inject`: recovery can only use what
 under the multi-controller runtime a host is a process, and the targeted process sends itself
 SIGKILL. Device-level failures (`devices`, `count`) have no meaning there: one cannot kill a device
 of a live process.
+
+A `join` entry returns devices that failed earlier (repaired ones) at a step boundary. It is
+resolved against the same running set of live devices: joining a live device, a device or host
+that is not part of the job, or more devices than the job started with is a `ConfigError`. Under
+the multi-controller runtime a join is refused for now (spares and rejoin do not run there yet).
 """
 
 from __future__ import annotations
@@ -33,10 +38,14 @@ MULTI_CONTROLLER = "multi-controller"
 class FaultEvent:
     at_step: int
     device_ids: tuple[int, ...]
-    kind: str  # "devices" | "hosts" | "random" | "process"
+    kind: str  # "devices" | "hosts" | "random" | "process" | "join" (devices return)
     spec: str  # human-readable origin, e.g. "hosts [1]"
     phase: str = "step"  # "step" | "recovery" | "cutover"
-    hosts: tuple[int, ...] = ()  # the hosts (processes) it takes down whole
+    hosts: tuple[int, ...] = ()  # the hosts (processes) it takes down whole (or returns)
+
+    @property
+    def is_join(self) -> bool:
+        return self.kind == "join"
 
 
 def resolve_schedule(
@@ -52,6 +61,11 @@ def resolve_schedule(
                 f"config '{key}.at_step' = {f.at_step} is outside the run; allowed values: "
                 f"0 .. {steps - 1}"
             )
+        if f.join is not None:
+            ev = _resolve_join(f, key, topo, live, events, runtime)
+            live = [d for d in topo.device_ids if d in live or d in ev.device_ids]
+            events.append(ev)
+            continue
         hosts: tuple[int, ...] = ()
         if runtime == MULTI_CONTROLLER and (f.devices or f.count):
             raise ConfigError(
@@ -120,7 +134,7 @@ def resolve_schedule(
                 "process is killed at a step, not at an event); allowed values: 'step', 'recovery'"
             )
         if f.phase == "recovery" and not any(
-            e.at_step == f.at_step and e.phase == "step" for e in events
+            e.at_step == f.at_step and e.phase == "step" and not e.is_join for e in events
         ):
             raise ConfigError(
                 f"config '{key}.phase' = 'recovery' needs a failure with phase 'step' at the same "
@@ -137,6 +151,73 @@ def resolve_schedule(
             {"recovery": " (during recovery)", "cutover": " (at the cut-over)"}.get(f.phase, "")),
             f.phase, hosts))
     return events
+
+
+def _resolve_join(
+    f: FaultConfig, key: str, topo: Topology, live: list[int], events: list[FaultEvent],
+    runtime: str,
+) -> FaultEvent:
+    """The devices a `join` entry returns, checked against the devices live before it."""
+    if runtime == MULTI_CONTROLLER:
+        raise ConfigError(
+            f"config '{key}.join' is not available under `elasjax launch` yet: spares and "
+            "rejoining processes do not run there yet (docs/multiprocess.md); run joins with "
+            "`elasjax train` (one process)"
+        )
+    if any(e.at_step == f.at_step and not e.is_join for e in events):
+        raise ConfigError(
+            f"config '{key}' (a join at step {f.at_step}) must come before the failures of "
+            f"step {f.at_step} in 'faults': devices return at the boundary before the step"
+        )
+    down = [d for d in topo.device_ids if d not in live]
+    allowed = f"the job's devices that are down at step {f.at_step}: {down}" if down else (
+        f"none: every device of the job is live at step {f.at_step}")
+    n = len(topo.device_ids)
+    if f.join.devices:
+        ids = f.join.devices
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"config '{key}.join.devices' = {list(ids)} names a device twice")
+        for d in ids:
+            if d in live:
+                raise ConfigError(
+                    f"config '{key}.join.devices' names device {d}, which is live at step "
+                    f"{f.at_step}; allowed values: {allowed}"
+                )
+        if len(live) + len(ids) > n:
+            raise ConfigError(
+                f"config '{key}.join.devices' = {list(ids)} would bring the job to "
+                f"{len(live) + len(ids)} devices at step {f.at_step}, more than the {n} it started "
+                f"with ({len(live)} are live); allowed values: {allowed}"
+            )
+        for d in ids:
+            if d not in topo.device_ids:
+                raise ConfigError(
+                    f"config '{key}.join.devices' names device {d}, which was never part of the "
+                    f"job (devices {list(topo.device_ids)}); allowed values: {allowed}"
+                )
+        return FaultEvent(f.at_step, tuple(ids), "join", f"join devices {list(ids)}")
+    hosts = f.join.hosts
+    if len(set(hosts)) != len(hosts):
+        raise ConfigError(f"config '{key}.join.hosts' = {list(hosts)} names a host twice")
+    down_hosts = [h for h in range(topo.n_hosts) if set(topo.host_devices(h)) - set(live)]
+    ids = []
+    for h in hosts:
+        if not 0 <= h < topo.n_hosts:
+            raise ConfigError(
+                f"config '{key}.join.hosts' names host {h}, which was never part of the job; "
+                f"allowed values: the hosts with a device down at step {f.at_step}: {down_hosts} "
+                f"(hosts 0 .. {topo.n_hosts - 1}, parallel.devices_per_host = "
+                f"{topo.devices_per_host})"
+            )
+        back = [d for d in topo.host_devices(h) if d not in live]
+        if not back:
+            raise ConfigError(
+                f"config '{key}.join.hosts' names host {h}, whose devices "
+                f"{list(topo.host_devices(h))} are all live at step {f.at_step}; allowed values: "
+                f"the hosts with a device down then: {down_hosts}"
+            )
+        ids += back
+    return FaultEvent(f.at_step, tuple(ids), "join", f"join hosts {list(hosts)}", hosts=tuple(hosts))
 
 
 def inject(state: Any, device_ids: tuple[int, ...]) -> tuple[ShardStore, int]:

@@ -446,3 +446,56 @@ def _order(options, prefer_tensor: int):
 
 def _choose(options, prefer_tensor: int):
     return _order(options, prefer_tensor)[0]
+
+
+def predict_step_s(plan: Plan, cfg: Config, hw: Hardware | None = None) -> float:
+    """The cost model's step time of `plan` (recomputed, so that plans built anywhere compare)."""
+    hw = hw or Hardware.from_config(cfg.hardware)
+    prof = ModelProfile.from_model(cfg.model)
+    return _cost(
+        prof, hw, plan.data, plan.tensor, plan.stage, plan.microbatches, plan.micro_batch,
+        plan.partition,
+    ).total_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Growth:
+    """The planner's answer when devices return: the best plan over the bigger live set
+    (`best`), its predicted relative step-time gain over the current plan, and whether the run
+    should move to it (`grow`; `reason` says why not)."""
+
+    best: Plan
+    current_s: float
+    best_s: float
+    grow: bool
+    reason: str
+
+    @property
+    def gain(self) -> float:
+        return (self.current_s - self.best_s) / self.current_s if self.current_s > 0 else 0.0
+
+
+def growth_plan(
+    live_ids: Sequence[int],
+    topo: Topology,
+    cfg: Config,
+    current: Plan,
+    initial: Plan,
+    hw: Hardware | None = None,
+) -> Growth:
+    """Should the run grow from `current` onto the live devices (which include returned ones)?
+    The candidate is `replan`'s choice over them; the run grows only when the cost model
+    predicts it at least `recovery.grow_min_gain` (relative) faster than `current`: growth is
+    never forced onto a plan that is not better."""
+    hw = hw or Hardware.from_config(cfg.hardware)
+    best = replan(live_ids, topo, cfg, current, initial, hw)
+    g = Growth(best, predict_step_s(current, cfg, hw), predict_step_s(best, cfg, hw), False, "")
+    need = cfg.recovery.grow_min_gain
+    if best.compile_key == current.compile_key:
+        reason = "the best plan over the live devices is the current one"
+    elif g.gain <= 0 or g.gain < need:
+        reason = (f"predicted gain {g.gain:+.1%} of {best.name} over {current.name} is below "
+                  f"recovery.grow_min_gain = {need:.1%}" + (" (and not positive)" if need == 0 else ""))
+    else:
+        return dataclasses.replace(g, grow=True)
+    return dataclasses.replace(g, reason=reason)

@@ -1,4 +1,5 @@
-"""Recovery as a plan transition, and the cut-over from a fast path to the optimal plan.
+"""Recovery as a plan transition, growth when devices return, and the cut-over to the optimal
+plan.
 
 One recovery path for both runtimes (the trainer is given a runtime, `elasjax.runtime`). A
 recovery is the timeline of DESIGN section 4, each phase timed:
@@ -18,6 +19,13 @@ good state's surviving shards and the snapshots); `retry_s` is the time the fail
 
 A recovery that cannot be verified raises; a slice with no live copy and no checkpoint raises
 `UnrecoverableStateError`. The run never continues with re-initialised or partly stale state.
+
+Growth is the other direction: devices return (a schedule's `join`), empty. The planner's best
+plan over the bigger live set (`planner.growth_plan`, no growth unless it is predicted at least
+`recovery.grow_min_gain` faster) becomes a pending cut-over, exactly like the optimal plan after
+an async recovery: training goes on on the current plan while the bigger plan compiles in the
+background, and the cut-over at a step boundary fills the returned devices from the current
+plan's (live) shards, verified by checksum. Its `growth` event reports the stall.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import jax
 from . import checksum
 from .config import Config
 from .mesh import make_mesh
-from .planner import Plan, fast_path_plan, replan
+from .planner import NoPlanError, Plan, fast_path_plan, growth_plan, replan
 from .reshard import transition
 from .runtime import DeviceFailure, host_values
 from .sharding import path_str
@@ -78,6 +86,19 @@ class Position:
     state: Any
     good: dict[str, str] | None
     live: frozenset[int]
+
+
+@dataclasses.dataclass
+class PendingCutover:
+    """A plan to cut over to at a step boundary once compiled: the optimal plan after an async
+    recovery (`kind` "migration"), or a bigger plan after devices returned ("growth")."""
+
+    plan: Plan
+    t_start: float  # when the change became known (the failure's detection, or the join)
+    step: int  # the step of the failure or the join
+    kind: str = "migration"
+    joined: tuple[int, ...] = ()  # growth: the devices that returned
+    predicted_gain: float = 0.0  # growth: relative step-time gain predicted by the cost model
 
 
 @dataclasses.dataclass
@@ -227,7 +248,8 @@ class Recovering:
     def standby_candidates(self, plan: Plan, live: set[int]) -> list[Plan]:
         """Plans recovery would need after the likeliest next failures of `plan`
         (`failure_candidates`): their optimal plans with `standby.enabled`; the no-movement fast
-        paths with `recovery.migration: async`."""
+        paths with `recovery.migration: async`; and with `recovery.grow_standby`, the plan of
+        the likeliest growth (every down device returns)."""
         out: list[Plan] = []
         for gone, _ in self.failure_candidates(plan, live):
             survivors = [d for d in self.topo.device_ids if d in live - gone]
@@ -242,7 +264,22 @@ class Recovering:
                     out.append(replan(survivors, self.topo, self.cfg, plan, self.initial))
                 except Exception:  # a failure the planner cannot serve needs no standby
                     pass
+        if self.cfg.recovery.grow_standby and hasattr(self.rt, "join"):
+            grown = self._growth_candidate(plan, live)
+            if grown is not None:
+                out.append(grown)
         return list(dict.fromkeys(p.compile_key for p in out))
+
+    def _growth_candidate(self, plan: Plan, live: set[int]) -> Plan | None:
+        """The plan growth would move to from `plan` if every down device of the job returned
+        (`recovery.grow_standby`); None when none is down or it would not grow."""
+        if set(self.topo.device_ids) <= set(live):
+            return None
+        try:
+            g = growth_plan(list(self.topo.device_ids), self.topo, self.cfg, plan, self.initial)
+        except NoPlanError:  # nothing to compile ahead for a set the planner cannot serve
+            return None
+        return g.best if g.grow else None
 
     def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
         """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""
@@ -311,7 +348,7 @@ class Recovering:
         compiles_before = self.compiles.count
         if self.jobs is not None:
             self.jobs.replace([])  # plans for the old plan's failures: stop preparing them
-        self.pending_cutover = None  # a new failure re-plans from scratch
+        self.pending_cutover = None  # a new failure re-plans from scratch (returned devices too)
         strategy = self.cfg.recovery.strategy
         failures = [failure]
         dead = set(failure.devices)
@@ -440,7 +477,7 @@ class Recovering:
         )
         self.transfer_logs.append(log)
         if migration == "async":
-            self.pending_cutover = (optimal, t_first - first.detect_s, pos.step)
+            self.pending_cutover = PendingCutover(optimal, t_first - first.detect_s, pos.step)
             self.cutover_wait_s = 0.0
             self.standby.submit([optimal.compile_key])  # the only plan that matters now
             if self.jobs is not None:  # plan the cut-over (nothing lost, no snapshots)
@@ -517,6 +554,44 @@ class Recovering:
             self.ckpt.drop_after(ck_step)
             return new_state, checkpoint_log(new_state), "checkpoint", ck_step, meta["checksums"], tinfo
 
+    # -- growth ---------------------------------------------------------------------------------
+
+    def _join(self, pos: Position, joins: list) -> tuple[Position, dict]:
+        """Devices return at the boundary before step `pos.step`: they join the live set, empty.
+        When the planner finds a plan over the bigger set worth growing to, it becomes the
+        pending cut-over (compiled in the background while training goes on); otherwise the
+        devices stay spare. Returns the new position and the `join` event."""
+        t0 = time.perf_counter()
+        ids = sorted({d for e in joins for d in e.device_ids})
+        self.rt.join(ids)
+        live = frozenset(pos.live | set(ids))
+        self.dead_hosts -= {self.topo.host_of(d) for d in live}  # their memory is usable again
+        survivors = [d for d in self.topo.device_ids if d in live]
+        g = growth_plan(survivors, self.topo, self.cfg, pos.plan, self.initial)
+        ev = {
+            "type": "join", "step": pos.step, "devices": ids,
+            "spec": "; ".join(e.spec for e in joins), "n_live": len(live), "plan": pos.plan.name,
+            "best_plan": g.best.name, "predicted_step_s": g.current_s,
+            "best_predicted_step_s": g.best_s, "predicted_gain": g.gain, "grow": g.grow,
+            "reason": g.reason,
+        }
+        if g.grow:
+            ev["replaces_pending"] = (
+                self.pending_cutover.plan.name if self.pending_cutover is not None else None)
+            self.pending_cutover = PendingCutover(
+                g.best, t0, pos.step, "growth", tuple(ids), g.gain)
+            self.cutover_wait_s = 0.0
+            self.standby.submit([g.best.compile_key])  # the only plan that matters now
+            if self.jobs is not None:  # plan the cut-over's copies in the background too
+                self.jobs.replace([functools.partial(
+                    self._prepare_move, describe_state(pos.state), set(), g.best,
+                    pos.exe.layout, None,
+                )])
+        elif self.pending_cutover is None:
+            self._standby_due = (pos.plan, set(live))  # the likely failures' plans changed
+        ev["plan_s"] = time.perf_counter() - t0
+        return dataclasses.replace(pos, live=live), ev
+
     # -- cut-over -------------------------------------------------------------------------------
 
     def _cutover_due(self, step: int) -> tuple[bool, dict | None]:
@@ -525,7 +600,8 @@ class Recovering:
         `recovery.max_fast_path_steps` steps on the fast path. If its background compile failed
         on any process, the run stays on the fast path (which trains the same computation) and
         the error is returned as an event, never raised."""
-        optimal, _, fail_step = self.pending_cutover
+        pc = self.pending_cutover
+        optimal, fail_step = pc.plan, pc.step
         key = optimal.compile_key
         limit = self.cfg.recovery.max_fast_path_steps
         try:
@@ -545,16 +621,17 @@ class Recovering:
         if errors:
             self.pending_cutover = None
             return False, {
-                "type": "cutover_abandoned", "step": step, "optimal_plan": optimal.name,
-                "errors": errors,
-                "stays_on": "the fast path (the same computation; fewer devices used)",
+                "type": "cutover_abandoned", "kind": pc.kind, "step": step,
+                "optimal_plan": optimal.name, "errors": errors,
+                "stays_on": "the current plan (the same computation; fewer devices used)",
             }
         return all(state == "ready" for state, _ in votes.values()), None
 
     def _cutover(self, pos: Position) -> tuple[Position, dict]:
         """Move to the optimal plan (compiled in the background) at a step boundary. Each part
         is its own guard (a failure leaves `pos` as it was: the old state is intact)."""
-        optimal, t_fail, fail_step = self.pending_cutover
+        pc = self.pending_cutover
+        optimal, t_fail, fail_step = pc.plan, pc.t_start, pc.step
         new_exe = self.standby.get(optimal.compile_key)
         with self.rt.guard("cutover/transfer"):
             t0 = time.perf_counter()
@@ -566,6 +643,9 @@ class Recovering:
             )
             self.rt.commit(new_state)
             transfer_s = time.perf_counter() - t0
+        if not log.sources() <= set(pos.plan.device_ids):  # invariant: returned devices are empty
+            raise AssertionError(f"a cut-over read {log.sources() - set(pos.plan.device_ids)}, "
+                                 f"outside {pos.plan.name}")
         with self.rt.guard("cutover/verify"):
             t0 = time.perf_counter()
             actual = host_checksums(self.rt, new_exe.checksum(new_state), new_exe)
@@ -582,9 +662,9 @@ class Recovering:
         self._refresh_standby(optimal, set(pos.live))
         self._prepare_transitions(optimal, new_exe, new_state, set(pos.live))
         mig = {
-            "type": "migration",
+            "type": pc.kind,
             "step": pos.step,
-            "failure_step": fail_step,
+            ("join_step" if pc.kind == "growth" else "failure_step"): fail_step,
             "from_plan": pos.plan.name,
             "to_plan": optimal.name,
             "bytes_moved": log.bytes_moved,
@@ -601,5 +681,9 @@ class Recovering:
             "time_to_optimal_s": time.perf_counter() - t_fail,
             "verified": True,
         }
+        if pc.kind == "growth":
+            mig.update(joined_devices=list(pc.joined), n_devices=optimal.n_devices,
+                       from_n_devices=pos.plan.n_devices, predicted_gain=pc.predicted_gain,
+                       sources=sorted(log.sources()))
         new = Position(pos.step, optimal, new_exe, new_state, actual, pos.live)
         return new, mig

@@ -25,7 +25,23 @@ def recovery_line(ev) -> str:
     )
 
 
+def join_line(ev: dict) -> str:
+    then = (f"growing to {ev['best_plan']} (predicted {ev['predicted_gain']:.0%} faster), "
+            "compiling in the background" if ev["grow"] else f"staying on {ev['plan']}: "
+            f"{ev['reason']}")
+    return f"step {ev['step']}: {ev['spec']} -> devices {ev['devices']} returned; {then}"
+
+
 def migration_line(mig: dict) -> str:
+    if mig["type"] == "growth":
+        return (
+            f"step {mig['step']}: grew {mig['from_plan']} => {mig['to_plan']} "
+            f"({mig['from_n_devices']} -> {mig['n_devices']} devices) after "
+            f"{mig['steps_on_fast_path']} steps on the old plan; stalled {mig['stall_s']:.3f}s"
+            + (f" ({mig['compile_wait_s']:.2f}s waiting for its compile)"
+               if mig.get("compile_wait_s") else "")
+            + f"; {mig['bytes_moved'] / 1e6:.2f} MB from live devices; verified"
+        )
     return (
         f"step {mig['step']}: cut over {mig['from_plan']} => {mig['to_plan']} after "
         f"{mig['steps_on_fast_path']} fast-path steps; stalled {mig['stall_s']:.3f}s"
@@ -80,7 +96,7 @@ class Progress:
             self._p.__exit__(*exc)
 
 
-def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=()) -> None:
+def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), growths=()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -111,6 +127,19 @@ def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=()) -> N
         con.print(t)
     else:
         con.print("no failures were injected")
+    if growths:
+        t = Table(title="Growth (returned devices; cut-over at a step boundary)")
+        for col in ("join", "cut-over", "devices", "plan change", "moved", "compile wait", "stall",
+                    "verified"):
+            t.add_column(col)
+        for g in growths:
+            t.add_row(
+                str(g["join_step"]), str(g["step"]), f"{g['from_n_devices']} -> {g['n_devices']}",
+                f"{g['from_plan']} -> {g['to_plan']}", f"{g['bytes_moved'] / 1e6:.2f} MB",
+                f"{g['compile_wait_s']:.2f}s", f"{g['stall_s']:.3f}s",
+                "yes" if g["verified"] else "NO",
+            )
+        con.print(t)
     for note in notes:
         con.print(note)
     last = max(losses)

@@ -24,6 +24,7 @@ The interface, used by the trainer, the snapshot pool and transitions:
   raises `DeviceFailure` on every survivor, naming the same devices;
 - `inject(events, point, trees)`: make scheduled failures happen at `point` ("before_step",
   "after_dispatch", "transfer"); each runtime acts at the points where its failures happen;
+- `join(devices)` (one process only, for now): failed devices return, empty;
 - `commit(tree)`: wait for `tree` where a guard must see its errors (multi-controller);
 - `exchange(sends, recvs)` and `move(items)`: cross-process pieces, point to point;
 - `agree(value)`: every live process's value; `share(value, src)`: process `src`'s value;
@@ -170,6 +171,13 @@ class InProcessRuntime:
             ids, point, detect_s=time.perf_counter() - t0,
             cause="; ".join(e.spec for e in events), detail={"bytes_lost": lost},
         )
+
+    def join(self, device_ids: Iterable[int]) -> None:
+        """Devices return (repaired): live again, holding nothing."""
+        ids = set(device_ids)
+        if not ids <= set(self.devices):
+            raise ValueError(f"devices {sorted(ids - set(self.devices))} are not the job's")
+        self.live |= ids
 
     def capture(self, tree, dead: Iterable[int]) -> ShardStore:
         """Every live shard of `tree` (its surviving buffers, if a failure was injected under it)."""

@@ -5,6 +5,8 @@ simulated failures, and the multi-controller runtime of `elasjax launch`, where 
 process that dies. Each step runs in a runtime `guard`; a failure inside it raises
 `DeviceFailure` on every survivor, and the loop hands it to the one recovery path
 (`elasjax.recovery`), then runs the step again on the new plan with the same samples and keys.
+Devices that return (a schedule's `join`) join at a step boundary; the run grows onto them with
+a background compile and a cut-over (`Recovering._join`).
 
 The host never waits for the step it has just dispatched: a step's metrics (loss, gradient norm,
 and the checksums of the state it produced) are read `READ_BEHIND` steps late, after the next
@@ -29,7 +31,7 @@ import optax
 
 from . import checksum
 from .checkpoint import Checkpointer, form_of, restore_onto
-from .config import Config, dump
+from .config import Config, ConfigError, dump
 from .data import DataPipeline
 from .faults import resolve_schedule
 from .metrics import JsonlWriter
@@ -41,7 +43,7 @@ from .recovery import (
     RecoveryVerificationError,
     host_checksums,
 )
-from .report import Progress, migration_line, print_summary, recovery_line
+from .report import Progress, join_line, migration_line, print_summary, recovery_line
 from .reshard import TransitionPlanCache
 from .rng import check_backend_config
 from .runtime import DeviceFailure, InProcessRuntime, host_values
@@ -72,6 +74,8 @@ class RunSummary:
     # one per recovery and per cut-over, in order
     transfer_logs: list[TransferLog] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    joins: list[dict] = dataclasses.field(default_factory=list)  # `join` events
+    growths: list[dict] = dataclasses.field(default_factory=list)  # growth cut-overs
 
     @property
     def final_loss(self) -> float:
@@ -132,6 +136,11 @@ class Trainer(Recovering):
         self.devices = self.rt.devices
         self.topo = self.rt.topology
         self.schedule = resolve_schedule(cfg.faults, self.topo, cfg.train.steps, self.rt.kind)
+        if cfg.recovery.grow_standby and not hasattr(self.rt, "join"):
+            raise ConfigError(
+                f"config 'recovery.grow_standby' = true needs a runtime where devices can return; "
+                f"the {self.rt.kind} runtime has none yet; allowed values here: false"
+            )
         self.initial = initial_plan(self.topo, cfg)
         self.factory = StateFactory(
             cfg, optimizer or make_optimizer(cfg.train), custom_tx=optimizer is not None
@@ -148,14 +157,15 @@ class Trainer(Recovering):
         self.dead_hosts: set[int] = set()
         self.transfer_logs: list[TransferLog] = []
         self.standby: StandbyCompiler | None = None
-        if cfg.standby.enabled or cfg.recovery.migration == "async":
+        grows = any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
+        if cfg.standby.enabled or cfg.recovery.migration == "async" or grows:
             self.standby = StandbyCompiler(
                 lambda plan: self.exe_cache.get(
                     cfg, self.factory, plan, self.devices, donate=self.rt.donate
                 )[0],
                 max_plans=cfg.standby.max_plans,
             )
-        self.pending_cutover: tuple[Plan, float, int] | None = None
+        self.pending_cutover = None  # a `recovery.PendingCutover`
         self.cutover_wait_s = 0.0  # the pending cut-over's wait for its compile
         self.abandoned_cutovers: list[dict] = []
         self.torchft_keep: tuple[int, ...] | None = None  # initial replicas still training
@@ -207,6 +217,8 @@ class Trainer(Recovering):
         T = self.cfg.train.steps
         pos = self._start(ew)
         migrations: list[dict] = []
+        growths: list[dict] = []
+        joins: list[dict] = []
         recoveries: list[RecoveryEvent] = []
         plans = [pos.plan.name]
         pending = list(self.schedule)
@@ -217,6 +229,14 @@ class Trainer(Recovering):
             while pos.step < T:
                 step = pos.step
                 cutover_now = False
+                joining = [e for e in pending if e.is_join and e.at_step == step]
+                if joining:  # at the boundary, before this step's failures
+                    pending = [e for e in pending if e not in joining]
+                    pos, jev = self._join(pos, joining)
+                    joins.append(jev)
+                    ew.write(jev)
+                    bar.log(join_line(jev))
+                    self.rt.log(join_line(jev))
                 try:
                     if self.pending_cutover is not None:
                         with self.rt.guard("cutover"):
@@ -232,13 +252,14 @@ class Trainer(Recovering):
                             self._flush(mw, bar)
                             pos = dataclasses.replace(pos, good=self.good)
                             pos, mig = self._cutover(pos)
-                            migrations.append(mig)
+                            (growths if mig["type"] == "growth" else migrations).append(mig)
                             ew.write(mig)
                             bar.log(migration_line(mig))
                             self.rt.log(migration_line(mig))
                             plans.append(pos.plan.name)
                             cutover_now = True
-                    due = [e for e in pending if e.at_step == step and e.phase == "step"] + [
+                    due = [e for e in pending if e.at_step == step and e.phase == "step"
+                           and not e.is_join] + [
                         e for e in pending if cutover_now and e.phase == "cutover" and e.at_step <= step
                     ]
                     with self.rt.guard("step"):
@@ -251,8 +272,11 @@ class Trainer(Recovering):
                     pos = dataclasses.replace(pos, good=self.good)
                     during = [e for e in pending if e.at_step == step and e.phase == "recovery"]
                     pos, open_event = self._recover(pos, failure, during)
+                    # drop the events this recovery consumed (or that can no longer fire);
+                    # later failures of devices that will have returned by then stay
                     gone = set(self.topo.device_ids) - set(pos.live)
-                    pending = [e for e in pending if not set(e.device_ids) <= gone]
+                    pending = [e for e in pending if e.is_join or e.at_step > step
+                               or not set(e.device_ids) <= gone]
                     redo_until = max(redo_until, step)
                     plans.append(pos.plan.name)
                     continue
@@ -288,7 +312,7 @@ class Trainer(Recovering):
         notes = [
             f"the cut-over to {a['optimal_plan']} was abandoned at step {a['step']}: its "
             f"background compile failed ({next(iter(a['errors'].values()))[:200]}); the run "
-            "stayed on its fast path"
+            f"stayed on {'its plan' if a.get('kind') == 'growth' else 'its fast path'}"
             for a in self.abandoned_cutovers
         ]
         notes += [
@@ -297,11 +321,13 @@ class Trainer(Recovering):
             for e in pending if e.phase == "cutover"
         ]
         if self.pending_cutover is not None:
-            optimal, _, fail_step = self.pending_cutover
+            pc = self.pending_cutover
+            since = "the join" if pc.kind == "growth" else "the failure"
             notes.append(
-                f"the run ended on its fast path {pos.plan.name}: the optimal plan "
-                f"{optimal.name} (pending since the failure at step {fail_step}) was not ready "
-                "on every process before the last step"
+                f"the run ended on {pos.plan.name}: the "
+                f"{'bigger' if pc.kind == 'growth' else 'optimal'} plan {pc.plan.name} (pending "
+                f"since {since} at step {pc.step}) was not ready on every process before the "
+                "last step"
             )
         ew.write(
             {
@@ -323,10 +349,11 @@ class Trainer(Recovering):
         for note in notes:
             self.rt.log(note)
         if self.progress:
-            print_summary(recoveries, self.losses, self.evals, pos.plan, self.out_dir, notes)
+            print_summary(recoveries, self.losses, self.evals, pos.plan, self.out_dir, notes,
+                          growths)
         return RunSummary(
             self.out_dir, self.losses, self.evals, recoveries, plans, pos.plan, self.good,
-            self.digests, pos.state, migrations, self.transfer_logs, notes,
+            self.digests, pos.state, migrations, self.transfer_logs, notes, joins, growths,
         )
 
     def _dispatch(self, pos: Position, due, redo: bool) -> tuple[Any, _InFlight]:

@@ -13,6 +13,22 @@ def test_demo_config_loads():
     assert cfg.faults[1].hosts == (0,)
 
 
+def test_demo_grow_config_loads_and_resolves():
+    import yaml
+
+    from elasjax import faults, planner
+
+    cfg = config.load("configs/demo_grow.yaml")
+    assert [f.join is not None for f in cfg.faults] == [False, False, True, True]
+    assert cfg.faults[2].join.devices == (3,) and cfg.faults[3].join.hosts == (1,)
+    assert cfg.recovery.grow_min_gain == 0.05
+    topo = planner.Topology(tuple(range(8)), 2)
+    events = faults.resolve_schedule(cfg.faults, topo, cfg.train.steps)
+    assert [e.device_ids for e in events] == [(3,), (2,), (3,), (2,)]  # 8 -> 7 -> 6 -> 8
+    text = config.dump(cfg)
+    assert "join:" in text and config.from_dict(yaml.safe_load(text)) == cfg
+
+
 def test_override_parses_yaml_values():
     cfg = config.load("configs/demo.yaml", ["train.steps=12", "faults=[]", "model.dropout=0.0"])
     assert cfg.train.steps == 12 and cfg.faults == () and cfg.model.dropout == 0.0
