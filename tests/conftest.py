@@ -113,9 +113,12 @@ def skip_if_not_enough_devices(n: int) -> None:
 LONGEST_FIRST = [
     "test_zero_train.py",
     "test_multiprocess.py",
+    "test_growth.py",
     "test_optimized.py",
     "test_fault_schedules.py",
     "test_pipeline_recovery.py",
+    "test_user_model.py",
+    "test_api.py",
     "test_zero.py",
     "test_standby_baselines.py",
     "test_cli.py",
