@@ -202,3 +202,39 @@ def test_a_registered_model_with_a_layer_stack_is_pipelined_through_a_failure(ex
     assert faulty.recoveries[0].verified
     for s in clean.losses:
         assert abs(faulty.losses[s] - clean.losses[s]) <= 1e-5 * clean.losses[s], s
+
+
+def test_a_masked_sequence_model_states_its_own_normaliser():
+    """Variable-length sequences: `count` gives each example its real tokens, so the loop's
+    normaliser (sum of the real samples' counts) is per real token, padding slots count 0."""
+    from elasjax import planner
+    from elasjax.data import DataPipeline
+    from elasjax.planner import Topology
+
+    T = 6
+    lengths = np.array([1, 6, 3, 4, 2, 5, 6, 1], np.int32)
+    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
+    tokens = np.arange(8 * T, dtype=np.int32).reshape(8, T) % 7
+    elasjax.register_model(elasjax.ModelSpec(
+        name="test-masked-seq",
+        init_params=lambda key: {"w": jnp.zeros((7, 7))},
+        logical_specs=lambda: {"w": P(None, None)},
+        loss=lambda params, b, keys, w, det, layer_transform=None: jnp.sum(
+            jnp.sum(b["mask"], -1) * w),
+        example_shapes={"tokens": jax.ShapeDtypeStruct((T,), jnp.int32),
+                        "mask": jax.ShapeDtypeStruct((T,), jnp.float32)},
+        data=lambda _: elasjax.ArraySource(train={"tokens": tokens, "mask": mask},
+                                           val={"tokens": tokens, "mask": mask}),
+        count=lambda ex: ex["mask"].sum(-1),
+    ), replace=True)
+    cfg = config.load(None, [*BASE[:1], "model.type=test-masked-seq", "train.global_batch=5",
+                             "parallel.devices=8", "parallel.data=4", "parallel.tensor=1"])
+    dp = DataPipeline(cfg.data, cfg.model, cfg.rng, 5)
+    plan = planner.plan_for_shape(list(range(4)), Topology(tuple(range(8)), 1), cfg, data=4,
+                                  tensor=1, microbatches=1)
+    hb = dp.batch(0, plan)
+    _, idx = dp.step_ids(0)
+    real = hb.weights > 0
+    assert real.sum() == 5 and hb.counts[~real].sum() == 0  # 8 slots, 3 of them padding
+    assert hb.counts[real].sum() == lengths[idx].sum()  # the normaliser: real tokens only
+    np.testing.assert_array_equal(hb.fields["mask"][real].sum(-1), hb.counts[real])
