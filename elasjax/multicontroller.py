@@ -103,9 +103,10 @@ class RuntimeConfig:
       init_timeout_s: how long `initialize` waits for every process to connect.
       liveness_interval_s: every process writes its heartbeat key (`elasjax/hb/<p>`) to the
         coordination service's key-value store this often (the fast detector, see `Liveness`).
-      liveness_timeout_s: a process that has not reached a guard's exit barrier and whose
-        heartbeat key has not changed for this long is declared dead by process 0 (the arbiter).
-        It never fires on a process that is merely slow: such a process keeps beating.
+      liveness_timeout_s: a process that has not reached a step's exit barrier and whose
+        heartbeat key has not changed for this long is declared dead by process 0 (the arbiter);
+        the other guards use `heartbeat_timeout_s` (compiles starve heartbeat threads). It never
+        fires on a process that is merely slow: such a process keeps beating.
       slow: `(process, factor, from_step, steps)`: make `process` `factor` times slower (it is
         stopped and resumed by SIGSTOP/SIGCONT, a slow host) for `steps` steps from step
         `from_step` (benchmarks of false positives); None: off.
@@ -267,23 +268,31 @@ class Liveness:
             with self._lock:
                 peers = list(self._last)
             for p in peers:
-                try:
-                    v = self.client.key_value_try_get(f"elasjax/hb/{p}")
-                except JaxRuntimeError:  # not written yet, or the service is going away
-                    v = None
-                now = time.time()
-                with self._lock:
-                    if p not in self._last:
-                        continue
-                    old, t = self._last[p]
-                    if v is not None and v != old:
-                        if old is not None:
-                            self.max_gap[p] = max(self.max_gap[p], now - t)
-                            if now - t > self.timeout / 2 and len(self.long_gaps) < 100:
-                                self.long_gaps.append((now, p, now - t, self.phase))
-                        self._last[p] = (v, now)
-                    elif now - t > self.timeout and p not in self.first_silent:
-                        self.first_silent[p] = now
+                self.observe(p)
+
+    def observe(self, p: int) -> float:
+        """Read process p's heartbeat key now; returns its silence in seconds. The arbiter calls
+        it directly, so a watcher thread that did not run for a while cannot make a live
+        process look silent."""
+        try:
+            v = self.client.key_value_try_get(f"elasjax/hb/{p}")
+        except JaxRuntimeError:  # not written yet, or the service is going away
+            v = None
+        now = time.time()
+        with self._lock:
+            if p not in self._last:
+                return float("inf")
+            old, t = self._last[p]
+            if v is not None and v != old:
+                if old is not None:
+                    self.max_gap[p] = max(self.max_gap[p], now - t)
+                    if now - t > self.timeout / 2 and len(self.long_gaps) < 100:
+                        self.long_gaps.append((now, p, now - t, self.phase))
+                self._last[p] = (v, now)
+                return 0.0
+            if now - t > self.timeout and p not in self.first_silent:
+                self.first_silent[p] = now
+            return now - t
 
     def silent_s(self, p: int) -> float:
         """Seconds since process p's heartbeat last changed, as this process saw it."""
@@ -332,6 +341,10 @@ class _Throttle:
         self.proc.kill()
         self.proc.wait()
         os.kill(os.getpid(), signal.SIGCONT)  # never leave this process stopped
+
+
+class DeclaredDeadError(RuntimeError):
+    """This process was declared dead (a heartbeat silence) while alive: it must leave."""
 
 
 class PeerError(RuntimeError):
@@ -461,7 +474,14 @@ class MultiControllerRuntime:
             yield
         except Exception as e:  # decided at the barrier, with every other live process
             err, t_err = e, time.time()
-        verdict = self._exit_barrier(err)
+        verdict = self._exit_barrier(err, self.liveness_timeout(phase))
+        if self.me in verdict["failed"]:  # silent too long while alive: fenced off, leave
+            raise DeclaredDeadError(
+                f"{phase}: process {self.me} was declared dead by the arbiter (its heartbeat "
+                f"was silent {verdict['silent_s'][str(self.me)]:.2f}s > liveness timeout "
+                f"{verdict['timeout_s']:g}s and it had not reached the barrier); the "
+                "survivors go on without it. Raise --liveness-timeout on a loaded machine"
+            ) from err
         if verdict["failed"]:
             raise self._failure(verdict, phase, t_block, t_err, err) from err
         if err is not None:
@@ -491,7 +511,16 @@ class MultiControllerRuntime:
             self._throttle = None
             self.log(f"back to full speed after {steps} slowed steps")
 
-    def _exit_barrier(self, err: BaseException | None) -> dict:
+    def liveness_timeout(self, phase: str) -> float:
+        """The silence that makes a process absent from `phase`'s barrier dead: the fast
+        `liveness_timeout_s` for steps; for the other phases (start-up, recovery, cut-over,
+        checkpoint: XLA compiles run in them or beside them and starve the heartbeat thread,
+        measured up to 1.33 s of silence from live processes) the slower `heartbeat_timeout_s`."""
+        if phase == "step":
+            return self.rc.liveness_timeout_s
+        return max(self.rc.liveness_timeout_s, float(self.rc.heartbeat_timeout_s))
+
+    def _exit_barrier(self, err: BaseException | None, timeout: float) -> dict:
         self._guards += 1
         key = f"elasjax/g/{self._guards}"
         status = "ok" if err is None else "err:" + (str(err).splitlines() or [""])[0][:300]
@@ -512,14 +541,15 @@ class MultiControllerRuntime:
                     statuses[p] = self.client.blocking_key_value_get(f"{key}/{p}", 20)
                     pending.remove(p)
                 except JaxRuntimeError:  # not there yet: dead or slow?
-                    silent = self.liveness.silent_s(p)
-                    if silent > self.rc.liveness_timeout_s:
+                    silent = self.liveness.observe(p)
+                    if silent > timeout:
                         failed[p] = silent
                         pending.remove(p)
         verdict = {
             "failed": sorted(failed),
             "silent_s": {str(p): round(v, 3) for p, v in failed.items()},
             "errors": {str(p): v[4:] for p, v in statuses.items() if v.startswith("err:")},
+            "timeout_s": timeout,
             "t_verdict": time.time(),
         }
         self.client.key_value_set(f"{key}/verdict", json.dumps(verdict), allow_overwrite=True)
@@ -556,7 +586,7 @@ class MultiControllerRuntime:
             released = f"its block raised {type(err).__name__} after {t_err - t_block:.2f}s"
         silent = ", ".join(f"process {p} silent {verdict['silent_s'][str(p)]:.2f}s" for p in procs)
         detected_by = (f"heartbeat: {silent} and absent from the {phase} exit barrier "
-                       f"(liveness timeout {self.rc.liveness_timeout_s:g}s); {released}")
+                       f"(liveness timeout {verdict['timeout_s']:g}s); {released}")
         self.client.key_value_set(
             f"elasjax/detect/{self.epoch}/{self.me}",
             json.dumps({"kill_to_error_s": k2e, "kill_to_detect_s": k2d, "kill_to_silent_s": k2s}),
@@ -582,7 +612,7 @@ class MultiControllerRuntime:
                 "error_cause": cause[:300],
                 "incident": self.epoch,
                 "collective_timeout_s": self.rc.collective_timeout_s,
-                "liveness_timeout_s": self.rc.liveness_timeout_s,
+                "liveness_timeout_s": verdict["timeout_s"],
                 "heartbeat_timeout_s": self.rc.heartbeat_timeout_s,
             },
         )

@@ -423,9 +423,10 @@ class Trainer(Recovering):
                 # process warms the same executables in the same order (collectives), skipping
                 # those without a device of its own
                 for exe in sorted(self.standby.ready_values(), key=lambda e: (e.plan.name, [d.id for d in e.mesh.devices.flat])):
-                    if exe.warm_s == 0.0 and exe.mesh.local_devices:
-                        exe.warm_s = warm_up(exe)
-                        warm_s += exe.warm_s
+                    with self.rt.guard("start/warm-up"):  # all start each warm-up together
+                        if exe.warm_s == 0.0 and exe.mesh.local_devices:
+                            exe.warm_s = warm_up(exe)
+                            warm_s += exe.warm_s
             sb = self.standby
             ew.write({"type": "standby_ready", "plans": sb.compiled, "wait_s": compile_s + warm_s,
                       "compile_s": sb.compile_s, "warm_s": warm_s})

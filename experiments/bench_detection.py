@@ -91,10 +91,10 @@ def kill_run(args, i: int, out: Path) -> list[dict]:
     return rows
 
 
-def skew_run(args, out: Path) -> dict:
+def skew_run(args, out: Path, collective_timeout: int) -> dict:
     start = 2
     steps = start + args.skew_steps + 3
-    rc, wall = _launch(out, [f"train.steps={steps}"], collective_timeout_s=args.collective_timeout,
+    rc, wall = _launch(out, [f"train.steps={steps}"], collective_timeout_s=collective_timeout,
                        liveness_timeout_s=args.liveness_timeout,
                        slow=f"1:{args.skew_factor:g}:{start}:{args.skew_steps}")
     ev = _events(out)
@@ -107,10 +107,13 @@ def skew_run(args, out: Path) -> dict:
     gaps = []
     for w in sorted(out.glob("worker*.log")):
         for line in w.read_text(errors="replace").splitlines():
-            if "longest heartbeat silence seen" in line:
-                gaps.append(line.split("] ", 1)[-1])
+            if "longest heartbeat silence seen" in line or "heartbeat silences over" in line:
+                gaps.append(w.stem + ": " + line.split("] ", 1)[-1][:400])
     launch = json.loads((out / "launch.json").read_text()) if (out / "launch.json").exists() else {}
+    errors = [e for e in ev if e.get("type") == "error"]
     return {
+        "collective_timeout_s": collective_timeout,
+        "error": (errors[0]["error"] + ": " + errors[0]["message"][:300]) if errors else None,
         "exit": rc, "wall_s": wall, "false_positives": len(declared),
         "finished_all": rc == 0 and bool(end) and end[0].get("processes") == [0, 1, 2, 3],
         "outcome": launch.get("outcome"), "steps_logged": len(st),
@@ -142,6 +145,10 @@ def full_restart(args, out: Path) -> dict:
     return {"exit": rc, "to_first_step_s": first[0] - t0, "wall_s": wall}
 
 
+def _f(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def _stats(xs) -> str:
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -157,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--liveness-timeout", type=float, default=1.0)
     ap.add_argument("--skew-factor", type=float, default=3.0)
     ap.add_argument("--skew-steps", type=int, default=50)
+    ap.add_argument("--skew-collective-timeouts", type=int, nargs="*", default=None,
+                    metavar="S", help="collective timeouts of the skew runs (default: the kill runs')")
     ap.add_argument("--skip", action="append", default=[], choices=("kills", "skew", "restart"))
     ap.add_argument("--optimized-xla", action="store_true",
                     help="compile with XLA's optimisations (default: JAX_DISABLE_MOST_OPTIMIZATIONS=1)")
@@ -178,8 +187,10 @@ def main(argv=None) -> int:
             rows += kill_run(args, i, out / f"kill{i}")
         res["kills"] = rows
     if "skew" not in args.skip:
-        res["skew"] = skew_run(args, out / "skew")
-        print(f"  skew run: {res['skew']}", flush=True)
+        res["skew"] = []
+        for ct in args.skew_collective_timeouts or [args.collective_timeout]:
+            res["skew"].append(skew_run(args, out / f"skew_ct{ct}", ct))
+            print(f"  skew run: {res['skew'][-1]}", flush=True)
     if "restart" not in args.skip:
         res["restart"] = full_restart(args, out / "restart")
         print(f"  full restart: {res['restart']}", flush=True)
@@ -212,13 +223,15 @@ def main(argv=None) -> int:
                                                    "standby_wait_s"))
                 + f" | {r['mttr_s']:.3f}"
             )
-    if "skew" in res:
-        s = res["skew"]
-        lines += ["", f"skew run (process 1 {args.skew_factor:g}x slower for {args.skew_steps} steps, "
-                  f"no kill): false positives {s['false_positives']}; finished with all 4 "
-                  f"processes: {s['finished_all']} (outcome {s['outcome']}, {s['steps_logged']} "
-                  f"steps); median step {s['median_step_s_normal']} s normal, "
-                  f"{s['median_step_s_slowed']} s slowed"]
+    for s in res.get("skew", []):
+        lines += ["", f"skew run (process 1 {args.skew_factor:g}x slower by SIGSTOP/SIGCONT for "
+                  f"{args.skew_steps} steps, no kill, collective timeout {s['collective_timeout_s']}s): "
+                  f"false positives {s['false_positives']}; finished with all 4 processes: "
+                  f"{s['finished_all']} (outcome {s['outcome']}, {s['steps_logged']} steps logged); "
+                  f"median step {_f(s['median_step_s_normal'])} s normal, "
+                  f"{_f(s['median_step_s_slowed'])} s slowed"]
+        if s["error"]:
+            lines.append(f"  stopped: {s['error']}")
         lines += [f"  {g}" for g in s["heartbeat_gaps"]]
     if "restart" in res and rows:
         hit_mttr = [r["mttr_s"] for r in rows if r["standby_hit"]]

@@ -441,7 +441,7 @@ try:
             os.kill(os.getpid(), signal.SIGKILL)
         y.block_until_ready()
 except DeviceFailure as e:
-    out.update(failed=sorted(e.devices), detector=e.detail["detector"],
+    out.update(failed=sorted({rt.process_of(d) for d in e.devices}), detector=e.detail["detector"],
                detected_by=e.detail["detected_by"], procs=e.detail["failed_processes"])
 live = [d for d in devs if d.id in rt.live]
 f, x = step_fn(live)  # the survivors go on over their own devices
@@ -486,6 +486,7 @@ def test_heartbeat_detector_names_the_dead_process_and_waits_for_a_slow_one(tmp_
         assert line, outs[i][-3000:]
         r = json.loads(line[0][7:])
         assert r["slow_ok"] == 3  # the slow process was waited for, not declared dead
+        # the failed devices are exactly process 2's, on both survivors
         assert r["failed"] == [2] and r["procs"] == [2] and r["detector"] == "heartbeat"
         assert "process 2 silent" in r["detected_by"]
         assert r["after"] == 3.0  # 1 + sum of two ones: the survivors' collective ran
