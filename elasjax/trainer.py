@@ -418,15 +418,12 @@ class Trainer(Recovering):
             self.standby.wait_all()
             compile_s = time.perf_counter() - t0
             warm_s = 0.0
-            if self.cfg.standby.warm:
-                # on the training thread, before step 0: nothing else runs on the devices; every
-                # process warms the same executables in the same order (collectives), skipping
-                # those without a device of its own
-                for exe in sorted(self.standby.ready_values(), key=lambda e: (e.plan.name, [d.id for d in e.mesh.devices.flat])):
-                    with self.rt.guard("start/warm-up"):  # all start each warm-up together
-                        if exe.warm_s == 0.0 and exe.mesh.local_devices:
-                            exe.warm_s = warm_up(exe)
-                            warm_s += exe.warm_s
+            if self.cfg.standby.warm and jax.process_count() == 1:
+                # on the training thread, before step 0: nothing else runs on the devices
+                for exe in self.standby.ready_values():
+                    if exe.warm_s == 0.0:
+                        exe.warm_s = warm_up(exe)
+                        warm_s += exe.warm_s
             sb = self.standby
             ew.write({"type": "standby_ready", "plans": sb.compiled, "wait_s": compile_s + warm_s,
                       "compile_s": sb.compile_s, "warm_s": warm_s})
