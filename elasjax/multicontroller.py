@@ -468,20 +468,20 @@ class MultiControllerRuntime:
         self.liveness.phase = phase
         if phase == "step":
             self._slow_step()
+        # entry barrier: nobody enters a collective while a peer is still busy with local work
+        # (a compile): with a short collective timeout that wait would fail the collective
+        verdict = self._exit_barrier(None, self.liveness_timeout(phase, at_exit=False), "entry")
+        self._check_fenced(verdict, phase, None)
+        if verdict["failed"]:
+            raise self._failure(verdict, phase, t_block, None, None)
         err: BaseException | None = None
         t_err = None
         try:
             yield
         except Exception as e:  # decided at the barrier, with every other live process
             err, t_err = e, time.time()
-        verdict = self._exit_barrier(err, self.liveness_timeout(phase))
-        if self.me in verdict["failed"]:  # silent too long while alive: fenced off, leave
-            raise DeclaredDeadError(
-                f"{phase}: process {self.me} was declared dead by the arbiter (its heartbeat "
-                f"was silent {verdict['silent_s'][str(self.me)]:.2f}s > liveness timeout "
-                f"{verdict['timeout_s']:g}s and it had not reached the barrier); the "
-                "survivors go on without it. Raise --liveness-timeout on a loaded machine"
-            ) from err
+        verdict = self._exit_barrier(err, self.liveness_timeout(phase, at_exit=True))
+        self._check_fenced(verdict, phase, err)
         if verdict["failed"]:
             raise self._failure(verdict, phase, t_block, t_err, err) from err
         if err is not None:
@@ -511,16 +511,26 @@ class MultiControllerRuntime:
             self._throttle = None
             self.log(f"back to full speed after {steps} slowed steps")
 
-    def liveness_timeout(self, phase: str) -> float:
-        """The silence that makes a process absent from `phase`'s barrier dead: the fast
-        `liveness_timeout_s` for steps; for the other phases (start-up, recovery, cut-over,
-        checkpoint: XLA compiles run in them or beside them and starve the heartbeat thread,
-        measured up to 1.33 s of silence from live processes) the slower `heartbeat_timeout_s`."""
-        if phase == "step":
+    def _check_fenced(self, verdict: dict, phase: str, err) -> None:
+        if self.me in verdict["failed"]:  # silent too long while alive: fenced off, leave
+            raise DeclaredDeadError(
+                f"{phase}: process {self.me} was declared dead by the arbiter (its heartbeat "
+                f"was silent {verdict['silent_s'][str(self.me)]:.2f}s > liveness timeout "
+                f"{verdict['timeout_s']:g}s and it had not reached the barrier); the "
+                "survivors go on without it. Raise --liveness-timeout on a loaded machine"
+            ) from err
+
+    def liveness_timeout(self, phase: str, at_exit: bool = True) -> float:
+        """The silence that makes a process absent from a barrier dead: the fast
+        `liveness_timeout_s` at a step's exit (a death inside the step); at every entry barrier
+        and the other phases' exits (start-up, recovery, cut-over, checkpoint: XLA compiles run
+        in them or beside them and starve the heartbeat thread, measured up to 1.33 s of silence
+        from live processes) the slower `heartbeat_timeout_s`."""
+        if phase == "step" and at_exit:
             return self.rc.liveness_timeout_s
         return max(self.rc.liveness_timeout_s, float(self.rc.heartbeat_timeout_s))
 
-    def _exit_barrier(self, err: BaseException | None, timeout: float) -> dict:
+    def _exit_barrier(self, err: BaseException | None, timeout: float, where: str = "exit") -> dict:
         self._guards += 1
         key = f"elasjax/g/{self._guards}"
         status = "ok" if err is None else "err:" + (str(err).splitlines() or [""])[0][:300]
@@ -550,11 +560,12 @@ class MultiControllerRuntime:
             "silent_s": {str(p): round(v, 3) for p, v in failed.items()},
             "errors": {str(p): v[4:] for p, v in statuses.items() if v.startswith("err:")},
             "timeout_s": timeout,
+            "where": where,
             "t_verdict": time.time(),
         }
         self.client.key_value_set(f"{key}/verdict", json.dumps(verdict), allow_overwrite=True)
-        if self._guards > 2:  # keep the store small: the guard before last is settled
-            old = f"elasjax/g/{self._guards - 2}"
+        if self._guards > 100:  # keep the store small; a fenced process still finds its verdict
+            old = f"elasjax/g/{self._guards - 100}"
             with contextlib.suppress(JaxRuntimeError):
                 self.client.key_value_delete(old)  # the directory: every post and the verdict
         return verdict
@@ -585,7 +596,7 @@ class MultiControllerRuntime:
         else:
             released = f"its block raised {type(err).__name__} after {t_err - t_block:.2f}s"
         silent = ", ".join(f"process {p} silent {verdict['silent_s'][str(p)]:.2f}s" for p in procs)
-        detected_by = (f"heartbeat: {silent} and absent from the {phase} exit barrier "
+        detected_by = (f"heartbeat: {silent} and absent from the {phase} {verdict.get('where', 'exit')} barrier "
                        f"(liveness timeout {verdict['timeout_s']:g}s); {released}")
         self.client.key_value_set(
             f"elasjax/detect/{self.epoch}/{self.me}",
