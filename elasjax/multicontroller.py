@@ -13,10 +13,10 @@ engine's own primitives do the fault tolerance; this module wires them up:
   receive returns, and there is no way to abort a CPU collective from Python).
 - The fast detector (`Liveness`): every process writes a heartbeat key to the coordination
   service's key-value store every `liveness_interval_s` and watches the others'.
-- `guard(phase)` runs a block, then an exit barrier through the key-value store: process 0 (the
-  arbiter; its death ends the job anyway) waits for every live process's "done" and declares
-  dead exactly those that never posted it *and* whose heartbeat has been silent for
-  `liveness_timeout_s`; every process reads its verdict, so all survivors raise `DeviceFailure`
+- `guard(phase)` runs an entry barrier, the block, then an exit barrier through the key-value
+  store: process 0 (the arbiter; its death ends the job anyway) waits for every live process's
+  "done" and declares dead exactly those that never posted it *and* whose heartbeat has been
+  silent for `liveness_timeout_s` (a step's exit) or `heartbeat_timeout_s`; every process reads its verdict, so all survivors raise `DeviceFailure`
   with the same devices and plan the same next layout (the planner is pure). A slow process
   keeps beating and is waited for. (This replaces `multihost_utils.live_devices`, whose
   membership check waits for the coordination service's own heartbeat: 0.6-1.7 s more.)
@@ -453,7 +453,9 @@ class MultiControllerRuntime:
 
     @contextlib.contextmanager
     def guard(self, phase: str):
-        """Run the block on every live process, then agree at an exit barrier on what happened.
+        """Run the block on every live process between an entry barrier (nobody starts the
+        block's collectives while a peer is still busy, e.g. compiling) and an exit barrier
+        where all agree on what happened.
 
         The barrier goes through the key-value store: each process posts whether its block
         raised; process 0 (the arbiter: its death ends the job anyway) waits for every live
