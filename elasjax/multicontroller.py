@@ -486,14 +486,21 @@ class MultiControllerRuntime:
         self._check_fenced(verdict, phase, err)
         if verdict["failed"]:
             raise self._failure(verdict, phase, t_block, t_err, err) from err
-        if err is not None:
-            raise err
         if verdict["errors"]:
+            if err is not None and not isinstance(err, JaxRuntimeError):
+                raise err  # this process's own error (every process raises; none is dead)
+            procs = sorted(int(p) for p in verdict["errors"])
             p, msg = next(iter(sorted(verdict["errors"].items())))
-            raise PeerError(
-                f"{phase}: process {p} failed ({msg}) while every process was alive; "
-                "no process is declared dead, the job stops"
+            hint = (
+                f" A gloo collective that waits longer than the collective timeout "
+                f"({self.rc.collective_timeout_s}s) for a live peer fails and closes its "
+                "communicator for good: raise --collective-timeout above the skew between "
+                "processes." if "Gloo" in msg or "Timed out" in msg else ""
             )
+            raise PeerError(
+                f"{phase}: failed on process(es) {procs} while every process was alive (process "
+                f"{p}: {msg[:300]}); no process is declared dead, the job stops.{hint}"
+            ) from err
         if not self._started:  # a process restarted from now on is a rejoin (see __init__)
             self._started = True
             if self.writer:
