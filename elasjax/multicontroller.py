@@ -240,7 +240,7 @@ class Liveness:
         self.client, self.me, self.interval, self.timeout = client, me, interval, timeout
         now = time.time()
         self._last: dict[int, tuple[str | None, float]] = {p: (None, now) for p in peers if p != me}
-        self.first_silent: dict[int, float] = {}  # wall time each peer was first seen silent
+        self.first_silent: dict[int, float] = {}  # when each peer's current silence passed timeout
         self.max_gap: dict[int, float] = {p: 0.0 for p in self._last}  # longest seen silence
         self.long_gaps: list[tuple[float, int, float, str]] = []  # (when, peer, gap, our phase)
         self.phase = "start"  # the guard this process is in (set by the runtime), for reports
@@ -289,6 +289,7 @@ class Liveness:
                     if now - t > self.timeout / 2 and len(self.long_gaps) < 100:
                         self.long_gaps.append((now, p, now - t, self.phase))
                 self._last[p] = (v, now)
+                self.first_silent.pop(p, None)  # it beats again: an earlier silence was not death
                 return 0.0
             if now - t > self.timeout and p not in self.first_silent:
                 self.first_silent[p] = now

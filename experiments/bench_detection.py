@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         hits = [r for r in rows if r["standby_hit"]]
         miss = [r for r in rows if not r["standby_hit"]]
         lines += [
-            f"detection over {len(rows)} kills (seconds, survivors' view, worst survivor per kill):",
+            f"detection over {len(rows)} kills (seconds; process 0's view, then the slowest survivor's):",
             f"  kill -> silent (heartbeat knows)     {_stats([r['kill_to_silent_s'] for r in rows])}",
             f"  kill -> error (step released)         {_stats([r['kill_to_error_s'] for r in rows])}",
             f"  kill -> detected (verdict, detect_s)  {_stats([r['kill_to_detect_s'] for r in rows])}",
