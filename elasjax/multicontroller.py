@@ -555,6 +555,11 @@ class MultiControllerRuntime:
         statuses = {self.me: status}
         failed: dict[int, float] = {}
         pending = [p for p in live if p != self.me]
+        # the fast timeout needs evidence of a failure: a block that failed on a process that
+        # got here. A peer absent while every block succeeded took part in all their
+        # collectives, so it is late, not dead: it gets the slow timeout (measured: a live
+        # process's heartbeat stalled 1.02 s during a step beside a background compile).
+        fast, slow, used = timeout, max(timeout, float(self.rc.heartbeat_timeout_s)), timeout
         while pending:
             for p in list(pending):
                 try:
@@ -562,14 +567,17 @@ class MultiControllerRuntime:
                     pending.remove(p)
                 except JaxRuntimeError:  # not there yet: dead or slow?
                     silent = self.liveness.observe(p)
-                    if silent > timeout:
+                    evidence = any(v.startswith("err:") for v in statuses.values())
+                    limit = fast if evidence else slow
+                    if silent > limit:
+                        used = limit
                         failed[p] = silent
                         pending.remove(p)
         verdict = {
             "failed": sorted(failed),
             "silent_s": {str(p): round(v, 3) for p, v in failed.items()},
             "errors": {str(p): v[4:] for p, v in statuses.items() if v.startswith("err:")},
-            "timeout_s": timeout,
+            "timeout_s": used,
             "where": where,
             "t_verdict": time.time(),
         }

@@ -411,7 +411,8 @@ _GUARD_WORKER = r"""
 import json, os, signal, sys, time
 port, me, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 from elasjax.multicontroller import RuntimeConfig, initialize, MultiControllerRuntime, kv_client
-rc = RuntimeConfig(f"127.0.0.1:{port}", 3, me, devices_per_process=1, collective_timeout_s=8,
+rc = RuntimeConfig(f"127.0.0.1:{port}", 3, me, devices_per_process=1,
+                   collective_timeout_s=1 if mode == "fence" else 8,
                    heartbeat_timeout_s=5, liveness_timeout_s=1.0)
 initialize(rc)
 import jax, jax.numpy as jnp, numpy as np
@@ -433,12 +434,13 @@ STOP = "import os, signal, sys, time; p = int(sys.argv[1]); os.kill(p, signal.SI
 try:
     for step in range(3):  # process 1 sleeps 3 s after its step: 3x the liveness timeout
         with rt.guard("step"):
+            if me == 1 and step == 1 and mode == "fence":
+                # stopped, heartbeat thread included, for 2.5 s before its collective: the
+                # others' collective times out (1 s), the evidence the fast timeout needs
+                subprocess.run([sys.executable, "-c", STOP, str(os.getpid())])
             f(x).block_until_ready()
-            if me == 1 and step == 1:
-                if mode == "fence":  # stopped, heartbeat thread included, for 2.5 s
-                    subprocess.run([sys.executable, "-c", STOP, str(os.getpid())])
-                else:
-                    time.sleep(3.0)
+            if me == 1 and step == 1 and mode == "kill":
+                time.sleep(3.0)
         out["slow_ok"] += 1
     with rt.guard("step"):
         y = f(x)
@@ -484,9 +486,10 @@ def test_heartbeat_detector_names_the_dead_process_and_waits_for_a_slow_one(tmp_
 
 @pytest.mark.slow
 def test_a_process_silent_past_the_liveness_timeout_is_fenced_off(tmp_path):
-    """Process 1 is stopped (SIGSTOP, its heartbeat thread too) for 2.5 s after its step, so it
-    is silent and absent at the barrier: the arbiter declares it dead. It leaves with
-    DeclaredDeadError (no second opinion on the membership); the others go on without it."""
+    """Process 1 is stopped (SIGSTOP, its heartbeat thread too) for 2.5 s inside a step, before
+    its collective, with a 1 s collective timeout: the others' step fails and process 1 is silent
+    and absent at the barrier, so the arbiter declares it dead. It leaves with DeclaredDeadError
+    (no second opinion on the membership); the others go on without it."""
     procs, outs = _guard_job("fence")
     r1 = _result(procs[1], outs[1])
     assert "process 1 was declared dead" in r1["fenced"]
