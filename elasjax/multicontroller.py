@@ -103,9 +103,10 @@ class RuntimeConfig:
       init_timeout_s: how long `initialize` waits for every process to connect.
       liveness_interval_s: every process writes its heartbeat key (`elasjax/hb/<p>`) to the
         coordination service's key-value store this often (the fast detector, see `Liveness`).
-      liveness_timeout_s: a process that has not reached a step's exit barrier and whose
-        heartbeat key has not changed for this long is declared dead by process 0 (the arbiter);
-        the other guards use `heartbeat_timeout_s` (compiles starve heartbeat threads). It never
+      liveness_timeout_s: a process that has not reached a step's exit barrier, whose
+        heartbeat key has not changed for this long, while the step failed on a process that
+        did reach it, is declared dead by process 0 (the arbiter); without such a failure, and
+        at the other barriers, `heartbeat_timeout_s` applies (compiles starve heartbeat threads). It never
         fires on a process that is merely slow: such a process keeps beating.
       slow: `(process, factor, from_step, steps)`: make `process` `factor` times slower (it is
         stopped and resumed by SIGSTOP/SIGCONT, a slow host) for `steps` steps from step
