@@ -72,6 +72,25 @@ class KillSpec:
         return f"{self.at_step}:{self.process}"
 
 
+def parse_slow(text: str, processes: int) -> tuple[int, float, int, int]:
+    """`P:FACTOR:FROM_STEP:STEPS` -> `RuntimeConfig.slow` (a slow process, for benchmarks)."""
+    parts = text.split(":")
+    try:
+        p, factor, start, steps = int(parts[0]), float(parts[1]), int(parts[2]), int(parts[3])
+        if len(parts) != 4:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ConfigError(
+            f"--slow {text!r} must look like PROCESS:FACTOR:FROM_STEP:STEPS, e.g. --slow 1:3:2:50"
+        ) from None
+    if not (0 <= p < processes and factor >= 1 and start >= 0 and steps >= 1):
+        raise ConfigError(
+            f"--slow {text!r}: PROCESS in 0 .. {processes - 1}, FACTOR >= 1, FROM_STEP >= 0, "
+            "STEPS >= 1"
+        )
+    return p, factor, start, steps
+
+
 # What cannot run under launch, and why (also in the README's limits and docs/multiprocess.md).
 LAUNCH_LIMITS = {
     "standby.cache_dir": (
@@ -186,6 +205,9 @@ def launch_local(
     kills: Sequence[KillSpec] = (),
     heartbeat_timeout_s: int = 5,
     collective_timeout_s: int = 8,
+    liveness_interval_s: float = 0.1,
+    liveness_timeout_s: float = 1.0,
+    slow: str | None = None,
     timeout_s: float = 900.0,
     quiet: bool = False,
 ) -> int:
@@ -216,6 +238,9 @@ def launch_local(
         devices_per_process=devices_per_process,
         heartbeat_timeout_s=heartbeat_timeout_s,
         collective_timeout_s=collective_timeout_s,
+        liveness_interval_s=liveness_interval_s,
+        liveness_timeout_s=liveness_timeout_s,
+        slow=parse_slow(slow, processes) if slow else None,
     )
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["XLA_FLAGS"] = xla_flags(rc0, env.get("XLA_FLAGS", ""))
@@ -247,6 +272,11 @@ def launch_local(
                 str(heartbeat_timeout_s),
                 "--collective-timeout",
                 str(collective_timeout_s),
+                "--liveness-interval",
+                str(liveness_interval_s),
+                "--liveness-timeout",
+                str(liveness_timeout_s),
+                *(["--slow", slow] if slow else []),
                 "--out",
                 str(out),
                 "--die-with-parent",
@@ -435,7 +465,8 @@ def _print_recoveries(out: Path, quiet: bool) -> None:
         if e.get("type") == "recovery":
             print(
                 f"recovery at step {e['step']}: {e['fault']}; {e['from_plan']} -> {e['to_plan']} "
-                f"via {e['rung']}; kill->error {_fmt(e.get('kill_to_error_s'))}; "
+                f"via {e['rung']}; kill->detected {_fmt(e.get('kill_to_detect_s'))} "
+                f"({e.get('detected_by', 'n/a')}); "
                 f"MTTR {e['mttr_s']:.2f}s "
                 f"(detect {e['detect_s']:.2f}, plan {e['plan_s']:.3f}, compile "
                 f"{e['compile_s']:.2f}, transfer {e['transfer_s']:.3f}, verify "
@@ -462,6 +493,12 @@ def worker_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argumen
     ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--heartbeat-timeout", type=int, default=5)
     ap.add_argument("--collective-timeout", type=int, default=8)
+    ap.add_argument("--liveness-interval", type=float, default=0.1, metavar="S",
+                    help="heartbeat period through the key-value store (the fast detector)")
+    ap.add_argument("--liveness-timeout", type=float, default=1.0, metavar="S",
+                    help="a process silent this long and absent from a guard's barrier is dead")
+    ap.add_argument("--slow", default=None, metavar="P:FACTOR:FROM_STEP:STEPS",
+                    help="benchmark: make process P FACTOR times slower for STEPS steps")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS")
     ap.add_argument("--out", default=None)
@@ -478,6 +515,9 @@ def worker_main(args: argparse.Namespace) -> int:
         args.devices_per_process,
         args.heartbeat_timeout,
         args.collective_timeout,
+        liveness_interval_s=args.liveness_interval,
+        liveness_timeout_s=args.liveness_timeout,
+        slow=parse_slow(args.slow, args.num_processes) if args.slow else None,
     )
     kills = [KillSpec.parse(k) for k in args.kill]
     return run_worker(args.config, args.set, rc, args.out, kills)

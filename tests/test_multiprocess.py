@@ -306,6 +306,7 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     # Detection: the survivors' collective fails after the timeout at the latest.
     assert 0 < ev["kill_to_error_s"] <= COLLECTIVE_TIMEOUT_S + HEARTBEAT_TIMEOUT_S + 5
     assert sorted(ev["detect_per_process_s"]) == ["0", "1", "3"]
+    assert ev["detector"] == "heartbeat" and "process 2 silent" in ev["detected_by"]
     assert ev["mttr_s"] == pytest.approx(sum(ev[k] for k in MTTR_PHASES))
     assert events[-1]["type"] == "end" and events[-1]["processes"] == [0, 1, 3]
     assert "recovery at step 4: process 2 killed (SIGKILL)" in stdout
@@ -384,3 +385,145 @@ def test_killing_process_0_ends_every_process_with_a_clear_error(tmp_path):
     assert p1["ended_after_s"] - p0["ended_after_s"] <= HEARTBEAT_TIMEOUT_S + 15
     assert summary["left_running_after_reap"] == []
     assert all(_worker_ended(s["pid"]) for s in summary["processes"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast detector (heartbeats through the key-value store, process 0 the arbiter), on the
+# runtime alone: 3 processes x 1 device, a jitted all-reduce per guard, no trainer.
+
+
+def test_liveness_knobs_and_slow_option_are_checked():
+    from elasjax.launch import parse_slow
+
+    with pytest.raises(ValueError, match="liveness_interval_s"):
+        RuntimeConfig("h:1", 2, 0, liveness_interval_s=0.0)
+    with pytest.raises(ValueError, match="liveness_timeout_s"):
+        RuntimeConfig("h:1", 2, 0, liveness_interval_s=0.5, liveness_timeout_s=1.0)
+    with pytest.raises(ValueError, match="slow"):
+        RuntimeConfig("h:1", 2, 0, slow=(2, 3.0, 1, 5))
+    assert parse_slow("1:3:2:50", 4) == (1, 3.0, 2, 50)
+    for bad in ("1:3:2", "x:3:2:50", "4:3:2:50", "1:0.5:2:50"):
+        with pytest.raises(ConfigError, match="--slow"):
+            parse_slow(bad, 4)
+
+
+_GUARD_WORKER = r"""
+import json, os, signal, sys, time
+port, me, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+from elasjax.multicontroller import RuntimeConfig, initialize, MultiControllerRuntime, kv_client
+rc = RuntimeConfig(f"127.0.0.1:{port}", 3, me, devices_per_process=1,
+                   collective_timeout_s=1 if mode == "fence" else 8,
+                   heartbeat_timeout_s=5, liveness_timeout_s=1.0)
+initialize(rc)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from elasjax.runtime import DeviceFailure
+from elasjax.multicontroller import DeclaredDeadError
+import subprocess
+rt = MultiControllerRuntime(rc)
+
+def step_fn(devs):
+    sh = NamedSharding(Mesh(np.array(devs), ("x",)), P("x"))
+    x = jax.make_array_from_callback((len(devs),), sh, lambda i: np.ones((1,), np.float32))
+    return jax.jit(lambda a: a + jnp.sum(a), out_shardings=sh), x
+
+devs = sorted(jax.devices(), key=lambda d: d.id)
+f, x = step_fn(devs)
+out = {"slow_ok": 0}
+STOP = "import os, signal, sys, time; p = int(sys.argv[1]); os.kill(p, signal.SIGSTOP); time.sleep(2.5); os.kill(p, signal.SIGCONT)"
+try:
+    for step in range(3):  # process 1 sleeps 3 s after its step: 3x the liveness timeout
+        with rt.guard("step"):
+            if me == 1 and step == 1 and mode == "fence":
+                # stopped, heartbeat thread included, for 2.5 s before its collective: the
+                # others' collective times out (1 s), the evidence the fast timeout needs
+                subprocess.run([sys.executable, "-c", STOP, str(os.getpid())])
+            f(x).block_until_ready()
+            if me == 1 and step == 1 and mode == "kill":
+                time.sleep(3.0)
+        out["slow_ok"] += 1
+    with rt.guard("step"):
+        y = f(x)
+        if me == 2 and mode == "kill":
+            kv_client().key_value_set("elasjax/kill/2", repr(time.time()), True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        y.block_until_ready()
+except DeclaredDeadError as e:
+    print("RESULT " + json.dumps({"fenced": str(e)}), flush=True)
+    os._exit(0)
+except DeviceFailure as e:
+    out.update(failed=sorted({rt.process_of(d) for d in e.devices}), detector=e.detail["detector"],
+               detected_by=e.detail["detected_by"], procs=e.detail["failed_processes"])
+live = [d for d in devs if d.id in rt.live]
+f, x = step_fn(live)  # the survivors go on over their own devices
+with rt.guard("step"):
+    out["after"] = float(np.asarray(f(x).addressable_shards[0].data)[0])
+print("RESULT " + json.dumps(out), flush=True)
+if mode == "fence":  # the job goes on a while: the fenced process reads its verdict meanwhile
+    time.sleep(4.0)
+rt.close()
+from elasjax.launch import _shutdown
+_shutdown(me, sorted(rt.processes()))
+"""
+
+
+@pytest.mark.slow
+def test_heartbeat_detector_names_the_dead_process_and_waits_for_a_slow_one(tmp_path):
+    """Process 1 is silent at the guard's barrier 3x longer than the liveness timeout (its
+    heartbeat thread goes on): nobody is declared dead. Process 2 is SIGKILLed inside a guard:
+    both survivors raise DeviceFailure naming exactly its device, detected by the heartbeat,
+    and then run a collective over their own devices."""
+    procs, outs = _guard_job("kill")
+    assert procs[2].returncode == -signal.SIGKILL
+    for i in (0, 1):
+        r = _result(procs[i], outs[i])
+        assert r["slow_ok"] == 3  # the slow process was waited for, not declared dead
+        # the failed devices are exactly process 2's, on both survivors
+        assert r["failed"] == [2] and r["procs"] == [2] and r["detector"] == "heartbeat"
+        assert "process 2 silent" in r["detected_by"]
+        assert r["after"] == 3.0  # 1 + sum of two ones: the survivors' collective ran
+
+
+@pytest.mark.slow
+def test_a_process_silent_past_the_liveness_timeout_is_fenced_off(tmp_path):
+    """Process 1 is stopped (SIGSTOP, its heartbeat thread too) for 2.5 s inside a step, before
+    its collective, with a 1 s collective timeout: the others' step fails and process 1 is silent
+    and absent at the barrier, so the arbiter declares it dead. It leaves with DeclaredDeadError
+    (no second opinion on the membership); the others go on without it."""
+    procs, outs = _guard_job("fence")
+    r1 = _result(procs[1], outs[1])
+    assert "process 1 was declared dead" in r1["fenced"]
+    for i in (0, 2):
+        r = _result(procs[i], outs[i])
+        assert r["slow_ok"] == 1 and r["failed"] == [1] and r["detector"] == "heartbeat"
+        assert r["after"] == 3.0
+
+
+def _result(proc, out: str) -> dict:
+    assert proc.returncode == 0, out[-3000:]
+    line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert line, out[-3000:]
+    return json.loads(line[0][7:])
+
+
+def _guard_job(mode: str):
+    from elasjax.launch import _free_port
+
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _GUARD_WORKER, str(port), str(i), mode], cwd=ROOT,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+        for i in range(3)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return procs, outs
