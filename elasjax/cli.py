@@ -80,6 +80,8 @@ def _launch(args) -> int:
     from . import launch
 
     kills = [launch.KillSpec.parse(k) for k in args.kill]
+    if args.standby:
+        args.set = ["standby.enabled=true", "standby.wait_at_start=true", *args.set]
     if args.coordinator is None:  # start the processes here, on loopback
         if args.num_processes is not None or args.process_id is not None:
             raise launch.ConfigError("--num-processes/--process-id need --coordinator")
@@ -94,6 +96,9 @@ def _launch(args) -> int:
             kills=kills,
             heartbeat_timeout_s=args.heartbeat_timeout,
             collective_timeout_s=args.collective_timeout,
+            liveness_interval_s=args.liveness_interval,
+            liveness_timeout_s=args.liveness_timeout,
+            slow=args.slow,
             timeout_s=args.timeout,
             quiet=args.quiet,
         )
@@ -104,6 +109,8 @@ def _launch(args) -> int:
     rc = RuntimeConfig(
         args.coordinator, args.num_processes, args.process_id, args.platform,
         args.devices_per_process, args.heartbeat_timeout, args.collective_timeout,
+        liveness_interval_s=args.liveness_interval, liveness_timeout_s=args.liveness_timeout,
+        slow=launch.parse_slow(args.slow, args.num_processes) if args.slow else None,
     )
     return launch.run_worker(args.config, args.set, rc, args.out, kills)
 
@@ -151,7 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--process-id", type=int, default=None)
     m.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
     m.add_argument("--heartbeat-timeout", type=int, default=5, metavar="S")
-    m.add_argument("--collective-timeout", type=int, default=8, metavar="S")
+    m.add_argument("--collective-timeout", type=int, default=8, metavar="S",
+                   help="a CPU collective waiting longer fails: the backstop that releases "
+                   "survivors blocked in a collective (1 for the fast path)")
+    m.add_argument("--liveness-interval", type=float, default=0.1, metavar="S",
+                   help="heartbeat period through the key-value store (the detector)")
+    m.add_argument("--liveness-timeout", type=float, default=1.0, metavar="S",
+                   help="a process silent this long and absent from a guard's barrier is dead")
+    m.add_argument("--slow", default=None, metavar="P:FACTOR:FROM_STEP:STEPS",
+                   help="benchmark: make process P FACTOR times slower for STEPS steps")
+    m.add_argument("--standby", action="store_true",
+                   help="compile every likely failure's plan before step 0 (standby.enabled "
+                   "and standby.wait_at_start)")
     m.add_argument("--timeout", type=float, default=900.0, metavar="S",
                    help="local launch: kill every process after this many seconds")
     m.add_argument("--quiet", action="store_true")

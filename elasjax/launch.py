@@ -115,6 +115,11 @@ def resolve_config(
         )
     if cfg.standby.cache_dir is not None:
         raise ConfigError(f"config 'standby.cache_dir' under `elasjax launch`: {LAUNCH_LIMITS['standby.cache_dir']}")
+    if cfg.recovery.grow_standby:
+        raise ConfigError(
+            "config 'recovery.grow_standby' = true is not available under `elasjax launch`: "
+            "devices cannot return there yet (no joins, spares or rejoin); allowed values: false"
+        )
     faults = list(cfg.faults) + [FaultConfig(k.at_step, kill_process=k.process) for k in kills]
     faults.sort(key=lambda f: f.at_step)  # stable: a recovery-phase fault stays after its cause
     par = dataclasses.replace(p, devices=n, devices_per_host=devices_per_process)
