@@ -18,6 +18,9 @@ def _ensure_devices(n: int = 8) -> None:
 def _train(args) -> int:
     from . import config, trainer
 
+    from .launch import import_modules
+
+    import_modules(args.imports)
     standby = ["standby.enabled=true", "standby.wait_at_start=true"] if args.standby else []
     cfg = config.load(args.config, [*standby, *args.set])
     trainer.run(cfg, args.out, progress=not args.quiet)
@@ -99,6 +102,7 @@ def _launch(args) -> int:
             liveness_interval_s=args.liveness_interval,
             liveness_timeout_s=args.liveness_timeout,
             slow=args.slow,
+            imports=args.imports,
             timeout_s=args.timeout,
             quiet=args.quiet,
         )
@@ -112,6 +116,7 @@ def _launch(args) -> int:
         liveness_interval_s=args.liveness_interval, liveness_timeout_s=args.liveness_timeout,
         slow=launch.parse_slow(args.slow, args.num_processes) if args.slow else None,
     )
+    launch.import_modules(args.imports)
     return launch.run_worker(args.config, args.set, rc, args.out, kills)
 
 
@@ -123,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=10")
     t.add_argument("--out", default=None, help="output directory (config.yaml, metrics.jsonl, events.jsonl)")
     t.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
+    t.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (one that registers a ModelSpec)")
     t.add_argument(
         "--standby", action="store_true",
         help="sub-second recovery: compile the plan of every likely failure before step 0 "
@@ -167,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a process silent this long and absent from a guard's barrier is dead")
     m.add_argument("--slow", default=None, metavar="P:FACTOR:FROM_STEP:STEPS",
                    help="benchmark: make process P FACTOR times slower for STEPS steps")
+    m.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first in every process (one that registers a ModelSpec)")
     m.add_argument("--standby", action="store_true",
                    help="compile every likely failure's plan before step 0 (standby.enabled "
                    "and standby.wait_at_start)")

@@ -215,6 +215,7 @@ def launch_local(
     slow: str | None = None,
     timeout_s: float = 900.0,
     quiet: bool = False,
+    imports: Sequence[str] = (),
 ) -> int:
     """Start `processes` workers on this machine (loopback), wait for them, reap them.
 
@@ -226,6 +227,7 @@ def launch_local(
     if processes < 1 or devices_per_process < 1:
         raise ConfigError("--processes and --devices-per-process must be >= 1")
     # Fail fast, before any process starts: config, kill schedule and initial plan (pure).
+    import_modules(imports)
     cfg = resolve_config(load(config_path, overrides), processes, devices_per_process, kills)
     topo = Topology(tuple(range(processes * devices_per_process)), devices_per_process)
     scheduled = {
@@ -291,6 +293,8 @@ def launch_local(
                 cmd += ["--set", o]
             for k in kills:
                 cmd += ["--kill", str(k)]
+            for m in imports:
+                cmd += ["--import", m]
             log = out / f"worker{i}.log"
             with log.open("wb") as fh:
                 p = subprocess.Popen(
@@ -506,9 +510,24 @@ def worker_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argumen
                     help="benchmark: make process P FACTOR times slower for STEPS steps")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS")
+    ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                    help="import MODULE first (one that registers a ModelSpec, say)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--die-with-parent", type=int, metavar="PID", help=argparse.SUPPRESS)
     return ap
+
+
+def import_modules(names: Sequence[str]) -> None:
+    """Import the user's modules (`--import`), e.g. one that registers a model with
+    `elasjax.register_model`. They must not create JAX arrays at import: under launch the
+    backend starts only after `jax.distributed` is initialised."""
+    import importlib
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"--import {name}: {e}") from None
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -525,6 +544,7 @@ def worker_main(args: argparse.Namespace) -> int:
         slow=parse_slow(args.slow, args.num_processes) if args.slow else None,
     )
     kills = [KillSpec.parse(k) for k in args.kill]
+    import_modules(args.imports)
     return run_worker(args.config, args.set, rc, args.out, kills)
 
 

@@ -1,7 +1,6 @@
 """The loop with a user's model: a `ModelSpec` registered by name trains through the same
 planner, ZeRO storage, recovery and consistency contract as elasjax's GPT."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,44 +11,7 @@ from jax.sharding import PartitionSpec as P
 import elasjax
 from elasjax import config
 
-DIM, HIDDEN, CLASSES, N = 16, 32, 4, 512
-
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x, keys, deterministic):
-        h = nn.relu(nn.Dense(HIDDEN)(x))
-        if not deterministic:  # per-sample dropout: keys come from the global sample ids
-            keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.9, (HIDDEN,)))(keys)
-            h = jnp.where(keep, h / 0.9, 0.0)
-        return nn.Dense(CLASSES)(h)
-
-
-def _data(_cfg):
-    rs = np.random.RandomState(0)
-    y = rs.randint(0, CLASSES, N).astype(np.int32)
-    x = (rs.normal(size=(N, DIM)) + y[:, None]).astype(np.float32)
-    return elasjax.ArraySource(train={"x": x, "y": y}, val={"x": x[:64], "y": y[:64]})
-
-
-def _loss(params, batch, keys, weights, deterministic, layer_transform=None):
-    logits = MLP().apply({"params": params}, batch["x"], keys, deterministic)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return jnp.sum(ce * weights)  # summed; the loop divides by the step's real samples
-
-
-SPEC = elasjax.register_model(elasjax.ModelSpec(
-    name="test-mlp",
-    init_params=lambda key: MLP().init(
-        {"params": key}, jnp.zeros((1, DIM)), jax.random.split(key, 1), True)["params"],
-    logical_specs=lambda: {"Dense_0": {"kernel": P(None, "mlp"), "bias": P("mlp")},
-                           "Dense_1": {"kernel": P("mlp", None), "bias": P(None)}},
-    loss=_loss,
-    example_shapes={"x": jax.ShapeDtypeStruct((DIM,), jnp.float32),
-                    "y": jax.ShapeDtypeStruct((), jnp.int32)},
-    data=_data,
-    tensor_degrees=(1, 2),
-), replace=True)
+from user_models import CLASSES, DIM, SPEC, _data  # noqa: E402  (registers test-mlp)
 
 BASE = [
     "model.type=test-mlp", "train.steps=8", "train.global_batch=24", "train.microbatches=2",
@@ -238,3 +200,42 @@ def test_a_masked_sequence_model_states_its_own_normaliser():
     assert real.sum() == 5 and hb.counts[~real].sum() == 0  # 8 slots, 3 of them padding
     assert hb.counts[real].sum() == lengths[idx].sum()  # the normaliser: real tokens only
     np.testing.assert_array_equal(hb.fields["mask"][real].sum(-1), hb.counts[real])
+
+
+@pytest.mark.slow
+def test_a_registered_model_survives_a_real_process_kill_under_launch(tmp_path, exe_cache):
+    """`elasjax launch --import user_models`: every process registers the model; a SIGKILL of
+    process 1 is recovered and the losses match the single-process fault-free run."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sets = [*BASE[:6], "train.steps=6", "parallel.devices=-1", "parallel.data=-1",
+            "parallel.tensor=1", "hardware.name=cpu-fake", "hardware.flops=2.0e9", "faults=[]"]
+    out = tmp_path / "mp"
+    cfg_file = tmp_path / "user.yaml"
+    cfg_file.write_text("model: {type: test-mlp}\n")
+    cmd = [sys.executable, "-m", "elasjax.cli", "launch", str(cfg_file), "--processes", "3",
+           "--devices-per-process", "2", "--kill", "3:1", "--import", "user_models",
+           "--out", str(out), "--timeout", "400", "--quiet"]
+    for o in sets:
+        cmd += ["--set", o]
+    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+               PYTHONPATH=os.pathsep.join([str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=450, env=env, cwd=root)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    (ev,) = [e for e in events if e["type"] == "recovery"]
+    assert ev["failed_processes"] == [1] and ev["verified"] and ev["runtime"] == "multi-controller"
+    assert [m["n_devices"] for m in metrics] == [6] * 3 + [4] * 3
+    ref = elasjax.run(config.load(None, [*sets[:-4], "parallel.devices=6", "parallel.data=-1",
+                                         "parallel.tensor=1", "parallel.devices_per_host=2",
+                                         "hardware.name=cpu-fake", "hardware.flops=2.0e9",
+                                         "faults=[]"]), exe_cache=exe_cache)
+    for m in metrics:
+        s = m["step"]
+        assert abs(m["loss"] - ref.losses[s]) <= 1e-5 * ref.losses[s], s
