@@ -164,18 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--num-processes", type=int, default=None)
     m.add_argument("--process-id", type=int, default=None)
     m.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-    m.add_argument("--heartbeat-timeout", type=int, default=5, metavar="S")
-    m.add_argument("--collective-timeout", type=int, default=8, metavar="S",
-                   help="a CPU collective waiting longer fails: the backstop that releases "
-                   "survivors blocked in a collective (1 for the fast path)")
-    m.add_argument("--liveness-interval", type=float, default=0.1, metavar="S",
-                   help="heartbeat period through the key-value store (the detector)")
-    m.add_argument("--liveness-timeout", type=float, default=1.0, metavar="S",
-                   help="a process silent this long and absent from a guard's barrier is dead")
-    m.add_argument("--slow", default=None, metavar="P:FACTOR:FROM_STEP:STEPS",
-                   help="benchmark: make process P FACTOR times slower for STEPS steps")
-    m.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                   help="import MODULE first in every process (one that registers a ModelSpec)")
+    from .launch import add_process_flags
+
+    add_process_flags(m)
     m.add_argument("--standby", action="store_true",
                    help="compile every likely failure's plan before step 0 (standby.enabled "
                    "and standby.wait_at_start)")

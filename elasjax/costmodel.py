@@ -12,6 +12,7 @@ after calibration (`Hardware.calibrated`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -61,13 +62,7 @@ class ModelProfile:
         from . import models
 
         spec = models.get(m)
-        if spec.profile is not None:
-            return spec.profile
-        n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(spec.init_params, jax.random.key(0))))
-        width = None
-        if spec.layers is not None:
-            width = max(int(np.prod(spec.layers.activation_shape)), 1)
-        return cls.from_params(n, width, spec.n_layers)
+        return spec.profile if spec.profile is not None else _derived_profile(spec)
 
     @classmethod
     def from_params(
@@ -284,3 +279,14 @@ def pipelined_plan_cost(
 
 
 __all__ += ["pipelined_plan_cost"]
+
+
+@functools.lru_cache(maxsize=16)
+def _derived_profile(spec) -> ModelProfile:
+    """A registered model's profile from its parameter count (traced once per spec: the planner
+    asks for every candidate)."""
+    n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(spec.init_params, jax.random.key(0))))
+    width = None
+    if spec.layers is not None:
+        width = max(int(np.prod(spec.layers.activation_shape)), 1)
+    return ModelProfile.from_params(n, width, spec.n_layers)

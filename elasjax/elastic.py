@@ -307,6 +307,10 @@ class ElasticState:
         )
 
     def _configure_pool(self) -> None:
+        """Set up the current mesh's snapshots and the shardings `commit` checks against."""
+        self._want = jax.tree.leaves(
+            self.shardings(), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+        )
         self.pool.configure(
             _unwrap_keys(self.state), self._raw_shardings(self.mesh), self.mesh, self.live
         )
@@ -322,8 +326,7 @@ class ElasticState:
         """`state` is the good state after `step`: keep its checksums (computed on device, read
         lazily) and snapshot its unique shards (asynchronously; filed at the next commit or
         recovery). Call it once per step, after your train step returns."""
-        want = jax.tree.leaves(self.shardings(), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-        for (path, x), sh in zip(jax.tree_util.tree_flatten_with_path(state)[0], want):
+        for (path, x), sh in zip(jax.tree_util.tree_flatten_with_path(state)[0], self._want):
             if not x.sharding.is_equivalent_to(sh, x.ndim):
                 raise ValueError(
                     f"commit: leaf '{path_str(path)}' is sharded {x.sharding}, not as "
@@ -335,9 +338,10 @@ class ElasticState:
         for x in jax.tree.leaves(self._sums):
             x.copy_to_host_async()
         self.good = None
-        self.pool.take(_unwrap_keys(state), step)
+        raw = _unwrap_keys(state)
+        self.pool.take(raw, step)
         if self.checkpointer is not None and self.checkpointer.due(step):
-            self.checkpointer.save(step, _unwrap_keys(state), self.committed_checksums())
+            self.checkpointer.save(step, raw, self.committed_checksums())
 
     def close(self) -> None:
         """Wait for checkpoint writes in flight; stop the standby compiles."""

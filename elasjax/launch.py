@@ -492,6 +492,24 @@ def _print_recoveries(out: Path, quiet: bool) -> None:
 # Worker entry point: `python -m elasjax.launch CONFIG --coordinator ... --process-id I`.
 
 
+def add_process_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags every process of a job takes (`elasjax launch` and its workers alike):
+    detection timeouts, the benchmark throttle, and modules to import first."""
+    ap.add_argument("--heartbeat-timeout", type=int, default=5, metavar="S",
+                    help="the coordination service's heartbeat, and the detector's slow timeout")
+    ap.add_argument("--collective-timeout", type=int, default=8, metavar="S",
+                    help="a CPU collective waiting longer fails: the backstop that releases "
+                    "survivors blocked in a collective (1 for the fast path)")
+    ap.add_argument("--liveness-interval", type=float, default=0.1, metavar="S",
+                    help="heartbeat period through the key-value store (the detector)")
+    ap.add_argument("--liveness-timeout", type=float, default=1.0, metavar="S",
+                    help="a process silent this long and absent from a guard's barrier is dead")
+    ap.add_argument("--slow", default=None, metavar="P:FACTOR:FROM_STEP:STEPS",
+                    help="benchmark: make process P FACTOR times slower for STEPS steps")
+    ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                    help="import MODULE first in every process (one that registers a ModelSpec)")
+
+
 def worker_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     ap = ap or argparse.ArgumentParser(prog="python -m elasjax.launch", description=__doc__)
     ap.add_argument("config", nargs="?", default=None)
@@ -500,18 +518,9 @@ def worker_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argumen
     ap.add_argument("--process-id", type=int, required=True)
     ap.add_argument("--devices-per-process", type=int, default=2)
     ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument("--heartbeat-timeout", type=int, default=5)
-    ap.add_argument("--collective-timeout", type=int, default=8)
-    ap.add_argument("--liveness-interval", type=float, default=0.1, metavar="S",
-                    help="heartbeat period through the key-value store (the fast detector)")
-    ap.add_argument("--liveness-timeout", type=float, default=1.0, metavar="S",
-                    help="a process silent this long and absent from a guard's barrier is dead")
-    ap.add_argument("--slow", default=None, metavar="P:FACTOR:FROM_STEP:STEPS",
-                    help="benchmark: make process P FACTOR times slower for STEPS steps")
+    add_process_flags(ap)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS")
-    ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
-                    help="import MODULE first (one that registers a ModelSpec, say)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--die-with-parent", type=int, metavar="PID", help=argparse.SUPPRESS)
     return ap
