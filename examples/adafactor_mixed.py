@@ -82,7 +82,7 @@ def train(fail):
             es.simulate_failure([2, 3])
             r = es.recover()
             print(f"step {step}: devices {r.failed_devices} failed -> mesh {r.to_mesh} via {r.rung}"
-                  f", {r.bytes_moved} B in {r.transfers} copies, verified {r.verified}")
+                  f", {r.bytes_moved} B in {r.transfers} copies, verified {r.verified} (failure simulated)")
             compiled = None
         if compiled is None:
             compiled = jax.jit(step_fn, out_shardings=(es.shardings(), None))

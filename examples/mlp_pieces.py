@@ -101,7 +101,7 @@ def train(failures):
             print(f"step {step}: devices {r.failed_devices} failed -> mesh {r.to_mesh} "
                   f"(spares {r.spares}) via {r.rung}, {r.bytes_moved} B in {r.transfers} copies, "
                   f"verified {r.verified}; standby hit {r.standby_hit}, "
-                  f"recovery {r.total_s:.2f}s (compile/wait {r.compile_s:.2f}s)")
+                  f"recovery {r.total_s:.2f}s (compile/wait {r.compile_s:.2f}s; failure simulated)")
         batch = elasjax.pad_batch(data(step), es.mesh.shape["data"])  # weight-0 rows pad
         batch = jax.device_put(batch, NamedSharding(es.mesh, P("data")))
         state, loss = es.executable()(es.state, batch)
