@@ -85,6 +85,7 @@ def _launch(args) -> int:
     kills = [launch.KillSpec.parse(k) for k in args.kill]
     if args.standby:
         args.set = ["standby.enabled=true", "standby.wait_at_start=true", *args.set]
+    spares = None if args.spares is None else launch.parse_spares(args.spares)
     if args.coordinator is None:  # start the processes here, on loopback
         if args.num_processes is not None or args.process_id is not None:
             raise launch.ConfigError("--num-processes/--process-id need --coordinator")
@@ -105,7 +106,10 @@ def _launch(args) -> int:
             imports=args.imports,
             timeout_s=args.timeout,
             quiet=args.quiet,
+            spares=spares,
         )
+    if spares is not None:  # a cluster's --num-processes counts the spares too
+        args.set = [*args.set, f"parallel.spares={spares}"]
     if args.num_processes is None or args.process_id is None:  # join a cluster as one process
         raise launch.ConfigError("--coordinator needs --num-processes and --process-id")
     from .multicontroller import RuntimeConfig
@@ -155,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("config")
     m.add_argument("--processes", type=int, default=None, help="local processes to start")
     m.add_argument("--devices-per-process", type=int, default=2, help="CPU devices per process")
+    m.add_argument("--spares", default=None, metavar="K",
+                   help="hot spares: K more processes outside the mesh; one takes a dead "
+                   "process's place, so the mesh keeps its size (= parallel.spares)")
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     m.add_argument("--out", default=None, help="metrics.jsonl, events.jsonl, worker logs")
     m.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS",

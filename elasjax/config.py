@@ -89,10 +89,17 @@ class TrainConfig:
 class ParallelConfig:
     """Initial layout and the rules of re-planning.
 
-    `devices`: how many of the visible devices the job owns (-1 = all). `data`, `tensor`: the
-    initial mesh (-1 = whatever the planner picks for the rest). After a failure `replan: cost`
-    lets the planner choose any (data, tensor) shape by its cost model; `keep_tensor` keeps the
-    initial tensor degree and only shrinks `data`.
+    `devices`: how many of the visible devices the job trains on (-1 = all but the spares).
+    `data`, `tensor`: the initial mesh (-1 = whatever the planner picks for the rest). After a
+    failure `replan: cost` lets the planner choose any (data, tensor) shape by its cost model;
+    `keep_tensor` keeps the initial tensor degree and only shrinks `data`.
+
+    `spares`: hot spare hosts (whole hosts of `devices_per_host` devices) the job holds on top of
+    `devices`: live, outside the mesh, never absorbed into it at the start or by growth. When a
+    host of the mesh fails, a spare host takes its place in the same mesh position (the same
+    shape, schedule, partition and ZeRO layout: `planner.substitute_spares`), so the mesh keeps
+    its size; once the spares are used up the job shrinks as without them. Under `elasjax
+    launch` a host is a process: `--spares K` starts K extra processes.
     """
 
     devices: int = -1
@@ -103,6 +110,7 @@ class ParallelConfig:
     replan: Literal["cost", "keep_tensor"] = "cost"
     max_stage: int = 0  # largest stage count a re-plan may choose; 0 = parallel.stage
     min_stage: int = 1  # smallest stage count a re-plan may choose
+    spares: int = 0  # hot spare hosts on top of `devices` (see the docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,6 +533,20 @@ def validate(cfg: Config) -> None:
     )
     _require(p.devices == -1 or p.devices >= 1, "parallel.devices", "must be -1 (all) or >= 1")
     _require(p.devices_per_host >= 1, "parallel.devices_per_host", "must be >= 1")
+    _require(p.spares >= 0, "parallel.spares", f"= {p.spares}; allowed values: an integer >= 0 "
+             "(hot spare hosts held outside the mesh)")
+    if p.spares:
+        _require(
+            p.devices == -1 or p.devices % p.devices_per_host == 0, "parallel.devices",
+            f"= {p.devices} with parallel.spares = {p.spares}: spares are whole hosts, so the "
+            f"trained devices must be whole hosts too; allowed values: -1 or a multiple of "
+            f"parallel.devices_per_host = {p.devices_per_host}",
+        )
+        _require(
+            cfg.recovery.strategy != "torchft_like", "parallel.spares",
+            f"= {p.spares} with recovery.strategy = 'torchft_like', which drops broken replicas "
+            "and never refills them; allowed values with torchft_like: 0",
+        )
     _require(p.data == -1 or p.data >= 1, "parallel.data", "must be -1 (the rest) or >= 1")
     tensors = allowed_tensor_degrees(m)
     if p.tensor != -1 and p.tensor not in tensors:

@@ -100,31 +100,56 @@ LAUNCH_LIMITS = {
 }
 
 
+def parse_spares(text: str | int) -> int:
+    """`--spares K`: hot spare processes on top of `--processes` (`parallel.spares`)."""
+    try:
+        k = int(str(text).strip())
+    except ValueError:
+        k = -1
+    if k < 0 or str(text).strip().lstrip("+") != str(k):
+        raise ConfigError(
+            f"--spares {text!r}: allowed values: an integer >= 0 (extra processes held outside "
+            "the mesh as hot spares, e.g. --spares 1)"
+        )
+    return k
+
+
 def resolve_config(
     cfg: Config, n_processes: int, devices_per_process: int, kills: Sequence[KillSpec] = ()
 ) -> Config:
-    """The config as the launch runs it: all devices of all processes, a host = a process, the
-    `--kill` options added to the fault schedule. Raises `ConfigError` for anything that cannot
-    run under launch, and checks the whole fault schedule, before any process starts."""
-    n = n_processes * devices_per_process
+    """The config as the launch runs it: all devices of all `n_processes` processes (hot spares,
+    `parallel.spares`, are the last ones), a host = a process, the `--kill` options added to the
+    fault schedule. Raises `ConfigError` for anything that cannot run under launch, and checks
+    the whole fault schedule, before any process starts."""
     p = cfg.parallel
-    if p.devices not in (-1, n):
+    k = p.spares
+    if k >= n_processes:
         raise ConfigError(
-            f"config 'parallel.devices' = {p.devices} but the launch has {n} devices "
-            f"({n_processes} processes x {devices_per_process}); allowed values: -1, {n}"
+            f"config 'parallel.spares' (--spares) = {k} with {n_processes} processes in all leaves "
+            f"no process to train on; allowed values: 0 .. {n_processes - 1}"
+        )
+    total = n_processes * devices_per_process
+    n = (n_processes - k) * devices_per_process  # the devices the plan trains on
+    if p.devices not in (-1, n):
+        spares = f", plus {k} spare process(es)" if k else ""
+        raise ConfigError(
+            f"config 'parallel.devices' = {p.devices} but the launch trains on {n} devices "
+            f"({n_processes - k} processes x {devices_per_process}{spares}); allowed values: "
+            f"-1, {n}"
         )
     if cfg.standby.cache_dir is not None:
         raise ConfigError(f"config 'standby.cache_dir' under `elasjax launch`: {LAUNCH_LIMITS['standby.cache_dir']}")
     if cfg.recovery.grow_standby:
         raise ConfigError(
             "config 'recovery.grow_standby' = true is not available under `elasjax launch`: "
-            "devices cannot return there yet (no joins, spares or rejoin); allowed values: false"
+            "a restarted process cannot rejoin on CPU (docs/multiprocess.md); to keep the job's "
+            "size start hot spares instead (--spares K); allowed values: false"
         )
     faults = list(cfg.faults) + [FaultConfig(k.at_step, kill_process=k.process) for k in kills]
     faults.sort(key=lambda f: f.at_step)  # stable: a recovery-phase fault stays after its cause
     par = dataclasses.replace(p, devices=n, devices_per_host=devices_per_process)
     out = cfg.replace(parallel=par, faults=tuple(faults))
-    topo = Topology(tuple(range(n)), devices_per_process)
+    topo = Topology(tuple(range(total)), devices_per_process)
     events = resolve_schedule(out.faults, topo, out.train.steps, MULTI_CONTROLLER)
     killed = {h for e in events for h in e.hosts}
     if killed >= set(range(n_processes)):
@@ -216,8 +241,10 @@ def launch_local(
     timeout_s: float = 900.0,
     quiet: bool = False,
     imports: Sequence[str] = (),
+    spares: int | str | None = None,
 ) -> int:
-    """Start `processes` workers on this machine (loopback), wait for them, reap them.
+    """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
+    (None: the config's `parallel.spares`), wait for them, reap them.
 
     Returns 0 when the run finished (every process exited 0 or was killed as scheduled), 3 when
     process 0 died (the job cannot continue), 1 on any other failure or on `timeout_s`. Every
@@ -228,7 +255,11 @@ def launch_local(
         raise ConfigError("--processes and --devices-per-process must be >= 1")
     # Fail fast, before any process starts: config, kill schedule and initial plan (pure).
     import_modules(imports)
-    cfg = resolve_config(load(config_path, overrides), processes, devices_per_process, kills)
+    if spares is not None:  # --spares wins over the config's parallel.spares
+        overrides = [*overrides, f"parallel.spares={parse_spares(spares)}"]
+    base = load(config_path, overrides)
+    processes += base.parallel.spares  # the spares run as processes of their own, last
+    cfg = resolve_config(base, processes, devices_per_process, kills)
     topo = Topology(tuple(range(processes * devices_per_process)), devices_per_process)
     scheduled = {
         h: f"{e.at_step}:{h}" + (" during recovery" if e.phase == "recovery" else "")
@@ -484,6 +515,13 @@ def _print_recoveries(out: Path, quiet: bool) -> None:
                 f"{e['bytes_cross_process'] / 1e6:.2f} MB across processes)",
                 flush=True,
             )
+            if e.get("spare_took_over"):
+                print(
+                    f"spare took over at step {e['step']}: process(es) {e['spare_took_over']} in "
+                    f"the place of {e.get('failed_processes')}; n_devices "
+                    f"{e['from_n_devices']} -> {e['to_n_devices']}",
+                    flush=True,
+                )
         elif e.get("type") == "end":
             print(f"final loss {e['final_loss']:.6f} at step {e['step'] - 1}; plan {e['plan']}")
 

@@ -16,6 +16,12 @@ vocabulary) and `data * tensor <= live` is costed with `costmodel.spmd_step_cost
 wins, and among shapes within `TIE_TOLERANCE` of the cheapest the one using the most devices wins
 (spares only when no better shape exists). The rejected alternative, "keep the shape and drop
 what does not fit", wastes survivors and is what `parallel.replan: keep_tensor` offers.
+
+Hot spares (`parallel.spares: K`) are the exception to "use every live device": the last K hosts
+of the job are held outside the mesh (`held_spares`), and a re-plan after a failure first puts a
+spare host in each lost host's place (`substitute_spares`): the same shape, schedule, partition
+and ZeRO layout on a different device set, so the mesh keeps its size. Only when the spares are
+used up does the re-plan choose a new shape over everything live.
 """
 
 from __future__ import annotations
@@ -294,8 +300,79 @@ def plan_for_shape(
     return with_zero(plan, cfg)
 
 
+def held_spares(topo: Topology, cfg: Config) -> tuple[int, ...]:
+    """The hot spares' devices: the last `parallel.spares` hosts of the job (none by default)."""
+    k = cfg.parallel.spares
+    if k == 0:
+        return ()
+    held = k * topo.devices_per_host
+    n = len(topo.device_ids)
+    if held >= n or (n - held) % topo.devices_per_host:
+        raise ConfigError(
+            f"config 'parallel.spares' = {k}: the job has {n} devices in hosts of "
+            f"{topo.devices_per_host}, so {k} spare host(s) leave "
+            f"{'none' if held >= n else 'a partial host'} to train on; allowed values: 0 .. "
+            f"{max(0, topo.n_hosts - 1)} with whole hosts left to train on"
+        )
+    return topo.device_ids[n - held:]
+
+
+def substitute_spares(previous: Plan, live_ids: Sequence[int], topo: Topology) -> Plan | None:
+    """`previous` with a spare host in the place of each host that lost a device of it: the same
+    shape, micro-batch schedule, partition and ZeRO layout (ranks keep their pieces; the spare's
+    are filled by the transition), on the surviving devices plus the spares' ones in the lost
+    devices' mesh positions. A spare host is one whose devices are all in `previous.spare_ids`
+    and live. None when there are fewer spare hosts than lost hosts (or a spare host is smaller
+    than the devices it would replace); `previous` with its dead spares dropped when the plan
+    lost nothing."""
+    live = set(live_ids)
+    spare_left = [d for d in previous.spare_ids if d in live]
+    lost = [d for d in previous.device_ids if d not in live]
+    if not lost:
+        if len(spare_left) == len(previous.spare_ids):
+            return previous
+        return dataclasses.replace(previous, spare_ids=tuple(spare_left))
+    pool = set(spare_left)
+    spare_hosts = [
+        h for h in range(topo.n_hosts)
+        if topo.host_devices(h) and set(topo.host_devices(h)) <= pool
+    ]
+    lost_hosts: dict[int, list[int]] = {}
+    for d in lost:  # in mesh order, so a spare's devices take the lost ones' positions in order
+        lost_hosts.setdefault(topo.host_of(d), []).append(d)
+    if len(spare_hosts) < len(lost_hosts):
+        return None
+    swap: dict[int, int] = {}
+    for (_, gone), s in zip(lost_hosts.items(), spare_hosts):
+        new = topo.host_devices(s)
+        if len(new) < len(gone):
+            return None
+        swap.update(zip(gone, new))
+    used = tuple(swap.get(d, d) for d in previous.device_ids)
+    return dataclasses.replace(
+        previous, device_ids=used, spare_ids=tuple(d for d in spare_left if d not in used)
+    )
+
+
+def same_shape(a: Plan, b: Plan) -> bool:
+    """Whether `a` and `b` run the same program on (possibly) different devices."""
+    skip = ("device_ids", "spare_ids", "predicted_step_s")
+    return all(
+        getattr(a, f.name) == getattr(b, f.name)
+        for f in dataclasses.fields(Plan) if f.name not in skip
+    ) and a.n_devices == b.n_devices
+
+
 def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Plan:
-    """The plan the config asks for on all of the job's devices."""
+    """The plan the config asks for on the job's devices, less the hot spares
+    (`held_spares`), which the plan lists as spare."""
+    held = held_spares(topo, cfg)
+    if held:
+        active = tuple(d for d in topo.device_ids if d not in held)
+        plan = initial_plan(Topology(active, topo.devices_per_host), cfg.replace(
+            parallel=dataclasses.replace(cfg.parallel, spares=0)), hw)
+        spare = tuple(d for d in topo.device_ids if d in set(plan.spare_ids) | set(held))
+        return dataclasses.replace(plan, spare_ids=spare)
     hw = hw or Hardware.from_config(cfg.hardware)
     prof = ModelProfile.from_model(cfg.model)
     n, p, B = len(topo.device_ids), cfg.parallel, cfg.train.global_batch
@@ -414,6 +491,10 @@ def replan(
     (or `train.max_micro_batch`), so activation memory per device does not grow."""
     if not live_ids:
         raise NoPlanError("no live devices are left; the job cannot continue")
+    if cfg.parallel.spares:  # hot spares: keep the shape while a spare host is left
+        kept = substitute_spares(previous, live_ids, topo)
+        if kept is not None:
+            return kept
     if cfg.parallel.replan == "keep_tensor" or cfg.train.deterministic:
         # (deterministic mode: a different tensor degree reduces in a different order)
         tensors = [previous.tensor]

@@ -41,7 +41,7 @@ import jax
 from . import checksum
 from .config import Config
 from .mesh import make_mesh
-from .planner import NoPlanError, Plan, fast_path_plan, growth_plan, replan
+from .planner import NoPlanError, Plan, fast_path_plan, growth_plan, replan, same_shape
 from .reshard import transition
 from .runtime import DeviceFailure, host_values
 from .sharding import path_str
@@ -144,6 +144,11 @@ class RecoveryEvent:
     compiles: int = -1  # XLA compilations on the training thread from detection to first step
     transfer_plan_hit: bool = False  # the transition was planned before the failure
     transfer_plan_s: float = 0.0  # time spent planning it after the failure (0 on a hit)
+    # hot spares (`parallel.spares`): the hosts (under launch: processes) whose spare devices
+    # the new plan took into the lost ones' mesh positions, and the mesh size before and after
+    spare_took_over: list[int] = dataclasses.field(default_factory=list)
+    from_n_devices: int = 0
+    to_n_devices: int = 0
     detail: dict = dataclasses.field(default_factory=dict)  # what the runtime knows of the cause
 
     @property
@@ -284,6 +289,8 @@ class Recovering:
     def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
         """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""
         optimal = replan(survivors, self.topo, self.cfg, plan, self.initial)
+        if self.cfg.parallel.spares and same_shape(plan, optimal):
+            return optimal, optimal  # a hot spare took over: nothing faster to resume on
         if self.cfg.recovery.migration == "async" and self.cfg.recovery.strategy == "elastic":
             fast = fast_path_plan(plan, survivors, self.cfg)
             if fast is not None and fast != optimal:
@@ -473,6 +480,10 @@ class Recovering:
             # transfer_s when the sources differed from the described ones)
             transfer_plan_hit=early["plan_hit"] and tinfo.get("plan_hit", False),
             transfer_plan_s=(early["plan_s"] or 0.0) + tinfo.get("plan_s", 0.0),
+            spare_took_over=sorted({self.topo.host_of(d) for d in new_plan.device_ids
+                                    if d in set(pos.plan.spare_ids)}),
+            from_n_devices=pos.plan.n_devices,
+            to_n_devices=new_plan.n_devices,
             detail=detail,
         )
         self.transfer_logs.append(log)

@@ -16,8 +16,13 @@ def recovery_line(ev) -> str:
         else ""
     )
     retried = f" after {ev.attempts} attempts" if ev.attempts > 1 else ""
+    spare = (
+        f" (spare host(s) {ev.spare_took_over} took over; {ev.from_n_devices} -> "
+        f"{ev.to_n_devices} devices)" if ev.spare_took_over else ""
+    )
     return (
-        f"step {ev.step}: {ev.fault} failed -> {ev.from_plan} => {ev.to_plan}{fast} via {ev.rung}"
+        f"step {ev.step}: {ev.fault} failed -> {ev.from_plan} => {ev.to_plan}{spare}{fast} via "
+        f"{ev.rung}"
         f"{retried}; {ev.bytes_moved / 1e6:.2f} MB in {ev.transfers} transfers"
         f"{' (planned ahead)' if ev.transfer_plan_hit else ''}; MTTR {ev.mttr_s:.2f}s "
         f"(detect {ev.detect_s:.2f}s, compile {ev.compile_s:.2f}s"

@@ -236,7 +236,8 @@ def restart_child(
     cfg = load(config_path, overrides)
     if cfg.checkpoint.dir is None:
         raise ConfigError("config 'checkpoint.dir' must name the checkpoint to restore")
-    n = len(devices) if cfg.parallel.devices == -1 else cfg.parallel.devices
+    held = cfg.parallel.spares * cfg.parallel.devices_per_host  # hot spares come on top
+    n = len(devices) if cfg.parallel.devices == -1 else cfg.parallel.devices + held
     if n > len(devices):
         raise ConfigError(
             f"config 'parallel.devices' = {n} but only {len(devices)} devices are visible"

@@ -95,13 +95,17 @@ def host_values(rt, tree, devices: Iterable[int]):
 
 
 def job_devices(cfg: Config) -> list[jax.Device]:
+    """The job's devices: `parallel.devices` to train on, then `parallel.spares` hot spare hosts
+    on top (the last ones: `planner.held_spares`)."""
     avail = jax.devices()
-    n = len(avail) if cfg.parallel.devices == -1 else cfg.parallel.devices
-    if n > len(avail):
+    held = cfg.parallel.spares * cfg.parallel.devices_per_host
+    n = len(avail) if cfg.parallel.devices == -1 else cfg.parallel.devices + held
+    if n > len(avail) or n - held < 1:
+        spares = f" plus {held} for parallel.spares = {cfg.parallel.spares}" if held else ""
         raise ConfigError(
-            f"config 'parallel.devices' = {n} but only {len(avail)} devices are visible; allowed "
-            f"values: -1, 1 .. {len(avail)} (for fake CPU devices set XLA_FLAGS="
-            f"--xla_force_host_platform_device_count=N before JAX starts)"
+            f"config 'parallel.devices' = {cfg.parallel.devices}{spares} but only {len(avail)} "
+            f"devices are visible; allowed values: -1, 1 .. {len(avail) - held} (for fake CPU "
+            f"devices set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"
         )
     return avail[:n]
 
