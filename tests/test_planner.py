@@ -124,3 +124,63 @@ def test_plan_invariants_property(n, B, m, t):
     p = replan(live, topo, cfg, init, init)
     _check(p, live, B)
     assert hash(p) == hash(replan(live, topo, cfg, init, init))  # pure and deterministic
+
+
+# Hot spares (`parallel.spares`): held outside the mesh; a spare host takes a lost host's place.
+
+
+def _spares_cfg(*extra):
+    return config.load("configs/multiprocess.yaml", ["parallel.spares=1", *extra])
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_hot_spare_takes_the_lost_hosts_place_with_the_same_shape(zero):
+    cfg = _spares_cfg(f"zero.stage={zero}")
+    topo = Topology(tuple(range(10)), 2)  # 4 hosts train, host 4 (devices 8, 9) is the spare
+    p0 = initial_plan(topo, cfg)
+    assert p0.device_ids == tuple(range(8)) and p0.spare_ids == (8, 9)
+    assert (p0.data, p0.tensor) == (4, 2)
+    for lost_host in range(4):
+        gone = set(topo.host_devices(lost_host))
+        live = [d for d in topo.device_ids if d not in gone]
+        p1 = replan(live, topo, cfg, p0, p0)
+        # same shape, schedule and ZeRO layout; the spare's devices in the lost ones' positions
+        assert (p1.data, p1.tensor, p1.stage, p1.microbatches, p1.micro_batch) == (
+            p0.data, p0.tensor, p0.stage, p0.microbatches, p0.micro_batch)
+        assert p1.zero == p0.zero and p1.n_devices == p0.n_devices
+        expect = tuple({2 * lost_host: 8, 2 * lost_host + 1: 9}.get(d, d) for d in p0.device_ids)
+        assert p1.device_ids == expect and p1.spare_ids == ()
+        np.testing.assert_array_equal(p1.slot_positions(), p0.slot_positions())
+        # no spare left: the next loss shrinks the mesh over everything live
+        other = next(h for h in range(4) if h != lost_host)
+        live2 = [d for d in live if d not in topo.host_devices(other)]
+        p2 = replan(live2, topo, cfg, p1, p0)
+        assert p2.n_devices < p0.n_devices and set(p2.device_ids) <= set(live2)
+
+
+def test_spares_are_never_absorbed_and_a_dead_spare_changes_nothing_else():
+    cfg = _spares_cfg("parallel.data=-1")
+    topo = Topology(tuple(range(10)), 2)
+    p0 = initial_plan(topo, cfg)  # data=-1 takes "the rest" of the trained devices only
+    assert p0.n_devices == 8 and p0.spare_ids == (8, 9)
+    p1 = replan(list(range(8)), topo, cfg, p0, p0)  # the spare host died
+    assert p1.device_ids == p0.device_ids and p1.spare_ids == ()
+    # without spares the same survivors after a loss are re-planned (and the spare absorbed)
+    plain = config.load("configs/multiprocess.yaml", ["parallel.devices=10"])
+    q0 = initial_plan(topo, plain)
+    q1 = replan([d for d in range(10) if d not in (2, 3)], topo, plain, q0, q0)
+    assert q1.device_ids != q0.device_ids and 8 in q1.device_ids
+
+
+def test_bad_spares_are_config_errors_naming_the_field():
+    with pytest.raises(config.ConfigError, match=r"'parallel.spares' = -1; allowed values"):
+        _spares_cfg("parallel.spares=-1")
+    with pytest.raises(config.ConfigError, match=r"parallel.spares"):
+        _spares_cfg("parallel.spares=1.5")
+    with pytest.raises(config.ConfigError, match=r"'parallel.devices' = 7 .*whole hosts"):
+        _spares_cfg("parallel.devices=7")
+    with pytest.raises(config.ConfigError, match=r"'parallel.spares' = 1 with .*torchft_like"):
+        _spares_cfg("recovery.strategy=torchft_like")
+    with pytest.raises(config.ConfigError, match=r"'parallel.spares' = 4: .*allowed values"):
+        initial_plan(Topology(tuple(range(8)), 2), _spares_cfg("parallel.spares=4",
+                                                              "parallel.devices=-1"))
