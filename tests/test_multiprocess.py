@@ -16,6 +16,8 @@ The slow tests start real `jax.distributed` jobs (gloo collectives on CPU) and S
 - A process and its buddy killed together: every survivor stops with `UnrecoverableStateError`
   naming the leaf; no process is left running.
 - Killing process 0 (the coordination service) ends every process with a clear message.
+- A hot spare (`--processes 2 --spares 1`) takes a killed process's place: the mesh keeps its
+  size (4 devices before and after) and the losses equal the fault-free run.
 
 Bounded: each job runs under the launcher's own timeout, inside a subprocess timeout; workers
 die with the launcher (PR_SET_PDEATHSIG) and `finally` SIGKILLs any worker pid still alive.
@@ -37,7 +39,7 @@ from conftest import TINY, tiny_config
 
 from elasjax import copies, planner, trainer
 from elasjax.config import ConfigError
-from elasjax.launch import KillSpec, resolve_config
+from elasjax.launch import KillSpec, parse_spares, resolve_config
 from elasjax.mesh import make_mesh
 from elasjax.metrics import read_jsonl
 from elasjax.multicontroller import RuntimeConfig, _pack, _packed_size, _unpack, xla_flags
@@ -93,6 +95,21 @@ def test_launch_config_and_one_fault_schedule_are_checked():
     lone = tiny_config("train.steps=12", "faults=[{at_step: 3, kill_process: 1, phase: recovery}]")
     with pytest.raises(ConfigError, match=r"phase.*needs a failure with phase 'step'"):
         resolve_config(lone, 4, 2)
+    # hot spares: K more processes, outside the initial plan; bad values name the flag
+    spared = resolve_config(tiny_config("parallel.spares=1"), 5, 2)
+    assert spared.parallel.devices == 8 and planner.initial_plan(
+        planner.Topology(tuple(range(10)), 2), spared).spare_ids == (8, 9)
+    with pytest.raises(ConfigError, match=r"spares.*allowed values: 0 \.\. 1"):
+        resolve_config(tiny_config("parallel.spares=2", "parallel.devices=-1"), 2, 2)
+    for bad in ("-1", "x", "1.5"):
+        with pytest.raises(ConfigError, match=r"--spares .*allowed values: an integer >= 0"):
+            parse_spares(bad)
+    assert parse_spares("2") == 2
+    rc = subprocess.run(
+        [sys.executable, "-m", "elasjax.cli", "launch", str(CONFIG), "--processes", "2",
+         "--spares", "-1"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert rc.returncode == 2 and "--spares '-1': allowed values" in rc.stderr
     # hosts are processes under launch
     hosts = resolve_config(tiny_config("train.steps=12", "faults=[{at_step: 3, hosts: [2]}]"), 4, 2)
     assert hosts.faults[0].hosts == (2,)
@@ -345,6 +362,49 @@ def test_zero_partitions_come_back_from_buddies_across_a_kill_during_recovery(ze
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [r["n_processes"] for r in metrics] == [4] * 3 + [2] * (STEPS - 3)
     _assert_matches(metrics, zero_reference)
+
+
+# Hot spares: 2 processes x 2 devices train (data 2 x tensor 2), process 2 is the spare.
+_SPARES = ("parallel.devices=4", "parallel.data=2", "parallel.tensor=2", "train.steps=6")
+
+
+@pytest.fixture(scope="module")
+def spares_reference(exe_cache):
+    return trainer.run(tiny_config("faults=[]", *_SPARES), None, exe_cache=exe_cache)
+
+
+@pytest.mark.slow
+def test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size(
+    spares_reference, tmp_path
+):
+    """`--processes 2 --spares 1`: process 1 is SIGKILLed in step 3; the spare (process 2),
+    which ran every guard outside the mesh, takes its place in the same d2t2 mesh: it receives
+    its replica from process 0, the state is verified by checksum, and the losses equal the
+    fault-free 4-device run (no spare) within 1e-5."""
+    out = tmp_path / "mp_spare"
+    rc, stdout = _launch(
+        out, "--processes", "2", "--spares", "1", "--devices-per-process", "2", "--kill", "3:1",
+        sets=_SPARES, timeout=240,
+    )
+    assert rc == 0, stdout
+    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0}
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(6)), "a step was lost or repeated"
+    for r in metrics:
+        s = r["step"]
+        assert r["batch_digest"] == spares_reference.sample_digests[s]
+        rel = abs(r["loss"] - spares_reference.losses[s]) / spares_reference.losses[s]
+        assert rel <= LOSS_RTOL, f"step {s}: loss {r['loss']} vs the fault-free run (rel {rel:.2e})"
+    assert [r["n_devices"] for r in metrics] == [4] * 6
+    assert [r["n_processes"] for r in metrics] == [2] * 6
+    (ev,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "recovery"]
+    assert ev["step"] == 3 and ev["failed_processes"] == [1] and ev["verified"]
+    assert ev["spare_took_over"] == [2] and ev["from_n_devices"] == ev["to_n_devices"] == 4
+    assert ev["from_plan"] == "d2t2m2b8+2spare" and ev["to_plan"] == "d2t2m2b8"
+    assert ev["rung"] == "replica" and ev["bytes_cross_process"] > 0  # the spare's replica
+    events = read_jsonl(out / "events.jsonl")
+    assert events[-1]["type"] == "end" and events[-1]["processes"] == [0, 2]
+    assert "spare took over at step 3: process(es) [2] in the place of [1]; n_devices 4 -> 4" in stdout
 
 
 @pytest.mark.slow
