@@ -321,15 +321,15 @@ def substitute_spares(previous: Plan, live_ids: Sequence[int], topo: Topology) -
     """`previous` with a spare host in the place of each host that lost a device of it: the same
     shape, micro-batch schedule, partition and ZeRO layout (ranks keep their pieces; the spare's
     are filled by the transition), on the surviving devices plus the spares' ones in the lost
-    devices' mesh positions. A spare host is one whose devices are all in `previous.spare_ids`
-    and live. None when there are fewer spare hosts than lost hosts (or a spare host is smaller
-    than the devices it would replace); `previous` with its dead spares dropped when the plan
-    lost nothing."""
+    devices' mesh positions. A spare host is a host none of whose devices the plan uses, all of
+    them live (the held spares, and hosts that returned). None when there are fewer spare hosts
+    than lost hosts (or a spare host is smaller than the devices it would replace); `previous`
+    with its spare list brought up to date when the plan lost nothing."""
     live = set(live_ids)
-    spare_left = [d for d in previous.spare_ids if d in live]
+    spare_left = [d for d in topo.device_ids if d in live and d not in set(previous.device_ids)]
     lost = [d for d in previous.device_ids if d not in live]
     if not lost:
-        if len(spare_left) == len(previous.spare_ids):
+        if tuple(spare_left) == previous.spare_ids:
             return previous
         return dataclasses.replace(previous, spare_ids=tuple(spare_left))
     pool = set(spare_left)
@@ -488,7 +488,9 @@ def replan(
     hw: Hardware | None = None,
 ) -> Plan:
     """The plan after a membership change. Micro-batches never grow beyond the initial plan's
-    (or `train.max_micro_batch`), so activation memory per device does not grow."""
+    (or `train.max_micro_batch`), so activation memory per device does not grow. With hot spares
+    (`parallel.spares`) a spare host takes each lost host's place while enough are left
+    (`substitute_spares`): the same plan on other devices."""
     if not live_ids:
         raise NoPlanError("no live devices are left; the job cannot continue")
     if cfg.parallel.spares:  # hot spares: keep the shape while a spare host is left

@@ -41,7 +41,15 @@ import jax
 from . import checksum
 from .config import Config
 from .mesh import make_mesh
-from .planner import NoPlanError, Plan, fast_path_plan, growth_plan, replan, same_shape
+from .planner import (
+    NoPlanError,
+    Plan,
+    fast_path_plan,
+    growth_plan,
+    replan,
+    same_shape,
+    substitute_spares,
+)
 from .reshard import transition
 from .runtime import DeviceFailure, host_values
 from .sharding import path_str
@@ -260,6 +268,13 @@ class Recovering:
             survivors = [d for d in self.topo.device_ids if d in live - gone]
             if not survivors:
                 continue
+            if self.cfg.parallel.spares and (
+                self.cfg.standby.enabled or self.cfg.recovery.migration == "async"
+            ):  # a spare would take over: recovery resumes on that plan, async or not
+                kept = substitute_spares(plan, survivors, self.topo)
+                if kept is not None:
+                    out.append(kept)
+                    continue
             if self.cfg.recovery.migration == "async":
                 fast = fast_path_plan(plan, survivors, self.cfg)
                 if fast is not None:

@@ -115,6 +115,32 @@ def test_launch_config_and_one_fault_schedule_are_checked():
     assert hosts.faults[0].hosts == (2,)
 
 
+def test_standby_compiles_the_spare_substituted_plan_of_each_single_host_failure():
+    """With hot spares the standby set is, for each host of the mesh, the same plan with the
+    spare host in its place (a different device set: a different CPU executable), with
+    `standby.enabled` and with `recovery.migration: async` alike (no fast path is compiled)."""
+    for extra in ("standby.enabled=true", "recovery.migration=async"):
+        cfg = tiny_config("parallel.devices=6", "parallel.data=3", "parallel.spares=1", extra)
+        t = trainer.Trainer(cfg)
+        try:
+            init = t.initial
+            assert init.device_ids == tuple(range(6)) and init.spare_ids == (6, 7)
+            got = t.standby_candidates(init, set(range(8)))
+            want = []
+            for h in range(3):
+                ids = list(init.device_ids)
+                ids[2 * h : 2 * h + 2] = [6, 7]
+                want.append(planner.replan(
+                    [d for d in range(8) if d // 2 != h], t.topo, cfg, init, init).compile_key)
+                assert want[-1].device_ids == tuple(ids) and planner.same_shape(want[-1], init)
+            # (in one process single devices can fail too: their plans swap in one spare device)
+            assert set(want) <= set(got) and len(got) == 6 + 3
+            assert all(planner.same_shape(p, init) for p in got)
+        finally:
+            t.standby.close()
+            t.rt.close()
+
+
 def test_xla_flags_replace_device_count_and_timeout():
     rc = RuntimeConfig("127.0.0.1:1234", 4, 1, collective_timeout_s=7)
     flags = xla_flags(
