@@ -57,6 +57,13 @@ def _plan(args) -> int:
             print(f"no plan fits the {len(live)} survivors")
             return 1
         print(f"after failing {sorted(fail)} ({len(live)} live): {ranked[0][0].describe()}")
+        if cfg.parallel.spares:
+            from .planner import substitute_spares
+
+            kept = substitute_spares(init, live, topo)
+            if kept is not None:
+                print(f"  hot spares (parallel.spares = {cfg.parallel.spares}) keep the shape "
+                      f"instead, and recovery uses: {kept.describe()}")
         print(f"  {'plan':<30}{'devices':>8}{'step ms':>10}{'compute':>10}{'tp comm':>10}{'dp comm':>10}{'overhead':>10}")
         for p, c_ in ranked[: args.top]:
             print(

@@ -113,7 +113,9 @@ def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), grow
         for e in recoveries:
             rung = e.rung + (f" (-{e.steps_lost} steps)" if e.steps_lost else "")
             t.add_row(
-                str(e.step), e.fault, f"{e.from_plan} -> {e.to_plan}", rung,
+                str(e.step), e.fault, f"{e.from_plan} -> {e.to_plan}" + (
+                    f" (spare host {e.spare_took_over} took over, {e.to_n_devices} devices)"
+                    if e.spare_took_over else ""), rung,
                 f"{e.bytes_moved / 1e6:.2f} MB", str(e.transfers),
                 "yes" if e.verified else "NO", f"{e.mttr_s:.2f}s",
             )
