@@ -325,8 +325,8 @@ def substitute_spares(previous: Plan, live_ids: Sequence[int], topo: Topology) -
     them live (the held spares, and hosts that returned). None when there are fewer spare hosts
     than lost hosts (or a spare host is smaller than the devices it would replace); `previous`
     with its spare list brought up to date when the plan lost nothing."""
-    live = set(live_ids)
-    spare_left = [d for d in topo.device_ids if d in live and d not in set(previous.device_ids)]
+    live, used = set(live_ids), set(previous.device_ids)
+    spare_left = [d for d in topo.device_ids if d in live and d not in used]
     lost = [d for d in previous.device_ids if d not in live]
     if not lost:
         if tuple(spare_left) == previous.spare_ids:

@@ -495,8 +495,9 @@ class Recovering:
             # transfer_s when the sources differed from the described ones)
             transfer_plan_hit=early["plan_hit"] and tinfo.get("plan_hit", False),
             transfer_plan_s=(early["plan_s"] or 0.0) + tinfo.get("plan_s", 0.0),
-            spare_took_over=sorted({self.topo.host_of(d) for d in new_plan.device_ids
-                                    if d in set(pos.plan.spare_ids)}),
+            spare_took_over=sorted({
+                self.topo.host_of(d) for d in set(new_plan.device_ids) - set(pos.plan.device_ids)
+            }) if self.cfg.parallel.spares and same_shape(pos.plan, new_plan) else [],
             from_n_devices=pos.plan.n_devices,
             to_n_devices=new_plan.n_devices,
             detail=detail,
