@@ -305,7 +305,9 @@ def test_growth_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"'growth.policies\[0\]' = 'hoard' is not allowed; "
                                           r"allowed values: 'shrink', 'rejoin', 'spares'"):
         simconfig.from_dict({"growth": {"policies": ["hoard"]}})
-    with pytest.raises(ConfigError, match=r"'growth.strategy' = 'checkpoint_restart'"):
-        simconfig.from_dict({"growth": {"strategy": "checkpoint_restart"}})
+    with pytest.raises(ConfigError, match=r"'growth.strategies' = \['checkpoint_restart'\]: name "
+                                          r"at least one elastic strategy.*allowed values: "
+                                          r"elaswave, "):
+        simconfig.from_dict({"growth": {"strategies": ["checkpoint_restart"]}})
     with pytest.raises(ConfigError, match=r"'run' includes 'growth'.*trace.scales"):
         simconfig.from_dict({"run": ["growth"]})

@@ -98,16 +98,17 @@ class TraceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GrowthConfig:
-    """Growing back (`run: [growth]`, `elasjax.sim.spares`): `strategy` replayed at every
+    """Growing back (`run: [growth]`, `elasjax.sim.spares`): each of `strategies` replayed at every
     `trace.scales` under the `trace` section's failures and repairs, once per policy: `shrink`
     (repaired devices never return), `rejoin` (they return; the job grows back after the
     strategy's grow stall), `spares` (`spare_fraction` of the job's hosts, rounded up, held idle
     as hot spares; a failed host is replaced after `swap_s`, null = derived by
     `spares.swap_seconds`: detection + communicator edit + planning + one host's state over the
-    inter-host link). Default strategy without DVFS, so 1.0 is the failure-free plan."""
+    inter-host link). Defaults: ElasWave-style without DVFS (so 1.0 is the failure-free plan)
+    and this repository's rectangular SPMD re-plan (`elasjax_spmd`)."""
 
     policies: tuple[Literal["shrink", "rejoin", "spares"], ...] = ("shrink", "rejoin", "spares")
-    strategy: StrategyName = "elaswave_no_dvfs"
+    strategies: tuple[StrategyName, ...] = ("elaswave_no_dvfs", "elasjax_spmd")
     spare_fraction: float = 0.02  # assumption: 2% of the hosts held as hot spares
     swap_s: Optional[float] = None
 
@@ -190,8 +191,9 @@ def validate(cfg: SimConfig) -> None:
     _require(0 < cfg.trace.bin_hours <= cfg.trace.hours, "trace.bin_hours",
              "must be in (0, trace.hours]")
     g = cfg.growth
-    _require(g.strategy != "checkpoint_restart", "growth.strategy",
-             "= 'checkpoint_restart' has no elastic growth to compare; allowed values: "
+    _require(len(g.strategies) >= 1 and "checkpoint_restart" not in g.strategies,
+             "growth.strategies", f"= {list(g.strategies)}: name at least one elastic strategy "
+             "(checkpoint_restart has no elastic growth to compare); allowed values: "
              f"{', '.join(s for s in ALL_STRATEGIES if s != 'checkpoint_restart')}")
     _require(len(g.policies) >= 1, "growth.policies",
              "must name at least one of 'shrink', 'rejoin', 'spares'")

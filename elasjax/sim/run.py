@@ -10,7 +10,7 @@ Two studies, both over the same strategies and cost model:
   with and without the frequency policy; a sensitivity table varies ReCycle's bubble fill.
 - **trace**: at every device count in `trace.scales`, replay one seeded MTBF trace per strategy
   and report goodput over time, plus the planner's latency at that scale.
-- **growth**: at the same scales, one strategy (`growth.strategy`) under three policies for the
+- **growth**: at the same scales, each of `growth.strategies` under three policies for the
   devices that come back (`elasjax.sim.spares`): shrink only, rejoin after repair, hot spares;
   goodput per active and per total (spares included) device.
 
@@ -181,16 +181,18 @@ def growth_study(cfg: simconfig.SimConfig) -> dict:
         swap = swap_seconds(sc) if gc.swap_s is None else gc.swap_s
         ref = failure_free(sc).tokens_per_s
         lines = {}
-        for pol in gc.policies:
-            tl = simulate_policy(sc, pol, trace, tc.hours, tc.bin_hours, ref,
-                                 spare_hosts=k if pol == "spares" else 0, swap_s=swap,
-                                 strategy=gc.strategy)
-            lines[pol] = dataclasses.asdict(tl)
+        for strat in gc.strategies:
+            for pol in gc.policies:
+                tl = simulate_policy(sc, pol, trace, tc.hours, tc.bin_hours, ref,
+                                     spare_hosts=k if pol == "spares" else 0, swap_s=swap,
+                                     strategy=strat)
+                lines[f"{strat} {pol}"] = dataclasses.asdict(tl)
         job = [e for e in trace if e.kind == "fail" and min(e.devices) < sc.layout.n_devices]
         out[n] = {
             "devices": sc.layout.n_devices, "spare_hosts": k, "spare_devices": k * dph,
-            "swap_s": swap, "grow_s": STRATEGIES[gc.strategy](sc, []).grow_s,
-            "strategy": gc.strategy, "job_failures": len(job),
+            "swap_s": swap,
+            "grow_s": {s: STRATEGIES[s](sc, []).grow_s for s in gc.strategies},
+            "job_failures": len(job),
             "spare_failures": sum(e.kind == "fail" for e in trace) - len(job),
             "timelines": lines,
         }
@@ -203,23 +205,23 @@ def growth_tables(res: dict, cfg: simconfig.SimConfig) -> str:
     for r in res.values():
         for pol, tl in r["timelines"].items():
             rows.append([
-                r["devices"], pol, tl["spare_hosts"], tl["total_devices"], tl["mean_goodput"],
+                r["devices"], tl["strategy"], tl["policy"], tl["spare_hosts"], tl["total_devices"], tl["mean_goodput"],
                 tl["goodput_per_total_device"], tl["mean_filled"], tl["downtime_s"] / 60,
                 tl["lost_work_s"] / 60, tl["swaps"], tl["fallbacks"],
             ])
     title = (
-        f"Growing back: {gc.strategy} under shrink only / rejoin / hot spares over {tc.hours:g} h "
+        f"Growing back: shrink only / rejoin / hot spares over {tc.hours:g} h "
         f"{SIM} (goodput = surviving tokens / failure-free tokens; per active device: over the "
         "job's devices; per total device: over the job's + the idle spares')"
     )
     text = [md_table(title, [
-        "devices", "policy", "spare hosts", "total devices", "goodput / active device",
+        "devices", "strategy", "policy", "spare hosts", "total devices", "goodput / active device",
         "goodput / total device", "plan size (time avg)", "downtime min", "lost work min",
         "swaps", "pool empty"], rows)]
     notes = "; ".join(
         f"{r['devices']} devices: {r['job_failures']} failures of the job's devices, "
         f"{r['spare_failures']} of idle spares, swap {r['swap_s']:.0f} s, grow "
-        f"{r['grow_s']:.1f} s" for r in res.values())
+        + ", ".join(f"{v:.1f} s ({k})" for k, v in r["grow_s"].items()) for r in res.values())
     text.append(
         f"Parameters {SIM}: per-device MTBF {tc.mtbf_hours:.0f} h, host-level share "
         f"{tc.host_fraction:g}, repair {tc.repair_hours:g} h (elasjax/sim/traces.py), spares = "
@@ -238,7 +240,7 @@ def plot_growth(res: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(res), 1, figsize=(9, 2.6 * len(res)), sharex=True,
                              squeeze=False)
     for ax, r in zip(axes[:, 0], res.values()):
-        for pol, tl in r["timelines"].items():
+        for pol, tl in r["timelines"].items():  # "strategy policy"
             e = np.asarray(tl["bin_edges_h"])
             g = list(tl["goodput"])
             ax.step(e, g + g[-1:], where="post", lw=1.2,
