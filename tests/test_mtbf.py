@@ -146,6 +146,16 @@ def test_bad_fields_are_refused_naming_the_field():
         launch.resolve_config(cfg, 4, 2)
 
 
+def test_demo_mtbf_config_resolves_to_the_events_its_header_states():
+    import yaml
+
+    cfg = config.load("configs/demo_mtbf.yaml")
+    ev = faults.resolve_schedule(cfg.faults, TOPO, cfg.train.steps)
+    assert [(e.at_step, e.kind, e.hosts) for e in ev] == [
+        (18, "hosts", (3,)), (35, "hosts", (0,)), (38, "join", (3,)), (55, "join", (0,))]
+    assert config.from_dict(yaml.safe_load(config.dump(cfg))) == cfg  # round trip
+
+
 def test_a_generated_failure_and_return_train_like_the_fault_free_run(exe_cache):
     """Seed 1 fails host 3 at step 2 and returns it at step 5 (8 -> 6 -> 8 devices); the run
     grows back (cut-over within `max_fast_path_steps=1`); every loss within 1e-5 of the
