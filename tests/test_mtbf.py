@@ -105,14 +105,14 @@ def test_merges_with_scripted_entries_in_step_order():
 
 def test_bad_fields_are_refused_naming_the_field():
     bad = [
-        ("mtbf_steps: -5, repair_steps: 3", r"'faults\[0\].mtbf.mtbf_steps' = -5.0; allowed "
-                                            r"values: a finite number > 0"),
-        ("mtbf_steps: 5, repair_steps: 0", r"'faults\[0\].mtbf.repair_steps' = 0; allowed values: "
-                                           r"null .* or an integer >= 1"),
-        ("mtbf_steps: 5, repair_steps: 3, unit: rack", r"'faults\[0\].mtbf.unit' = 'rack' is not "
-                                                       r"allowed; allowed values: 'device', 'host'"),
-        ("mtbf_steps: 5, repair_steps: 3, stop: 2", r"'faults\[0\].mtbf.stop' = 2; allowed "
-                                                    r"values: null \(the run's end\) or 4 .. 19"),
+        ("mtbf_steps: -5, repair_steps: 3",
+         r"'faults\[0\].mtbf.mtbf_steps' = -5.0; allowed values: a finite number > 0"),
+        ("mtbf_steps: 5, repair_steps: 0",
+         r"'faults\[0\].mtbf.repair_steps' = 0; allowed values: null .* or an integer >= 1"),
+        ("mtbf_steps: 5, repair_steps: 3, unit: rack",
+         r"'faults\[0\].mtbf.unit' = 'rack' is not allowed; allowed values: 'device', 'host'"),
+        ("mtbf_steps: 5, repair_steps: 3, stop: 2",
+         r"'faults\[0\].mtbf.stop' = 2; allowed values: null \(the run's end\) or 4 .. 19"),
         ("mtbf_steps: 5, repair_steps: 3, min_live: 0", r"'faults\[0\].mtbf.min_live' = 0"),
         ("mtbf_steps: 5", r"'faults\[0\].mtbf.repair_steps' is required"),
         ("mtbf_steps: 5, repair_steps: 3, mtbf: 2", r"unknown config key 'faults\[0\].mtbf.mtbf'"),

@@ -15,8 +15,8 @@ from elasjax.sim.hardware import ascend910
 from elasjax.sim.planner import plan_heterogeneous
 from elasjax.sim.run import post_change_study
 from elasjax.sim.scenario import Scenario
-from elasjax.sim.strategies import STRATEGIES, failure_free, ideal_tokens_per_s
 from elasjax.sim.spares import simulate_policy
+from elasjax.sim.strategies import STRATEGIES, failure_free, ideal_tokens_per_s
 from elasjax.sim.timeline import simulate
 from elasjax.sim.traces import TraceEvent, TraceParams, make_trace
 from elasjax.sim.workload import GptDims

@@ -203,7 +203,7 @@ def growth_tables(res: dict, cfg: simconfig.SimConfig) -> str:
     tc, gc = cfg.trace, cfg.growth
     rows = []
     for r in res.values():
-        for pol, tl in r["timelines"].items():
+        for tl in r["timelines"].values():
             rows.append([
                 r["devices"], tl["strategy"], tl["policy"], tl["spare_hosts"], tl["total_devices"], tl["mean_goodput"],
                 tl["goodput_per_total_device"], tl["mean_filled"], tl["downtime_s"] / 60,
