@@ -167,7 +167,13 @@ class MtbfConfig:
     it). Each unit draws from its own stream of `seed`, so the same seed gives the same events,
     and scripted faults of one unit do not move the other units' failures. At a step boundary
     the process's returns come first, then the scripted entries of that step, then the process's
-    failures."""
+    failures.
+
+    Why an entry of `faults` and not a section of its own: the schedule stays one list, ordered
+    by `at_step` (here: the process's start) together with the scripted entries, so
+    `--set faults=[]` turns it off for the fault-free reference run, and everything that checks
+    the schedule (`faults.resolve_schedule` under either runtime, `elasjax launch`'s check
+    before it starts processes) sees it."""
 
     mtbf_steps: float
     repair_steps: Optional[int]
