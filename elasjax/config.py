@@ -154,6 +154,44 @@ class JoinConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MtbfConfig:
+    """A seeded failure-and-repair process for long runs (a fault entry's `mtbf`), resolved up
+    front into ordinary failures and joins (`faults.resolve_schedule`), so recovery, growth, the
+    events and `compare` see nothing new.
+
+    Every `unit` (a `device`, or a `host` of `parallel.devices_per_host` devices) of the job
+    fails on its own: its lifetime is exponential with mean `mtbf_steps` (per unit, not per job:
+    with U units up the job sees a failure every `mtbf_steps / U` steps on average), measured in
+    steps from the boundary where it came up (the entry's `at_step` for the units up then) and
+    rounded up to the next step boundary (so a unit trains at least one step). A unit the process
+    failed at step s returns `repair_steps` later (a `join` at step s + repair_steps, if the run
+    is still going; `null`: never: the job only shrinks) and starts a new lifetime there.
+    Failures stop after step `stop` (`null`: the run's last step); repairs do not.
+
+    Rules that keep the schedule runnable: the process never fails a unit when that would leave
+    fewer than `min_live` units up (that unit keeps running and draws a new lifetime; the skip is
+    noted in the spec of the process's events); it fails and returns only units that are up or
+    that it failed itself (a scripted failure of a unit stops its clock, a scripted join starts
+    it). Each unit draws from its own stream of `seed`, so the same seed gives the same events,
+    and scripted faults of one unit do not move the other units' failures. At a step boundary
+    the process's returns come first, then the scripted entries of that step, then the process's
+    failures.
+
+    Why an entry of `faults` and not a section of its own: the schedule stays one list, ordered
+    by `at_step` (here: the process's start) together with the scripted entries, so
+    `--set faults=[]` turns it off for the fault-free reference run, and everything that checks
+    the schedule (`faults.resolve_schedule` under either runtime, `elasjax launch`'s check
+    before it starts processes) sees it."""
+
+    mtbf_steps: float
+    repair_steps: Optional[int]
+    unit: Literal["device", "host"] = "device"
+    seed: int = 0
+    stop: Optional[int] = None
+    min_live: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class FaultConfig:
     """One scripted failure, or a return (`join`).
 
@@ -172,7 +210,11 @@ class FaultConfig:
 
     `join` (instead of a failure; `JoinConfig`): devices that failed earlier return at the
     boundary before step `at_step` (phase `step`; one process only for now). A join must come
-    before the failures of its step in the list."""
+    before the failures of its step in the list.
+
+    `mtbf` (instead of a failure; `MtbfConfig`): from the boundary before step `at_step` on,
+    a seeded process fails devices or hosts and returns them after a repair time (one process
+    only: its returns are joins). Its place in the list is its start step, like any entry's."""
 
     at_step: int
     devices: tuple[int, ...] = ()
@@ -182,6 +224,7 @@ class FaultConfig:
     kill_process: int = -1
     phase: Literal["step", "recovery", "cutover"] = "step"
     join: Optional[JoinConfig] = None
+    mtbf: Optional[MtbfConfig] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -644,12 +687,15 @@ def validate(cfg: Config) -> None:
     for i, f in enumerate(cfg.faults):
         key = f"faults[{i}]"
         kinds = [bool(f.devices), bool(f.hosts), f.count > 0, f.kill_process >= 0,
-                 f.join is not None]
+                 f.join is not None, f.mtbf is not None]
         if sum(kinds) != 1:
             raise ConfigError(
                 f"config '{key}' must name exactly one of 'devices', 'hosts', 'count' (+ 'seed') "
-                "or 'kill_process' (a failure), or 'join' (devices that return)"
+                "or 'kill_process' (a failure), or 'join' (devices that return), or 'mtbf' (a "
+                "seeded failure-and-repair process)"
             )
+        if f.mtbf is not None:
+            _validate_mtbf(f, key, cfg)
         if f.join is not None:
             if bool(f.join.devices) == bool(f.join.hosts):
                 raise ConfigError(
@@ -673,3 +719,30 @@ def validate(cfg: Config) -> None:
         _require(f.count >= 0, f"{key}.count", "must be >= 0")
     steps = [f.at_step for f in cfg.faults]
     _require(steps == sorted(steps), "faults", "must be ordered by at_step")
+
+
+def _validate_mtbf(f: FaultConfig, key: str, cfg: Config) -> None:
+    """The fields of a fault entry's `mtbf` process that need no topology (see `MtbfConfig`)."""
+    m, steps = f.mtbf, cfg.train.steps
+    _require(f.seed == 0, f"{key}.seed",
+             f"= {f.seed} with 'mtbf': the process's seed is '{key}.mtbf.seed'; allowed values "
+             "here: 0 (unset)")
+    _require(f.phase == "step", f"{key}.phase",
+             f"= '{f.phase}' with 'mtbf': the process fails and returns units at step boundaries; "
+             "allowed values: 'step'")
+    _require(m.mtbf_steps > 0 and m.mtbf_steps != float("inf"), f"{key}.mtbf.mtbf_steps",
+             f"= {m.mtbf_steps}; allowed values: a finite number > 0 (the mean steps between "
+             "failures of one unit)")
+    _require(m.repair_steps is None or m.repair_steps >= 1, f"{key}.mtbf.repair_steps",
+             f"= {m.repair_steps}; allowed values: null (failed units never return) or an "
+             "integer >= 1 (steps until a failed unit returns)")
+    _require(m.stop is None or f.at_step <= m.stop < steps, f"{key}.mtbf.stop",
+             f"= {m.stop}; allowed values: null (the run's end) or {f.at_step} .. {steps - 1} "
+             f"(from the entry's at_step to the last step; train.steps = {steps})")
+    _require(m.min_live >= 1, f"{key}.mtbf.min_live",
+             f"= {m.min_live}; allowed values: an integer >= 1 (units the process leaves up)")
+    if m.repair_steps is not None:
+        _require(cfg.recovery.strategy == "elastic", f"{key}.mtbf.repair_steps",
+                 f"= {m.repair_steps} returns units as joins, which need recovery.strategy = "
+                 f"'elastic' (growing back is not implemented for '{cfg.recovery.strategy}'); "
+                 "allowed values with another strategy: null (units never return)")

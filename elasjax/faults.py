@@ -20,6 +20,16 @@ the multi-controller runtime a join is refused: a restarted process cannot rejoi
 (docs/multiprocess.md). What keeps a launched job's size there is hot spares (`parallel.spares`,
 `elasjax launch --spares K`): processes started with the job, outside the mesh, one of which takes
 a dead process's place (`planner.substitute_spares`).
+
+An `mtbf` entry (`config.MtbfConfig`) is a seeded failure-and-repair process for long runs: from
+its `at_step` on, every device (or host) fails after an exponential lifetime and returns
+`repair_steps` later. It is resolved here, in step order together with the scripted entries and
+against the same running live set, into ordinary failure and `join` events (their spec names
+the process: `devices [3] (mtbf faults[0])`), so recovery, growth, the run's events and
+`compare` are unchanged, and the start event's `faults` list shows what it generated. Rejected
+alternative: drawing failures while training, which would make a run depend on its own timing
+and could not be checked before it starts. Under `elasjax launch` it is refused (its returns are
+joins).
 """
 
 from __future__ import annotations
@@ -57,6 +67,34 @@ def resolve_schedule(
     """Concrete events in order; `runtime` is the kind of runtime that will inject them."""
     live = list(topo.device_ids)
     events: list[FaultEvent] = []
+    procs: list[_MtbfProcess] = []
+    cursor = [0, False]  # the first step whose process events are not all out; its joins out?
+    taken: dict[int, str] = {}  # device -> which process failed it, at which step (messages)
+
+    def run_processes(until: int, joins_too: bool) -> None:
+        """Emit the processes' events of the steps before `until` (and their joins at `until`)."""
+        nonlocal live
+        while cursor[0] < until or (joins_too and cursor[0] == until and not cursor[1]):
+            s = cursor[0]
+            if not cursor[1]:
+                for pr in procs:
+                    ev = pr.returns(s, live)
+                    if ev is not None:
+                        live = [d for d in topo.device_ids if d in live or d in ev.device_ids]
+                        events.append(ev)
+                        for d in ev.device_ids:
+                            taken.pop(d, None)
+                cursor[1] = True
+            if s == until:
+                break
+            for pr in procs:
+                ev = pr.failures(s, live)
+                if ev is not None:
+                    live = [d for d in live if d not in ev.device_ids]
+                    events.append(ev)
+                    taken.update({d: f"{pr.name} failed it at step {s}" for d in ev.device_ids})
+            cursor[0], cursor[1] = s + 1, False
+
     for i, f in enumerate(faults):
         key = f"faults[{i}]"
         if not 0 <= f.at_step < steps:
@@ -64,10 +102,24 @@ def resolve_schedule(
                 f"config '{key}.at_step' = {f.at_step} is outside the run; allowed values: "
                 f"0 .. {steps - 1}"
             )
+        if f.mtbf is not None:
+            if runtime == MULTI_CONTROLLER:
+                raise ConfigError(
+                    f"config '{key}.mtbf' is not available under `elasjax launch`: the process "
+                    "returns repaired units as joins, and joins do not run there yet "
+                    "(docs/multiprocess.md); allowed there: scripted failures ('hosts', "
+                    "'kill_process'); run 'mtbf' with `elasjax train` (one process)"
+                )
+            run_processes(f.at_step, joins_too=False)
+            procs.append(_MtbfProcess(key, f, topo, steps))
+            continue
+        run_processes(f.at_step, joins_too=True)
         if f.join is not None:
             ev = _resolve_join(f, key, topo, live, events, runtime)
             live = [d for d in topo.device_ids if d in live or d in ev.device_ids]
             events.append(ev)
+            for d in ev.device_ids:
+                taken.pop(d, None)
             continue
         hosts: tuple[int, ...] = ()
         if runtime == MULTI_CONTROLLER and (f.devices or f.count):
@@ -97,7 +149,10 @@ def resolve_schedule(
                         f"values: {list(topo.device_ids)}"
                     )
                 if d not in live:
-                    raise ConfigError(f"config '{key}.devices': device {d} has already failed")
+                    raise ConfigError(
+                        f"config '{key}.devices': device {d} has already failed"
+                        + (f" (the {taken[d]})" if d in taken else "")
+                    )
             ids, kind, spec = tuple(f.devices), "devices", f"devices {list(f.devices)}"
         elif f.hosts or f.kill_process >= 0:
             hosts = tuple(f.hosts) if f.hosts else (f.kill_process,)
@@ -112,9 +167,10 @@ def resolve_schedule(
                     )
                 alive = [d for d in topo.host_devices(h) if d in live]
                 if not alive:
+                    by = sorted({taken[d] for d in topo.host_devices(h) if d in taken})
                     raise ConfigError(
                         f"config '{key}.{what}': {'process' if f.kill_process >= 0 else 'host'} "
-                        f"{h} has already failed"
+                        f"{h} has already failed" + (f" (the {'; the '.join(by)})" if by else "")
                     )
                 ids += alive
             if runtime == MULTI_CONTROLLER:
@@ -153,7 +209,118 @@ def resolve_schedule(
         events.append(FaultEvent(f.at_step, ids, kind, spec + (
             {"recovery": " (during recovery)", "cutover": " (at the cut-over)"}.get(f.phase, "")),
             f.phase, hosts))
+    run_processes(steps, joins_too=False)
+    for pr in procs:
+        pr.annotate(events)
     return events
+
+
+class _MtbfProcess:
+    """One `mtbf` entry's units, their clocks and repairs (see `config.MtbfConfig`).
+
+    A unit's clock is the step at which it next fails, drawn when the unit is first seen up
+    (at the entry's start, after a return, or after a skipped failure) from the unit's own
+    stream `default_rng([seed, unit is a host, unit])`: the draws of one unit never depend on the others."""
+
+    def __init__(self, key: str, f: FaultConfig, topo: Topology, steps: int):
+        m = f.mtbf
+        self.key, self.m, self.topo, self.steps = key, m, topo, steps
+        self.name = f"mtbf process of {key}"
+        self.start = f.at_step
+        self.stop = steps - 1 if m.stop is None else m.stop
+        self.host = m.unit == "host"
+        self.units = (list(range(topo.n_hosts)) if self.host else list(topo.device_ids))
+        if m.min_live >= len(self.units):
+            raise ConfigError(
+                f"config '{key}.mtbf.min_live' = {m.min_live} leaves no {m.unit} to fail: the "
+                f"job has {len(self.units)} {m.unit}s; allowed values: 1 .. "
+                f"{len(self.units) - 1}"
+            )
+        self.rngs = {u: np.random.default_rng([m.seed, int(self.host), u]) for u in self.units}
+        self.clock: dict[int, int | None] = {u: None for u in self.units}
+        self.repairs: dict[int, tuple[int, tuple[int, ...]]] = {}  # unit -> (return step, devices)
+        self.skipped: list[tuple[int, int]] = []  # (step, unit) failures not done (min_live)
+        self.specs: list[str] = []  # the specs of this process's events
+
+    def _devices(self, u: int) -> tuple[int, ...]:
+        return tuple(self.topo.host_devices(u)) if self.host else (u,)
+
+    def _draw(self, u: int, origin: int) -> int:
+        """The step of the next failure of a unit up from the boundary before `origin`."""
+        life = self.rngs[u].exponential(self.m.mtbf_steps)
+        return origin + max(1, int(np.ceil(life)))
+
+    def _what(self, units: list[int]) -> str:
+        return f"{'hosts' if self.host else 'devices'} {units}"
+
+    def returns(self, s: int, live: list[int]) -> FaultEvent | None:
+        """The units this process failed that are back at step `s` (a join), if any."""
+        back, ids = [], []
+        for u in sorted(self.repairs):
+            due, devs = self.repairs[u]
+            if due != s:
+                continue
+            del self.repairs[u]
+            down = [d for d in devs if d not in live]  # a scripted join may have returned some
+            if down:
+                back.append(u)
+                ids += down
+        if not back:
+            return None
+        spec = f"join {self._what(back)} (mtbf {self.key}, repaired after {self.m.repair_steps} steps)"
+        self.specs.append(spec)
+        return FaultEvent(s, tuple(ids), "join", spec, hosts=tuple(back) if self.host else ())
+
+    def failures(self, s: int, live: list[int]) -> FaultEvent | None:
+        """The units whose lifetimes end at step `s` (one failure event), if any."""
+        if s < self.start:
+            return None
+        up = [u for u in self.units if any(d in live for d in self._devices(u))]
+        for u in self.units:  # scripted failures stop clocks; scripted (and own) returns start them
+            if u not in up:
+                self.clock[u] = None
+                continue
+            self.repairs.pop(u, None)  # up again (a scripted join): nothing left to repair
+            if self.clock[u] is None:
+                self.clock[u] = self._draw(u, s)
+        if s > self.stop:
+            return None
+        n_up, failed, ids = len(up), [], []
+        for u in up:
+            if self.clock[u] != s:
+                continue
+            if n_up - 1 < self.m.min_live:
+                self.skipped.append((s, u))
+                self.clock[u] = self._draw(u, s)
+                continue
+            n_up -= 1
+            failed.append(u)
+            devs = tuple(d for d in self._devices(u) if d in live)
+            ids += devs
+            self.clock[u] = None
+            if self.m.repair_steps is not None and s + self.m.repair_steps < self.steps:
+                self.repairs[u] = (s + self.m.repair_steps, devs)
+        if not failed:
+            return None
+        spec = f"{self._what(failed)} (mtbf {self.key})"
+        self.specs.append(spec)
+        return FaultEvent(s, tuple(ids), "hosts" if self.host else "devices", spec,
+                          hosts=tuple(failed) if self.host else ())
+
+    def annotate(self, events: list[FaultEvent]) -> None:
+        """Note the skipped failures in the spec of the process's last event at or before each
+        (else its first event), where the run's start event and logs show them."""
+        mine = [j for j, e in enumerate(events) if e.spec in self.specs]
+        for s, u in self.skipped:
+            if not mine:
+                return
+            before = [j for j in mine if events[j].at_step <= s]
+            j = before[-1] if before else mine[0]
+            e = events[j]
+            note = (f"; kept {self.m.unit} {u} up at step {s}: failing it would leave fewer "
+                    f"than mtbf.min_live = {self.m.min_live}")
+            events[j] = dataclasses.replace(e, spec=e.spec + note)
+            self.specs.append(events[j].spec)
 
 
 def _resolve_join(

@@ -15,9 +15,10 @@ from elasjax.sim.hardware import ascend910
 from elasjax.sim.planner import plan_heterogeneous
 from elasjax.sim.run import post_change_study
 from elasjax.sim.scenario import Scenario
+from elasjax.sim.spares import simulate_policy
 from elasjax.sim.strategies import STRATEGIES, failure_free, ideal_tokens_per_s
 from elasjax.sim.timeline import simulate
-from elasjax.sim.traces import TraceParams, make_trace
+from elasjax.sim.traces import TraceEvent, TraceParams, make_trace
 from elasjax.sim.workload import GptDims
 
 DIMS = GptDims(n_layers=10, d_model=256, n_heads=8, d_mlp=1024, vocab_size=1000, seq_len=128)
@@ -225,3 +226,88 @@ def test_cli_sim_smoke(tmp_path, capsys):
     else:
         assert (tmp_path / "out" / "goodput.png").exists()
     assert cli.main(["sim", str(cfg), "--set", "layout.tensor=3"]) == 2
+
+
+# -- growing back: shrink only / rejoin / hot spares (elasjax.sim.spares) -------------------------
+
+
+def _policy(sc, policy, trace, hours=10.0, **kw):
+    ref = failure_free(sc).tokens_per_s
+    return simulate_policy(sc, policy, trace, hours, 1.0, ref, **kw)
+
+
+def test_spares_keep_the_plan_while_shrink_only_drops_and_rejoin_returns():
+    """Host 1 fails at 1 h; it is repaired at 3 h. Shrink only stays on the smaller plan,
+    rejoin is back at the failure-free rate after the repair, one hot spare host keeps the plan's
+    size (after its swap stall) the whole time; with the spare's idle devices counted, its
+    goodput per total device is the per-active one times n / (n + spare devices)."""
+    sc = make_scenario()  # 24 devices, hosts of 4
+    h = 3600.0
+    host = (4, 5, 6, 7)
+    trace = (TraceEvent(1 * h, "fail", host, True), TraceEvent(3 * h, "repair", host))
+    shrink, rejoin = _policy(sc, "shrink", trace), _policy(sc, "rejoin", trace)
+    spares = _policy(sc, "spares", trace, spare_hosts=1, swap_s=60.0)
+    assert shrink.goodput[0] == rejoin.goodput[0] == spares.goodput[0] == pytest.approx(1.0)
+    ff = failure_free(sc).tokens_per_s
+    smaller = STRATEGIES["elaswave_no_dvfs"](sc, list(host)).tokens_per_s / ff
+    assert smaller < 0.9
+    assert shrink.goodput[2:] == pytest.approx((smaller,) * 8)
+    assert rejoin.goodput[2] == pytest.approx(smaller)
+    assert rejoin.goodput[4:] == pytest.approx((1.0,) * 6)
+    step = failure_free(sc).step_s
+    assert spares.goodput[1] == pytest.approx(1.0 - (60.0 + 0.5 * step) / h)
+    assert spares.goodput[2:] == pytest.approx((1.0,) * 8) and spares.swaps == 1
+    assert spares.mean_filled == 1.0 and shrink.mean_filled < 1.0
+    assert spares.total_devices == 28
+    assert spares.goodput_per_total_device == pytest.approx(spares.mean_goodput * 24 / 28)
+    assert shrink.goodput_per_total_device == shrink.mean_goodput  # nothing idle
+    # a failure-free run with two idle spare hosts: full per active device, 24/32 per total
+    idle = _policy(sc, "spares", (), spare_hosts=2)
+    assert idle.mean_goodput == pytest.approx(1.0)
+    assert idle.goodput_per_total_device == pytest.approx(24 / 32)
+
+
+def test_an_empty_pool_falls_back_to_shrinking_and_a_repaired_host_refills_it():
+    """The only spare host (devices 24..27) fails while idle; a job failure then finds the pool
+    empty and shrinks; when the spare is repaired it is swapped into the short job at once."""
+    sc = make_scenario()
+    h = 3600.0
+    host = (4, 5, 6, 7)
+    trace = (TraceEvent(0.5 * h, "fail", (25,)), TraceEvent(1 * h, "fail", host, True),
+             TraceEvent(4 * h, "repair", (25,)), TraceEvent(8 * h, "repair", host))
+    sp = _policy(sc, "spares", trace, spare_hosts=1, swap_s=60.0)
+    ff = failure_free(sc).tokens_per_s
+    smaller = STRATEGIES["elaswave_no_dvfs"](sc, list(host)).tokens_per_s / ff
+    assert sp.fallbacks == 1 and sp.swaps == 1
+    assert sp.goodput[2:4] == pytest.approx((smaller,) * 2)
+    assert sp.goodput[5:] == pytest.approx((1.0,) * 5)
+    # the spare host's events do not exist for the policies without spares
+    assert _policy(sc, "rejoin", trace).goodput == _policy(sc, "rejoin", trace[1:2] + trace[3:]
+                                                           ).goodput
+
+
+def test_rejoin_policy_matches_the_trace_replay():
+    sc = make_scenario()
+    trace = make_trace(TraceParams(sc.layout.n_devices, 4, 500.0, 2000.0, 0.2, 8.0, seed=7))
+    assert sum(e.kind == "fail" for e in trace) >= 3
+    ref = failure_free(sc).tokens_per_s
+    a = simulate(sc, "elaswave_no_dvfs", STRATEGIES["elaswave_no_dvfs"], trace, 500.0, 50.0, ref)
+    b = simulate_policy(sc, "rejoin", trace, 500.0, 50.0, ref)
+    assert b.goodput == pytest.approx(a.goodput, rel=1e-12) and b.lost_work_s > 0
+    assert (b.downtime_s, b.transitions) == pytest.approx((a.downtime_s, a.transitions))
+    with pytest.raises(ValueError, match="allowed values: shrink, rejoin, spares"):
+        simulate_policy(sc, "hoard", trace, 500.0, 50.0, ref)
+
+
+def test_growth_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"'growth.spare_fraction' = -0.1; allowed values: 0 <= "):
+        simconfig.from_dict({"growth": {"spare_fraction": -0.1}})
+    with pytest.raises(ConfigError, match=r"'growth.policies\[0\]' = 'hoard' is not allowed; "
+                                          r"allowed values: 'shrink', 'rejoin', 'spares'"):
+        simconfig.from_dict({"growth": {"policies": ["hoard"]}})
+    with pytest.raises(ConfigError, match=r"'growth.strategies' = \['checkpoint_restart'\]: name "
+                                          r"at least one elastic strategy.*allowed values: "
+                                          r"elaswave, "):
+        simconfig.from_dict({"growth": {"strategies": ["checkpoint_restart"]}})
+    with pytest.raises(ConfigError, match=r"'run' includes 'growth'.*trace.scales"):
+        simconfig.from_dict({"run": ["growth"]})

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, Optional
 
+import numpy as np
 import yaml
 
 from ..config import ConfigError, apply_override, build_dataclass
@@ -96,6 +97,23 @@ class TraceConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GrowthConfig:
+    """Growing back (`run: [growth]`, `elasjax.sim.spares`): each of `strategies` replayed at every
+    `trace.scales` under the `trace` section's failures and repairs, once per policy: `shrink`
+    (repaired devices never return), `rejoin` (they return; the job grows back after the
+    strategy's grow stall), `spares` (`spare_fraction` of the job's hosts, rounded up, held idle
+    as hot spares; a failed host is replaced after `swap_s`, null = derived by
+    `spares.swap_seconds`: detection + communicator edit + planning + one host's state over the
+    inter-host link). Defaults: ElasWave-style without DVFS (so 1.0 is the failure-free plan)
+    and this repository's rectangular SPMD re-plan (`elasjax_spmd`)."""
+
+    policies: tuple[Literal["shrink", "rejoin", "spares"], ...] = ("shrink", "rejoin", "spares")
+    strategies: tuple[StrategyName, ...] = ("elaswave_no_dvfs", "elasjax_spmd")
+    spare_fraction: float = 0.02  # assumption: 2% of the hosts held as hot spares
+    swap_s: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class DvfsConfig:
     enabled: bool = True
     cap_factor: float = 1.0  # power cap = cap_factor * working devices * nominal power
@@ -118,10 +136,11 @@ class RecoveryConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
-    """A simulator run. `run` picks the studies: post_change (tables at `layout.devices`) and
-    trace (goodput over time at `trace.scales`)."""
+    """A simulator run. `run` picks the studies: post_change (tables at `layout.devices`),
+    trace (goodput over time at `trace.scales`) and growth (shrink only / rejoin / hot spares
+    under the same traces, `growth`)."""
 
-    run: tuple[Literal["post_change", "trace"], ...] = ("post_change",)
+    run: tuple[Literal["post_change", "trace", "growth"], ...] = ("post_change",)
     strategies: tuple[StrategyName, ...] = ALL_STRATEGIES
     model: GptDims = GptDims()
     hardware: HardwareConfig = HardwareConfig()
@@ -129,6 +148,7 @@ class SimConfig:
     batch: BatchConfig = BatchConfig()
     post_change: PostChangeConfig = PostChangeConfig()
     trace: TraceConfig = TraceConfig()
+    growth: GrowthConfig = GrowthConfig()
     dvfs: DvfsConfig = DvfsConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     recycle_bubble_fill: float = 1.0
@@ -170,6 +190,29 @@ def validate(cfg: SimConfig) -> None:
     _require(cfg.trace.repair_hours >= 0, "trace.repair_hours", "must be >= 0")
     _require(0 < cfg.trace.bin_hours <= cfg.trace.hours, "trace.bin_hours",
              "must be in (0, trace.hours]")
+    g = cfg.growth
+    _require(len(g.strategies) >= 1 and "checkpoint_restart" not in g.strategies,
+             "growth.strategies", f"= {list(g.strategies)}: name at least one elastic strategy "
+             "(checkpoint_restart has no elastic growth to compare); allowed values: "
+             f"{', '.join(s for s in ALL_STRATEGIES if s != 'checkpoint_restart')}")
+    _require(len(g.policies) >= 1, "growth.policies",
+             "must name at least one of 'shrink', 'rejoin', 'spares'")
+    _require(0 <= g.spare_fraction < 1, "growth.spare_fraction",
+             f"= {g.spare_fraction}; allowed values: 0 <= spare_fraction < 1 (a share of the "
+             "job's hosts held as hot spares)")
+    _require(g.swap_s is None or g.swap_s >= 0, "growth.swap_s",
+             f"= {g.swap_s}; allowed values: null (derived) or a number of seconds >= 0")
+    if "growth" in cfg.run:
+        _require(bool(cfg.trace.scales), "run",
+                 "includes 'growth', which replays the trace at every trace.scales entry; "
+                 "allowed: set trace.scales to one or more device counts")
+        dph = cfg.hardware.build().devices_per_host
+        for n in cfg.trace.scales:
+            per_pipe = lay.stage * lay.tensor
+            _require((n // per_pipe * per_pipe) % dph == 0, "trace.scales",
+                     f"entry {n}: the job's {n // per_pipe * per_pipe} devices are not whole "
+                     f"hosts of {dph} (growth swaps whole hosts); allowed values: multiples of "
+                     f"lcm(stage * tensor, devices_per_host) = {np.lcm(per_pipe, dph)}")
     _require(cfg.dvfs.cap_factor > 0, "dvfs.cap_factor", "must be > 0")
     _require(0 <= cfg.recycle_bubble_fill <= 1, "recycle_bubble_fill", "must be in [0, 1]")
     _require(cfg.planner_budget_s >= 0, "planner_budget_s", "must be >= 0")
@@ -230,6 +273,7 @@ __all__ = [
     "BatchConfig",
     "PostChangeConfig",
     "TraceConfig",
+    "GrowthConfig",
     "DvfsConfig",
     "RecoveryConfig",
     "SimConfig",

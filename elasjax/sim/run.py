@@ -10,6 +10,9 @@ Two studies, both over the same strategies and cost model:
   with and without the frequency policy; a sensitivity table varies ReCycle's bubble fill.
 - **trace**: at every device count in `trace.scales`, replay one seeded MTBF trace per strategy
   and report goodput over time, plus the planner's latency at that scale.
+- **growth**: at the same scales, each of `growth.strategies` under three policies for the
+  devices that come back (`elasjax.sim.spares`): shrink only, rejoin after repair, hot spares;
+  goodput per active and per total (spares included) device.
 
 Every title says *simulated*: these are model outputs, not measurements.
 """
@@ -27,6 +30,7 @@ import numpy as np
 from . import config as simconfig
 from .planner import plan_heterogeneous
 from .scenario import Scenario
+from .spares import simulate_policy, spare_hosts_for, swap_seconds
 from .strategies import STRATEGIES, failure_free
 from .timeline import simulate
 from .traces import TraceParams, make_trace
@@ -158,6 +162,100 @@ def trace_study(cfg: simconfig.SimConfig) -> dict:
             "planner": planner_latency(sc, seed=tc.seed),
         }
     return out
+
+
+def growth_study(cfg: simconfig.SimConfig) -> dict:
+    """Shrink only / rejoin / hot spares at every scale of `trace.scales` (module docstring).
+    The trace covers the job's hosts and the spare hosts, and every policy replays it."""
+    out = {}
+    tc, gc = cfg.trace, cfg.growth
+    for n in tc.scales:
+        sc = simconfig.scenario(cfg, n)
+        k = spare_hosts_for(sc, gc.spare_fraction)
+        dph = sc.layout.devices_per_host
+        trace = make_trace(TraceParams(
+            n_devices=sc.layout.n_devices + k * dph, devices_per_host=dph, hours=tc.hours,
+            mtbf_hours=tc.mtbf_hours, host_fraction=tc.host_fraction,
+            repair_hours=tc.repair_hours, seed=tc.seed,
+        ))
+        swap = swap_seconds(sc) if gc.swap_s is None else gc.swap_s
+        ref = failure_free(sc).tokens_per_s
+        lines = {}
+        for strat in gc.strategies:
+            for pol in gc.policies:
+                tl = simulate_policy(sc, pol, trace, tc.hours, tc.bin_hours, ref,
+                                     spare_hosts=k if pol == "spares" else 0, swap_s=swap,
+                                     strategy=strat)
+                lines[f"{strat} {pol}"] = dataclasses.asdict(tl)
+        job = [e for e in trace if e.kind == "fail" and min(e.devices) < sc.layout.n_devices]
+        out[n] = {
+            "devices": sc.layout.n_devices, "spare_hosts": k, "spare_devices": k * dph,
+            "swap_s": swap,
+            "grow_s": {s: STRATEGIES[s](sc, []).grow_s for s in gc.strategies},
+            "job_failures": len(job),
+            "spare_failures": sum(e.kind == "fail" for e in trace) - len(job),
+            "timelines": lines,
+        }
+    return out
+
+
+def growth_tables(res: dict, cfg: simconfig.SimConfig) -> str:
+    tc, gc = cfg.trace, cfg.growth
+    rows = []
+    for r in res.values():
+        for tl in r["timelines"].values():
+            rows.append([
+                r["devices"], tl["strategy"], tl["policy"], tl["spare_hosts"], tl["total_devices"], tl["mean_goodput"],
+                tl["goodput_per_total_device"], tl["mean_filled"], tl["downtime_s"] / 60,
+                tl["lost_work_s"] / 60, tl["swaps"], tl["fallbacks"],
+            ])
+    title = (
+        f"Growing back: shrink only / rejoin / hot spares over {tc.hours:g} h "
+        f"{SIM} (goodput = surviving tokens / failure-free tokens; per active device: over the "
+        "job's devices; per total device: over the job's + the idle spares')"
+    )
+    text = [md_table(title, [
+        "devices", "strategy", "policy", "spare hosts", "total devices", "goodput / active device",
+        "goodput / total device", "plan size (time avg)", "downtime min", "lost work min",
+        "swaps", "pool empty"], rows)]
+    notes = "; ".join(
+        f"{r['devices']} devices: {r['job_failures']} failures of the job's devices, "
+        f"{r['spare_failures']} of idle spares, swap {r['swap_s']:.0f} s, grow "
+        + ", ".join(f"{v:.1f} s ({k})" for k, v in r["grow_s"].items()) for r in res.values())
+    text.append(
+        f"Parameters {SIM}: per-device MTBF {tc.mtbf_hours:.0f} h, host-level share "
+        f"{tc.host_fraction:g}, repair {tc.repair_hours:g} h (elasjax/sim/traces.py), spares = "
+        f"{gc.spare_fraction:.0%} of the job's hosts rounded up; {notes}. Shrink only never "
+        "takes a repaired device back; rejoin grows back after the repair; spares keep the "
+        "plan's size while the pool lasts and cost their idle devices in the per-total column.\n")
+    return "\n".join(text)
+
+
+def plot_growth(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(res), 1, figsize=(9, 2.6 * len(res)), sharex=True,
+                             squeeze=False)
+    for ax, r in zip(axes[:, 0], res.values()):
+        for pol, tl in r["timelines"].items():  # "strategy policy"
+            e = np.asarray(tl["bin_edges_h"])
+            g = list(tl["goodput"])
+            ax.step(e, g + g[-1:], where="post", lw=1.2,
+                    label=f"{pol} (per total device {tl['goodput_per_total_device']:.4f})")
+        ax.set_title(f"SIMULATED growing back, {r['devices']} devices + {r['spare_devices']} "
+                     f"spare, {r['job_failures']} job failures", fontsize=10)
+        ax.set_ylabel("goodput / failure-free")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    axes[-1, 0].set_xlabel("hours")
+    fig.suptitle("Simulated: shrink only vs rejoin vs hot spares (per active device)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def post_change_tables(res: dict, strategies: Sequence[str]) -> str:
@@ -311,6 +409,10 @@ def run(cfg: simconfig.SimConfig, out: str | Path | None = None, *, plots: bool 
         tr = trace_study(cfg)
         results["trace"] = tr
         text.append(trace_tables(tr, strategies, cfg.trace.hours))
+    if "growth" in cfg.run:
+        gr = growth_study(cfg)
+        results["growth"] = gr
+        text.append(growth_tables(gr, cfg))
     report = "\n".join(text)
     print(report)
     if out is not None:
@@ -329,6 +431,8 @@ def run(cfg: simconfig.SimConfig, out: str | Path | None = None, *, plots: bool 
             plot_post_change(results["post_change"], strategies, d / "post_change.png")
         if plots and "trace" in results:
             plot_goodput(results["trace"], strategies, d / "goodput.png")
+        if plots and "growth" in results:
+            plot_growth(results["growth"], d / "growth.png")
         print(f"wrote {d}/tables.md, results.json, config.yaml" + (" and plots" if plots else ""))
     return results
 
@@ -347,6 +451,7 @@ __all__ = [
     "recycle_sensitivity",
     "planner_latency",
     "trace_study",
+    "growth_study",
     "run",
     "main",
 ]

@@ -271,9 +271,13 @@ def _tensor_options(sc: Scenario) -> list[int]:
 def elasjax_spmd(sc: Scenario, failed, *, full_search: bool | None = None) -> Outcome:
     """Rectangular re-plan over the survivors (see the module docstring)."""
     f = _failed(sc, failed)
-    if f.size == 0:
-        return failure_free(sc, "elasjax_spmd")
     L = sc.layout
+    if f.size == 0:  # growing back onto the full mesh: every device loads its shard
+        w, part = sc.workload(), sc.partition(L.stage)
+        ff = failure_free(sc, "elasjax_spmd")
+        load = float(np.bincount(np.repeat(np.arange(L.stage), part.sizes),
+                                 weights=w.state_bytes(L.data)).max()) / sc.device.inter_host_bw
+        return dataclasses.replace(ff, grow_s=sc.recovery.plan_s + load)
     per_group = np.full(L.n_groups, L.tensor) - np.bincount(L.group_of(f), minlength=L.n_groups)
     full = L.n_devices <= 512 if full_search is None else full_search
     best = None

@@ -1,8 +1,8 @@
 """Goodput over time: a strategy replayed against a failure trace.
 
 Between events a strategy trains at its steady post-change rate (`Outcome.tokens_per_s`). At a
-failure it is down for `recovery_s` and loses work: the step in flight (half a step expected)
-for the elastic strategies, everything since the last checkpoint for checkpoint-restart (whose
+failure it is down for `recovery_s` and loses work: the step in flight (half a step of the plan
+that was running, expected) for the elastic strategies, everything since the last checkpoint for checkpoint-restart (whose
 checkpoints, every Young interval of running time, also stall it for `ckpt_save_s` each). At a
 repair the elastic strategies move to the better plan for `grow_s` of downtime; checkpoint-
 restart restarts only when the survivors plus the repaired devices make more complete pipelines.
@@ -35,6 +35,13 @@ class Timeline:
     downtime_s: float
     lost_work_s: float
     transitions: int
+
+
+def in_flight_s(o: Outcome) -> float:
+    """The work an elastic strategy loses when its running plan fails: half a step of that plan
+    in expectation (not the failure's `Outcome.lost_s`, which is the *new* plan's half step and
+    zero for the failure-free plan)."""
+    return 0.5 * o.step_s if o.tokens_per_s > 0 and np.isfinite(o.step_s) else 0.0
 
 
 def _discard(segments: list[list[float]], t0: float, t1: float) -> float:
@@ -102,7 +109,7 @@ def simulate(
                     last = resume_at + np.floor((te - resume_at) / period) * period
                     lost += _discard(segments, last, te)
                 else:
-                    lost += _discard(segments, te - current.lost_s, te)
+                    lost += _discard(segments, te - in_flight_s(current), te)
             wait = new.recovery_s
         else:
             down.difference_update(ev.devices)
@@ -121,6 +128,17 @@ def simulate(
     start = max(seg_start, resume_at)
     if horizon > start:
         segments.append([start, horizon, rate(current)])
+    edges, good, mean = bin_progress(segments, horizon, bin_hours, reference_tokens_per_s)
+    return Timeline(
+        strategy=name, bin_edges_h=edges, goodput=good, mean_goodput=mean,
+        downtime_s=float(downtime), lost_work_s=float(lost), transitions=transitions,
+    )
+
+
+def bin_progress(segments: Sequence[Sequence[float]], horizon: float, bin_hours: float,
+                 reference_tokens_per_s: float) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+    """(bin edges in hours, goodput per bin, mean goodput) of `[start_s, end_s, tokens/s]`
+    segments, as fractions of `reference_tokens_per_s`."""
     edges = np.arange(0.0, horizon + 1e-9, bin_hours * 3600.0)
     if edges[-1] < horizon:
         edges = np.append(edges, horizon)
@@ -130,14 +148,9 @@ def simulate(
             lo, hi = max(a, edges[i]), min(b, edges[i + 1])
             if hi > lo:
                 tokens[i] += (hi - lo) * r
-    widths = np.diff(edges)
-    good = tokens / (reference_tokens_per_s * widths)
-    return Timeline(
-        strategy=name, bin_edges_h=tuple(float(e / 3600.0) for e in edges),
-        goodput=tuple(float(g) for g in good),
-        mean_goodput=float(tokens.sum() / (reference_tokens_per_s * horizon)),
-        downtime_s=float(downtime), lost_work_s=float(lost), transitions=transitions,
-    )
+    good = tokens / (reference_tokens_per_s * np.diff(edges))
+    return (tuple(float(e / 3600.0) for e in edges), tuple(float(g) for g in good),
+            float(tokens.sum() / (reference_tokens_per_s * horizon)))
 
 
-__all__ = ["Timeline", "simulate"]
+__all__ = ["Timeline", "bin_progress", "in_flight_s", "simulate"]
