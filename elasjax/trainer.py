@@ -491,7 +491,7 @@ class Trainer(Recovering):
                              "auto": self.pool.given.auto},
                 "resumed_from_checkpoint": step if self.cfg.checkpoint.resume_step is not None else None,
                 "dropped_newer_checkpoints": self.dropped_checkpoints,
-                "faults": [e.spec for e in self.schedule],
+                "faults": [f"step {e.at_step}: {e.spec}" for e in self.schedule],
             }
         )
         risk = self.pool.risk()

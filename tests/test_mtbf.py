@@ -11,6 +11,7 @@ from conftest import assert_same_computation, tiny_config
 
 from elasjax import config, faults, planner, trainer
 from elasjax.config import ConfigError
+from elasjax.metrics import read_jsonl
 
 TOPO = planner.Topology(tuple(range(8)), 2)  # 4 hosts of 2 devices
 
@@ -156,10 +157,10 @@ def test_demo_mtbf_config_resolves_to_the_events_its_header_states():
     assert config.from_dict(yaml.safe_load(config.dump(cfg))) == cfg  # round trip
 
 
-def test_a_generated_failure_and_return_train_like_the_fault_free_run(exe_cache):
+def test_a_generated_failure_and_return_train_like_the_fault_free_run(exe_cache, tmp_path):
     """Seed 1 fails host 3 at step 2 and returns it at step 5 (8 -> 6 -> 8 devices); the run
     grows back (cut-over within `max_fast_path_steps=1`); every loss within 1e-5 of the
-    fault-free run's."""
+    fault-free run's; the start event lists what the process generated, with its steps."""
     common = ["train.steps=9", "recovery.max_fast_path_steps=1"]
     sched = ("faults=[{at_step: 1, mtbf: {mtbf_steps: 16, repair_steps: 3, unit: host, seed: 1, "
              "stop: 4}}]")
@@ -168,8 +169,11 @@ def test_a_generated_failure_and_return_train_like_the_fault_free_run(exe_cache)
     assert [(e.at_step, e.kind, e.device_ids) for e in ev] == [
         (2, "hosts", (6, 7)), (5, "join", (6, 7))]
     ref = trainer.run(tiny_config(*common, "faults=[]"), exe_cache=exe_cache)
-    run = trainer.run(cfg, exe_cache=exe_cache)
+    run = trainer.run(cfg, tmp_path / "run", exe_cache=exe_cache)
     assert_same_computation(run, ref)
+    (start,) = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl") if e["type"] == "start"]
+    assert start["faults"] == ["step 2: hosts [3] (mtbf faults[0])",
+                               "step 5: join hosts [3] (mtbf faults[0], repaired after 3 steps)"]
     assert [(r.step, r.failed_devices, r.fault) for r in run.recoveries] == [
         (2, [6, 7], "hosts [3] (mtbf faults[0])")]
     (join,) = run.joins
