@@ -400,6 +400,12 @@ def spares_reference(exe_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("ELASJAX_RUN_FLAKY") != "1",
+    reason="known flaky (failed in 2 of 8 runs on 2026-11-24): the first collective over the new "
+    "device set, at recovery/verify, can fail with a gloo PeerError while every process is alive; "
+    "cause open (docs/multiprocess.md, 'Not yet reliable'). Run it with ELASJAX_RUN_FLAKY=1.",
+)
 def test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size(
     spares_reference, tmp_path
 ):
