@@ -37,7 +37,7 @@ import numpy as np
 
 from .scenario import Outcome, Scenario
 from .strategies import STRATEGIES
-from .timeline import _discard, bin_progress, in_flight_s
+from .timeline import _discard, bin_progress, in_flight_s, resume_after
 from .traces import TraceEvent
 
 Policy = Literal["shrink", "rejoin", "spares"]
@@ -201,9 +201,8 @@ def simulate_policy(
                 continue
             wait = new.grow_s
         transitions += 1
-        new_resume = te + wait
-        downtime += new_resume - max(te, resume_at) if new_resume > resume_at else 0.0
-        resume_at = max(resume_at, new_resume) if ev.kind == "repair" else new_resume
+        resume_at, idle = resume_after(te, wait, ev.kind, resume_at)
+        downtime += idle
         current = new
         filled.append((te, n - len(down)))
     start = max(seg_start, resume_at)

@@ -44,6 +44,15 @@ def in_flight_s(o: Outcome) -> float:
     return 0.5 * o.step_s if o.tokens_per_s > 0 and np.isfinite(o.step_s) else 0.0
 
 
+def resume_after(te: float, wait: float, kind: str, resume_at: float) -> tuple[float, float]:
+    """(when training resumes, the downtime added) after an event of `kind` at `te` that stops
+    training for `wait` seconds, training being due to resume at `resume_at`: a repair's growth
+    never brings a pending resume forward; a failure restarts the wait."""
+    new = te + wait
+    idle = new - max(te, resume_at) if new > resume_at else 0.0
+    return (max(resume_at, new) if kind == "repair" else new), idle
+
+
 def _discard(segments: list[list[float]], t0: float, t1: float) -> float:
     """Zero the progress earned in (t0, t1]; returns the seconds of running time removed."""
     removed = 0.0
@@ -121,9 +130,8 @@ def simulate(
                 continue
             wait = new.grow_s
         transitions += 1
-        new_resume = te + wait
-        downtime += new_resume - max(te, resume_at) if new_resume > resume_at else 0.0
-        resume_at = max(resume_at, new_resume) if ev.kind == "repair" else new_resume
+        resume_at, idle = resume_after(te, wait, ev.kind, resume_at)
+        downtime += idle
         current = new
     start = max(seg_start, resume_at)
     if horizon > start:
