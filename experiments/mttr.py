@@ -179,32 +179,14 @@ def launch_rows(args, out: Path) -> list[dict]:
     print(f"  {kill['label']}: {e['from_plan']} -> {e['to_plan']}; MTTR {e['mttr_s']:.3f} s "
           f"(detect {e['detect_s']:.3f} s, kill -> detected {_s(e.get('kill_to_detect_s'))})")
 
-    fresh = out / "runs/launch_restart"
-    shutil.rmtree(fresh, ignore_errors=True)
-    fresh.mkdir(parents=True)
-    first: list[float] = []
+    from bench_detection import full_restart as fresh_launch  # the same timing as that bench
 
-    def watch() -> None:
-        m = fresh / "metrics.jsonl"
-        while not first:
-            if m.exists() and m.stat().st_size > 0:
-                first.append(time.perf_counter())
-            time.sleep(0.02)
-
-    import threading
-
-    t0 = time.perf_counter()
-    th = threading.Thread(target=watch, daemon=True)
-    th.start()
-    rc = launch_local(
-        str(LAUNCH_CONFIG), ["train.steps=2", "parallel.devices=6", "parallel.data=6",
-                             "parallel.tensor=1"],
-        processes=3, devices_per_process=2, out=fresh, quiet=True,
-        collective_timeout_s=args.collective_timeout,
-    )
-    if rc != 0 or not first:
-        raise SystemExit(f"mttr.py: the fresh launch ended with exit {rc}; see {fresh}")
-    restart_s = first[0] - t0
+    shutil.rmtree(out / "runs/launch_restart", ignore_errors=True)  # its watcher reads metrics
+    r = fresh_launch(args, out / "runs/launch_restart")
+    if r["exit"] != 0 or r["to_first_step_s"] != r["to_first_step_s"]:  # failed, or no step
+        raise SystemExit(f"mttr.py: the fresh launch ended with exit {r['exit']}; see "
+                         f"{out / 'runs/launch_restart'}")
+    restart_s = r["to_first_step_s"]
     print(f"  6. launch: fresh launch of the survivors: {restart_s:.2f} s to its first step")
     return [kill, {
         "label": "6. launch: fresh launch, spawn to 1st step", "phases": {}, "compiles": None,
