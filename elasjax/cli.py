@@ -110,6 +110,8 @@ def _launch(args) -> int:
             liveness_interval_s=args.liveness_interval,
             liveness_timeout_s=args.liveness_timeout,
             slow=args.slow,
+            renew_collectives=args.renew_collectives,
+            watch_exits=args.watch_exits,
             imports=args.imports,
             timeout_s=args.timeout,
             quiet=args.quiet,
@@ -126,6 +128,8 @@ def _launch(args) -> int:
         args.devices_per_process, args.heartbeat_timeout, args.collective_timeout,
         liveness_interval_s=args.liveness_interval, liveness_timeout_s=args.liveness_timeout,
         slow=launch.parse_slow(args.slow, args.num_processes) if args.slow else None,
+        renew_collectives=args.renew_collectives,
+        watch_exits=args.watch_exits,
     )
     launch.import_modules(args.imports)
     return launch.run_worker(args.config, args.set, rc, args.out, kills)

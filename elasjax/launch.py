@@ -35,6 +35,7 @@ from pathlib import Path
 import jax
 from jax.errors import JaxRuntimeError
 
+from .collectives import RENEW_MODES
 from .config import Config, ConfigError, FaultConfig, load
 from .faults import MULTI_CONTROLLER, resolve_schedule
 from .metrics import read_jsonl
@@ -238,6 +239,8 @@ def launch_local(
     liveness_interval_s: float = 0.1,
     liveness_timeout_s: float = 1.0,
     slow: str | None = None,
+    renew_collectives: str = "auto",
+    watch_exits: bool = True,
     timeout_s: float = 900.0,
     quiet: bool = False,
     imports: Sequence[str] = (),
@@ -279,6 +282,8 @@ def launch_local(
         liveness_interval_s=liveness_interval_s,
         liveness_timeout_s=liveness_timeout_s,
         slow=parse_slow(slow, processes) if slow else None,
+        renew_collectives=renew_collectives,
+        watch_exits=watch_exits,
     )
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["XLA_FLAGS"] = xla_flags(rc0, env.get("XLA_FLAGS", ""))
@@ -314,6 +319,9 @@ def launch_local(
                 str(liveness_interval_s),
                 "--liveness-timeout",
                 str(liveness_timeout_s),
+                "--renew-collectives",
+                renew_collectives,
+                "--watch-exits" if watch_exits else "--no-watch-exits",
                 *(["--slow", slow] if slow else []),
                 "--out",
                 str(out),
@@ -542,6 +550,13 @@ def add_process_flags(ap: argparse.ArgumentParser) -> None:
                     help="heartbeat period through the key-value store (the detector)")
     ap.add_argument("--liveness-timeout", type=float, default=1.0, metavar="S",
                     help="a process silent this long and absent from a guard's barrier is dead")
+    ap.add_argument("--watch-exits", action=argparse.BooleanOptionalAction, default=True,
+                    help="the arbiter also learns of a same-host process's death from the kernel "
+                    "(a pidfd turns readable at its exit), with no timeout")
+    ap.add_argument("--renew-collectives", choices=RENEW_MODES, default="auto",
+                    help="after a failure, start a new CPU client with fresh gloo communicators: "
+                    "auto (when a survivor's collective ran into the collective timeout, which "
+                    "may have closed a communicator among survivors), always, never")
     ap.add_argument("--slow", default=None, metavar="P:FACTOR:FROM_STEP:STEPS",
                     help="benchmark: make process P FACTOR times slower for STEPS steps")
     ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -589,6 +604,8 @@ def worker_main(args: argparse.Namespace) -> int:
         liveness_interval_s=args.liveness_interval,
         liveness_timeout_s=args.liveness_timeout,
         slow=parse_slow(args.slow, args.num_processes) if args.slow else None,
+        renew_collectives=args.renew_collectives,
+        watch_exits=args.watch_exits,
     )
     kills = [KillSpec.parse(k) for k in args.kill]
     import_modules(args.imports)

@@ -11,7 +11,7 @@ engine's own primitives do the fault tolerance; this module wires them up:
   survivors of a kill wait in a gloo collective for minutes; it is also what releases a survivor
   blocked in a collective with a dead peer: gloo reports the dead socket only when the timed-out
   receive returns, and there is no way to abort a CPU collective from Python).
-- The fast detector (`Liveness`): every process writes a heartbeat key to the coordination
+- The fast detector (`liveness.Liveness`): every process writes a heartbeat key to the coordination
   service's key-value store every `liveness_interval_s` and watches the others'.
 - `guard(phase)` runs an entry barrier, the block, then an exit barrier through the key-value
   store: process 0 (the arbiter; its death ends the job anyway) waits for every live process's
@@ -48,9 +48,6 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -60,8 +57,10 @@ import jax
 import numpy as np
 from jax.errors import JaxRuntimeError
 
+from .collectives import RENEW_MODES, renew_cpu_client, renewal_reason
 from .copies import CopyThreads, aligned_empty
 from .faults import MULTI_CONTROLLER, FaultEvent
+from .liveness import Liveness, ProcessExits, Throttle
 from .planner import Topology
 from .runtime import DeviceFailure
 from .shards import ShardStore
@@ -111,6 +110,12 @@ class RuntimeConfig:
       slow: `(process, factor, from_step, steps)`: make `process` `factor` times slower (it is
         stopped and resumed by SIGSTOP/SIGCONT, a slow host) for `steps` steps from step
         `from_step` (benchmarks of false positives); None: off.
+      watch_exits: the arbiter also learns of a same-host peer's death from the kernel (a
+        pidfd turns readable when the process exits; `liveness.ProcessExits`), with no timeout;
+        off: the heartbeat alone decides.
+      renew_collectives: after a failure, replace the CPU client by one with fresh gloo
+        communicators (`elasjax.collectives`): `auto` when a survivor's collective ran into the
+        collective timeout (a communicator among survivors may be closed), `always`, `never`.
     """
 
     coordinator: str
@@ -124,6 +129,8 @@ class RuntimeConfig:
     liveness_interval_s: float = 0.1
     liveness_timeout_s: float = 1.0
     slow: tuple[int, float, int, int] | None = None
+    renew_collectives: str = "auto"
+    watch_exits: bool = True
 
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator.rpartition(":")
@@ -150,6 +157,11 @@ class RuntimeConfig:
             raise ValueError(
                 f"liveness_timeout_s = {self.liveness_timeout_s} must be >= 3 x "
                 f"liveness_interval_s ({3 * self.liveness_interval_s:g}): a heartbeat or two may be late"
+            )
+        if self.renew_collectives not in RENEW_MODES:
+            raise ValueError(
+                f"renew_collectives = {self.renew_collectives!r}; allowed values: "
+                + ", ".join(RENEW_MODES)
             )
         if self.slow is not None:
             proc, factor, start, steps = self.slow
@@ -214,135 +226,6 @@ def kv_float(client, key: str) -> float | None:
         return float(client.key_value_try_get(key))
     except JaxRuntimeError:  # NOT_FOUND: the key was never set
         return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The fast detector.
-
-
-class Liveness:
-    """Heartbeats through the coordination service's key-value store.
-
-    A thread writes `elasjax/hb/<me>` (a counter) every `interval` seconds; another polls every
-    peer's key every `interval / 2` and records when each value last changed. A process whose key
-    has not changed for `timeout` seconds is *silent*; process 0 (the arbiter of every guard's
-    exit barrier, see `MultiControllerRuntime.guard`) declares a process dead only when it is
-    silent *and* has not reached the barrier. A slow process keeps beating (its heartbeat thread
-    does not wait for its computation), so it is waited for, never declared dead.
-
-    Measured on the 2-core machine (jax 0.10.2, gloo, 4 processes): a SIGKILLed process was seen
-    silent for 0.5 s about 0.51-0.55 s after the kill, on every survivor; gloo surfaces the death
-    only at the collective timeout (its socket errors 'Connection closed/reset by peer' are
-    reported when the timed-out receive returns), and `live_devices`' own membership check
-    (the coordination service's heartbeat) answered 0.6-1.7 s after that.
-    """
-
-    def __init__(self, client, me: int, peers, interval: float, timeout: float):
-        self.client, self.me, self.interval, self.timeout = client, me, interval, timeout
-        now = time.time()
-        self._last: dict[int, tuple[str | None, float]] = {p: (None, now) for p in peers if p != me}
-        self.first_silent: dict[int, float] = {}  # when each peer's current silence passed timeout
-        self.max_gap: dict[int, float] = {p: 0.0 for p in self._last}  # longest seen silence
-        self.long_gaps: list[tuple[float, int, float, str]] = []  # (when, peer, gap, our phase)
-        self.phase = "start"  # the guard this process is in (set by the runtime), for reports
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._beat, name="elasjax-heartbeat", daemon=True),
-            threading.Thread(target=self._watch, name="elasjax-liveness", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _beat(self) -> None:
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            try:
-                self.client.key_value_set(f"elasjax/hb/{self.me}", str(n), allow_overwrite=True)
-            except JaxRuntimeError:  # the service is going away (shutdown)
-                return
-            self._stop.wait(self.interval)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.interval / 2):
-            with self._lock:
-                peers = list(self._last)
-            for p in peers:
-                self.observe(p)
-
-    def observe(self, p: int) -> float:
-        """Read process p's heartbeat key now; returns its silence in seconds. The arbiter calls
-        it directly, so a watcher thread that did not run for a while cannot make a live
-        process look silent."""
-        try:
-            v = self.client.key_value_try_get(f"elasjax/hb/{p}")
-        except JaxRuntimeError:  # not written yet, or the service is going away
-            v = None
-        now = time.time()
-        with self._lock:
-            if p not in self._last:
-                return float("inf")
-            old, t = self._last[p]
-            if v is not None and v != old:
-                if old is not None:
-                    self.max_gap[p] = max(self.max_gap[p], now - t)
-                    if now - t > self.timeout / 2 and len(self.long_gaps) < 100:
-                        self.long_gaps.append((now, p, now - t, self.phase))
-                self._last[p] = (v, now)
-                self.first_silent.pop(p, None)  # it beats again: an earlier silence was not death
-                return 0.0
-            if now - t > self.timeout and p not in self.first_silent:
-                self.first_silent[p] = now
-            return now - t
-
-    def silent_s(self, p: int) -> float:
-        """Seconds since process p's heartbeat last changed, as this process saw it."""
-        with self._lock:
-            return time.time() - self._last[p][1] if p in self._last else float("inf")
-
-    def forget(self, procs) -> None:
-        with self._lock:
-            for p in procs:
-                self._last.pop(p, None)
-
-    def close(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=2 * self.interval + 1)
-
-
-_THROTTLE = """
-import os, signal, sys, time
-pid, run, stop = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-try:
-    while True:
-        time.sleep(run)
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(stop)
-        os.kill(pid, signal.SIGCONT)
-except ProcessLookupError:
-    pass
-"""
-
-
-class _Throttle:
-    """Make this process `factor` times slower: a helper process stops it (SIGSTOP) for
-    (factor - 1) x 50 ms after every 50 ms it runs, as a loaded host would. For benchmarks of
-    false positives (`RuntimeConfig.slow`)."""
-
-    RUN_S = 0.05
-
-    def __init__(self, factor: float):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _THROTTLE, str(os.getpid()), str(self.RUN_S),
-             str((factor - 1) * self.RUN_S)]
-        )
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        os.kill(os.getpid(), signal.SIGCONT)  # never leave this process stopped
 
 
 class DeclaredDeadError(RuntimeError):
@@ -419,20 +302,18 @@ class MultiControllerRuntime:
                 + (REJOIN_UNSUPPORTED if rc.platform == "cpu" else
                    "rejoining is not implemented yet (see docs/multiprocess.md, 'Scale-up')")
             )
-        from jax.experimental import transfer
-
-        addr = f"{rc.host}:0"
-        self.server = transfer.start_transfer_server(self.local[0].client, addr, [addr])
-        self.client.key_value_set(f"elasjax/xfer/{self.me}", self.server.address())
+        self.generation = 0  # CPU clients replaced so far (`renew_collectives`)
         self._addr: dict[int, str] = {}
         self._conns: dict[int, Any] = {}
+        self._start_transfer_server()
         self.liveness = Liveness(
             self.client, self.me, range(jax.process_count()), rc.liveness_interval_s,
             rc.liveness_timeout_s,
         )
+        self.exits = ProcessExits(self.client, self.me, range(jax.process_count()), rc.watch_exits)
         self._guards = 0  # guards run: every live process runs the same sequence
         self._steps = 0  # step guards entered (for `rc.slow`)
-        self._throttle: _Throttle | None = None
+        self._throttle: Throttle | None = None
 
     # -- who is where ---------------------------------------------------------------------------
 
@@ -480,6 +361,7 @@ class MultiControllerRuntime:
             raise self._failure(verdict, phase, t_block, None, None)
         err: BaseException | None = None
         t_err = None
+        t_body = time.time()  # collectives can only wait from here on
         try:
             yield
         except Exception as e:  # decided at the barrier, with every other live process
@@ -487,7 +369,7 @@ class MultiControllerRuntime:
         verdict = self._exit_barrier(err, self.liveness_timeout(phase, at_exit=True))
         self._check_fenced(verdict, phase, err)
         if verdict["failed"]:
-            raise self._failure(verdict, phase, t_block, t_err, err) from err
+            raise self._failure(verdict, phase, t_block, t_err, err, t_body) from err
         if verdict["errors"]:
             if err is not None and not isinstance(err, JaxRuntimeError):
                 raise err  # this process's own error (every process raises; none is dead)
@@ -516,7 +398,7 @@ class MultiControllerRuntime:
         step = self._steps - 1
         if step == start and self._throttle is None:
             self.log(f"slowing myself {factor:g}x (SIGSTOP/SIGCONT) for {steps} steps")
-            self._throttle = _Throttle(factor)
+            self._throttle = Throttle(factor)
         elif step == start + steps and self._throttle is not None:
             self._throttle.stop()
             self._throttle = None
@@ -555,7 +437,9 @@ class MultiControllerRuntime:
                     continue
         statuses = {self.me: status}
         failed: dict[int, float] = {}
+        exited: list[int] = []  # dead by the kernel's word (`ProcessExits`), not by a timeout
         pending = [p for p in live if p != self.me]
+        self.exits.watch()
         # the fast timeout needs evidence of a failure: a block that failed on a process that
         # got here. A peer absent while every block succeeded took part in all their
         # collectives, so it is late, not dead: it gets the slow timeout (measured: a live
@@ -567,6 +451,11 @@ class MultiControllerRuntime:
                     statuses[p] = self.client.blocking_key_value_get(f"{key}/{p}", 20)
                     pending.remove(p)
                 except JaxRuntimeError:  # not there yet: dead or slow?
+                    if self.exits.exited(p):
+                        failed[p] = self.liveness.observe(p)
+                        exited.append(p)
+                        pending.remove(p)
+                        continue
                     silent = self.liveness.observe(p)
                     evidence = any(v.startswith("err:") for v in statuses.values())
                     limit = fast if evidence else slow
@@ -576,6 +465,7 @@ class MultiControllerRuntime:
                         pending.remove(p)
         verdict = {
             "failed": sorted(failed),
+            "exited": sorted(exited),
             "silent_s": {str(p): round(v, 3) for p, v in failed.items()},
             "errors": {str(p): v[4:] for p, v in statuses.items() if v.startswith("err:")},
             "timeout_s": used,
@@ -589,7 +479,9 @@ class MultiControllerRuntime:
                 self.client.key_value_delete(old)  # the directory: every post and the verdict
         return verdict
 
-    def _failure(self, verdict: dict, phase: str, t_block: float, t_err, err) -> DeviceFailure:
+    def _failure(
+        self, verdict: dict, phase: str, t_block: float, t_err, err, t_body: float | None = None
+    ) -> DeviceFailure:
         t_known = time.time()
         procs = list(verdict["failed"])
         failed = {d for d in self.live if self.devices[d].process_index in procs}
@@ -602,6 +494,7 @@ class MultiControllerRuntime:
         k2s = min(seen) - t_kill if (seen and t_kill is not None) else None
         self.live -= failed
         self.liveness.forget(procs)
+        self.exits.forget(procs)
         self.epoch += 1
         self._seq = 0
         for p in procs:
@@ -614,9 +507,17 @@ class MultiControllerRuntime:
                         f"timeout is {self.rc.collective_timeout_s}s)")
         else:
             released = f"its block raised {type(err).__name__} after {t_err - t_block:.2f}s"
-        silent = ", ".join(f"process {p} silent {verdict['silent_s'][str(p)]:.2f}s" for p in procs)
-        detected_by = (f"heartbeat: {silent} and absent from the {phase} {verdict.get('where', 'exit')} barrier "
-                       f"(liveness timeout {verdict['timeout_s']:g}s); {released}")
+        where = f"the {phase} {verdict.get('where', 'exit')} barrier"
+        by_exit = set(procs) <= set(verdict.get("exited", ()))
+        if by_exit:  # the kernel said so: no timeout was needed
+            detector = "process exit"
+            detected_by = (f"process exit: {', '.join(f'process {p}' for p in procs)} exited "
+                           f"(pidfd on this host) and was absent from {where}; {released}")
+        else:
+            detector = "heartbeat"
+            silent = ", ".join(f"process {p} silent {verdict['silent_s'][str(p)]:.2f}s" for p in procs)
+            detected_by = (f"heartbeat: {silent} and absent from {where} "
+                           f"(liveness timeout {verdict['timeout_s']:g}s); {released}")
         self.client.key_value_set(
             f"elasjax/detect/{self.epoch}/{self.me}",
             json.dumps({"kill_to_error_s": k2e, "kill_to_detect_s": k2d, "kill_to_silent_s": k2s}),
@@ -633,11 +534,13 @@ class MultiControllerRuntime:
             detail={
                 "failed_processes": procs,
                 "detected_by": detected_by,
-                "detector": "heartbeat",
+                "detector": detector,
                 "kill_to_detect_s": k2d,
                 "kill_to_silent_s": k2s,
                 "kill_to_error_s": k2e,
                 "block_to_error_s": None if t_err is None else t_err - t_block,
+                # from the end of the entry barrier: how long the block's collectives could wait
+                "body_to_error_s": None if t_err is None or t_body is None else t_err - t_body,
                 "block_to_detect_s": t_known - t_block,
                 "error_cause": cause[:300],
                 "incident": self.epoch,
@@ -661,6 +564,41 @@ class MultiControllerRuntime:
                 continue
         return {"detect_per_process_s": per}
 
+    def renew_collectives(self, failure: DeviceFailure) -> dict | None:
+        """After `failure`, replace every live process's CPU client by one with no gloo
+        communicator when any of them votes so (`collectives.needs_renewal`; called by every
+        live process at the same point of a recovery). Returns what happened (for the event),
+        or None when the old client is kept. The caller drops whatever holds executables of
+        the old client; shard buffers it still reads are copied over by `current`."""
+        mine = renewal_reason(
+            self.rc.renew_collectives, self.rc.platform, failure, self.rc.collective_timeout_s)
+        votes = {p: why for p, why in self.agree(mine).items() if why}
+        if not votes:
+            return None
+        t0 = time.perf_counter()
+        self.generation += 1
+        devs = renew_cpu_client(
+            self.client, self.processes(), self.generation, self.writer,
+            (self.rc.collective_timeout_s + 30) * 1000,
+        )
+        self.devices.update({d.id: d for d in devs})
+        self.local = jax.local_devices()
+        self._start_transfer_server()
+        took = time.perf_counter() - t0
+        why = "; ".join(f"process {p}: {v}" for p, v in sorted(votes.items()))
+        self.log(f"new CPU client (generation {self.generation}, fresh gloo communicators) in "
+                 f"{took:.3f}s ({why})")
+        return {"generation": self.generation, "renew_s": took, "renew_reasons": why}
+
+    def current(self, x):
+        """`x` (a single-device array) on the current client's device of the same id: a copy
+        when the CPU client was renewed after `x` was made, `x` itself otherwise."""
+        if self.generation == 0 or not isinstance(x, jax.Array):
+            return x
+        (d,) = x.devices()
+        cur = self.devices[d.id]
+        return x if d.client is cur.client else jax.device_put(x, cur)
+
     def inject(self, events: Sequence[FaultEvent], point: str, trees: Sequence[Any] = ()) -> None:
         if point not in ("after_dispatch", "transfer"):
             return
@@ -681,10 +619,20 @@ class MultiControllerRuntime:
     def _uuid(self, src: int, dst: int) -> int:
         return hash((self.epoch, self._seq, src, dst)) & ((1 << 62) - 1)
 
+    def _start_transfer_server(self) -> None:
+        from jax.experimental import transfer
+
+        addr = f"{self.rc.host}:0"
+        self.server = transfer.start_transfer_server(self.local[0].client, addr, [addr])
+        self.client.key_value_set(f"elasjax/xfer/{self.generation}/{self.me}", self.server.address())
+        self._addr.clear()
+        self._conns.clear()
+
     def _conn(self, p: int):
         if p not in self._conns:
             if p not in self._addr:
-                self._addr[p] = self.client.blocking_key_value_get(f"elasjax/xfer/{p}", 30_000)
+                self._addr[p] = self.client.blocking_key_value_get(
+                    f"elasjax/xfer/{self.generation}/{p}", 30_000)
             self._conns[p] = self.server.connect(self._addr[p])
         return self._conns[p]
 
@@ -728,12 +676,13 @@ class MultiControllerRuntime:
                 recvs[sp].append((i, jax.ShapeDtypeStruct(shape, dtype, sharding=sh)))
         if local_put:
             moved = jax.device_put(
-                [items[i][2] for i in local_put], [self.devices[items[i][1]] for i in local_put]
+                [self.current(items[i][2]) for i in local_put],
+                [self.devices[items[i][1]] for i in local_put],
             )
             for i, x in zip(local_put, moved):
                 out[i] = x
         for q, arrays in sends.items():
-            self.server.await_pull(self._uuid(self.me, q), arrays)
+            self.server.await_pull(self._uuid(self.me, q), [self.current(x) for x in arrays])
         for p, entries in recvs.items():
             got = self._conn(p).pull(
                 self._uuid(p, self.me), [s for _, s in entries], self._deadline()
@@ -768,6 +717,7 @@ class MultiControllerRuntime:
             self._throttle.stop()
             self._throttle = None
         self.liveness.close()
+        self.exits.close()
         gaps = {p: round(g, 3) for p, g in self.liveness.max_gap.items()}
         self.log(f"longest heartbeat silence seen, by peer: {gaps}")
         if self.liveness.long_gaps:

@@ -62,9 +62,10 @@ from .shards import (
     describe,
     describe_state,
     index_to_box,
+    map_shard_data,
 )
 from .standby import StandbyCoverageWarning
-from .step import Executables
+from .step import Executables, rehome
 
 # The phases whose sum is a recovery's `mttr_s`, under every runtime.
 MTTR_PHASES = (
@@ -157,6 +158,11 @@ class RecoveryEvent:
     spare_took_over: list[int] = dataclasses.field(default_factory=list)
     from_n_devices: int = 0
     to_n_devices: int = 0
+    # a new CPU client with fresh gloo communicators was started (`elasjax.collectives`): its
+    # time is in plan_s; the standby executables of the old client were dropped
+    collectives_renewed: bool = False
+    renew_s: float = 0.0
+    renew_reasons: str = ""  # which process asked, and why
     detail: dict = dataclasses.field(default_factory=dict)  # what the runtime knows of the cause
 
     @property
@@ -231,7 +237,7 @@ class Recovering:
             key = plan.compile_key
             exe = self.standby.get(key)
             if exe is not None:
-                return exe, True, True, 0.0
+                return self._current(exe, key), True, True, 0.0
             where = self.standby.expedite(key)
             left = self.standby.busy_left_s()
             long_wait = left is not None and left > self.WAIT_BEHIND * self.standby.mean_compile_s
@@ -240,7 +246,7 @@ class Recovering:
             cold = where == "absent" or (where == "front" and long_wait and self.standby.take(key))
             if not cold:
                 t0 = time.perf_counter()
-                exe = self.standby.wait(key)
+                exe = self._current(self.standby.wait(key), key)
                 return exe, False, False, time.perf_counter() - t0
         exe, hit = self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.rt.donate
@@ -300,6 +306,24 @@ class Recovering:
         except NoPlanError:  # nothing to compile ahead for a set the planner cannot serve
             return None
         return g.best if g.grow else None
+
+    def _renew_collectives(self, failure: DeviceFailure) -> dict | None:
+        """Fresh collectives where the failure may have broken some (`collectives`; every live
+        process decides together). Transitions planned for the old client's devices are dropped;
+        executables are reloaded onto the new ones when used (`_current`)."""
+        renewal = self.rt.renew_collectives(failure)
+        if renewal is not None:
+            self.transition_plans.clear()
+        return renewal
+
+    def _current(self, exe: Executables, key) -> Executables:
+        """A standby executable on the current client: reloaded (`step.rehome`, no compile) when
+        the CPU client was renewed after it was built, and kept so."""
+        if exe.client is self.devices[exe.plan.device_ids[0]].client:
+            return exe
+        exe = rehome(exe, self.devices)
+        self.standby.put(key, exe)
+        return exe
 
     def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
         """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""
@@ -379,6 +403,7 @@ class Recovering:
             self.ckpt.reopen(self.rt.processes())
         attempts, t_attempt = 0, t_first
         t_setup = time.perf_counter() - t_first  # counted in the plan phase
+        renewals: list[dict] = []
         while True:
             attempts += 1
             t_attempt = time.perf_counter() if attempts > 1 else t_first + t_setup
@@ -389,6 +414,10 @@ class Recovering:
             try:
                 with self.rt.guard("recovery/plan"):
                     t0 = time.perf_counter()
+                    renewal = self._renew_collectives(failures[-1])
+                    if renewal is not None:
+                        renewals.append(renewal)
+                        store = store.map_data(self.rt.current)
                     survivors = [d for d in self.topo.device_ids if d in live]
                     keep = self.torchft_keep
                     if strategy == "torchft_like":
@@ -500,6 +529,9 @@ class Recovering:
             }) if self.cfg.parallel.spares and same_shape(pos.plan, new_plan) else [],
             from_n_devices=pos.plan.n_devices,
             to_n_devices=new_plan.n_devices,
+            collectives_renewed=bool(renewals),
+            renew_s=sum(r["renew_s"] for r in renewals),
+            renew_reasons=" | ".join(r["renew_reasons"] for r in renewals),
             detail=detail,
         )
         self.transfer_logs.append(log)
@@ -555,6 +587,8 @@ class Recovering:
             if strategy == "checkpoint_restart":
                 raise UnrecoverableStateError("state", (), "checkpoint_restart restores from disk")
             snaps = self.pool.sources(dead, self.dead_hosts, version=pos.step)
+            # device snapshots of an old CPU client (renewed at this failure), on the new one
+            snaps = {k: map_shard_data(v, self.rt.current) for k, v in snaps.items()}
             new_state, log = transition(
                 store,
                 exe.state_shardings,
@@ -659,7 +693,7 @@ class Recovering:
         is its own guard (a failure leaves `pos` as it was: the old state is intact)."""
         pc = self.pending_cutover
         optimal, t_fail, fail_step = pc.plan, pc.t_start, pc.step
-        new_exe = self.standby.get(optimal.compile_key)
+        new_exe = self._current(self.standby.get(optimal.compile_key), optimal.compile_key)
         with self.rt.guard("cutover/transfer"):
             t0 = time.perf_counter()
             tinfo: dict = {}

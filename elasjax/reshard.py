@@ -429,6 +429,10 @@ class TransitionPlanCache:
         with self._lock:
             return len(self._plans)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
     def prepare(
         self, store: ShardStore, target_shardings: PyTree, extra: dict | None = None, *,
         old_layout=None, new_layout=None, info: dict | None = None,

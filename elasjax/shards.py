@@ -181,6 +181,19 @@ class ShardStore:
     def devices(self) -> set:
         return {s.device for leaf in self.shards for s in leaf}
 
+    def map_data(self, fn) -> ShardStore:
+        """The store with every held buffer replaced by `fn(buffer)` (e.g. a copy onto a
+        renewed client's device, `runtime.current`)."""
+        return dataclasses.replace(
+            self, shards=[map_shard_data(leaf, fn) for leaf in self.shards],
+            key_dtypes=dict(self.key_dtypes),
+        )
+
+
+def map_shard_data(shards: list[Shard], fn) -> list[Shard]:
+    """`shards` with each held buffer replaced by `fn(buffer)`."""
+    return [s if s.data is None else dataclasses.replace(s, data=fn(s.data)) for s in shards]
+
 
 @dataclasses.dataclass(frozen=True)
 class Transfer:

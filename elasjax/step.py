@@ -317,6 +317,12 @@ class Executables:
     compile_s: float
     batch_abstract: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
     warm_s: float = 0.0  # seconds of its warm-up run (`warm_up`), 0 if never warmed
+    make_eval: Any = None  # mesh -> the eval function on it (`rehome` re-makes it)
+
+    @property
+    def client(self):
+        """The backend client the executables run on (that of the mesh's devices)."""
+        return self.mesh.devices.flat[0].client
 
     def put_batch(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global batch arrays from the host batch (every process holds the whole host batch
@@ -376,14 +382,46 @@ def compile_plan(
         .lower(abs_state)
         .compile()
     )
-    # Evaluation is not on the recovery path: it compiles on first use (see `Executables.eval`).
-    ev = jax.jit(
-        make_eval_step(cfg, factory.model, layout, mesh, plan),
-        in_shardings=(st_sh.params, b_sh),
-        out_shardings=(rep, rep),
-    )
+    def make_eval(m: Mesh):
+        # Evaluation is not on the recovery path: it compiles on first use (`Executables.eval`)
+        return jax.jit(
+            make_eval_step(cfg, factory.model, layout, m, plan),
+            in_shardings=(layout.shardings(m).params, batch_shardings(m, ab)),
+            out_shardings=(replicated(m), replicated(m)),
+        )
+
     return Executables(
-        plan, mesh, layout, st_sh, b_sh, train, sums, ev, time.perf_counter() - t0, ab
+        plan, mesh, layout, st_sh, b_sh, train, sums, make_eval(mesh),
+        time.perf_counter() - t0, ab, make_eval=make_eval,
+    )
+
+
+def rehome(exe: Executables, devices: dict[int, jax.Device]) -> Executables:
+    """`exe` on the devices of the same ids of another client (a renewed CPU client,
+    `collectives`): the compiled train and checksum executables are serialized and loaded onto
+    the new devices (no compile; measured 0.004 s each for a small one), the eval function is
+    re-made (it compiles on first use)."""
+    from jax.experimental import serialize_executable as se
+
+    mesh = make_mesh(exe.plan.mesh_shape, [devices[i] for i in exe.plan.device_ids])
+    flat = list(mesh.devices.flat)
+    client = flat[0].client
+
+    def reload(compiled):
+        payload, in_tree, out_tree = se.serialize(compiled)
+        return se.deserialize_and_load(
+            payload, in_tree, out_tree, backend=client, execution_devices=flat
+        )
+
+    return dataclasses.replace(
+        exe,
+        mesh=mesh,
+        state_shardings=exe.layout.shardings(mesh),
+        batch_shardings=batch_shardings(mesh, exe.batch_abstract),
+        train=reload(exe.train),
+        checksum=reload(exe.checksum),
+        eval=exe.make_eval(mesh),
+        warm_s=0.0,
     )
 
 
@@ -427,12 +465,19 @@ class ExecutableCache:
     def get(
         self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True
     ) -> tuple[Executables, bool]:
+        """(executables, found here). An entry made for another client's devices of the same
+        ids (a renewed CPU client) is reloaded onto `devices` (`rehome`), not compiled again."""
         k = self.key(cfg, plan, donate, factory.tx_key)
         with self._lock:
-            if k in self._d:
-                exe = self._d.pop(k)
+            exe = self._d.pop(k, None)
+            if exe is not None:
                 self._d[k] = exe
-                return exe, True
+        if exe is not None:
+            if exe.client is not devices[plan.device_ids[0]].client:
+                exe = rehome(exe, devices)
+                with self._lock:
+                    self._d[k] = exe
+            return exe, True
         exe = compile_plan(cfg, factory, plan, devices, donate=donate)  # outside the lock
         with self._lock:
             self._d[k] = exe

@@ -82,6 +82,31 @@ def test_a_queued_needed_plan_is_compiled_before_every_other_queued_plan():
         sb.close()
 
 
+def test_rehome_reloads_a_compiled_plan_that_computes_the_same_bits_without_compiling(exe_cache):
+    """`step.rehome` (how a renewed CPU client gets the standby executables, `collectives`):
+    the train and checksum executables are serialized and loaded onto the devices given, no
+    XLA compile is counted, and a step on the reloaded one gives bitwise the same state,
+    metrics and checksums."""
+    from elasjax.step import rehome
+
+    cfg = tiny_config("faults=[]")
+    t = trainer.Trainer(cfg, None, exe_cache=exe_cache)
+    try:
+        exe, _ = exe_cache.get(cfg, t.factory, t.initial, t.devices, donate=False)
+        with CompileCounter() as cc:
+            again = rehome(exe, t.devices)
+        assert cc.count == 0
+        assert again.train is not exe.train and again.mesh.devices.tolist() == exe.mesh.devices.tolist()
+        state = exe.init()
+        batch = exe.put_batch(t.data.batch(0, t.initial).arrays())
+        a, b = exe.train(state, batch), again.train(state, batch)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_array_equal(np.asarray(exe.checksum(state)), np.asarray(again.checksum(state)))
+    finally:
+        t.rt.close()
+
+
 def test_standby_covers_every_likely_failure_unless_capped():
     """Tiny config, 8 devices on 4 hosts: 8 single-device and 4 single-host failures, each its
     own plan (on CPU the device set is part of the executable). The default keeps all 12;
