@@ -81,7 +81,9 @@ def kill_run(args, i: int, out: Path) -> list[dict]:
             "kill_to_error_s": e.get("kill_to_error_s"),
             "kill_to_detect_s": e.get("kill_to_detect_s"),
             "detect_per_process_s": e.get("detect_per_process_s"),
-            "detected_by": e.get("detected_by"),
+            "detected_by": e.get("detected_by"), "detector": e.get("detector"),
+            "collectives_renewed": e.get("collectives_renewed", False),
+            "renew_s": e.get("renew_s", 0.0),
             "mttr_s": e["mttr_s"], "standby_hit": e["standby_hit"], "compiles": e.get("compiles"),
             **{k: e[k] for k in ("detect_s", "retry_s", "plan_s", "compile_s", "transfer_s",
                                  "verify_s", "snapshot_s", "first_step_s", "standby_wait_s")},
@@ -209,15 +211,21 @@ def main(argv=None) -> int:
             f"  slowest survivor's detect            "
             f"{_stats([max(r['detect_per_process_s'].values()) for r in rows if r.get('detect_per_process_s')])}",
             "",
+            "detector: " + ", ".join(f"{d} {sum(r.get('detector') == d for r in rows)}" for d in
+                                     sorted({str(r.get('detector')) for r in rows}))
+            + f"; new CPU client after the kill (`collectives`): "
+            f"{sum(bool(r.get('collectives_renewed')) for r in rows)} of {len(rows)}",
+            "",
             f"MTTR, death to first good step: standby hit {_stats([r['mttr_s'] for r in hits])}",
             f"                                 standby miss {_stats([r['mttr_s'] for r in miss])}",
             "",
-            "per kill: run step procs hit | detect plan compile transfer verify snapshot "
+            "per kill: run step procs hit renewed | detect plan compile transfer verify snapshot "
             "first_step wait | MTTR",
         ]
         for r in rows:
             lines.append(
-                f"  {r['run']} {r['step']:>3} {r['failed_processes']} {str(r['standby_hit']):5} | "
+                f"  {r['run']} {r['step']:>3} {r['failed_processes']} {str(r['standby_hit']):5} "
+                f"{str(bool(r.get('collectives_renewed'))):5} | "
                 + " ".join(f"{r[k]:.3f}" for k in ("detect_s", "plan_s", "compile_s", "transfer_s",
                                                    "verify_s", "snapshot_s", "first_step_s",
                                                    "standby_wait_s"))
