@@ -307,8 +307,10 @@ def main() -> None:
     if launched:
         kill, fresh = launched
         launch_lines = [
-            f"- launch (real SIGKILL, real detection: heartbeat + --collective-timeout "
-            f"{args.collective_timeout} s, standby ready): MTTR {kill['total_s']:.3f} s "
+            f"- launch (real SIGKILL, real detection: {kill['event'].get('detector', 'heartbeat')}"
+            f", --collective-timeout {args.collective_timeout} s, standby ready"
+            + (", new CPU client" if kill["event"].get("collectives_renewed") else "")
+            + f"): MTTR {kill['total_s']:.3f} s "
             f"(detect {kill['phases']['detect']:.3f} s; kill -> detected "
             f"{_s(kill['kill_to_detect_s'])}); fresh launch of the survivors to its first step "
             f"{fresh['total_s']:.2f} s = {fresh['total_s'] / kill['total_s']:.1f}x "
