@@ -159,7 +159,7 @@ class RecoveryEvent:
     from_n_devices: int = 0
     to_n_devices: int = 0
     # a new CPU client with fresh gloo communicators was started (`elasjax.collectives`): its
-    # time is in plan_s; the standby executables of the old client were dropped
+    # time is in plan_s; executables of the old client are reloaded onto it when used
     collectives_renewed: bool = False
     renew_s: float = 0.0
     renew_reasons: str = ""  # which process asked, and why
