@@ -48,32 +48,25 @@ GLOBAL_TOPOLOGY = "cpu:global_topology"
 TIMED_OUT_FRACTION = 0.9
 
 
-def waited_out(failure: DeviceFailure, collective_timeout_s: float) -> bool:
-    """Whether this process's failed block ran into the collective timeout (the evidence that
-    a gloo pair of one of its communicators closed; a block released by a socket error within
-    the timeout leaves no communicator half-used: every wait it had ended with the error)."""
-    blocked = waited_s(failure)
-    return blocked is not None and blocked >= TIMED_OUT_FRACTION * collective_timeout_s
-
-
 def waited_s(failure: DeviceFailure) -> float | None:
     """How long this process's failed block ran before its error (from the end of its entry
     barrier), None when its block did not fail."""
-    d = failure.detail
-    return d.get("body_to_error_s", d.get("block_to_error_s"))
+    return failure.detail.get("body_to_error_s")
 
 
 def renewal_reason(
     mode: str, platform: str, failure: DeviceFailure, collective_timeout_s: float
 ) -> str | None:
     """This process's vote, with its reason (every live process votes; one reason renews all),
-    or None."""
-    if mode not in RENEW_MODES:
-        raise ValueError(f"renew_collectives = {mode!r}; allowed values: {', '.join(RENEW_MODES)}")
+    or None. `auto` asks when the failed block ran into the collective timeout: the evidence
+    that a gloo pair of one of its communicators closed (a block released by a socket error
+    within the timeout leaves no communicator half-used: every wait it had ended with the
+    error). `mode` is `RuntimeConfig.renew_collectives`, checked there."""
     if platform != "cpu" or mode == "never":
         return None
-    if waited_out(failure, collective_timeout_s):
-        return (f"its collective failed after {waited_s(failure):.2f}s, at the "
+    waited = waited_s(failure)
+    if waited is not None and waited >= TIMED_OUT_FRACTION * collective_timeout_s:
+        return (f"its collective failed after {waited:.2f}s, at the "
                 f"{collective_timeout_s:g}s collective timeout")
     return "renew_collectives=always" if mode == "always" else None
 

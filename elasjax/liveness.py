@@ -212,9 +212,6 @@ class ProcessExits:
             return False
         return bool(select.select([fd], [], [], 0)[0])
 
-    def watched(self) -> list[int]:
-        return sorted(self._fds)
-
     def forget(self, procs) -> None:
         for p in procs:
             fd = self._fds.pop(p, None)

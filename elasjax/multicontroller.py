@@ -566,10 +566,11 @@ class MultiControllerRuntime:
 
     def renew_collectives(self, failure: DeviceFailure) -> dict | None:
         """After `failure`, replace every live process's CPU client by one with no gloo
-        communicator when any of them votes so (`collectives.needs_renewal`; called by every
+        communicator when any of them votes so (`collectives.renewal_reason`; called by every
         live process at the same point of a recovery). Returns what happened (for the event),
-        or None when the old client is kept. The caller drops whatever holds executables of
-        the old client; shard buffers it still reads are copied over by `current`."""
+        or None when the old client is kept. The caller drops what names the old devices
+        (planned transitions); executables are reloaded on use (`step.on_devices`), shard
+        buffers copied over by `current`."""
         mine = renewal_reason(
             self.rc.renew_collectives, self.rc.platform, failure, self.rc.collective_timeout_s)
         votes = {p: why for p, why in self.agree(mine).items() if why}

@@ -65,7 +65,7 @@ from .shards import (
     map_shard_data,
 )
 from .standby import StandbyCoverageWarning
-from .step import Executables, rehome
+from .step import Executables, on_devices
 
 # The phases whose sum is a recovery's `mttr_s`, under every runtime.
 MTTR_PHASES = (
@@ -319,11 +319,10 @@ class Recovering:
     def _current(self, exe: Executables, key) -> Executables:
         """A standby executable on the current client: reloaded (`step.rehome`, no compile) when
         the CPU client was renewed after it was built, and kept so."""
-        if exe.client is self.devices[exe.plan.device_ids[0]].client:
-            return exe
-        exe = rehome(exe, self.devices)
-        self.standby.put(key, exe)
-        return exe
+        current = on_devices(exe, self.devices)
+        if current is not exe:
+            self.standby.put(key, current)
+        return current
 
     def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
         """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""
