@@ -296,8 +296,12 @@ class RecoveryConfig:
 class StandbyConfig:
     """Background compilation of the plans recovery would need after each single-device and
     single-host failure of the current plan (`enabled`): all of them, unless `max_plans` caps
-    their number (the first ones in device order, then hosts; the cap is logged). On CPU an
-    executable is tied to its devices, so every candidate device set is compiled. `warm` runs
+    their number (the first ones in device order, then hosts; the cap is logged). Each
+    candidate device set gets its own executable, but one program (plan shape) is compiled once:
+    the other device sets load it with their own device assignment (`step.rebind`, on CPU and
+    GPU; a fraction of a compile), and those are built first. `depth: 2` also covers a second
+    failure after each of those (many more device sets, few more programs), so that the
+    standby of the plan a recovery moves to is ready when it gets there. `warm` runs
     each standby executable built before step 0 (`wait_at_start`) once on placeholder zeros, on
     the training thread (one process), so the first step after a hit runs at steady-state speed;
     executables built later are not warmed (a warm-up beside training steps is untested). `wait_at_start` blocks before
@@ -308,6 +312,10 @@ class StandbyConfig:
 
     enabled: bool = False
     max_plans: Optional[int] = None  # None: every likely failure's plan
+    depth: int = 1  # failures ahead to cover: 1 or 2
+    # background builds stop past this fraction of the process's memory-mapping limit (Linux
+    # vm.max_map_count; a loaded CPU executable holds hundreds of mappings)
+    map_budget: float = 0.5
     warm: bool = True
     wait_at_start: bool = False
     cache_dir: Optional[str] = None  # JAX persistent compilation cache (process-wide setting)
@@ -666,6 +674,12 @@ def validate(cfg: Config) -> None:
              "relative step-time gain; 0 grows whenever the bigger plan is predicted faster)")
     _require(cfg.standby.max_plans is None or cfg.standby.max_plans >= 1, "standby.max_plans",
              "must be null (every likely failure's plan) or >= 1")
+    _require(0.0 < cfg.standby.map_budget <= 0.9, "standby.map_budget",
+             f"= {cfg.standby.map_budget}; allowed values: 0 < map_budget <= 0.9 (a fraction of "
+             "the process's memory-mapping limit)")
+    _require(cfg.standby.depth in (1, 2), "standby.depth",
+             f"= {cfg.standby.depth}; allowed values: 1 (the plans after one more failure), "
+             "2 (and after a second one)")
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
     if t.deterministic:
         _require(

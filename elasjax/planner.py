@@ -115,6 +115,13 @@ class Plan:
         return dataclasses.replace(self, spare_ids=()) if self.spare_ids else self
 
     @property
+    def shape_key(self) -> "Plan":
+        """The plan as its program sees it: every field but which devices (the program is
+        partitioned over mesh positions; the device assignment is bound at load,
+        `step.rebind`)."""
+        return dataclasses.replace(self, device_ids=tuple(range(self.n_devices)), spare_ids=())
+
+    @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """Device ids of each data rank (its tensor group), in rank order."""
         t = self.tensor * self.stage

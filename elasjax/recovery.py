@@ -240,7 +240,9 @@ class Recovering:
                 return self._current(exe, key), True, True, 0.0
             where = self.standby.expedite(key)
             left = self.standby.busy_left_s()
-            long_wait = left is not None and left > self.WAIT_BEHIND * self.standby.mean_compile_s
+            # building it here: a rebind where its program is compiled, else a compile
+            here_s = self.standby.mean_rebind_s if self._rebindable(key) else self.standby.mean_compile_s
+            long_wait = left is not None and left > self.WAIT_BEHIND * here_s
             # `take` fails if the thread started it meanwhile: then it is waited for, never
             # compiled twice
             cold = where == "absent" or (where == "front" and long_wait and self.standby.take(key))
@@ -252,6 +254,10 @@ class Recovering:
             self.cfg, self.factory, plan, self.devices, donate=self.rt.donate
         )
         return exe, hit, False, 0.0
+
+    def _rebindable(self, plan: Plan) -> bool:
+        """Can `plan` be built without compiling (its program is compiled for other devices)?"""
+        return self.exe_cache.program(self.cfg, plan, self.rt.donate, self.factory.tx_key) is not None
 
     def failure_candidates(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
         """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single
@@ -268,33 +274,51 @@ class Recovering:
         """Plans recovery would need after the likeliest next failures of `plan`
         (`failure_candidates`): their optimal plans with `standby.enabled`; the no-movement fast
         paths with `recovery.migration: async`; and with `recovery.grow_standby`, the plan of
-        the likeliest growth (every down device returns)."""
-        out: list[Plan] = []
-        for gone, _ in self.failure_candidates(plan, live):
-            survivors = [d for d in self.topo.device_ids if d in live - gone]
-            if not survivors:
-                continue
-            if self.cfg.parallel.spares and (
-                self.cfg.standby.enabled or self.cfg.recovery.migration == "async"
-            ):  # a spare would take over: recovery resumes on that plan, async or not
-                kept = substitute_spares(plan, survivors, self.topo)
-                if kept is not None:
-                    out.append(kept)
-                    continue
-            if self.cfg.recovery.migration == "async":
-                fast = fast_path_plan(plan, survivors, self.cfg)
-                if fast is not None:
-                    out.append(fast)
-            if self.cfg.standby.enabled:
-                try:
-                    out.append(replan(survivors, self.topo, self.cfg, plan, self.initial))
-                except Exception:  # a failure the planner cannot serve needs no standby
-                    pass
+        the likeliest growth (every down device returns). With `standby.depth: 2`, also one plan
+        of each new program (`Plan.shape_key`) needed after a second failure of each of those:
+        after a recovery, the standby set of the new plan then needs no compile, only loads
+        (`step.rebind`). One per program, not every device set: a loaded CPU executable holds
+        hundreds of memory mappings, and a process has a bounded number (`standby.map_budget`)."""
+        first = self._next_plans(plan, live)
+        out = [p for p, _ in first]
+        if self.cfg.standby.enabled and self.cfg.standby.depth == 2:
+            programs = {p.shape_key for p in out}
+            for nxt, survivors in first:
+                for p, _ in self._next_plans(nxt, survivors):
+                    if p.shape_key not in programs:
+                        programs.add(p.shape_key)
+                        out.append(p)
         if self.cfg.recovery.grow_standby and hasattr(self.rt, "join"):
             grown = self._growth_candidate(plan, live)
             if grown is not None:
                 out.append(grown)
         return list(dict.fromkeys(p.compile_key for p in out))
+
+    def _next_plans(self, plan: Plan, live: set[int]) -> list[tuple[Plan, set[int]]]:
+        """(plan, its live devices) after each of `plan`'s likeliest next failures."""
+        out: list[tuple[Plan, set[int]]] = []
+        for gone, _ in self.failure_candidates(plan, live):
+            survivors = [d for d in self.topo.device_ids if d in live - gone]
+            if not survivors:
+                continue
+            left = set(survivors)
+            if self.cfg.parallel.spares and (
+                self.cfg.standby.enabled or self.cfg.recovery.migration == "async"
+            ):  # a spare would take over: recovery resumes on that plan, async or not
+                kept = substitute_spares(plan, survivors, self.topo)
+                if kept is not None:
+                    out.append((kept, left))
+                    continue
+            if self.cfg.recovery.migration == "async":
+                fast = fast_path_plan(plan, survivors, self.cfg)
+                if fast is not None:
+                    out.append((fast, left))
+            if self.cfg.standby.enabled:
+                try:
+                    out.append((replan(survivors, self.topo, self.cfg, plan, self.initial), left))
+                except Exception:  # a failure the planner cannot serve needs no standby
+                    pass
+        return out
 
     def _growth_candidate(self, plan: Plan, live: set[int]) -> Plan | None:
         """The plan growth would move to from `plan` if every down device of the job returned

@@ -7,13 +7,16 @@ compilation entirely. The queue is replaced whenever the trainer's plan changes 
 plans change with it); plans already compiled stay cached. A plan recovery needs jumps the
 queue (`expedite`, `wait`); once recovery has planned, the rest of the queue is dropped.
 
-The compile function is the same `step.compile_plan` the foreground uses, so a standby
-executable is exactly the executable recovery would otherwise compile. On the CPU backend the
-device assignment is part of the executable, so every candidate device set is its own entry.
+The compile function is the foreground's (`step.ExecutableCache.get`), so a standby executable
+is exactly the executable recovery would otherwise build. Every candidate device set is its own
+entry, but a plan whose program is already compiled for other devices only loads it with its own
+device assignment (`step.rebind`, a fraction of a compile): with `cheap`, the thread builds such
+plans before the ones that need a compile, so that most candidates are covered early.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -35,18 +38,39 @@ class StandbyCompiler:
 
     STARTED_KEPT = 64
 
-    def __init__(self, compile_fn: Callable[[Any], Any], max_plans: int | None = None):
-        self.compile_fn, self.max_plans = compile_fn, max_plans
+    def __init__(
+        self,
+        compile_fn: Callable[[Any], Any],
+        max_plans: int | None = None,
+        cheap: Callable[[Any], bool] | None = None,
+        map_budget: float | None = None,
+    ):
+        """`cheap(plan)`: can `plan` be built now without an XLA compile (`step.rebind`)?
+        Such plans are built first; a plan made urgent (`expedite`, `wait`, `submit(front=)`)
+        always comes before them. `map_budget`: the fraction of the process's memory-mapping
+        limit (Linux `vm.max_map_count`) the process may use before background builds stop:
+        every loaded CPU executable holds hundreds of mappings, and past the limit LLVM aborts
+        the process. Over budget, ready plans no longer submitted are evicted first; then the
+        rest of the queue is dropped and counted in `over_budget` (an urgent plan is still
+        built)."""
+        self.compile_fn, self.max_plans, self.cheap = compile_fn, max_plans, cheap
+        self.map_budget = map_budget
+        self.over_budget = 0  # queued plans dropped because the mapping budget was reached
+        self._wanted: set = set()
+        self._urgent: set = set()
         self._ready: OrderedDict = OrderedDict()
         self._queue: list = []
         self._busy: Any = None
         self._busy_since = 0.0
+        self._busy_cheap = False
         self._errors: dict = {}
         self._cv = threading.Condition()
         self._stop = False
         self._capacity = max_plans or 2
-        self.compiled = 0
+        self.compiled = 0  # plans built by an XLA compile
         self.compile_s = 0.0
+        self.rebound = 0  # plans built by loading a program compiled for other devices
+        self.rebind_s = 0.0
         self.dropped = 0  # plans of the latest `submit` left out by `max_plans`
         self.started: list = []  # the last STARTED_KEPT plans, in the order compiles started
         self._thread = threading.Thread(target=self._loop, name="elasjax-standby", daemon=True)
@@ -60,12 +84,16 @@ class StandbyCompiler:
             new = [p for p in plans if p not in self._ready and p != self._busy]
             if front:
                 self._queue = new + [p for p in self._queue if p not in new]
+                self._urgent |= set(new)
+                self._wanted |= set(plans)
             else:
+                self._wanted = set(plans)
                 keep = plans if self.max_plans is None else plans[: self.max_plans]
                 self.dropped = len(plans) - len(keep)
                 if self.max_plans is None:
                     self._capacity = max(self._capacity, len(keep) + 2)
                 self._queue = [p for p in new if p in keep]
+                self._urgent &= set(self._queue)
             self._cv.notify_all()
 
     def expedite(self, plan) -> str:
@@ -80,6 +108,7 @@ class StandbyCompiler:
             if plan in self._queue:
                 self._queue.remove(plan)
                 self._queue.insert(0, plan)
+                self._urgent.add(plan)
                 return "front"
             return "absent"
 
@@ -88,6 +117,7 @@ class StandbyCompiler:
         with self._cv:
             if plan in self._queue:
                 self._queue.remove(plan)
+                self._urgent.discard(plan)
                 return True
             return False
 
@@ -96,13 +126,23 @@ class StandbyCompiler:
         """Mean seconds of the background compiles so far (0 before the first)."""
         return self.compile_s / self.compiled if self.compiled else 0.0
 
+    @property
+    def mean_rebind_s(self) -> float:
+        """Mean seconds of the background rebinds so far (0 before the first)."""
+        return self.rebind_s / self.rebound if self.rebound else 0.0
+
     def busy_left_s(self) -> float | None:
-        """Expected seconds until the compile under way ends (the mean of the compiles so far
-        less its elapsed time; None when nothing compiles or nothing has compiled yet)."""
+        """Expected seconds until the build under way ends (the mean of the builds of its kind
+        so far less its elapsed time; None when nothing builds or none of its kind has)."""
         with self._cv:
-            if self._busy is None or not self.compiled:
+            if self._busy is None:
                 return None
-            return max(self.mean_compile_s - (time.perf_counter() - self._busy_since), 0.0)
+            n, total = (
+                (self.rebound, self.rebind_s) if self._busy_cheap else (self.compiled, self.compile_s)
+            )
+            if not n:
+                return None
+            return max(total / n - (time.perf_counter() - self._busy_since), 0.0)
 
     def drop_queued(self, keep: Any = None) -> int:
         """Drop every queued compile but `keep` (a death is known: the cores go to recovery);
@@ -151,6 +191,7 @@ class StandbyCompiler:
                 if plan in self._queue:  # a needed plan never waits in line
                     self._queue.remove(plan)
                 self._queue.insert(0, plan)
+                self._urgent.add(plan)
                 self._cv.notify_all()
             while plan not in self._ready:
                 if plan in self._errors:
@@ -177,8 +218,16 @@ class StandbyCompiler:
                 self._cv.wait_for(lambda: self._queue or self._stop)
                 if self._stop:
                     return
-                plan = self._queue.pop(0)
-                self._busy, self._busy_since = plan, time.perf_counter()
+                plan = self._next()
+                if plan not in self._urgent and not self._within_budget():
+                    self.over_budget += len(self._queue)
+                    self._queue = []
+                    self._cv.notify_all()
+                    continue
+                self._queue.remove(plan)
+                self._urgent.discard(plan)
+                cheap = self.cheap is not None and self.cheap(plan)
+                self._busy, self._busy_since, self._busy_cheap = plan, time.perf_counter(), cheap
                 self.started.append(plan)
                 del self.started[: -self.STARTED_KEPT]
             t0 = time.perf_counter()
@@ -192,12 +241,43 @@ class StandbyCompiler:
                 self._busy = None
                 if err is None:
                     self._ready[plan] = exe
-                    self.compiled += 1
-                    self.compile_s += dt
+                    if getattr(exe, "origin", "compiled") == "compiled":
+                        self.compiled += 1
+                        self.compile_s += dt
+                    else:
+                        self.rebound += 1
+                        self.rebind_s += dt
                     self._trim()
                 else:
                     self._errors[plan] = err
                 self._cv.notify_all()
+
+    def _within_budget(self) -> bool:
+        """Under the lock: is the process within `map_budget` of its mapping limit, after
+        evicting ready plans that are no longer submitted if needed?"""
+        if self.map_budget is None:
+            return True
+        usage = map_usage()
+        while usage is not None and usage > self.map_budget:
+            stale = [p for p in self._ready if p not in self._wanted]
+            if not stale:
+                return False
+            self._ready.pop(stale[0])
+            gc.collect()  # a dropped executable's mappings go with its last reference
+            usage = map_usage()
+        return True
+
+    def _next(self) -> Any:
+        """The plan to build next (under the lock): the first urgent one, else the first that
+        builds without a compile, else the first queued."""
+        for p in self._queue:
+            if p in self._urgent:
+                return p
+        if self.cheap is not None:
+            for p in self._queue:
+                if self.cheap(p):
+                    return p
+        return self._queue[0]
 
     def close(self) -> None:
         with self._cv:
@@ -205,6 +285,18 @@ class StandbyCompiler:
             self._queue = []
             self._cv.notify_all()
         self._thread.join(timeout=60)
+
+
+def map_usage() -> float | None:
+    """The fraction of this process's memory-mapping limit in use (Linux; None elsewhere)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    return used / limit if limit > 0 else None
 
 
 class BackgroundJobs:

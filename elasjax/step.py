@@ -317,7 +317,27 @@ class Executables:
     compile_s: float
     batch_abstract: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
     warm_s: float = 0.0  # seconds of its warm-up run (`warm_up`), 0 if never warmed
-    make_eval: Any = None  # mesh -> the eval function on it (`rehome` re-makes it)
+    make_eval: Any = None  # mesh -> the eval function on it (`rebind` re-makes it)
+    # "compiled" here; "rebound" from a compile for other devices (`rebind`; `compile_s` is then
+    # the load); "reloaded" onto a renewed client's devices of the same ids
+    origin: str = "compiled"
+    _portable: Any = dataclasses.field(default=None, repr=False, compare=False)
+    _portable_lock: Any = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
+
+    def portable(self) -> "Portable":
+        """The train and checksum executables serialized (once; `rebind` loads them)."""
+        from jax.experimental import serialize_executable as se
+
+        with self._portable_lock:
+            if self._portable is None:
+                self._portable = Portable(
+                    tuple(d.id for d in self.mesh.devices.flat),
+                    se.serialize(self.train),
+                    se.serialize(self.checksum),
+                )
+            return self._portable
 
     @property
     def client(self):
@@ -405,30 +425,97 @@ def on_devices(exe: Executables, devices: dict[int, jax.Device]) -> Executables:
 
 def rehome(exe: Executables, devices: dict[int, jax.Device]) -> Executables:
     """`exe` on the devices of the same ids of another client (a renewed CPU client,
-    `collectives`): the compiled train and checksum executables are serialized and loaded onto
-    the new devices (no compile; the tiny test model: 0.5 s against 4.3 s for its compile), the
-    eval function is re-made (it compiles on first use)."""
-    from jax.experimental import serialize_executable as se
+    `collectives`): `rebind` to its own plan."""
+    return rebind(exe, exe.plan, devices)
 
-    mesh = make_mesh(exe.plan.mesh_shape, [devices[i] for i in exe.plan.device_ids])
+
+# Backends whose loaded executables take a new device assignment (`rebind`); elsewhere a
+# plan on other devices is compiled
+REBINDABLE = ("cpu", "gpu", "cuda", "rocm")
+
+
+def can_rebind(exe: Executables, plan: Plan) -> bool:
+    """Can `rebind` put `exe`'s program on `plan`'s devices: the same program (`shape_key`)
+    on a backend whose executables take a new device assignment?"""
+    return exe.plan.shape_key == plan.shape_key and exe.client.platform in REBINDABLE
+
+
+def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Executables:
+    """`exe`'s compiled train and checksum programs loaded onto `plan`'s devices, without
+    compiling: `plan` differs from `exe.plan` at most in which devices it uses (the same
+    `Plan.shape_key`), or `devices` are another client's devices of the same ids (a renewed CPU
+    client, `collectives`).
+
+    The program does not depend on device ids: XLA partitions it over mesh positions, and the
+    device assignment is a compile option. The executables are serialized once (kept on `exe`)
+    and loaded with the new plan's devices as their assignment, position for position (this
+    machine, the demo's 7-device plan: load 0.3-0.6 s against a 7 s compile; a step on the
+    rebound executable gives the same bits as one compiled for those devices,
+    tests/test_standby_baselines.py). The eval function is re-made (it compiles on first use)."""
+    if plan.shape_key != exe.plan.shape_key:
+        raise ValueError(f"cannot rebind {exe.plan.name} to {plan.name}: a different program")
+    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
     flat = list(mesh.devices.flat)
-    client = flat[0].client
-
-    def reload(compiled):
-        payload, in_tree, out_tree = se.serialize(compiled)
-        return se.deserialize_and_load(
-            payload, in_tree, out_tree, backend=client, execution_devices=flat
+    if plan.device_ids != exe.plan.device_ids and flat[0].client.platform not in REBINDABLE:
+        raise ValueError(
+            f"the {flat[0].client.platform} backend's executables keep their devices; "
+            f"compile {plan.name} instead (rebinding works on {', '.join(REBINDABLE)})"
         )
-
+    t0 = time.perf_counter()
+    src = exe.portable()
     return dataclasses.replace(
         exe,
+        plan=plan,
         mesh=mesh,
         state_shardings=exe.layout.shardings(mesh),
         batch_shardings=batch_shardings(mesh, exe.batch_abstract),
-        train=reload(exe.train),
-        checksum=reload(exe.checksum),
+        train=_load(src.train, src.device_ids, flat),
+        checksum=_load(src.checksum, src.device_ids, flat),
         eval=exe.make_eval(mesh),
+        compile_s=time.perf_counter() - t0,
         warm_s=0.0,
+        origin="rebound" if plan.device_ids != exe.plan.device_ids else "reloaded",
+        _portable=src,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Portable:
+    """An executable pair in serialized form (`jax.experimental.serialize_executable`), with
+    the device ids, in mesh order, that its device references name."""
+
+    device_ids: tuple[int, ...]
+    train: tuple  # (payload, in_tree, out_tree)
+    checksum: tuple
+
+
+def _load(serialized: tuple, old_ids: tuple[int, ...], flat: list) -> Any:
+    """Load a serialized executable onto `flat` (mesh order), position i of `old_ids` -> flat[i]."""
+    import io
+
+    from jax._src import compiler
+    from jax.experimental import serialize_executable as se
+
+    payload, in_tree, out_tree = serialized
+    client = flat[0].client
+    by_old_id = dict(zip(old_ids, flat))
+    opts = compiler.get_compile_options(
+        1, len(flat), device_assignment=np.asarray(flat, dtype=object).reshape(1, -1), backend=client
+    )
+
+    class Unpickler(se._JaxPjrtUnpickler):
+        def persistent_load(self, pid):
+            if pid[0] == "device":
+                return by_old_id[pid[1]]
+            if pid[0] == "exec":
+                return self.backend.deserialize_executable(
+                    pid[1], executable_devices=self.execution_devices, compile_options=opts
+                )
+            return super().persistent_load(pid)
+
+    unloaded, args_info, no_kwargs = Unpickler(io.BytesIO(payload), client, flat).load()
+    return jax.stages.Compiled(
+        unloaded.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs
     )
 
 
@@ -454,12 +541,15 @@ def warm_up(exe: Executables) -> float:
 
 class ExecutableCache:
     """Compiled plans, keyed by what the executables depend on (model and train config, and the
-    plan); bounded, least recently used out first. A trainer owns one; pass a shared one to reuse
-    executables across runs in one process (tests, experiment sweeps)."""
+    plan); bounded, least recently used out first. A plan whose program was compiled for other
+    devices (the same `Plan.shape_key`) is `rebind`-ed from it, not compiled: the cache keeps
+    the latest executable of each program (`programs`) for that. A trainer owns one; pass a
+    shared one to reuse executables across runs in one process (tests, experiment sweeps)."""
 
-    def __init__(self, max_entries: int = 16):
-        self.max_entries = max_entries
+    def __init__(self, max_entries: int = 16, max_programs: int = 32):
+        self.max_entries, self.max_programs = max_entries, max_programs
         self._d: dict = {}
+        self._programs: dict = {}  # program key -> an executable of that program
         self._lock = threading.Lock()  # the standby thread compiles through the same cache
 
     @staticmethod
@@ -469,11 +559,23 @@ class ExecutableCache:
         spec = models.get(cfg.model) if cfg.model.type != "gpt" else None
         return (cfg.model, spec, cfg.train, tx_key, plan.compile_key, donate)
 
+    @classmethod
+    def program_key(cls, cfg: Config, plan: Plan, donate: bool = True, tx_key=None):
+        return cls.key(cfg, plan.shape_key, donate, tx_key)
+
+    def program(self, cfg: Config, plan: Plan, donate: bool = True, tx_key=None):
+        """An executable of `plan`'s program that `rebind` can put on `plan`'s devices, or None
+        (building `plan` would compile)."""
+        with self._lock:
+            src = self._programs.get(self.program_key(cfg, plan, donate, tx_key))
+        return src if src is not None and can_rebind(src, plan) else None
+
     def get(
         self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True
     ) -> tuple[Executables, bool]:
         """(executables, found here). An entry made for another client's devices of the same
-        ids (a renewed CPU client) is reloaded onto `devices` (`rehome`), not compiled again."""
+        ids (a renewed CPU client) is reloaded onto `devices`; a plan whose program is here for
+        other devices is rebound to its own (`rebind`); only a new program is compiled."""
         k = self.key(cfg, plan, donate, factory.tx_key)
         with self._lock:
             exe = self._d.pop(k, None)
@@ -482,15 +584,26 @@ class ExecutableCache:
         if exe is not None:
             current = on_devices(exe, devices)
             if current is not exe:
-                with self._lock:
-                    self._d[k] = current
+                self._put(k, current)
             return current, True
-        exe = compile_plan(cfg, factory, plan, devices, donate=donate)  # outside the lock
+        src = self.program(cfg, plan, donate, factory.tx_key)
+        if src is not None:
+            exe = rebind(src, plan, devices)
+        else:  # outside the lock
+            exe = compile_plan(cfg, factory, plan, devices, donate=donate)
+        self._put(k, exe, self.program_key(cfg, plan, donate, factory.tx_key))
+        return exe, False
+
+    def _put(self, k, exe: Executables, program_key=None) -> None:
         with self._lock:
             self._d[k] = exe
             while len(self._d) > self.max_entries:
                 self._d.pop(next(iter(self._d)))
-        return exe, False
+            if program_key is not None:
+                self._programs.pop(program_key, None)
+                self._programs[program_key] = exe
+                while len(self._programs) > self.max_programs:
+                    self._programs.pop(next(iter(self._programs)))
 
     def __contains__(self, item) -> bool:
         return item in self._d

@@ -164,6 +164,8 @@ class Trainer(Recovering):
                     cfg, self.factory, plan, self.devices, donate=self.rt.donate
                 )[0],
                 max_plans=cfg.standby.max_plans,
+                cheap=self._rebindable,
+                map_budget=cfg.standby.map_budget,
             )
         self.pending_cutover = None  # a `recovery.PendingCutover`
         self.cutover_wait_s = 0.0  # the pending cut-over's wait for its compile
@@ -320,6 +322,12 @@ class Trainer(Recovering):
             "did not cut over at or after that step"
             for e in pending if e.phase == "cutover"
         ]
+        if self.standby is not None and self.standby.over_budget:
+            notes.append(
+                f"standby left {self.standby.over_budget} queued plan(s) unbuilt: the process "
+                f"reached standby.map_budget = {self.cfg.standby.map_budget} of its memory-mapping "
+                "limit (vm.max_map_count); recoveries to them compile"
+            )
         if self.pending_cutover is not None:
             pc = self.pending_cutover
             since = "the join" if pc.kind == "growth" else "the failure"
@@ -462,10 +470,13 @@ class Trainer(Recovering):
                         exe.warm_s = warm_up(exe)
                         warm_s += exe.warm_s
             sb = self.standby
-            ew.write({"type": "standby_ready", "plans": sb.compiled, "wait_s": compile_s + warm_s,
-                      "compile_s": sb.compile_s, "warm_s": warm_s})
-            line = (f"standby ready in {compile_s + warm_s:.1f}s: {sb.compiled} plans compiled, "
-                    f"warmed in {warm_s:.1f}s")
+            ew.write({"type": "standby_ready", "plans": sb.compiled + sb.rebound,
+                      "compiled": sb.compiled, "rebound": sb.rebound,
+                      "wait_s": compile_s + warm_s, "compile_s": sb.compile_s,
+                      "rebind_s": sb.rebind_s, "warm_s": warm_s})
+            line = (f"standby ready in {compile_s + warm_s:.1f}s: {sb.compiled + sb.rebound} "
+                    f"plans ({sb.compiled} compiled in {sb.compile_s:.1f}s, {sb.rebound} rebound "
+                    f"from them in {sb.rebind_s:.1f}s), warmed in {warm_s:.1f}s")
             self.rt.log(line)
             if self.progress:
                 print(line)

@@ -1,5 +1,6 @@
 """Standby executables, the deterministic mode, and the baseline recovery strategies."""
 
+import dataclasses
 import threading
 import time
 
@@ -11,6 +12,7 @@ from conftest import tiny_config
 from elasjax import trainer
 from elasjax.metrics import read_jsonl
 from elasjax.standby import BackgroundJobs, CompileCounter, StandbyCompiler
+from elasjax.step import rebind
 
 
 def test_standby_compiler_queue_and_errors():
@@ -105,6 +107,71 @@ def test_rehome_reloads_a_compiled_plan_that_computes_the_same_bits_without_comp
         np.testing.assert_array_equal(np.asarray(exe.checksum(state)), np.asarray(again.checksum(state)))
     finally:
         t.rt.close()
+
+
+def test_a_program_compiled_for_some_devices_is_rebound_to_others_with_the_same_bits():
+    """`step.rebind` (how standby covers every device set while compiling each program once):
+    the plan after losing device 7 is built from the one after losing device 0 (the same
+    shape on other devices) with no XLA compile, runs on its own devices, and a step on it gives
+    bitwise the state, metrics and checksums of that plan compiled for its devices."""
+    from elasjax.planner import replan
+    from elasjax.step import ExecutableCache, compile_plan
+
+    cfg = tiny_config("faults=[]")
+    t = trainer.Trainer(cfg, None, exe_cache=ExecutableCache())
+    try:
+        live = list(t.topo.device_ids)
+        a = replan(live[1:], t.topo, cfg, t.initial, t.initial)
+        b = replan(live[:-1], t.topo, cfg, t.initial, t.initial)
+        assert a.shape_key == b.shape_key and a.device_ids != b.device_ids
+        exe_a, _ = t.exe_cache.get(cfg, t.factory, a, t.devices, donate=False)
+        assert exe_a.origin == "compiled"
+        with CompileCounter() as cc:
+            exe_b, found = t.exe_cache.get(cfg, t.factory, b, t.devices, donate=False)
+        assert cc.count == 0 and not found and exe_b.origin == "rebound"
+        assert [d.id for d in exe_b.mesh.devices.flat] == list(b.device_ids)
+        native = compile_plan(cfg, t.factory, b, t.devices, donate=False)
+        state = native.init()
+        batch = native.put_batch(t.data.batch(0, b).arrays())
+        x, y = native.train(state, batch), exe_b.train(state, batch)
+        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+            assert {d.id for d in v.sharding.device_set} == set(b.device_ids)
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+        np.testing.assert_array_equal(np.asarray(native.checksum(state)), np.asarray(exe_b.checksum(state)))
+        other = dataclasses.replace(b, microbatches=b.microbatches * 2, micro_batch=b.micro_batch)
+        with pytest.raises(ValueError, match="a different program"):
+            rebind(exe_a, other, t.devices)
+    finally:
+        t.rt.close()
+
+
+def test_plans_that_need_no_compile_are_built_first_but_never_before_a_needed_one():
+    """With `cheap` (here: a plan whose program, its first letter, is built), the thread
+    builds those before plans that compile; an expedited plan still comes first. Counted by
+    build order."""
+    gate = threading.Event()
+    built: set = set()
+
+    def compile_fn(plan):
+        if plan == "x1":
+            gate.wait()
+        built.add(plan[0])
+        return f"exe:{plan}"
+
+    sb = StandbyCompiler(compile_fn, cheap=lambda p: p[0] in built)
+    try:
+        sb.submit(["x1", "y1", "z1", "x2", "y2", "x3"])
+        deadline = time.monotonic() + 10
+        while sb.started != ["x1"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert sb.expedite("z1") == "front"  # needed: before the cheap x2, x3
+        gate.set()
+        assert sb.wait_all(timeout=10)
+        assert sb.started == ["x1", "z1", "x2", "x3", "y1", "y2"]
+    finally:
+        gate.set()
+        sb.close()
 
 
 def test_standby_covers_every_likely_failure_unless_capped():
