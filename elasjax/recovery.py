@@ -231,14 +231,31 @@ class Recovering:
     def executables(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
         """(executables, already compiled in this process, standby hit, seconds waited for a
         background compile). A standby hit means the executable was ready when asked for. A
-        needed plan never waits in line: a queued one jumps to the front, or is compiled cold
-        here when the compile under way would take longer than `WAIT_BEHIND` of a compile."""
+        needed plan never waits in line: a queued one jumps to the front, or is built here when
+        the build under way would take longer than `WAIT_BEHIND` of building it here; when the
+        compile under way is of its program (for other devices), that compile is waited for and
+        the plan loaded from it (`step.rebind`)."""
         if self.standby is not None:
             key = plan.compile_key
             exe = self.standby.get(key)
             if exe is not None:
                 return self._current(exe, key), True, True, 0.0
             where = self.standby.expedite(key)
+            busy = self.standby.busy()
+            if (
+                busy is not None and busy != key and busy.shape_key == key.shape_key
+                and not self._rebindable(key) and (where != "front" or self.standby.take(key))
+            ):  # its program is compiling now for other devices: wait for that, then load it
+                t0 = time.perf_counter()
+                try:
+                    self.standby.wait(busy)
+                except Exception:  # noqa: BLE001 - that compile failed: compile it here
+                    pass
+                wait_s = time.perf_counter() - t0
+                exe, hit = self.exe_cache.get(
+                    self.cfg, self.factory, plan, self.devices, donate=self.rt.donate
+                )
+                return exe, hit, False, wait_s
             left = self.standby.busy_left_s()
             # building it here: a rebind where its program is compiled, else a compile
             here_s = self.standby.mean_rebind_s if self._rebindable(key) else self.standby.mean_compile_s

@@ -131,6 +131,11 @@ class StandbyCompiler:
         """Mean seconds of the background rebinds so far (0 before the first)."""
         return self.rebind_s / self.rebound if self.rebound else 0.0
 
+    def busy(self) -> Any:
+        """The plan being built now, or None."""
+        with self._cv:
+            return self._busy
+
     def busy_left_s(self) -> float | None:
         """Expected seconds until the build under way ends (the mean of the builds of its kind
         so far less its elapsed time; None when nothing builds or none of its kind has)."""

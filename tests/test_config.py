@@ -63,6 +63,13 @@ def test_bad_types():
         config.load(None, ["model.tie_embeddings=3"])
 
 
+def test_standby_depth_and_map_budget_name_their_allowed_values():
+    with pytest.raises(ConfigError, match=r"'standby.depth' = 3; allowed values: 1 .*, 2 "):
+        config.load(None, ["standby.depth=3"])
+    with pytest.raises(ConfigError, match=r"'standby.map_budget' = 1.5; allowed values: 0 < map_budget <= 0.9"):
+        config.load(None, ["standby.map_budget=1.5"])
+
+
 def test_tensor_degree_must_divide_heads():
     with pytest.raises(ConfigError, match=r"'parallel.tensor' = 3 does not divide the model.*allowed values: -1, 1, 2, 4"):
         config.load(None, ["parallel.tensor=3"])

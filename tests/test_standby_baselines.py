@@ -174,10 +174,30 @@ def test_plans_that_need_no_compile_are_built_first_but_never_before_a_needed_on
         sb.close()
 
 
+def test_background_builds_stop_at_the_mapping_budget_but_a_needed_plan_is_built():
+    """Over `map_budget` (here: any use at all), ready plans no longer submitted are evicted,
+    then the queue is dropped and counted in `over_budget`; a plan recovery waits for is still
+    built."""
+    from elasjax.standby import map_usage
+
+    if map_usage() is None:
+        pytest.skip("no /proc memory-mapping counts on this platform")
+    sb = StandbyCompiler(lambda p: f"exe:{p}", map_budget=1e-9)
+    try:
+        sb.put("old", "exe:old")
+        sb.submit(["a", "b"])
+        assert sb.wait_all(timeout=10)
+        assert sb.over_budget == 2 and sb.started == [] and sb.get("old") is None
+        assert sb.wait("c", timeout=10) == "exe:c" and sb.started == ["c"]
+    finally:
+        sb.close()
+
+
 def test_standby_covers_every_likely_failure_unless_capped():
     """Tiny config, 8 devices on 4 hosts: 8 single-device and 4 single-host failures, each its
-    own plan (on CPU the device set is part of the executable). The default keeps all 12;
-    a cap keeps its number, counts the rest and warns."""
+    own plan (its own device set; two programs: 7 and 6 devices). The default keeps all 12;
+    a cap keeps its number, counts the rest and warns. `depth: 2` adds one plan per program a
+    second failure needs."""
     from elasjax.standby import StandbyCoverageWarning
     from elasjax.trainer import Trainer
 
@@ -185,9 +205,21 @@ def test_standby_covers_every_likely_failure_unless_capped():
     try:
         keys = t.standby_candidates(t.initial, set(t.topo.device_ids))
         assert len(keys) == 12 and len({k.device_ids for k in keys}) == 12
+        assert [k.n_devices for k in keys] == [7] * 8 + [6] * 4
         t.standby.submit([])  # nothing compiles here
     finally:
         t.standby.close()
+    deep = Trainer(tiny_config("standby.enabled=true", "standby.depth=2"))
+    try:
+        deep.standby.close()
+        keys2 = deep.standby_candidates(deep.initial, set(deep.topo.device_ids))
+        extra = keys2[12:]
+        assert keys2[:12] == keys and extra
+        programs = [k.shape_key for k in extra]
+        assert len(set(programs)) == len(extra) and not set(programs) & {k.shape_key for k in keys}
+        assert {k.n_devices for k in extra} <= {4, 5, 6}
+    finally:
+        deep.standby.close()
     capped = Trainer(tiny_config("standby.enabled=true", "standby.max_plans=5"))
     try:
         capped.standby.close()  # its thread stops: submit only records the queue
