@@ -160,9 +160,7 @@ class Trainer(Recovering):
         grows = any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
         if cfg.standby.enabled or cfg.recovery.migration == "async" or grows:
             self.standby = StandbyCompiler(
-                lambda plan: self.exe_cache.get(
-                    cfg, self.factory, plan, self.devices, donate=self.rt.donate
-                )[0],
+                self._standby_build,
                 max_plans=cfg.standby.max_plans,
                 cheap=self._rebindable,
                 map_budget=cfg.standby.map_budget,
@@ -511,6 +509,14 @@ class Trainer(Recovering):
             if self.rt.writer:
                 warnings.warn(risk, UnprotectedStateWarning, stacklevel=2)
         return pos
+
+    def _standby_build(self, plan: Plan) -> Executables:
+        """A standby plan's executables (the standby thread): compiled, or rebound from its
+        program; serialized here too (`Executables.portable`, once per program), so that a
+        rebind or a reload onto a renewed client at recovery does not pay for it."""
+        exe = self.exe_cache.get(self.cfg, self.factory, plan, self.devices, donate=self.rt.donate)[0]
+        exe.portable()
+        return exe
 
     def _init_state(self, exe: Executables):
         """(step, state, checksums) of a fresh start or a checkpoint resume."""
