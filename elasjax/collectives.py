@@ -26,10 +26,17 @@ need no compile either: `step.rehome` serializes them and loads them onto the ne
 (measured on the tiny test model: 0.5 s against 4.3 s for its compile, 0 XLA compiles).
 A new client took 0.04-0.12 s on 2 and 3 processes. With the fix (`auto`), 28 of 28 runs of the
 same launch took over, 3 of them after a renewal.
+
+Two more uses of a renewal (session 8). `abort_collectives`: when the kernel reports a same-host
+peer's exit, a process shuts its gloo sockets down, so that no collective waits for the timeout
+(the multi-controller runtime's exit watcher), and then asks for a renewal. And a step whose
+collectives failed while every process was alive (a straggler past the collective timeout) is
+retried on a new client instead of stopping the job (`MultiControllerRuntime.guard`).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 
@@ -55,15 +62,19 @@ def waited_s(failure: DeviceFailure) -> float | None:
 
 
 def renewal_reason(
-    mode: str, platform: str, failure: DeviceFailure, collective_timeout_s: float
+    mode: str, platform: str, failure: DeviceFailure, collective_timeout_s: float,
+    aborted: str | None = None,
 ) -> str | None:
     """This process's vote, with its reason (every live process votes; one reason renews all),
-    or None. `auto` asks when the failed block ran into the collective timeout: the evidence
-    that a gloo pair of one of its communicators closed (a block released by a socket error
-    within the timeout leaves no communicator half-used: every wait it had ended with the
-    error). `mode` is `RuntimeConfig.renew_collectives`, checked there."""
+    or None. A process that shut its collectives' sockets down (`aborted`, see
+    `abort_collectives`) always asks. `auto` asks when the failed block ran into the collective
+    timeout: the evidence that a gloo pair of one of its communicators closed (a block released
+    by a socket error within the timeout leaves no communicator half-used: every wait it had
+    ended with the error). `mode` is `RuntimeConfig.renew_collectives`, checked there."""
     if platform != "cpu" or mode == "never":
         return None
+    if aborted:
+        return aborted
     waited = waited_s(failure)
     if waited is not None and waited >= TIMED_OUT_FRACTION * collective_timeout_s:
         return (f"its collective failed after {waited:.2f}s, at the "
@@ -92,3 +103,50 @@ def renew_cpu_client(client, live: Iterable[int], generation: int, writer: bool,
         client.blocking_key_value_get(ready, wait_ms)
     backend.clear_backends()
     return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def abort_collectives(keep_ports: Iterable[int]) -> int:
+    """Shut down this process's established TCP connections except those to or from
+    `keep_ports` (the coordination service's: its gRPC channel must live on). What is left are
+    the CPU client's gloo pairs (and its transfer server's connections): every collective
+    blocked on one of them fails at once instead of at the collective timeout. The client's
+    communicators are unusable afterwards, so every live process must renew its client
+    (`renew_cpu_client`) before the next collective; `renewal_reason` asks for it. Linux only
+    (/proc); returns how many sockets were shut down."""
+    import socket
+
+    keep = set(keep_ports)
+    targets: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.readlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) < 10 or cols[3] != "01":  # 01: ESTABLISHED
+                continue
+            local, remote = (int(c.rsplit(":", 1)[1], 16) for c in cols[1:3])
+            if local not in keep and remote not in keep:
+                targets.add(cols[9])  # the socket's inode
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if not (link.startswith("socket:[") and link[8:-1] in targets):
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # the socket itself, under every descriptor
+            n += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()  # the duplicate only
+    return n

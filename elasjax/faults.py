@@ -51,14 +51,38 @@ MULTI_CONTROLLER = "multi-controller"
 class FaultEvent:
     at_step: int
     device_ids: tuple[int, ...]
-    kind: str  # "devices" | "hosts" | "random" | "process" | "join" (devices return)
+    kind: str  # "devices" | "hosts" | "random" | "process" | "join" (devices return) | "stall"
     spec: str  # human-readable origin, e.g. "hosts [1]"
     phase: str = "step"  # "step" | "recovery" | "cutover"
     hosts: tuple[int, ...] = ()  # the hosts (processes) it takes down whole (or returns)
+    stall_process: int = -1  # kind "stall": the process that sleeps `stall_s` (not a failure)
+    stall_s: float = 0.0
 
     @property
     def is_join(self) -> bool:
         return self.kind == "join"
+
+
+def _resolve_stall(f, key: str, topo: Topology, runtime: str) -> FaultEvent:
+    if runtime != MULTI_CONTROLLER:
+        raise ConfigError(
+            f"config '{key}.stall_process' needs real processes (a straggler among processes): "
+            "run the config with `elasjax launch --processes P ...`"
+        )
+    if not 0 <= f.stall_process < topo.n_hosts:
+        raise ConfigError(
+            f"config '{key}.stall_process' = {f.stall_process}: process {f.stall_process} does "
+            f"not exist; allowed values: 0 .. {topo.n_hosts - 1}"
+        )
+    if f.phase != "step":
+        raise ConfigError(
+            f"config '{key}.phase' = '{f.phase}' with 'stall_process': a process stalls before "
+            "it dispatches a step; allowed values: 'step'"
+        )
+    return FaultEvent(
+        f.at_step, (), "stall", f"process {f.stall_process} stalls {f.stall_s:g}s",
+        stall_process=f.stall_process, stall_s=f.stall_s,
+    )
 
 
 def resolve_schedule(
@@ -120,6 +144,9 @@ def resolve_schedule(
             events.append(ev)
             for d in ev.device_ids:
                 taken.pop(d, None)
+            continue
+        if f.stall_process >= 0:
+            events.append(_resolve_stall(f, key, topo, runtime))
             continue
         hosts: tuple[int, ...] = ()
         if runtime == MULTI_CONTROLLER and (f.devices or f.count):

@@ -174,6 +174,11 @@ class ProcessExits:
         self.enabled = enabled and hasattr(os, "pidfd_open")
         self._peers = [p for p in peers if p != me]
         self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._closing: list[int] = []  # forgotten pidfds, closed by the watcher thread if any
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.seen: dict[int, float] = {}  # peer -> when the watcher saw its exit
         self._remote: set[int] = set()  # peers on another host (or whose pidfd cannot be had)
         self.boot = _boot_id()
         if self.enabled:
@@ -204,7 +209,8 @@ class ProcessExits:
                 os.close(fd)
                 self._remote.add(p)
                 continue
-            self._fds[p] = fd
+            with self._lock:
+                self._fds[p] = fd
 
     def exited(self, p: int) -> bool:
         fd = self._fds.get(p)
@@ -212,11 +218,53 @@ class ProcessExits:
             return False
         return bool(select.select([fd], [], [], 0)[0])
 
+    def start_watcher(self, on_exit) -> None:
+        """Call `on_exit(p)` from a thread, once, the moment a watched peer p exits (`watch`
+        opens the pidfds; peers watched later are picked up within 50 ms)."""
+        if not self.enabled or self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._watch_loop, args=(on_exit,), name="elasjax-exits", daemon=True
+        )
+        self._thread.start()
+
+    def _watch_loop(self, on_exit) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                for fd in self._closing:
+                    os.close(fd)
+                self._closing.clear()
+                fds = {fd: p for p, fd in self._fds.items() if p not in self.seen}
+            if not fds:
+                self._stop.wait(0.05)
+                continue
+            try:
+                ready = select.select(list(fds), [], [], 0.05)[0]
+            except OSError:  # a descriptor went away meanwhile: look again
+                continue
+            for fd in ready:
+                p = fds[fd]
+                self.seen[p] = time.time()
+                on_exit(p)
+
     def forget(self, procs) -> None:
-        for p in procs:
-            fd = self._fds.pop(p, None)
-            if fd is not None:
-                os.close(fd)
+        with self._lock:
+            for p in procs:
+                fd = self._fds.pop(p, None)
+                if fd is None:
+                    continue
+                if self._thread is not None:
+                    self._closing.append(fd)  # it may be in the watcher's select right now
+                else:
+                    os.close(fd)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+            self._thread = None
         self.forget(list(self._fds))
+        with self._lock:
+            for fd in self._closing:
+                os.close(fd)
+            self._closing.clear()

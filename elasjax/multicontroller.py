@@ -48,6 +48,7 @@ import json
 import os
 import pickle
 import signal
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -57,7 +58,7 @@ import jax
 import numpy as np
 from jax.errors import JaxRuntimeError
 
-from .collectives import RENEW_MODES, renew_cpu_client, renewal_reason
+from .collectives import RENEW_MODES, abort_collectives, renew_cpu_client, renewal_reason
 from .copies import CopyThreads, aligned_empty
 from .faults import MULTI_CONTROLLER, FaultEvent
 from .liveness import Liveness, ProcessExits, Throttle
@@ -110,12 +111,16 @@ class RuntimeConfig:
       slow: `(process, factor, from_step, steps)`: make `process` `factor` times slower (it is
         stopped and resumed by SIGSTOP/SIGCONT, a slow host) for `steps` steps from step
         `from_step` (benchmarks of false positives); None: off.
-      watch_exits: the arbiter also learns of a same-host peer's death from the kernel (a
-        pidfd turns readable when the process exits; `liveness.ProcessExits`), with no timeout;
-        off: the heartbeat alone decides.
+      watch_exits: every process learns of a same-host peer's death from the kernel (a pidfd
+        turns readable when the process exits; `liveness.ProcessExits`): the arbiter declares it
+        dead with no timeout, and on CPU (unless `renew_collectives` is `never`) a process inside
+        a guard's block shuts its collectives down at once (`collectives.abort_collectives`) and
+        renews them in the recovery; off: the heartbeat and the collective timeout decide.
       renew_collectives: after a failure, replace the CPU client by one with fresh gloo
         communicators (`elasjax.collectives`): `auto` when a survivor's collective ran into the
-        collective timeout (a communicator among survivors may be closed), `always`, `never`.
+        collective timeout (a communicator among survivors may be closed), when a process
+        aborted its collectives at an exit, or to retry a step whose collectives failed while
+        every process was alive; `always`; `never` (no abort and no retry either).
     """
 
     coordinator: str
@@ -311,8 +316,16 @@ class MultiControllerRuntime:
             rc.liveness_timeout_s,
         )
         self.exits = ProcessExits(self.client, self.me, range(jax.process_count()), rc.watch_exits)
+        # a same-host peer's exit aborts this process's collectives at once (they would wait
+        # for the collective timeout), when a renewed client can replace them
+        self._in_body = False
+        self._aborted: str | None = None  # why this process shut its collectives down
+        self._abort_lock = threading.Lock()
+        if rc.platform == "cpu" and rc.renew_collectives != "never":
+            self.exits.start_watcher(self._on_exit)
         self._guards = 0  # guards run: every live process runs the same sequence
         self._steps = 0  # step guards entered (for `rc.slow`)
+        self._retries = 0  # collective failures among live processes since the last good step
         self._throttle: Throttle | None = None
 
     # -- who is where ---------------------------------------------------------------------------
@@ -362,10 +375,15 @@ class MultiControllerRuntime:
         err: BaseException | None = None
         t_err = None
         t_body = time.time()  # collectives can only wait from here on
+        with self._abort_lock:
+            self._in_body = True
         try:
             yield
         except Exception as e:  # decided at the barrier, with every other live process
             err, t_err = e, time.time()
+        finally:
+            with self._abort_lock:
+                self._in_body = False
         verdict = self._exit_barrier(err, self.liveness_timeout(phase, at_exit=True))
         self._check_fenced(verdict, phase, err)
         if verdict["failed"]:
@@ -375,6 +393,9 @@ class MultiControllerRuntime:
                 raise err  # this process's own error (every process raises; none is dead)
             procs = sorted(int(p) for p in verdict["errors"])
             p, msg = next(iter(sorted(verdict["errors"].items())))
+            retry = self._collective_retry(verdict, phase, t_block, t_err, t_body, err)
+            if retry is not None:
+                raise retry from err
             hint = (
                 f" A gloo collective that waits longer than the collective timeout "
                 f"({self.rc.collective_timeout_s}s) for a live peer fails and closes its "
@@ -385,10 +406,49 @@ class MultiControllerRuntime:
                 f"{phase}: failed on process(es) {procs} while every process was alive (process "
                 f"{p}: {msg[:300]}); no process is declared dead, the job stops.{hint}"
             ) from err
+        if phase == "step":
+            self._retries = 0  # a good step: collective retries start again
         if not self._started:  # a process restarted from now on is a rejoin (see __init__)
             self._started = True
             if self.writer:
                 self.client.key_value_set("elasjax/started", repr(time.time()), allow_overwrite=True)
+
+    # consecutive collective failures among live processes retried before the job stops
+    MAX_COLLECTIVE_RETRIES = 3
+
+    def _collective_retry(self, verdict, phase, t_block, t_err, t_body, err) -> DeviceFailure | None:
+        """A block whose collectives failed while every process was alive (a gloo wait for a
+        slow peer ran into the collective timeout and closed its pair) is retried: a
+        `DeviceFailure` of no device, whose recovery renews every process's client and redoes
+        the step from the state before it (nothing was lost). None where it cannot be: not on
+        CPU, `renew_collectives: never`, an error that is not a collective's, or
+        `MAX_COLLECTIVE_RETRIES` in a row without a good step."""
+        msgs = list(verdict["errors"].values())
+        collective = all("Gloo" in m or "Timed out" in m or "collective" in m.lower() for m in msgs)
+        if (
+            self.rc.platform != "cpu" or self.rc.renew_collectives == "never" or not collective
+            or self._retries >= self.MAX_COLLECTIVE_RETRIES
+        ):
+            return None
+        self._retries += 1
+        procs = sorted(int(p) for p in verdict["errors"])
+        why = (f"a collective failed on process(es) {procs} while every process was alive "
+               f"(retry {self._retries} of {self.MAX_COLLECTIVE_RETRIES})")
+        self.log(f"{phase}: {why}: renewing the collectives and redoing the {phase} "
+                 f"({msgs[0][:160]})")
+        return DeviceFailure(
+            set(), phase, detect_s=time.time() - t_block, cause=why,
+            detail={
+                "failed_processes": [],
+                "detected_by": f"collective error, no process died: {why}",
+                "detector": "collective error (no process died)",
+                "renew": why,
+                "block_to_error_s": None if t_err is None else t_err - t_block,
+                "body_to_error_s": None if t_err is None or t_body is None else t_err - t_body,
+                "error_cause": msgs[0][:300],
+                "collective_timeout_s": self.rc.collective_timeout_s,
+            },
+        )
 
     def _slow_step(self) -> None:
         self._steps += 1
@@ -423,7 +483,22 @@ class MultiControllerRuntime:
             return self.rc.liveness_timeout_s
         return max(self.rc.liveness_timeout_s, float(self.rc.heartbeat_timeout_s))
 
+    def _on_exit(self, p: int) -> None:
+        """A watched peer exited (the exit watcher's thread): inside a guard's block, shut this
+        process's collectives down (`collectives.abort_collectives`), so that a collective
+        waiting for the dead peer, or for a survivor already released by its error, fails now
+        rather than at the collective timeout. Recovery then renews the client."""
+        with self._abort_lock:
+            if not self._in_body or self._aborted is not None:
+                return
+            port = int(self.rc.coordinator.rpartition(":")[2])
+            n = abort_collectives([port])
+            self._aborted = (f"it shut down its collectives ({n} sockets) when process {p} exited "
+                             "(pidfd), to end their waits at once")
+        self.log(f"process {p} exited (pidfd): shut down {n} collective sockets of this process")
+
     def _exit_barrier(self, err: BaseException | None, timeout: float, where: str = "exit") -> dict:
+        self.exits.watch()  # every process: its exit watcher aborts collectives (`_on_exit`)
         self._guards += 1
         key = f"elasjax/g/{self._guards}"
         status = "ok" if err is None else "err:" + (str(err).splitlines() or [""])[0][:300]
@@ -439,7 +514,6 @@ class MultiControllerRuntime:
         failed: dict[int, float] = {}
         exited: list[int] = []  # dead by the kernel's word (`ProcessExits`), not by a timeout
         pending = [p for p in live if p != self.me]
-        self.exits.watch()
         # the fast timeout needs evidence of a failure: a block that failed on a process that
         # got here. A peer absent while every block succeeded took part in all their
         # collectives, so it is late, not dead: it gets the slow timeout (measured: a live
@@ -509,6 +583,8 @@ class MultiControllerRuntime:
             released = f"its block raised {type(err).__name__} after {t_err - t_block:.2f}s"
         where = f"the {phase} {verdict.get('where', 'exit')} barrier"
         by_exit = set(procs) <= set(verdict.get("exited", ()))
+        if self._aborted is not None:
+            released += "; its collectives were shut down at the exit (pidfd)"
         if by_exit:  # the kernel said so: no timeout was needed
             detector = "process exit"
             detected_by = (f"process exit: {', '.join(f'process {p}' for p in procs)} exited "
@@ -572,7 +648,8 @@ class MultiControllerRuntime:
         (planned transitions); executables are reloaded on use (`step.on_devices`), shard
         buffers copied over by `current`."""
         mine = renewal_reason(
-            self.rc.renew_collectives, self.rc.platform, failure, self.rc.collective_timeout_s)
+            self.rc.renew_collectives, self.rc.platform, failure, self.rc.collective_timeout_s,
+            self._aborted or failure.detail.get("renew"))
         votes = {p: why for p, why in self.agree(mine).items() if why}
         if not votes:
             return None
@@ -585,6 +662,8 @@ class MultiControllerRuntime:
         self.devices.update({d.id: d for d in devs})
         self.local = jax.local_devices()
         self._start_transfer_server()
+        with self._abort_lock:
+            self._aborted = None  # the new client's collectives are whole
         took = time.perf_counter() - t0
         why = "; ".join(f"process {p}: {v}" for p, v in sorted(votes.items()))
         self.log(f"new CPU client (generation {self.generation}, fresh gloo communicators) in "
@@ -601,10 +680,14 @@ class MultiControllerRuntime:
         return x if d.client is cur.client else jax.device_put(x, cur)
 
     def inject(self, events: Sequence[FaultEvent], point: str, trees: Sequence[Any] = ()) -> None:
+        for e in events:
+            if e.kind == "stall" and e.stall_process == self.me and point == "before_step":
+                self.log(f"stalling {e.stall_s:g}s before dispatching step {e.at_step} ({e.spec})")
+                time.sleep(e.stall_s)
         if point not in ("after_dispatch", "transfer"):
             return
         for e in events:
-            if self.me in e.hosts:
+            if e.kind != "stall" and self.me in e.hosts:
                 self.client.key_value_set(f"elasjax/kill/{self.me}", repr(time.time()), True)
                 self.log(f"sending SIGKILL to myself ({e.spec}, at step {e.at_step}, {point})")
                 os.kill(os.getpid(), signal.SIGKILL)

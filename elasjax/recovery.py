@@ -253,7 +253,8 @@ class Recovering:
                     pass
                 wait_s = time.perf_counter() - t0
                 exe, hit = self.exe_cache.get(
-                    self.cfg, self.factory, plan, self.devices, donate=self.rt.donate
+                    self.cfg, self.factory, plan, self.devices, donate=self.rt.donate,
+                    reuse_programs=self.cfg.standby.rebind,
                 )
                 return exe, hit, False, wait_s
             left = self.standby.busy_left_s()
@@ -268,13 +269,15 @@ class Recovering:
                 exe = self._current(self.standby.wait(key), key)
                 return exe, False, False, time.perf_counter() - t0
         exe, hit = self.exe_cache.get(
-            self.cfg, self.factory, plan, self.devices, donate=self.rt.donate
+            self.cfg, self.factory, plan, self.devices, donate=self.rt.donate,
+            reuse_programs=self.cfg.standby.rebind,
         )
         return exe, hit, False, 0.0
 
     def _rebindable(self, plan: Plan) -> bool:
         """Can `plan` be built without compiling (its program is compiled for other devices)?"""
-        return self.exe_cache.program(self.cfg, plan, self.rt.donate, self.factory.tx_key) is not None
+        return self.cfg.standby.rebind and self.exe_cache.program(
+            self.cfg, plan, self.rt.donate, self.factory.tx_key) is not None
 
     def failure_candidates(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
         """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single
@@ -460,7 +463,9 @@ class Recovering:
                         store = store.map_data(self.rt.current)
                     survivors = [d for d in self.topo.device_ids if d in live]
                     keep = self.torchft_keep
-                    if strategy == "torchft_like":
+                    if not dead:  # a retry (collectives failed, nobody died): the same plan
+                        new_plan = optimal = pos.plan
+                    elif strategy == "torchft_like":
                         optimal = torchft_plan(pos.plan, survivors, self.cfg)
                         if optimal is None:
                             raise UnrecoverableStateError(

@@ -546,7 +546,7 @@ class ExecutableCache:
     the latest executable of each program (`programs`) for that. A trainer owns one; pass a
     shared one to reuse executables across runs in one process (tests, experiment sweeps)."""
 
-    def __init__(self, max_entries: int = 16, max_programs: int = 32):
+    def __init__(self, max_entries: int = 16, max_programs: int = 8):
         self.max_entries, self.max_programs = max_entries, max_programs
         self._d: dict = {}
         self._programs: dict = {}  # program key -> an executable of that program
@@ -571,11 +571,13 @@ class ExecutableCache:
         return src if src is not None and can_rebind(src, plan) else None
 
     def get(
-        self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True
+        self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True,
+        reuse_programs: bool = False,
     ) -> tuple[Executables, bool]:
         """(executables, found here). An entry made for another client's devices of the same
-        ids (a renewed CPU client) is reloaded onto `devices`; a plan whose program is here for
-        other devices is rebound to its own (`rebind`); only a new program is compiled."""
+        ids (a renewed CPU client) is reloaded onto `devices`; with `reuse_programs`
+        (`standby.rebind`), a plan whose program is here for other devices is rebound to its
+        own (`rebind`); otherwise it is compiled."""
         k = self.key(cfg, plan, donate, factory.tx_key)
         with self._lock:
             exe = self._d.pop(k, None)
@@ -586,7 +588,7 @@ class ExecutableCache:
             if current is not exe:
                 self._put(k, current)
             return current, True
-        src = self.program(cfg, plan, donate, factory.tx_key)
+        src = self.program(cfg, plan, donate, factory.tx_key) if reuse_programs else None
         if src is not None:
             exe = rebind(src, plan, devices)
         else:  # outside the lock

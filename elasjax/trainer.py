@@ -514,7 +514,10 @@ class Trainer(Recovering):
         """A standby plan's executables (the standby thread): compiled, or rebound from its
         program; serialized here too (`Executables.portable`, once per program), so that a
         rebind or a reload onto a renewed client at recovery does not pay for it."""
-        exe = self.exe_cache.get(self.cfg, self.factory, plan, self.devices, donate=self.rt.donate)[0]
+        exe = self.exe_cache.get(
+            self.cfg, self.factory, plan, self.devices, donate=self.rt.donate,
+            reuse_programs=self.cfg.standby.rebind,
+        )[0]
         exe.portable()
         return exe
 

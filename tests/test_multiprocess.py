@@ -113,6 +113,15 @@ def test_launch_config_and_one_fault_schedule_are_checked():
     # hosts are processes under launch
     hosts = resolve_config(tiny_config("train.steps=12", "faults=[{at_step: 3, hosts: [2]}]"), 4, 2)
     assert hosts.faults[0].hosts == (2,)
+    # a straggler (alive, not a failure): launch only, an existing process, seconds > 0
+    stall = tiny_config("train.steps=12", "faults=[{at_step: 3, stall_process: 1, stall_s: 2}]")
+    assert resolve_config(stall, 2, 4).faults[0].stall_process == 1
+    with pytest.raises(ConfigError, match=r"faults\[0\].stall_process' = 5.*allowed values: 0 \.\. 1"):
+        resolve_config(tiny_config("faults=[{at_step: 3, stall_process: 5, stall_s: 2}]"), 2, 4)
+    with pytest.raises(ConfigError, match=r"faults\[0\].stall_s' = 0.0: 'stall_process' needs"):
+        tiny_config("faults=[{at_step: 3, stall_process: 1}]")
+    with pytest.raises(ConfigError, match=r"stall_process' needs real processes"):
+        trainer.Trainer(stall)
 
 
 def test_standby_compiles_the_spare_substituted_plan_of_each_single_host_failure():
@@ -375,6 +384,32 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     assert ev["mttr_s"] == pytest.approx(sum(ev[k] for k in MTTR_PHASES))
     assert events[-1]["type"] == "end" and events[-1]["processes"] == [0, 1, 3]
     assert "recovery at step 4: process 2 killed (SIGKILL)" in stdout
+
+
+@pytest.mark.slow
+def test_a_collective_that_times_out_among_live_processes_is_retried_on_fresh_collectives(
+    reference, tmp_path
+):
+    """Process 1 stalls 3 s (alive, beating) before it dispatches step 3, with a 1 s collective
+    timeout: process 0's step collectives time out while every process is alive. Nobody is
+    declared dead; both processes renew their CPU client and the step is redone from the state
+    before it, so the run matches the fault-free one."""
+    out = tmp_path / "retry"
+    rc, stdout = _launch(
+        out, "--processes", "2", "--devices-per-process", "4", "--collective-timeout", "1",
+        sets=["faults=[{at_step: 3, stall_process: 1, stall_s: 3}]"],
+    )
+    assert rc == 0, stdout
+    assert _ends(out) == {0: 0, 1: 0}
+    metrics = read_jsonl(out / "metrics.jsonl")
+    _assert_matches(metrics, reference)
+    assert [r["n_devices"] for r in metrics] == [8] * STEPS
+    events = read_jsonl(out / "events.jsonl")
+    (ev,) = [e for e in events if e["type"] == "recovery"]
+    assert ev["step"] == 3 and ev["failed_devices"] == [] and ev["failed_processes"] == []
+    assert ev["detector"] == "collective error (no process died)" and ev["verified"]
+    assert ev["collectives_renewed"] and "while every process was alive" in ev["renew_reasons"]
+    assert ev["from_plan"] == ev["to_plan"] and ev["bytes_moved"] == 0
 
 
 # ZeRO-1 on 4 processes x 1 device, partitions snapshotted to a buddy in another process

@@ -110,7 +110,7 @@ def test_rehome_reloads_a_compiled_plan_that_computes_the_same_bits_without_comp
 
 
 def test_a_program_compiled_for_some_devices_is_rebound_to_others_with_the_same_bits():
-    """`step.rebind` (how standby covers every device set while compiling each program once):
+    """`step.rebind` (`standby.rebind`: standby covers every device set compiling each program once):
     the plan after losing device 7 is built from the one after losing device 0 (the same
     shape on other devices) with no XLA compile, runs on its own devices, and a step on it gives
     bitwise the state, metrics and checksums of that plan compiled for its devices."""
@@ -127,7 +127,7 @@ def test_a_program_compiled_for_some_devices_is_rebound_to_others_with_the_same_
         exe_a, _ = t.exe_cache.get(cfg, t.factory, a, t.devices, donate=False)
         assert exe_a.origin == "compiled"
         with CompileCounter() as cc:
-            exe_b, found = t.exe_cache.get(cfg, t.factory, b, t.devices, donate=False)
+            exe_b, found = t.exe_cache.get(cfg, t.factory, b, t.devices, donate=False, reuse_programs=True)
         assert cc.count == 0 and not found and exe_b.origin == "rebound"
         assert [d.id for d in exe_b.mesh.devices.flat] == list(b.device_ids)
         native = compile_plan(cfg, t.factory, b, t.devices, donate=False)
