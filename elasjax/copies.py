@@ -21,6 +21,7 @@ import functools
 import math
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -298,3 +299,39 @@ def assemble(shape, sharding, dmap: dict, values: list, dtype=None) -> jax.Array
         return v
 
     return jax.make_array_from_callback(shape, sharding, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed transfers between processes
+
+_ALIGN = 8  # packed pieces start at multiples of this, so that any dtype views them in place
+
+
+def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """The arrays' bytes in one aligned buffer (a point-to-point transfer between processes)."""
+    sizes = [(a.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN for a in arrays]
+    buf = aligned_empty((sum(sizes),), np.uint8)
+    off = 0
+    for a, n in zip(arrays, sizes):
+        buf[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        off += n
+    return buf
+
+
+def packed_size(specs: Sequence[tuple]) -> int:
+    """The bytes `pack` makes of arrays of these (shape, dtype)s."""
+    return sum(
+        (int(np.prod(shape)) * np.dtype(dt).itemsize + _ALIGN - 1) // _ALIGN * _ALIGN
+        for shape, dt in specs
+    )
+
+
+def unpack(buf: np.ndarray, specs: Sequence[tuple]) -> list[np.ndarray]:
+    """Views of the arrays `pack` put in `buf`, by their (shape, dtype)s."""
+    out, off = [], 0
+    for shape, dt in specs:
+        dt = np.dtype(dt)
+        n = int(np.prod(shape)) * dt.itemsize
+        out.append(buf[off : off + n].view(dt).reshape(shape))
+        off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return out

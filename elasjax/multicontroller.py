@@ -59,7 +59,7 @@ import numpy as np
 from jax.errors import JaxRuntimeError
 
 from .collectives import RENEW_MODES, abort_collectives, renew_cpu_client, renewal_reason
-from .copies import CopyThreads, aligned_empty
+from .copies import CopyThreads, pack, packed_size, unpack
 from .faults import MULTI_CONTROLLER, FaultEvent
 from .liveness import Liveness, ProcessExits, Throttle
 from .planner import Topology
@@ -244,36 +244,6 @@ class PeerError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------
 # The runtime.
-
-_ALIGN = 8  # packed pieces start at multiples of this, so that any dtype views them in place
-
-
-def _pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    sizes = [(a.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN for a in arrays]
-    buf = aligned_empty((sum(sizes),), np.uint8)
-    off = 0
-    for a, n in zip(arrays, sizes):
-        buf[off : off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        off += n
-    return buf
-
-
-def _packed_size(specs: Sequence[tuple]) -> int:
-    return sum(
-        (int(np.prod(shape)) * np.dtype(dt).itemsize + _ALIGN - 1) // _ALIGN * _ALIGN
-        for shape, dt in specs
-    )
-
-
-def _unpack(buf: np.ndarray, specs: Sequence[tuple]) -> list[np.ndarray]:
-    out, off = [], 0
-    for shape, dt in specs:
-        dt = np.dtype(dt)
-        n = int(np.prod(shape)) * dt.itemsize
-        out.append(buf[off : off + n].view(dt).reshape(shape))
-        off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-    return out
-
 
 class MultiControllerRuntime:
     """This process's part of a `jax.distributed` job (see the module docstring). A host is a
@@ -731,15 +701,15 @@ class MultiControllerRuntime:
         self._seq += 1
         dev = self.local[0]
         for q, arrays in sends.items():
-            buf = jax.device_put(_pack(arrays), dev)
+            buf = jax.device_put(pack(arrays), dev)
             self.server.await_pull(self._uuid(self.me, q), [buf])
         pulled = {}
         for p, specs in recvs.items():
             spec = jax.ShapeDtypeStruct(
-                (_packed_size(specs),), np.uint8, sharding=jax.sharding.SingleDeviceSharding(dev)
+                (packed_size(specs),), np.uint8, sharding=jax.sharding.SingleDeviceSharding(dev)
             )
             pulled[p] = self._conn(p).pull(self._uuid(p, self.me), [spec], self._deadline())[0]
-        return {p: _unpack(np.asarray(x), recvs[p]) for p, x in pulled.items()}
+        return {p: unpack(np.asarray(x), recvs[p]) for p, x in pulled.items()}
 
     def move(self, items: Sequence[tuple]) -> list:
         """(src device, dst device, array or None, shape, dtype) -> the arrays on the

@@ -42,7 +42,8 @@ from elasjax.config import ConfigError
 from elasjax.launch import KillSpec, parse_spares, resolve_config
 from elasjax.mesh import make_mesh
 from elasjax.metrics import read_jsonl
-from elasjax.multicontroller import RuntimeConfig, _pack, _packed_size, _unpack, xla_flags
+from elasjax.copies import pack, packed_size, unpack
+from elasjax.multicontroller import RuntimeConfig, xla_flags
 from elasjax.recovery import MTTR_PHASES
 from elasjax.reshard import plan_transition
 from elasjax.shards import ShardStore, buffers, describe
@@ -189,9 +190,9 @@ def test_packed_pieces_round_trip_with_mixed_dtypes():
     arrays = [np.arange(3, dtype=np.uint8), np.arange(5, dtype=np.float32).reshape(5, 1),
               np.ones((2, 3), np.int64), np.arange(7, dtype=np.uint16)]
     specs = [(a.shape, a.dtype) for a in arrays]
-    buf = _pack(arrays)
-    assert buf.size == _packed_size(specs)
-    for a, b in zip(arrays, _unpack(buf, specs)):
+    buf = pack(arrays)
+    assert buf.size == packed_size(specs)
+    for a, b in zip(arrays, unpack(buf, specs)):
         np.testing.assert_array_equal(a, b)
         assert a.dtype == b.dtype
 
