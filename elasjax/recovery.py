@@ -232,9 +232,9 @@ class Recovering:
         """(executables, already compiled in this process, standby hit, seconds waited for a
         background compile). A standby hit means the executable was ready when asked for. A
         needed plan never waits in line: a queued one jumps to the front, or is built here when
-        the build under way would take longer than `WAIT_BEHIND` of building it here; when the
-        compile under way is of its program (for other devices), that compile is waited for and
-        the plan loaded from it (`step.rebind`)."""
+        the build under way would take longer than `WAIT_BEHIND` of building it here; with
+        `standby.rebind`, when the compile under way is of its program (for other devices), that
+        compile is waited for and the plan loaded from it (`step.rebind`)."""
         if self.standby is not None:
             key = plan.compile_key
             exe = self.standby.get(key)
@@ -243,8 +243,9 @@ class Recovering:
             where = self.standby.expedite(key)
             busy = self.standby.busy()
             if (
-                busy is not None and busy != key and busy.shape_key == key.shape_key
-                and not self._rebindable(key) and (where != "front" or self.standby.take(key))
+                self.cfg.standby.rebind and busy is not None and busy != key
+                and busy.shape_key == key.shape_key and not self._rebindable(key)
+                and (where != "front" or self.standby.take(key))
             ):  # its program is compiling now for other devices: wait for that, then load it
                 t0 = time.perf_counter()
                 try:
