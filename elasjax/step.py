@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import threading
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -542,14 +543,17 @@ def warm_up(exe: Executables) -> float:
 class ExecutableCache:
     """Compiled plans, keyed by what the executables depend on (model and train config, and the
     plan); bounded, least recently used out first. A plan whose program was compiled for other
-    devices (the same `Plan.shape_key`) is `rebind`-ed from it, not compiled: the cache keeps
-    the latest executable of each program (`programs`) for that. A trainer owns one; pass a
+    devices (the same `Plan.shape_key`) can be `rebind`-ed from it instead of compiled
+    (`reuse_programs`): the cache remembers the latest executable of each program while it is
+    held anywhere (`program`). A trainer owns one; pass a
     shared one to reuse executables across runs in one process (tests, experiment sweeps)."""
 
     def __init__(self, max_entries: int = 16, max_programs: int = 8):
         self.max_entries, self.max_programs = max_entries, max_programs
         self._d: dict = {}
-        self._programs: dict = {}  # program key -> an executable of that program
+        # program key -> an executable of that program, while something else holds it: the index
+        # never keeps an evicted executable (and its memory mappings) alive
+        self._programs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # the standby thread compiles through the same cache
 
     @staticmethod

@@ -512,13 +512,15 @@ class Trainer(Recovering):
 
     def _standby_build(self, plan: Plan) -> Executables:
         """A standby plan's executables (the standby thread): compiled, or rebound from its
-        program; serialized here too (`Executables.portable`, once per program), so that a
-        rebind or a reload onto a renewed client at recovery does not pay for it."""
+        program. Where they may be loaded again (`standby.rebind`, or a renewed CPU client under
+        `launch`), they are serialized here too (`Executables.portable`, once per program), so
+        that a rebind or reload at recovery does not pay for it."""
         exe = self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.rt.donate,
             reuse_programs=self.cfg.standby.rebind,
         )[0]
-        exe.portable()
+        if self.cfg.standby.rebind or jax.process_count() > 1:
+            exe.portable()
         return exe
 
     def _init_state(self, exe: Executables):
