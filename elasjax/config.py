@@ -303,14 +303,13 @@ class StandbyConfig:
     """Background compilation of the plans recovery would need after each single-device and
     single-host failure of the current plan (`enabled`): all of them, unless `max_plans` caps
     their number (the first ones in device order, then hosts; the cap is logged). Each
-    candidate device set gets its own executable. With `rebind` (experimental, off by default),
-    one program (plan shape) is compiled once and the other device sets load it with their own
+    candidate device set gets its own program compile unless `rebind` (on by default): one
+    program (plan shape) is compiled once and the other device sets load it with their own
     device assignment (`step.rebind`, on CPU and GPU; a fraction of a compile), built first;
-    the same for a recovery's cold build. Off by default because one test schedule of
-    tests/test_fault_schedules.py (a failure at step 0 whose plan was loaded from a program
-    compiled for other devices, in a shared executable cache) deadlocked in XLA:CPU's in-process
-    collective rendezvous, while the demo, the rebind tests and the launch runs computed the
-    same bits; the cause is not found yet. `depth: 2` also compiles the programs a second
+    the same for a recovery's cold build. Executables that are loaded (`rebind`, `cache_dir`)
+    never donate their input state (XLA:CPU deadlocks running a loaded executable that donates;
+    see `Trainer.donate`): the state is held twice while a step runs; set `rebind: false` (and
+    no `cache_dir`) to donate. `depth: 2` also compiles the programs a second
     failure would need (one plan per program), so that with `rebind` the standby of the plan a
     recovery moves to is loads only. `warm` runs
     each standby executable built before step 0 (`wait_at_start`) once on placeholder zeros, on
@@ -325,8 +324,8 @@ class StandbyConfig:
     max_plans: Optional[int] = None  # None: every likely failure's plan
     depth: int = 1  # failures ahead to cover: 1 or 2
     # build a device set's executables from its program compiled for other devices
-    # (`step.rebind`) instead of compiling; experimental, see the docstring
-    rebind: bool = False
+    # (`step.rebind`) instead of compiling; executables then never donate (see the docstring)
+    rebind: bool = True
     # background builds stop past this fraction of the process's memory-mapping limit (Linux
     # vm.max_map_count; a loaded CPU executable holds hundreds of mappings)
     map_budget: float = 0.5

@@ -254,7 +254,7 @@ class Recovering:
                     pass
                 wait_s = time.perf_counter() - t0
                 exe, hit = self.exe_cache.get(
-                    self.cfg, self.factory, plan, self.devices, donate=self.rt.donate,
+                    self.cfg, self.factory, plan, self.devices, donate=self.donate,
                     reuse_programs=self.cfg.standby.rebind,
                 )
                 return exe, hit, False, wait_s
@@ -270,7 +270,7 @@ class Recovering:
                 exe = self._current(self.standby.wait(key), key)
                 return exe, False, False, time.perf_counter() - t0
         exe, hit = self.exe_cache.get(
-            self.cfg, self.factory, plan, self.devices, donate=self.rt.donate,
+            self.cfg, self.factory, plan, self.devices, donate=self.donate,
             reuse_programs=self.cfg.standby.rebind,
         )
         return exe, hit, False, 0.0
@@ -278,7 +278,7 @@ class Recovering:
     def _rebindable(self, plan: Plan) -> bool:
         """Can `plan` be built without compiling (its program is compiled for other devices)?"""
         return self.cfg.standby.rebind and self.exe_cache.program(
-            self.cfg, plan, self.rt.donate, self.factory.tx_key) is not None
+            self.cfg, plan, self.donate, self.factory.tx_key) is not None
 
     def failure_candidates(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
         """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single

@@ -149,6 +149,13 @@ class Trainer(Recovering):
             check_elementwise(self.factory, self.initial)
         self.data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
+        # Executables loaded from serialized form (`standby.rebind`, the persistent compilation
+        # cache) never donate their input state: a train step deserialized onto XLA:CPU that
+        # donates deadlocks its in-process collective rendezvous within a few steps ("only 6 of
+        # 7 arrived"; measured, jax 0.10.2, tiny config: 3 of 3 runs, reloaded onto its own
+        # devices or rebound onto others), while the same program without donation ran 200
+        # steps, loaded or compiled. Donation only saves memory; the values are the same.
+        self.donate = self.rt.donate and not (cfg.standby.rebind or cfg.standby.cache_dir)
         self.ckpt = (
             Checkpointer(cfg.checkpoint, self.rt.processes()) if cfg.checkpoint.dir is not None else None
         )
@@ -516,7 +523,7 @@ class Trainer(Recovering):
         `launch`), they are serialized here too (`Executables.portable`, once per program), so
         that a rebind or reload at recovery does not pay for it."""
         exe = self.exe_cache.get(
-            self.cfg, self.factory, plan, self.devices, donate=self.rt.donate,
+            self.cfg, self.factory, plan, self.devices, donate=self.donate,
             reuse_programs=self.cfg.standby.rebind,
         )[0]
         if self.cfg.standby.rebind or jax.process_count() > 1:
