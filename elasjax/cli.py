@@ -7,8 +7,10 @@ import argparse
 import os
 import sys
 
-# `--standby`: every likely failure's plan built before step 0 (`config.StandbyConfig`)
-STANDBY = ["standby.enabled=true", "standby.wait_at_start=true"]
+# `train --standby`: every likely failure's plan built before step 0, and again after each
+# recovery (`config.StandbyConfig`)
+STANDBY = ["standby.enabled=true", "standby.wait_at_start=true", "standby.wait_after_recovery=true"]
+LAUNCH_STANDBY = ["standby.enabled=true", "standby.wait_at_start=true"]
 
 
 def _ensure_devices(n: int = 8) -> None:
@@ -94,7 +96,7 @@ def _launch(args) -> int:
 
     kills = [launch.KillSpec.parse(k) for k in args.kill]
     if args.standby:
-        args.set = [*STANDBY, *args.set]
+        args.set = [*LAUNCH_STANDBY, *args.set]
     spares = None if args.spares is None else launch.parse_spares(args.spares)
     if args.coordinator is None:  # start the processes here, on loopback
         if args.num_processes is not None or args.process_id is not None:

@@ -316,11 +316,23 @@ class StandbyConfig:
     the training thread (one process), so the first step after a hit runs at steady-state speed;
     executables built later are not warmed (a warm-up beside training steps is untested). `wait_at_start` blocks before
     step 0 until the standby is ready and the transitions of `recovery.prepare_transfers` are
-    planned (demos and benchmarks; a long job builds them while it trains). `cache_dir` turns on
+    planned (demos and benchmarks; a long job builds them while it trains).
+    `compiler: process` compiles in a child process at a lower CPU priority
+    (`elasjax.compile_worker`; one process on the CPU backend, the built-in GPT and the
+    trainer's optimizer): training steps come first, and a recovery that needs another program
+    ends the child's compile, so its own compile has every core (on a thread, a background
+    compile cannot be stopped and shares the cores: a recovery's compile can take twice as
+    long). `auto` uses it where it applies. `wait_after_recovery` blocks the same way after each recovery's first good step, until the
+    new plan's standby is built (its candidates are new: a second failure soon after the first
+    is then a hit too); the pause is a `standby_ready` event with its step, outside the MTTR.
+    `cache_dir` turns on
     JAX's persistent compilation cache there, so a restarted job (or the next run) loads
     executables instead of compiling them; on CPU its key includes the device assignment."""
 
     enabled: bool = False
+    # where background compiles run: "process" (a child process a recovery can stop,
+    # `compile_worker`), "thread", or "auto" (process where it applies, else thread)
+    compiler: Literal["auto", "process", "thread"] = "thread"
     max_plans: Optional[int] = None  # None: every likely failure's plan
     depth: int = 1  # failures ahead to cover: 1 or 2
     # build a device set's executables from its program compiled for other devices
@@ -331,6 +343,7 @@ class StandbyConfig:
     map_budget: float = 0.5
     warm: bool = True
     wait_at_start: bool = False
+    wait_after_recovery: bool = False  # pause after each recovery until the standby is rebuilt
     cache_dir: Optional[str] = None  # JAX persistent compilation cache (process-wide setting)
 
 

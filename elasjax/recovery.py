@@ -229,6 +229,17 @@ class Recovering:
     WAIT_BEHIND = 0.25
 
     def executables(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
+        """See `_executables`; a compile worker's compile runs at normal priority meanwhile
+        (what it compiles now is needed: `drop_queued` ended any other)."""
+        if self.worker is None:
+            return self._executables(plan)
+        self.worker.renice(0)
+        try:
+            return self._executables(plan)
+        finally:
+            self.worker.renice(self.worker.nice)
+
+    def _executables(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
         """(executables, already compiled in this process, standby hit, seconds waited for a
         background compile). A standby hit means the executable was ready when asked for. A
         needed plan never waits in line: a queued one jumps to the front, or is built here when
@@ -264,7 +275,11 @@ class Recovering:
             long_wait = left is not None and left > self.WAIT_BEHIND * here_s
             # `take` fails if the thread started it meanwhile: then it is waited for, never
             # compiled twice
-            cold = where == "absent" or (where == "front" and long_wait and self.standby.take(key))
+            # (with a compile worker, whose compile of another program `drop_queued` ended,
+            # a queued plan is built here at once: the worker would start afresh, niced)
+            cold = where == "absent" or (
+                where == "front" and (long_wait or self.worker is not None) and self.standby.take(key)
+            )
             if not cold:
                 t0 = time.perf_counter()
                 exe = self._current(self.standby.wait(key), key)
@@ -481,7 +496,10 @@ class Recovering:
                     plan_s = time.perf_counter() - t0 + (t_setup if attempts == 1 else 0.0)
                     t0 = time.perf_counter()
                     if self.standby is not None:  # the cores go to this recovery
-                        self.standby.drop_queued(keep=new_plan.compile_key)
+                        key = new_plan.compile_key
+                        self.standby.drop_queued(  # a compile of its program is waited for
+                            keep=key, spare=lambda busy: self.cfg.standby.rebind
+                            and busy.shape_key == key.shape_key)
                     exe, hit, standby_hit, wait_s = self.executables(new_plan)
                     compile_s = time.perf_counter() - t0
                 with self.rt.guard("recovery/transfer"):

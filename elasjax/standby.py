@@ -11,7 +11,9 @@ The compile function is the foreground's (`step.ExecutableCache.get`), so a stan
 is exactly the executable recovery would otherwise build. Every candidate device set is its own
 entry, but a plan whose program is already compiled for other devices only loads it with its own
 device assignment (`step.rebind`, a fraction of a compile): with `cheap`, the thread builds such
-plans before the ones that need a compile, so that most candidates are covered early.
+plans before the ones that need a compile, so that most candidates are covered early. Where
+the compiles run in a worker process (`compile_worker`, `cancel`), a recovery ends a compile of
+a program it does not need (`drop_queued`), so that its own build has the cores.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from .compile_worker import CompileCancelled
 
 
 class StandbyCoverageWarning(UserWarning):
@@ -44,6 +48,7 @@ class StandbyCompiler:
         max_plans: int | None = None,
         cheap: Callable[[Any], bool] | None = None,
         map_budget: float | None = None,
+        cancel: Callable[[], bool] | None = None,
     ):
         """`cheap(plan)`: can `plan` be built now without an XLA compile (`step.rebind`)?
         Such plans are built first; a plan made urgent (`expedite`, `wait`, `submit(front=)`)
@@ -52,8 +57,12 @@ class StandbyCompiler:
         every loaded CPU executable holds hundreds of mappings, and past the limit LLVM aborts
         the process. Over budget, ready plans no longer submitted are evicted first; then the
         rest of the queue is dropped and counted in `over_budget` (an urgent plan is still
-        built)."""
+        built). `cancel`: ends the build under way (the worker process it runs in), making
+        `compile_fn` raise `CompileCancelled`; None where a build cannot be ended."""
         self.compile_fn, self.max_plans, self.cheap = compile_fn, max_plans, cheap
+        self.cancel_fn = cancel
+        self.cancelled = 0  # builds ended by `drop_queued`
+        self._waiting: dict = {}  # plan -> callers blocked in `wait` for it
         self.map_budget = map_budget
         self.over_budget = 0  # queued plans dropped because the mapping budget was reached
         self._wanted: set = set()
@@ -149,12 +158,21 @@ class StandbyCompiler:
                 return None
             return max(total / n - (time.perf_counter() - self._busy_since), 0.0)
 
-    def drop_queued(self, keep: Any = None) -> int:
-        """Drop every queued compile but `keep` (a death is known: the cores go to recovery);
-        returns how many were dropped. The compile under way, if any, finishes."""
+    def drop_queued(self, keep: Any = None, spare: Callable[[Any], bool] | None = None) -> int:
+        """Drop every queued build but `keep` (a death is known: the cores go to recovery);
+        returns how many were dropped. Where builds can be ended (`cancel`), the one under way
+        is ended too unless it is `keep` or `spare(it)` (one the recovery will use); otherwise
+        it finishes."""
         with self._cv:
             kept = [p for p in self._queue if p == keep]
             n, self._queue = len(self._queue) - len(kept), kept
+            busy = self._busy
+            if (
+                self.cancel_fn is not None and busy is not None and busy != keep
+                and not self._busy_cheap  # a rebind runs here, not in the worker
+                and not (spare is not None and spare(busy)) and self.cancel_fn()
+            ):
+                self.cancelled += 1
             return n
 
     def get(self, plan) -> Any | None:
@@ -198,14 +216,20 @@ class StandbyCompiler:
                 self._queue.insert(0, plan)
                 self._urgent.add(plan)
                 self._cv.notify_all()
-            while plan not in self._ready:
-                if plan in self._errors:
-                    raise self._errors.pop(plan)
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                self._cv.wait(left)
-            return self._ready[plan]
+            self._waiting[plan] = self._waiting.get(plan, 0) + 1  # an ended build requeues it
+            try:
+                while plan not in self._ready:
+                    if plan in self._errors:
+                        raise self._errors.pop(plan)
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return None
+                    self._cv.wait(left)
+                return self._ready[plan]
+            finally:
+                self._waiting[plan] -= 1
+                if not self._waiting[plan]:
+                    del self._waiting[plan]
 
     def put(self, plan, exe) -> None:
         """Register an executable compiled elsewhere (the foreground)."""
@@ -239,6 +263,14 @@ class StandbyCompiler:
             try:
                 exe = self.compile_fn(plan)
                 err = None
+            except CompileCancelled:  # a recovery took the cores
+                with self._cv:
+                    self._busy = None
+                    if plan in self._waiting:  # still waited for: build it next
+                        self._queue.insert(0, plan)
+                        self._urgent.add(plan)
+                    self._cv.notify_all()
+                continue
             except Exception as e:  # surfaced to whoever waits for this plan
                 exe, err = None, e
             dt = time.perf_counter() - t0

@@ -368,6 +368,24 @@ class Executables:
         return jax.jit(self.layout.from_canonical, out_shardings=self.state_shardings)(full)
 
 
+def _frame(cfg: Config, factory: StateFactory, plan: Plan, devices: dict[int, jax.Device]):
+    """What a plan's executables run in, short of compiling: (mesh, layout, state shardings,
+    abstract batch, batch shardings, the eval-function maker)."""
+    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
+    layout = factory.layout(plan)
+    ab = abstract_batch(plan, factory.model)
+
+    def make_eval(m: Mesh):
+        # Evaluation is not on the recovery path: it compiles on first use (`Executables.eval`)
+        return jax.jit(
+            make_eval_step(cfg, factory.model, layout, m, plan),
+            in_shardings=(layout.shardings(m).params, batch_shardings(m, ab)),
+            out_shardings=(replicated(m), replicated(m)),
+        )
+
+    return mesh, layout, layout.shardings(mesh), ab, batch_shardings(mesh, ab), make_eval
+
+
 def compile_plan(
     cfg: Config,
     factory: StateFactory,
@@ -379,11 +397,7 @@ def compile_plan(
     """AOT-compile the train and checksum functions of `plan`; time it. `donate=False` keeps
     the input state valid after a step (multi-process runs, where a step can fail midway)."""
     t0 = time.perf_counter()
-    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
-    layout = factory.layout(plan)
-    st_sh = layout.shardings(mesh)
-    ab = abstract_batch(plan, factory.model)
-    b_sh = batch_shardings(mesh, ab)
+    mesh, layout, st_sh, ab, b_sh, make_eval = _frame(cfg, factory, plan, devices)
     abs_state = layout.abstract
     rep = replicated(mesh)
     train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh, plan)
@@ -403,17 +417,24 @@ def compile_plan(
         .lower(abs_state)
         .compile()
     )
-    def make_eval(m: Mesh):
-        # Evaluation is not on the recovery path: it compiles on first use (`Executables.eval`)
-        return jax.jit(
-            make_eval_step(cfg, factory.model, layout, m, plan),
-            in_shardings=(layout.shardings(m).params, batch_shardings(m, ab)),
-            out_shardings=(replicated(m), replicated(m)),
-        )
-
     return Executables(
         plan, mesh, layout, st_sh, b_sh, train, sums, make_eval(mesh),
         time.perf_counter() - t0, ab, make_eval=make_eval,
+    )
+
+
+def from_portable(
+    cfg: Config, factory: StateFactory, plan: Plan, devices: dict[int, jax.Device],
+    src: "Portable", compile_s: float,
+) -> Executables:
+    """`plan`'s executables from their serialized form (compiled elsewhere: a compile worker,
+    `compile_worker`), loaded onto `plan`'s devices; `compile_s` is the compile's seconds."""
+    mesh, layout, st_sh, ab, b_sh, make_eval = _frame(cfg, factory, plan, devices)
+    flat = list(mesh.devices.flat)
+    return Executables(
+        plan, mesh, layout, st_sh, b_sh, _load(src.train, src.device_ids, flat),
+        _load(src.checksum, src.device_ids, flat), make_eval(mesh), compile_s, ab,
+        make_eval=make_eval, _portable=src,
     )
 
 
@@ -599,6 +620,14 @@ class ExecutableCache:
             exe = compile_plan(cfg, factory, plan, devices, donate=donate)
         self._put(k, exe, self.program_key(cfg, plan, donate, factory.tx_key))
         return exe, False
+
+    def has(self, cfg: Config, plan: Plan, donate: bool = True, tx_key=None) -> bool:
+        with self._lock:
+            return self.key(cfg, plan, donate, tx_key) in self._d
+
+    def put(self, cfg: Config, plan: Plan, exe: Executables, donate: bool = True, tx_key=None) -> None:
+        """Keep `exe`, built elsewhere (a compile worker), as `plan`'s entry and its program's."""
+        self._put(self.key(cfg, plan, donate, tx_key), exe, self.program_key(cfg, plan, donate, tx_key))
 
     def _put(self, k, exe: Executables, program_key=None) -> None:
         with self._lock:

@@ -49,9 +49,11 @@ from .rng import check_backend_config
 from .runtime import DeviceFailure, InProcessRuntime, host_values
 from .shards import TransferLog
 from .snapshot import SnapshotPool
+from . import compile_worker
+from .compile_worker import CompileWorker
 from .standby import BackgroundJobs, CompileCounter, StandbyCompiler
 from .state import StateFactory, check_elementwise, make_optimizer
-from .step import ExecutableCache, Executables, warm_up
+from .step import ExecutableCache, Executables, from_portable, warm_up
 
 __all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer", "run"]
 
@@ -165,12 +167,24 @@ class Trainer(Recovering):
         self.transfer_logs: list[TransferLog] = []
         self.standby: StandbyCompiler | None = None
         grows = any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
+        self.worker: CompileWorker | None = None
         if cfg.standby.enabled or cfg.recovery.migration == "async" or grows:
+            why = None
+            if cfg.standby.compiler != "thread":
+                why = compile_worker.unavailable(cfg, optimizer is not None, jax.process_count() > 1)
+                if why is None:
+                    self.worker = CompileWorker(cfg)
+                elif cfg.standby.compiler == "process":
+                    raise ConfigError(
+                        f"config 'standby.compiler' = process: {why}; allowed values here: "
+                        "thread, auto"
+                    )
             self.standby = StandbyCompiler(
                 self._standby_build,
                 max_plans=cfg.standby.max_plans,
                 cheap=self._rebindable,
                 map_budget=cfg.standby.map_budget,
+                cancel=self.worker.kill if self.worker is not None else None,
             )
         self.pending_cutover = None  # a `recovery.PendingCutover`
         self.cutover_wait_s = 0.0  # the pending cut-over's wait for its compile
@@ -216,7 +230,11 @@ class Trainer(Recovering):
             if self.ckpt is not None:
                 self.ckpt.close()
             if self.standby is not None:
+                if self.worker is not None:
+                    self.worker.kill()  # a compile under way ends now, not at its end
                 self.standby.close()
+            if self.worker is not None:
+                self.worker.close()
             if self.jobs is not None:
                 self.jobs.close()
 
@@ -312,6 +330,9 @@ class Trainer(Recovering):
                     self._refresh_standby(*self._standby_due)
                     self._prepare_transitions(pos.plan, pos.exe, pos.state, set(pos.live))
                     self._standby_due = None
+                    if self.cfg.standby.wait_after_recovery:
+                        self._flush(mw, bar)
+                        self._wait_standby(ew, pos.step)
                 if self.ckpt is not None and self.ckpt.due(pos.step):
                     with self.rt.guard("checkpoint"):
                         self.ckpt.save(pos.step, pos.state, self.good, form_of(pos.exe.plan))
@@ -463,30 +484,8 @@ class Trainer(Recovering):
         pos = Position(step, plan, exe, state, good, frozenset(live))
         self._refresh_standby(plan, set(live) | set(plan.spare_ids))
         self._prepare_transitions(plan, exe, state, set(live))
-        if self.standby is not None and self.cfg.standby.wait_at_start:
-            t0 = time.perf_counter()
-            self.standby.wait_all()
-            compile_s = time.perf_counter() - t0
-            warm_s = 0.0
-            if self.cfg.standby.warm and jax.process_count() == 1:
-                # on the training thread, before step 0: nothing else runs on the devices
-                for exe in self.standby.ready_values():
-                    if exe.warm_s == 0.0:
-                        exe.warm_s = warm_up(exe)
-                        warm_s += exe.warm_s
-            sb = self.standby
-            ew.write({"type": "standby_ready", "plans": sb.compiled + sb.rebound,
-                      "compiled": sb.compiled, "rebound": sb.rebound,
-                      "wait_s": compile_s + warm_s, "compile_s": sb.compile_s,
-                      "rebind_s": sb.rebind_s, "warm_s": warm_s})
-            line = (f"standby ready in {compile_s + warm_s:.1f}s: {sb.compiled + sb.rebound} "
-                    f"plans ({sb.compiled} compiled in {sb.compile_s:.1f}s, {sb.rebound} rebound "
-                    f"from them in {sb.rebind_s:.1f}s), warmed in {warm_s:.1f}s")
-            self.rt.log(line)
-            if self.progress:
-                print(line)
-        if self.jobs is not None and self.cfg.standby.wait_at_start:
-            self.jobs.wait_idle()  # the likely transitions are planned before step 0, too
+        if self.cfg.standby.wait_at_start:
+            self._wait_standby(ew, None)
         for f in failures:
             ew.write({"type": "failure_before_start", "devices": sorted(f.devices),
                       "phase": f.phase, "cause": f.cause, **f.detail})
@@ -517,11 +516,50 @@ class Trainer(Recovering):
                 warnings.warn(risk, UnprotectedStateWarning, stacklevel=2)
         return pos
 
+    def _wait_standby(self, ew: JsonlWriter, step: int | None) -> None:
+        """Block until the standby of the current plan is built and its transitions planned
+        (`standby.wait_at_start` before step 0, `step` None; `standby.wait_after_recovery` after
+        a recovery's first good step); warm what was built (one process). Logged and written as
+        a `standby_ready` event: the training pause it costs is its `wait_s`."""
+        if self.standby is not None:
+            t0 = time.perf_counter()
+            self.standby.wait_all()
+            compile_s = time.perf_counter() - t0
+            warm_s = 0.0
+            if self.cfg.standby.warm and jax.process_count() == 1:
+                # on the training thread, between steps: nothing else runs on the devices
+                for exe in self.standby.ready_values():
+                    if exe.warm_s == 0.0:
+                        exe.warm_s = warm_up(exe)
+                        warm_s += exe.warm_s
+            sb = self.standby
+            ew.write({"type": "standby_ready", "step": step, "plans": sb.compiled + sb.rebound,
+                      "compiled": sb.compiled, "rebound": sb.rebound,
+                      "wait_s": compile_s + warm_s, "compile_s": sb.compile_s,
+                      "rebind_s": sb.rebind_s, "warm_s": warm_s})
+            when = "" if step is None else f"step {step}: training paused until the "
+            line = (f"{when}standby ready in {compile_s + warm_s:.1f}s: {sb.compiled + sb.rebound} "
+                    f"plans so far ({sb.compiled} compiled in {sb.compile_s:.1f}s, {sb.rebound} "
+                    f"rebound from them in {sb.rebind_s:.1f}s), warmed in {warm_s:.1f}s")
+            self.rt.log(line)
+            if self.progress:
+                print(line)
+        if self.jobs is not None:
+            self.jobs.wait_idle()  # the likely transitions are planned too
+
     def _standby_build(self, plan: Plan) -> Executables:
         """A standby plan's executables (the standby thread): compiled, or rebound from its
         program. Where they may be loaded again (`standby.rebind`, or a renewed CPU client under
         `launch`), they are serialized here too (`Executables.portable`, once per program), so
         that a rebind or reload at recovery does not pay for it."""
+        if self.worker is not None and not (
+            self._rebindable(plan)
+            or self.exe_cache.has(self.cfg, plan, self.donate, self.factory.tx_key)
+        ):  # a compile: in the worker, which a recovery can stop
+            src, compile_s = self.worker.compile(plan, self.donate)
+            exe = from_portable(self.cfg, self.factory, plan, self.devices, src, compile_s)
+            self.exe_cache.put(self.cfg, plan, exe, self.donate, self.factory.tx_key)
+            return exe
         exe = self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.donate,
             reuse_programs=self.cfg.standby.rebind,

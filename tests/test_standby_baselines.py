@@ -11,6 +11,7 @@ import pytest
 from conftest import tiny_config
 from elasjax import trainer
 from elasjax.metrics import read_jsonl
+from elasjax.compile_worker import CompileCancelled
 from elasjax.standby import BackgroundJobs, CompileCounter, StandbyCompiler
 from elasjax.step import rebind
 
@@ -191,6 +192,78 @@ def test_background_builds_stop_at_the_mapping_budget_but_a_needed_plan_is_built
         assert sb.wait("c", timeout=10) == "exe:c" and sb.started == ["c"]
     finally:
         sb.close()
+
+
+def test_a_recovery_ends_a_worker_compile_of_a_program_it_does_not_need():
+    """`cancel` (a compile worker): `drop_queued` ends the compile under way unless it is the
+    needed plan or one `spare` keeps (its program); the thread goes on; a plan still waited for
+    when its compile is ended is built again. Counted, not timed."""
+    ended = threading.Event()
+    started = []
+
+    def compile_fn(plan):
+        started.append(plan)
+        if plan.startswith("slow"):
+            ended.wait(30)
+            ended.clear()
+            raise CompileCancelled(plan)
+        return f"exe:{plan}"
+
+    def cancel():
+        ended.set()
+        return True
+
+    sb = StandbyCompiler(compile_fn, cancel=cancel)
+    try:
+        sb.submit(["slow-a", "b"])
+        deadline = time.monotonic() + 10
+        while sb.busy() != "slow-a" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sb.drop_queued(keep="slow-a")  # the needed plan: never ended
+        sb.drop_queued(keep="x", spare=lambda p: p.startswith("slow"))  # its program: kept
+        assert sb.cancelled == 0 and sb.busy() == "slow-a"
+        assert sb.drop_queued(keep="x") == 0 and sb.cancelled == 1  # another program: ended
+        assert sb.wait_all(timeout=10) and sb.get("slow-a") is None and sb.get("b") is None
+        sb.submit(["slow-c"])
+        while sb.busy() != "slow-c" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        waiter = threading.Thread(target=lambda: sb.wait("slow-c", timeout=10))
+        waiter.start()
+        time.sleep(0.1)
+        sb.drop_queued(keep="x")  # ended, but still waited for: built again
+        deadline = time.monotonic() + 10
+        while started.count("slow-c") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started.count("slow-c") == 2 and sb.cancelled == 2
+        ended.set()
+        waiter.join(10)
+    finally:
+        sb.close()
+
+
+@pytest.mark.slow
+def test_a_plan_compiled_in_the_worker_process_computes_the_bits_of_one_compiled_here(exe_cache):
+    """`standby.compiler: process`: the standby's compiles run in a child process and come back
+    serialized; the run (a device and a host failure, both recovered) has bitwise the losses of
+    the same run compiling on a thread, and the child built what it was asked to."""
+    base = ["train.steps=6", "faults=[{at_step: 2, devices: [2]}, {at_step: 4, hosts: [3]}]",
+            "standby.enabled=true", "standby.wait_at_start=true", "standby.warm=false"]
+    ref = trainer.run(tiny_config(*base, "standby.compiler=thread"), exe_cache=exe_cache)
+    t = trainer.Trainer(tiny_config(*base, "standby.compiler=process"), None)
+    got = t.run()
+    assert t.worker is not None and t.worker.started >= 1 and t.standby.compiled >= 1
+    assert got.losses == ref.losses and got.sample_digests == ref.sample_digests
+    assert len(got.recoveries) == 2 and got.recoveries[0].standby_hit  # built before step 0
+
+
+def test_the_worker_process_is_refused_where_it_cannot_build_the_executables():
+    import optax
+
+    from elasjax.config import ConfigError
+
+    cfg = tiny_config("standby.enabled=true", "standby.compiler=process")
+    with pytest.raises(ConfigError, match="'standby.compiler' = process: the optimizer passed"):
+        trainer.Trainer(cfg, None, optimizer=optax.sgd(1e-3))
 
 
 def test_standby_covers_every_likely_failure_unless_capped():

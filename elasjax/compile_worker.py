@@ -1,0 +1,199 @@
+"""A compile worker: standby compiles in a child process that a recovery can stop.
+
+XLA compiles on its own thread pool, so a background compile in the training process shares
+every core with a recovery's own compile and cannot be cancelled: a recovery that needs a plan
+nobody compiled yet would take up to twice a compile (measured here: 6.9 s alone, 12.8 s beside
+another compile; a lower thread priority did not help, the pool's threads keep theirs). A
+`CompileWorker` runs the standby's compiles in a child process started at a lower CPU priority
+(its XLA threads inherit it, so training steps come first), and `kill` ends it the moment a
+recovery needs the cores for another program. The next background compile starts a new child.
+
+The child builds exactly what `step.compile_plan` builds (the same config, optimizer, plan and
+device ids: fake CPU devices exist in any process) and sends the pair back serialized
+(`Executables.portable`); the training process loads it onto its devices (`step.from_portable`).
+Loaded executables never donate (`Trainer.donate`): a loaded train step that donates deadlocked
+XLA:CPU's collective rendezvous.
+
+Where it applies (`unavailable` says why not): one process, the CPU backend, the built-in GPT,
+the trainer's own optimizer (the child rebuilds model and optimizer from the config; a user's
+model or optax object exists only in the training process). Elsewhere the standby compiles on a
+thread (`standby.compiler: thread`).
+
+Protocol: pickles over the child's stdin/stdout (its own output goes to stderr). The first
+message is the setup (device count, JAX settings, config); each later one a request
+`(plan, donate)`, answered `("ok", Portable, seconds)` or `("error", message)`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+
+# JAX settings that change what a compile produces: the child takes the training process's
+CARRIED_CONFIG = (
+    "jax_enable_x64",
+    "jax_threefry_partitionable",
+    "jax_default_matmul_precision",
+    "jax_default_prng_impl",
+    "jax_disable_most_optimizations",
+    "jax_optimization_level",
+    "jax_exec_time_optimization_effort",
+)
+
+
+class CompileCancelled(Exception):
+    """The worker was killed (a recovery took the cores) before it answered."""
+
+
+def unavailable(cfg, custom_optimizer: bool, multi_process: bool) -> str | None:
+    """None if a compile worker can build this run's executables, else why it cannot."""
+    if multi_process:
+        return "it needs the one-process runtime (under launch each process compiles its part)"
+    if jax.default_backend() != "cpu":
+        return f"it needs the CPU backend (a second process cannot share {jax.default_backend()} devices)"
+    if cfg.model.type != "gpt":
+        return f"model.type '{cfg.model.type}' is registered in this process only"
+    if custom_optimizer:
+        return "the optimizer passed to `run` exists in this process only"
+    return None
+
+
+class CompileWorker:
+    """The child process and its pipes. `compile` blocks the calling (standby) thread; `kill`,
+    from another thread, makes it raise `CompileCancelled`."""
+
+    def __init__(self, cfg, *, nice: int = 10):
+        self.cfg, self.nice = cfg, nice
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self.started = 0  # children started
+        self.killed = 0  # children killed by `kill` while compiling
+        self._killed: set[int] = set()
+
+    def _start(self) -> subprocess.Popen:
+        env = dict(os.environ)
+        env["JAX_PLATFORMS"] = "cpu"
+        root = str(Path(__file__).resolve().parents[1])  # this elasjax, installed or not
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen(  # no preexec_fn: a fork of a threaded process runs no Python
+            [sys.executable, "-c", "import sys; from elasjax.compile_worker import main; "
+             "sys.exit(main())"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        )
+        setup = {
+            "devices": len(jax.devices()),
+            "cfg": self.cfg,
+            "nice": self.nice,
+            "jax_config": {n: jax.config.values[n] for n in CARRIED_CONFIG if n in jax.config.values},
+        }
+        pickle.dump(setup, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        proc.stdin.flush()
+        self.started += 1
+        return proc
+
+    def compile(self, plan, donate: bool):
+        """(Portable, seconds): `plan`'s executables compiled in the child. Raises
+        `CompileCancelled` if `kill` ended the child first."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = self._start()
+            proc = self._proc
+        try:
+            pickle.dump((plan, donate), proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            proc.stdin.flush()
+            reply = pickle.load(proc.stdout)
+        except (EOFError, BrokenPipeError, OSError, pickle.UnpicklingError) as e:
+            with self._lock:
+                if self._proc is proc:
+                    self._proc = None
+            try:
+                rc = proc.wait(timeout=10)  # the pipe can close before the exit is reported
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+            if proc.pid in self._killed:
+                raise CompileCancelled(f"compile worker killed (exit {rc})") from e
+            raise RuntimeError(f"compile worker failed (exit {rc}): {e}") from e
+        if reply[0] != "ok":
+            raise RuntimeError(f"compile worker: {reply[1]}")
+        return reply[1], reply[2]
+
+    def renice(self, nice: int) -> bool:
+        """Set the child's threads' priority: 0 while a recovery waits for its compile (no
+        longer background work), back to `self.nice` after. Best effort: raising a priority
+        needs the right to (CAP_SYS_NICE, or root); True if every thread was set."""
+        with self._lock:
+            proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return False
+        try:
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except (OSError, ValueError):  # not permitted, not Linux, or it just ended
+            return False
+        return True
+
+    def kill(self) -> bool:
+        """End the child now; True if one was running."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return False
+        self._killed.add(proc.pid)
+        proc.kill()
+        self.killed += 1
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.close()  # the child ends at EOF
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything the child prints goes to stderr, never into the pipe
+    inp = sys.stdin.buffer
+    setup = pickle.load(inp)
+    if setup["nice"]:
+        os.nice(setup["nice"])  # before XLA starts its threads: they inherit it
+    jax.config.update("jax_num_cpu_devices", setup["devices"])
+    for name, value in setup["jax_config"].items():
+        jax.config.update(name, value)
+    from .state import StateFactory, make_optimizer
+    from .step import compile_plan
+
+    cfg = setup["cfg"]
+    factory = StateFactory(cfg, make_optimizer(cfg.train))
+    devices = {d.id: d for d in jax.devices()}
+    while True:
+        try:
+            plan, donate = pickle.load(inp)
+        except EOFError:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            exe = compile_plan(cfg, factory, plan, devices, donate=donate)
+            reply = ("ok", exe.portable(), time.perf_counter() - t0)
+            del exe
+        except Exception as e:  # noqa: BLE001 - answered; the training process raises it
+            reply = ("error", f"{type(e).__name__}: {e}")
+        pickle.dump(reply, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
