@@ -302,36 +302,39 @@ class RecoveryConfig:
 class StandbyConfig:
     """Background compilation of the plans recovery would need after each single-device and
     single-host failure of the current plan (`enabled`): all of them, unless `max_plans` caps
-    their number (the first ones in device order, then hosts; the cap is logged). Each
-    candidate device set gets its own program compile unless `rebind` (on by default): one
+    their number (the first ones in device order, then hosts; the cap is logged).
+
+    Each candidate device set gets its own executables, but with `rebind` (default) each
     program (plan shape) is compiled once and the other device sets load it with their own
-    device assignment (`step.rebind`, on CPU and GPU; a fraction of a compile), built first;
-    the same for a recovery's cold build. Executables that are loaded (`rebind`, `cache_dir`)
-    never donate their input state (XLA:CPU deadlocks running a loaded executable that donates;
-    see `Trainer.donate`): the state is held twice while a step runs; set `rebind: false` (and
-    no `cache_dir`) to donate. `depth: 2` also compiles the programs a second
-    failure would need (one plan per program), so that with `rebind` the standby of the plan a
-    recovery moves to is loads only. `warm` runs
-    each standby executable built before step 0 (`wait_at_start`) once on placeholder zeros, on
-    the training thread (one process), so the first step after a hit runs at steady-state speed;
-    executables built later are not warmed (a warm-up beside training steps is untested). `wait_at_start` blocks before
-    step 0 until the standby is ready and the transitions of `recovery.prepare_transfers` are
-    planned (demos and benchmarks; a long job builds them while it trains).
-    `compiler: process` compiles in a child process at a lower CPU priority
+    device assignment (`step.rebind`, on CPU and GPU; a fraction of a compile), built first; the
+    same for a recovery's cold build. Executables that are loaded (`rebind`, `cache_dir`) never
+    donate their input state (XLA:CPU deadlocked running a loaded executable that donates; see
+    `Trainer.donate`): the state is held twice while a step runs; `rebind: false` (and no
+    `cache_dir`) donates. `depth: 2` also compiles the programs a second failure would need (one
+    plan per program), so that the standby of the plan a recovery moves to is loads only.
+
+    `compiler`: where the compiles run. `process`: a child process at a lower CPU priority
     (`elasjax.compile_worker`; one process on the CPU backend, the built-in GPT and the
-    trainer's optimizer): training steps come first, and a recovery that needs another program
-    ends the child's compile, so its own compile has every core (on a thread, a background
-    compile cannot be stopped and shares the cores: a recovery's compile can take twice as
-    long). `auto` uses it where it applies. `wait_after_recovery` blocks the same way after each recovery's first good step, until the
-    new plan's standby is built (its candidates are new: a second failure soon after the first
-    is then a hit too); the pause is a `standby_ready` event with its step, outside the MTTR.
-    `cache_dir` turns on
-    JAX's persistent compilation cache there, so a restarted job (or the next run) loads
-    executables instead of compiling them; on CPU its key includes the device assignment."""
+    trainer's optimizer): training steps come first, a recovery that needs another program ends
+    the child's compile so that its own has every core, and one it waits for runs at normal
+    priority. `thread`: in the training process (a compile cannot be stopped and shares the
+    cores: a recovery's compile can take twice as long; the default, see the README for why).
+    `auto`: `process` where it applies.
+
+    `wait_at_start` blocks before step 0 until the standby is ready and the transitions of
+    `recovery.prepare_transfers` are planned; `wait_after_recovery` blocks the same way after
+    each recovery's first good step, until the new plan's standby is built (a second failure
+    soon after the first is then a hit too); each pause is a `standby_ready` event, outside any
+    MTTR (demos and benchmarks; a long job builds them while it trains). `warm` runs each
+    executable built while training waits once on placeholder zeros, on the training thread (one
+    process), so the first step after a hit runs at steady-state speed; executables built in
+    the background are not warmed. `cache_dir` turns on JAX's persistent compilation cache
+    there, so a restarted job (or the next run) loads executables instead of compiling them; on
+    CPU its key includes the device assignment."""
 
     enabled: bool = False
-    # where background compiles run: "process" (a child process a recovery can stop,
-    # `compile_worker`), "thread", or "auto" (process where it applies, else thread)
+    # where background compiles run: "thread", "process" (a child process a recovery can
+    # stop, `compile_worker`), or "auto" (process where it applies, else thread)
     compiler: Literal["auto", "process", "thread"] = "thread"
     max_plans: Optional[int] = None  # None: every likely failure's plan
     depth: int = 1  # failures ahead to cover: 1 or 2

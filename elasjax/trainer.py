@@ -330,7 +330,7 @@ class Trainer(Recovering):
                     self._refresh_standby(*self._standby_due)
                     self._prepare_transitions(pos.plan, pos.exe, pos.state, set(pos.live))
                     self._standby_due = None
-                    if self.cfg.standby.wait_after_recovery:
+                    if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
                         self._flush(mw, bar)
                         self._wait_standby(ew, pos.step)
                 if self.ckpt is not None and self.ckpt.due(pos.step):
@@ -537,10 +537,12 @@ class Trainer(Recovering):
                       "compiled": sb.compiled, "rebound": sb.rebound,
                       "wait_s": compile_s + warm_s, "compile_s": sb.compile_s,
                       "rebind_s": sb.rebind_s, "warm_s": warm_s})
-            when = "" if step is None else f"step {step}: training paused until the "
-            line = (f"{when}standby ready in {compile_s + warm_s:.1f}s: {sb.compiled + sb.rebound} "
-                    f"plans so far ({sb.compiled} compiled in {sb.compile_s:.1f}s, {sb.rebound} "
-                    f"rebound from them in {sb.rebind_s:.1f}s), warmed in {warm_s:.1f}s")
+            head = (f"standby ready in {compile_s + warm_s:.1f}s" if step is None else
+                    f"step {step}: training paused {compile_s + warm_s:.1f}s until the standby "
+                    "of the new plan was ready")
+            line = (f"{head}: {sb.compiled + sb.rebound} plans built so far ({sb.compiled} "
+                    f"compiled in {sb.compile_s:.1f}s, {sb.rebound} rebound from them in "
+                    f"{sb.rebind_s:.1f}s), warmed in {warm_s:.1f}s")
             self.rt.log(line)
             if self.progress:
                 print(line)

@@ -241,19 +241,52 @@ def test_a_recovery_ends_a_worker_compile_of_a_program_it_does_not_need():
         sb.close()
 
 
+_WORKER_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from conftest import tiny_config  # the suite's XLA settings
+from elasjax import trainer
+t = trainer.Trainer(tiny_config(*{overrides!r}), {out!r})
+s = t.run()
+print(json.dumps({{
+    "losses": {{str(k): v for k, v in s.losses.items()}},
+    "digests": {{str(k): v for k, v in s.sample_digests.items()}},
+    "recoveries": [[r.standby_hit, r.compiles] for r in s.recoveries],
+    "started": t.worker.started, "compiled": t.standby.compiled,
+}}))
+"""
+
+
 @pytest.mark.slow
-def test_a_plan_compiled_in_the_worker_process_computes_the_bits_of_one_compiled_here(exe_cache):
+def test_a_plan_compiled_in_the_worker_process_computes_the_bits_of_one_compiled_here(exe_cache, tmp_path):
     """`standby.compiler: process`: the standby's compiles run in a child process and come back
-    serialized; the run (a device and a host failure, both recovered) has bitwise the losses of
-    the same run compiling on a thread, and the child built what it was asked to."""
-    base = ["train.steps=6", "faults=[{at_step: 2, devices: [2]}, {at_step: 4, hosts: [3]}]",
+    serialized; the run (a device and then a host failure) has bitwise the losses of the same
+    run compiling on a thread. With `wait_after_recovery` the second failure, whose plan is a
+    candidate only of the plan the first recovery moved to, is a hit too: no recovery compiles.
+    (That run is a process of its own: in a test process that has loaded many executables, the
+    standby's memory-mapping budget could stop it, `standby.map_budget`.)"""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    base = ["train.steps=7", "faults=[{at_step: 2, devices: [2]}, {at_step: 5, hosts: [3]}]",
             "standby.enabled=true", "standby.wait_at_start=true", "standby.warm=false"]
     ref = trainer.run(tiny_config(*base, "standby.compiler=thread"), exe_cache=exe_cache)
-    t = trainer.Trainer(tiny_config(*base, "standby.compiler=process"), None)
-    got = t.run()
-    assert t.worker is not None and t.worker.started >= 1 and t.standby.compiled >= 1
-    assert got.losses == ref.losses and got.sample_digests == ref.sample_digests
-    assert len(got.recoveries) == 2 and got.recoveries[0].standby_hit  # built before step 0
+    code = _WORKER_RUN.format(
+        tests=str(Path(__file__).parent), out=str(tmp_path),
+        overrides=[*base, "standby.compiler=process", "standby.wait_after_recovery=true"],
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["started"] >= 1 and got["compiled"] >= 1
+    assert got["losses"] == {str(k): v for k, v in ref.losses.items()}
+    assert got["digests"] == {str(k): v for k, v in ref.sample_digests.items()}
+    assert got["recoveries"] == [[True, 0], [True, 0]]
+    pauses = [e["step"] for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "standby_ready"]
+    # before step 0 and between the recoveries; none after the second (no step left to protect)
+    assert pauses[0] is None and len(pauses) == 2 and 2 < pauses[1] <= 5
 
 
 def test_the_worker_process_is_refused_where_it_cannot_build_the_executables():
