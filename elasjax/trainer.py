@@ -154,9 +154,10 @@ class Trainer(Recovering):
         # Executables loaded from serialized form (`standby.rebind`, the persistent compilation
         # cache) never donate their input state: a train step deserialized onto XLA:CPU that
         # donates deadlocks its in-process collective rendezvous within a few steps ("only 6 of
-        # 7 arrived"; measured, jax 0.10.2, tiny config: 3 of 3 runs, reloaded onto its own
-        # devices or rebound onto others), while the same program without donation ran 200
-        # steps, loaded or compiled. Donation only saves memory; the values are the same.
+        # 7 arrived"; measured, jax 0.10.2, tiny config: 5 of 5 runs, reloaded onto its own
+        # devices or rebound onto others, experiments/probe_loaded_donation.py), while the same
+        # program without donation ran 200 steps, loaded or compiled. Donation only saves
+        # memory; the values are the same.
         self.donate = self.rt.donate and not (cfg.standby.rebind or cfg.standby.cache_dir)
         self.ckpt = (
             Checkpointer(cfg.checkpoint, self.rt.processes()) if cfg.checkpoint.dir is not None else None
