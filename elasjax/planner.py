@@ -589,3 +589,27 @@ def growth_plan(
     else:
         return dataclasses.replace(g, grow=True)
     return dataclasses.replace(g, reason=reason)
+
+
+def torchft_plan(previous: Plan, survivors, cfg: Config) -> Plan | None:
+    """TorchFT-like recovery: keep the intact data replicas exactly as they are (same
+    micro-batches, same samples) and drop the broken ones with their samples: the global batch
+    shrinks and the loss averages over the surviving replicas."""
+    live = set(survivors)
+    intact = [g for g in previous.groups if all(d in live for d in g)]
+    if not intact:
+        return None
+    used = tuple(d for g in intact for d in g)
+    return Plan(
+        used, len(intact), previous.tensor, previous.microbatches, previous.micro_batch,
+        previous.global_batch * len(intact) // previous.data or 1,
+        tuple(d for d in survivors if d not in used), stage=previous.stage,
+        partition=previous.partition,
+    ).compile_key
+
+
+def torchft_kept(keep, old: Plan, new: Plan) -> tuple[int, ...]:
+    """Initial-layout replica indices that survive into `new` (`torchft_plan`)."""
+    keep = tuple(range(old.data)) if keep is None else keep
+    groups = set(new.groups)
+    return tuple(k for k, g in zip(keep, old.groups) if g in groups)

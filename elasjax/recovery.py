@@ -39,7 +39,6 @@ from typing import Any
 import jax
 
 from . import checksum
-from .config import Config
 from .mesh import make_mesh
 from .planner import (
     NoPlanError,
@@ -49,6 +48,8 @@ from .planner import (
     replan,
     same_shape,
     substitute_spares,
+    torchft_kept,
+    torchft_plan,
 )
 from .reshard import transition
 from .runtime import DeviceFailure, host_values
@@ -181,30 +182,6 @@ def host_checksums(rt, sums, exe: Executables) -> dict[str, str]:
     return checksum.rows_to_host(
         exe.layout.checksum_keys, host_values(rt, sums, exe.plan.device_ids)
     )
-
-
-def torchft_plan(previous: Plan, survivors, cfg: Config) -> Plan | None:
-    """TorchFT-like recovery: keep the intact data replicas exactly as they are (same
-    micro-batches, same samples) and drop the broken ones with their samples: the global batch
-    shrinks and the loss averages over the surviving replicas."""
-    live = set(survivors)
-    intact = [g for g in previous.groups if all(d in live for d in g)]
-    if not intact:
-        return None
-    used = tuple(d for g in intact for d in g)
-    return Plan(
-        used, len(intact), previous.tensor, previous.microbatches, previous.micro_batch,
-        previous.global_batch * len(intact) // previous.data or 1,
-        tuple(d for d in survivors if d not in used), stage=previous.stage,
-        partition=previous.partition,
-    ).compile_key
-
-
-def kept_ranks(keep, old: Plan, new: Plan) -> tuple[int, ...]:
-    """Initial-layout replica indices that survive into `new` (torchft_like)."""
-    keep = tuple(range(old.data)) if keep is None else keep
-    groups = set(new.groups)
-    return tuple(k for k, g in zip(keep, old.groups) if g in groups)
 
 
 def checkpoint_log(state) -> TransferLog:
@@ -488,7 +465,7 @@ class Recovering:
                                 "params", (), f"torchft_like: no data replica is intact after "
                                 f"devices {sorted(dead)} failed at step {pos.step}"
                             )
-                        keep = kept_ranks(self.torchft_keep, pos.plan, optimal)
+                        keep = torchft_kept(self.torchft_keep, pos.plan, optimal)
                         new_plan = optimal
                     else:
                         new_plan, optimal = self._recovery_plan(pos.plan, survivors)
