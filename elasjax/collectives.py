@@ -27,6 +27,12 @@ need no compile either: `step.rehome` serializes them and loads them onto the ne
 A new client took 0.04-0.12 s on 2 and 3 processes. With the fix (`auto`), 28 of 28 runs of the
 same launch took over, 3 of them after a renewal.
 
+A renewal after an abort is skipped where it buys nothing (`keep_client`): the abort breaks
+every communicator of the client at once (none is left half-used), and a plan whose collective
+groups (`Plan.collective_groups`) had no communicator on the client creates new ones only. The
+standby's executables then run as built: a launch recovery without the 0.5-0.7 s reload (session
+10: MTTR 0.82 s against 1.39-1.66 s with the renewal, 4 processes x 2 devices).
+
 Two more uses of a renewal (session 8). `abort_collectives`: when the kernel reports a same-host
 peer's exit, a process shuts its gloo sockets down, so that no collective waits for the timeout
 (the multi-controller runtime's exit watcher), and then asks for a renewal. And a step whose
@@ -80,6 +86,18 @@ def renewal_reason(
         return (f"its collective failed after {waited:.2f}s, at the "
                 f"{collective_timeout_s:g}s collective timeout")
     return "renew_collectives=always" if mode == "always" else None
+
+
+def keep_client(votes: dict[int, dict]) -> bool:
+    """Whether the live processes keep their CPU client although some asked for a renewal:
+    every process that asked did so only because it aborted its collectives at a peer's exit
+    (`abort`: under `auto`; those communicators failed at once, none waits or is half-used),
+    and no process's client has a communicator for any collective group of the next plan
+    (`fresh`): its collectives all form new communicators, and no broken one is reached. A
+    communicator this misses fails at once on its shut sockets, and the step is redone on a
+    renewed client (`MultiControllerRuntime._collective_retry`). `votes`: every live
+    process's {"why": reason or None, "abort": bool, "fresh": bool}."""
+    return all(v["fresh"] and (v["abort"] or not v["why"]) for v in votes.values())
 
 
 def renew_cpu_client(client, live: Iterable[int], generation: int, writer: bool, wait_ms: int) -> list:

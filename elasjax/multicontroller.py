@@ -20,7 +20,7 @@ engine's own primitives do the fault tolerance; this module wires them up:
   with the same devices and plan the same next layout (the planner is pure). A slow process
   keeps beating and is waited for. (This replaces `multihost_utils.live_devices`, whose
   membership check waits for the coordination service's own heartbeat: 0.6-1.7 s more.)
-- Cross-process copies (a transition's pieces, snapshot copies) go point to point through
+- Cross-process copies (a transition's pieces, snapshot copies) go point to point (`p2p`) through
   `jax.experimental.transfer`: every process runs a transfer server; the sender schedules its
   arrays under an id every process derives from the same sequence (`await_pull`), the receiver
   pulls exactly those into its own device (`pull`). Only the planned bytes travel, and a pull from
@@ -43,7 +43,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import pickle
@@ -58,8 +57,11 @@ import jax
 import numpy as np
 from jax.errors import JaxRuntimeError
 
-from .collectives import RENEW_MODES, abort_collectives, renew_cpu_client, renewal_reason
+from .collectives import (
+    RENEW_MODES, abort_collectives, keep_client, renew_cpu_client, renewal_reason,
+)
 from .copies import CopyThreads, pack, packed_size, unpack
+from .p2p import TransferLinks
 from .faults import MULTI_CONTROLLER, FaultEvent
 from .liveness import Liveness, ProcessExits, Throttle
 from .planner import Topology
@@ -278,9 +280,11 @@ class MultiControllerRuntime:
                    "rejoining is not implemented yet (see docs/multiprocess.md, 'Scale-up')")
             )
         self.generation = 0  # CPU clients replaced so far (`renew_collectives`)
-        self._addr: dict[int, str] = {}
-        self._conns: dict[int, Any] = {}
-        self._start_transfer_server()
+        self.links = TransferLinks(self.client, self.me, rc.host, max(30, rc.collective_timeout_s))
+        self.links.start(self.local[0])
+        # device sets whose gloo communicators the current client may hold (every plan whose
+        # executables ran on it, `note_collectives`): after an abort they are all broken
+        self._groups: set[frozenset[int]] = set()
         self.liveness = Liveness(
             self.client, self.me, range(jax.process_count()), rc.liveness_interval_s,
             rc.liveness_timeout_s,
@@ -541,8 +545,7 @@ class MultiControllerRuntime:
         self.exits.forget(procs)
         self.epoch += 1
         self._seq = 0
-        for p in procs:
-            self._conns.pop(p, None)
+        self.links.forget(procs)
         cause = (str(err).splitlines() or [""])[0] if err is not None else ""
         if err is None:
             released = "this process was not blocked (its block completed)"
@@ -610,20 +613,44 @@ class MultiControllerRuntime:
                 continue
         return {"detect_per_process_s": per}
 
-    def renew_collectives(self, failure: DeviceFailure) -> dict | None:
+    def note_collectives(self, groups: frozenset) -> None:
+        """Executables whose collectives can span `groups` (`Plan.collective_groups`) run on
+        the current client (their communicators may exist in it)."""
+        if not groups <= self._groups:
+            self._groups |= groups
+
+    def renew_collectives(self, failure: DeviceFailure, groups: frozenset = frozenset()) -> dict | None:
         """After `failure`, replace every live process's CPU client by one with no gloo
-        communicator when any of them votes so (`collectives.renewal_reason`; called by every
-        live process at the same point of a recovery). Returns what happened (for the event),
-        or None when the old client is kept. The caller drops what names the old devices
-        (planned transitions); executables are reloaded on use (`step.on_devices`), shard
-        buffers copied over by `current`."""
+        communicator when any of them votes so (`collectives.renewal_reason`), unless they may
+        keep it (`collectives.keep_client`: only aborted communicators are broken, and `groups`,
+        the next plan's collective groups, reach none; the transfer server is restarted). Every
+        live process calls it at the same point of a recovery. Returns what happened (for the
+        event), or None when nobody asked. After a renewal the caller drops what names the old
+        devices (planned transitions); executables are reloaded on use (`step.on_devices`),
+        shard buffers copied over by `current`."""
         mine = renewal_reason(
             self.rc.renew_collectives, self.rc.platform, failure, self.rc.collective_timeout_s,
             self._aborted or failure.detail.get("renew"))
-        votes = {p: why for p, why in self.agree(mine).items() if why}
-        if not votes:
+        votes = self.agree({
+            "why": mine, "fresh": not (groups & self._groups),
+            "abort": mine is not None and mine == self._aborted and self.rc.renew_collectives == "auto",
+        })
+        why = "; ".join(f"process {p}: {v['why']}" for p, v in sorted(votes.items()) if v["why"])
+        if not why:
             return None
         t0 = time.perf_counter()
+        if keep_client(votes):
+            self.links.start(self.local[0])  # this process shut its connections down
+            with self._abort_lock:
+                self._aborted = None
+            self.note_collectives(groups)
+            took = time.perf_counter() - t0
+            self.log(f"kept the CPU client (generation {self.generation}): the next plan's "
+                     f"collectives need only new communicators; transfer server restarted in "
+                     f"{took:.3f}s ({why})")
+            return {"renewed": False, "renew_s": took, "renew_reasons": why,
+                    "kept_client": "the next plan's collective groups have no communicator on "
+                                   "the client yet; only the aborted ones were broken"}
         self.generation += 1
         devs = renew_cpu_client(
             self.client, self.processes(), self.generation, self.writer,
@@ -631,14 +658,15 @@ class MultiControllerRuntime:
         )
         self.devices.update({d.id: d for d in devs})
         self.local = jax.local_devices()
-        self._start_transfer_server()
+        self.links.start(self.local[0])
         with self._abort_lock:
             self._aborted = None  # the new client's collectives are whole
+        self._groups = set(groups)
         took = time.perf_counter() - t0
-        why = "; ".join(f"process {p}: {v}" for p, v in sorted(votes.items()))
         self.log(f"new CPU client (generation {self.generation}, fresh gloo communicators) in "
                  f"{took:.3f}s ({why})")
-        return {"generation": self.generation, "renew_s": took, "renew_reasons": why}
+        return {"renewed": True, "generation": self.generation, "renew_s": took,
+                "renew_reasons": why}
 
     def current(self, x):
         """`x` (a single-device array) on the current client's device of the same id: a copy
@@ -668,53 +696,29 @@ class MultiControllerRuntime:
     def commit(self, tree) -> None:
         jax.block_until_ready([x for x in jax.tree.leaves(tree) if x is not None])
 
-    # -- point-to-point copies ------------------------------------------------------------------
-
-    def _uuid(self, src: int, dst: int) -> int:
-        return hash((self.epoch, self._seq, src, dst)) & ((1 << 62) - 1)
-
-    def _start_transfer_server(self) -> None:
-        from jax.experimental import transfer
-
-        addr = f"{self.rc.host}:0"
-        self.server = transfer.start_transfer_server(self.local[0].client, addr, [addr])
-        self.client.key_value_set(f"elasjax/xfer/{self.generation}/{self.me}", self.server.address())
-        self._addr.clear()
-        self._conns.clear()
-
-    def _conn(self, p: int):
-        if p not in self._conns:
-            if p not in self._addr:
-                self._addr[p] = self.client.blocking_key_value_get(
-                    f"elasjax/xfer/{self.generation}/{p}", 30_000)
-            self._conns[p] = self.server.connect(self._addr[p])
-        return self._conns[p]
-
-    def _deadline(self):
-        wait = max(30, self.rc.collective_timeout_s)
-        return datetime.datetime.now() + datetime.timedelta(seconds=wait)
+    # -- point-to-point copies (`p2p`) ----------------------------------------------------------
 
     def exchange(self, sends: dict[int, list[np.ndarray]], recvs: dict[int, list[tuple]]) -> dict:
         """Send `sends[q]` (host arrays) to process q and receive `recvs[p]` ((shape, dtype)
         each) from process p, one packed buffer per pair. Every process calls it the same
         number of times (it numbers the transfers)."""
         self._seq += 1
-        dev = self.local[0]
+        tag, dev = (self.epoch, self._seq), self.local[0]
         for q, arrays in sends.items():
-            buf = jax.device_put(pack(arrays), dev)
-            self.server.await_pull(self._uuid(self.me, q), [buf])
+            self.links.send(tag, q, [jax.device_put(pack(arrays), dev)])
         pulled = {}
         for p, specs in recvs.items():
             spec = jax.ShapeDtypeStruct(
                 (packed_size(specs),), np.uint8, sharding=jax.sharding.SingleDeviceSharding(dev)
             )
-            pulled[p] = self._conn(p).pull(self._uuid(p, self.me), [spec], self._deadline())[0]
+            pulled[p] = self.links.pull(tag, p, [spec])[0]
         return {p: unpack(np.asarray(x), recvs[p]) for p, x in pulled.items()}
 
     def move(self, items: Sequence[tuple]) -> list:
         """(src device, dst device, array or None, shape, dtype) -> the arrays on the
         destinations this process holds (None elsewhere), device to device."""
         self._seq += 1
+        tag = (self.epoch, self._seq)
         out: list = [None] * len(items)
         sends: dict[int, list] = defaultdict(list)
         recvs: dict[int, list] = defaultdict(list)
@@ -736,11 +740,9 @@ class MultiControllerRuntime:
             for i, x in zip(local_put, moved):
                 out[i] = x
         for q, arrays in sends.items():
-            self.server.await_pull(self._uuid(self.me, q), [self.current(x) for x in arrays])
+            self.links.send(tag, q, [self.current(x) for x in arrays])
         for p, entries in recvs.items():
-            got = self._conn(p).pull(
-                self._uuid(p, self.me), [s for _, s in entries], self._deadline()
-            )
+            got = self.links.pull(tag, p, [s for _, s in entries])
             for (i, _), x in zip(entries, got):
                 out[i] = x
         return out

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .config import Config, ConfigError, allowed_tensor_degrees, layer_count
+from .mesh import MESH_AXES, collective_groups
 from .zero import ZeroLayout, evolve, fresh_layout, kept_ranks
 from .costmodel import (
     Hardware,
@@ -120,6 +121,12 @@ class Plan:
         partitioned over mesh positions; the device assignment is bound at load,
         `step.rebind`)."""
         return dataclasses.replace(self, device_ids=tuple(range(self.n_devices)), spare_ids=())
+
+    @property
+    def collective_groups(self) -> frozenset:
+        """The device sets a collective of this plan's executables can span
+        (`mesh.collective_groups`)."""
+        return collective_groups(tuple(self.mesh_shape[a] for a in MESH_AXES), self.device_ids)
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:

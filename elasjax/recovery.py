@@ -164,6 +164,9 @@ class RecoveryEvent:
     collectives_renewed: bool = False
     renew_s: float = 0.0
     renew_reasons: str = ""  # which process asked, and why
+    # asked for, but the client was kept: the aborted communicators are ones the new plan
+    # cannot reach (`MultiControllerRuntime.renew_collectives`); why
+    client_kept: str = ""
     detail: dict = dataclasses.field(default_factory=dict)  # what the runtime knows of the cause
 
     @property
@@ -179,6 +182,7 @@ class RecoveryEvent:
 def host_checksums(rt, sums, exe: Executables) -> dict[str, str]:
     """Stacked device checksums (replicated over `exe`'s plan) -> {key: hex}, on every live
     process (`runtime.host_values`)."""
+    rt.note_collectives(exe.plan.collective_groups)
     return checksum.rows_to_host(
         exe.layout.checksum_keys, host_values(rt, sums, exe.plan.device_ids)
     )
@@ -344,12 +348,13 @@ class Recovering:
             return None
         return g.best if g.grow else None
 
-    def _renew_collectives(self, failure: DeviceFailure) -> dict | None:
-        """Fresh collectives where the failure may have broken some (`collectives`; every live
-        process decides together). Transitions planned for the old client's devices are dropped;
-        executables are reloaded onto the new ones when used (`_current`)."""
-        renewal = self.rt.renew_collectives(failure)
-        if renewal is not None:
+    def _renew_collectives(self, failure: DeviceFailure, plan: Plan) -> dict | None:
+        """Fresh collectives where the failure may have broken some that `plan`, the plan to
+        resume on, could use (`collectives`; every live process decides together). After a
+        renewal, transitions planned for the old client's devices are dropped and executables
+        are reloaded onto the new ones when used (`_current`)."""
+        renewal = self.rt.renew_collectives(failure, plan.collective_groups)
+        if renewal is not None and renewal["renewed"]:
             self.transition_plans.clear()
         return renewal
 
@@ -450,10 +455,6 @@ class Recovering:
             try:
                 with self.rt.guard("recovery/plan"):
                     t0 = time.perf_counter()
-                    renewal = self._renew_collectives(failures[-1])
-                    if renewal is not None:
-                        renewals.append(renewal)
-                        store = store.map_data(self.rt.current)
                     survivors = [d for d in self.topo.device_ids if d in live]
                     keep = self.torchft_keep
                     if not dead:  # a retry (collectives failed, nobody died): the same plan
@@ -469,6 +470,10 @@ class Recovering:
                         new_plan = optimal
                     else:
                         new_plan, optimal = self._recovery_plan(pos.plan, survivors)
+                    renewal = self._renew_collectives(failures[-1], new_plan)
+                    if renewal is not None:
+                        renewals.append(renewal)
+                        store = store.map_data(self.rt.current)
                     early = self._check_recoverable(pos, store, dead, new_plan, strategy)
                     plan_s = time.perf_counter() - t0 + (t_setup if attempts == 1 else 0.0)
                     t0 = time.perf_counter()
@@ -570,9 +575,10 @@ class Recovering:
             }) if self.cfg.parallel.spares and same_shape(pos.plan, new_plan) else [],
             from_n_devices=pos.plan.n_devices,
             to_n_devices=new_plan.n_devices,
-            collectives_renewed=bool(renewals),
+            collectives_renewed=any(r["renewed"] for r in renewals),
             renew_s=sum(r["renew_s"] for r in renewals),
             renew_reasons=" | ".join(r["renew_reasons"] for r in renewals),
+            client_kept=" | ".join(r["kept_client"] for r in renewals if not r["renewed"]),
             detail=detail,
         )
         self.transfer_logs.append(log)

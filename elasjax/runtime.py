@@ -28,9 +28,10 @@ The interface, used by the trainer, the snapshot pool and transitions:
 - `commit(tree)`: wait for `tree` where a guard must see its errors (multi-controller);
 - `exchange(sends, recvs)` and `move(items)`: cross-process pieces, point to point;
 - `agree(value)`: every live process's value; `share(value, src)`: process `src`'s value;
-- `renew_collectives(failure)`: after a failure, start fresh collectives where the old ones may
-  be broken (a new CPU client under `jax.distributed`; never in one process), and `current(x)`:
-  a buffer on the current client's device;
+- `renew_collectives(failure, groups)`: after a failure, start fresh collectives where the old
+  ones may be broken and the next plan (its collective `groups`) could use them (a new CPU client
+  under `jax.distributed`; never in one process); `note_collectives(groups)`: a plan's
+  executables run on the current client; `current(x)`: a buffer on the current client's device;
 - `capture(tree, dead)`: what survives of a state after a failure; `log(msg)`;
   `detection_report(detail)`; `processes()`;
 - `threads`: the copy threads of transitions; `close()`.
@@ -209,7 +210,10 @@ class InProcessRuntime:
     def agree(self, value) -> dict[int, Any]:
         return {0: value}
 
-    def renew_collectives(self, failure: DeviceFailure) -> dict | None:
+    def note_collectives(self, groups: frozenset) -> None:
+        pass  # one client for good: nothing to tell it
+
+    def renew_collectives(self, failure: DeviceFailure, groups: frozenset = frozenset()) -> dict | None:
         return None  # one client, no communicator a dead peer could have broken
 
     def current(self, x):

@@ -186,6 +186,35 @@ def test_collectives_are_renewed_after_a_wait_that_ran_into_the_collective_timeo
         RuntimeConfig("h:1", 2, 0, renew_collectives="sometimes")
 
 
+def test_a_client_is_kept_only_when_the_next_plan_reaches_no_aborted_communicator():
+    """`collectives.keep_client` on the votes of `MultiControllerRuntime.renew_collectives`,
+    with the collective groups of the plans of a launch that loses processes 1, 2, 3 in turn
+    (4 processes x 2 devices, ids 0-7): after the first two aborts the next plan's groups are
+    all new and the client is kept; the 2-device plan on process 0 reuses the tensor pair
+    {0, 1} of the first plan, so that abort renews. Any vote that is not an abort renews."""
+    from elasjax.collectives import keep_client
+    from elasjax.planner import Plan
+
+    def groups(ids, data, tensor):
+        return Plan(ids, data, tensor, 1, -(-32 // data), 32).collective_groups
+
+    first = groups(tuple(range(8)), 4, 2)
+    assert first == {frozenset(g) for g in ([0, 1], [2, 3], [4, 5], [6, 7], [0, 2, 4, 6],
+                                            [1, 3, 5, 7], range(8))}
+    used = set(first)
+    abort = {"why": "it shut down its collectives (4 sockets) when process 1 exited", "abort": True}
+    for ids, data, keep in [((0, 1, 4, 5, 6, 7), 6, True), ((0, 1, 6, 7), 4, True), ((0, 1), 2, False)]:
+        nxt = groups(ids, data, 1)
+        votes = {p: {**abort, "fresh": not (nxt & used)} for p in range(3)}
+        assert keep_client(votes) is keep, ids
+        used |= nxt
+    fresh = {"why": abort["why"], "abort": True, "fresh": True}
+    assert keep_client({0: fresh, 1: {"why": None, "abort": False, "fresh": True}})
+    for other in ("renew_collectives=always", "its collective failed after 8.02s, at the 8s "
+                  "collective timeout", "a collective failed while every process was alive"):
+        assert not keep_client({0: fresh, 1: {"why": other, "abort": False, "fresh": True}})
+
+
 def test_packed_pieces_round_trip_with_mixed_dtypes():
     arrays = [np.arange(3, dtype=np.uint8), np.arange(5, dtype=np.float32).reshape(5, 1),
               np.ones((2, 3), np.int64), np.arange(7, dtype=np.uint16)]
@@ -382,6 +411,11 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     assert sorted(ev["detect_per_process_s"]) == ["0", "1", "3"]
     # the arbiter learned of the death from the kernel (a pidfd: same host), not a timeout
     assert ev["detector"] == "process exit" and "process 2 exited (pidfd" in ev["detected_by"]
+    # the survivors shut their collectives down at the exit; the new 6-device plan's groups
+    # had no communicator, so the client was kept (no reload) and its steps ran on it
+    assert "when process 2 exited (pidfd)" in ev["renew_reasons"], ev["renew_reasons"]
+    assert not ev["collectives_renewed"] and "no communicator" in ev["client_kept"]
+    assert "kept the CPU client (generation 0)" in (out / "worker0.log").read_text()
     assert ev["mttr_s"] == pytest.approx(sum(ev[k] for k in MTTR_PHASES))
     assert events[-1]["type"] == "end" and events[-1]["processes"] == [0, 1, 3]
     assert "recovery at step 4: process 2 killed (SIGKILL)" in stdout
