@@ -7,10 +7,9 @@ import argparse
 import os
 import sys
 
-# `train --standby`: every likely failure's plan built before step 0, and again after each
-# recovery (`config.StandbyConfig`)
+# `train --standby` and `launch --standby`: every likely failure's plan built before step 0,
+# and again after each recovery (`config.StandbyConfig`)
 STANDBY = ["standby.enabled=true", "standby.wait_at_start=true", "standby.wait_after_recovery=true"]
-LAUNCH_STANDBY = ["standby.enabled=true", "standby.wait_at_start=true"]
 
 
 def _ensure_devices(n: int = 8) -> None:
@@ -96,7 +95,7 @@ def _launch(args) -> int:
 
     kills = [launch.KillSpec.parse(k) for k in args.kill]
     if args.standby:
-        args.set = [*LAUNCH_STANDBY, *args.set]
+        args.set = [*STANDBY, *args.set]
     spares = None if args.spares is None else launch.parse_spares(args.spares)
     if args.coordinator is None:  # start the processes here, on loopback
         if args.num_processes is not None or args.process_id is not None:
@@ -192,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
 
     add_process_flags(m)
     m.add_argument("--standby", action="store_true",
-                   help="compile every likely failure's plan before step 0 (standby.enabled "
-                   "and standby.wait_at_start)")
+                   help="build every likely failure's plan before step 0, and again after each "
+                   "recovery, training paused meanwhile (standby.enabled, standby.wait_at_start, "
+                   "standby.wait_after_recovery)")
     m.add_argument("--timeout", type=float, default=900.0, metavar="S",
                    help="local launch: kill every process after this many seconds")
     m.add_argument("--quiet", action="store_true")

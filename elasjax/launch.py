@@ -542,7 +542,8 @@ def add_process_flags(ap: argparse.ArgumentParser) -> None:
     """The flags every process of a job takes (`elasjax launch` and its workers alike):
     detection timeouts, the benchmark throttle, and modules to import first."""
     ap.add_argument("--heartbeat-timeout", type=int, default=5, metavar="S",
-                    help="the coordination service's heartbeat, and the detector's slow timeout")
+                    help="the detector's slow timeout (the coordination service's own "
+                    "heartbeat timeout is this, 30 s at least)")
     ap.add_argument("--collective-timeout", type=int, default=8, metavar="S",
                     help="a CPU collective waiting longer fails: the backstop that releases "
                     "survivors blocked in a collective (1 for the fast path)")

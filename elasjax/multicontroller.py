@@ -99,7 +99,9 @@ class RuntimeConfig:
       process_id: this process, 0 .. num_processes - 1.
       platform: `cpu` (gloo collectives, `devices_per_process` fake devices) or `gpu`.
       devices_per_process: CPU devices per process (ignored on GPU).
-      heartbeat_timeout_s: a process missing heartbeats this long is declared dead.
+      heartbeat_timeout_s: a process missing heartbeats this long is declared dead at the slow
+        barriers (below); the coordination service's own timeout is at least
+        `COORDINATION_HEARTBEAT_S`.
       collective_timeout_s: a CPU collective waiting longer fails (`--xla_cpu_collective_timeout_
         seconds`); it bounds detection of a peer that died inside a collective.
       init_timeout_s: how long `initialize` waits for every process to connect.
@@ -195,6 +197,14 @@ def xla_flags(rc: RuntimeConfig, existing: str = "") -> str:
     return " ".join(kept)
 
 
+# The coordination service's own heartbeat timeout, at least: it is not the detector (the
+# liveness heartbeat and the exit watch are), and a live process it times out is terminated
+# (SIGABRT, "Unexpected heartbeat request from an already-in-error task"): seen twice on 2 loaded
+# cores with 5 s (session 10; one at start-up beside compiles, one in a recovery of a test that
+# shared the cores with another launch), with elasjax heartbeat silences of 3.3 s around it
+COORDINATION_HEARTBEAT_S = 30
+
+
 def initialize(rc: RuntimeConfig) -> None:
     """Join the job. Must run before anything creates a JAX backend in this process."""
     os.environ["XLA_FLAGS"] = xla_flags(rc, os.environ.get("XLA_FLAGS", ""))
@@ -210,7 +220,7 @@ def initialize(rc: RuntimeConfig) -> None:
         num_processes=rc.num_processes,
         process_id=rc.process_id,
         initialization_timeout=rc.init_timeout_s,
-        heartbeat_timeout_seconds=rc.heartbeat_timeout_s,
+        heartbeat_timeout_seconds=max(rc.heartbeat_timeout_s, COORDINATION_HEARTBEAT_S),
     )
     if jax.process_count() != rc.num_processes:
         raise RuntimeError(

@@ -68,7 +68,8 @@ def kill_run(args, i: int, out: Path) -> list[dict]:
     step0, gap = 3, 3
     kills = [KillSpec(step0 + gap * j, v) for j, v in enumerate(victims)]
     steps = step0 + gap * len(kills) + 1
-    rc, wall = _launch(out, [*STANDBY, f"train.steps={steps}"], kills=kills,
+    standby = [*STANDBY, "standby.wait_after_recovery=true"] if args.wait_after_recovery else STANDBY
+    rc, wall = _launch(out, [*standby, f"train.steps={steps}"], kills=kills,
                        collective_timeout_s=args.collective_timeout,
                        liveness_timeout_s=args.liveness_timeout)
     rows = []
@@ -172,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--skew-steps", type=int, default=50)
     ap.add_argument("--skew-collective-timeouts", type=int, nargs="*", default=None,
                     metavar="S", help="collective timeouts of the skew runs (default: the kill runs')")
+    ap.add_argument("--wait-after-recovery", action="store_true",
+                    help="the kill runs also set standby.wait_after_recovery (`train --standby`): "
+                         "after each recovery training pauses until the new plan's standby is built")
     ap.add_argument("--skip", action="append", default=[], choices=("kills", "skew", "restart"))
     ap.add_argument("--optimized-xla", action="store_true",
                     help="compile with XLA's optimisations (default: JAX_DISABLE_MOST_OPTIMIZATIONS=1)")
@@ -184,7 +188,8 @@ def main(argv=None) -> int:
     cond = (f"real SIGKILL; 4 processes x 2 CPU devices, gloo; collective timeout "
             f"{args.collective_timeout}s; liveness timeout {args.liveness_timeout:g}s (heartbeat "
             f"every 0.1s); {'optimised' if args.optimized_xla else 'JAX_DISABLE_MOST_OPTIMIZATIONS=1'}; "
-            f"{os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.1f}")
+            f"{os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.1f}; standby "
+            f"waits at start{' and after each recovery' if args.wait_after_recovery else ''}")
     print(cond, flush=True)
     rows: list[dict] = []
     res: dict = {"conditions": cond}
