@@ -282,14 +282,14 @@ def assemble(shape, sharding, dmap: dict, values: list, dtype=None) -> jax.Array
     sharding's addressable device -> index map): existing single-device arrays are kept, host
     buffers placed (adopted without a copy when aligned). `dtype` is needed where this process
     holds no shard."""
+    put = _batched_put() if values else None
+    if put is not None:  # a replicated array too: one value per device, as given
+        return put(shape, sharding, values, list(dmap))
     if not values or sharding.is_fully_replicated:
         # no shard here (a process outside the plan), or replicated (make_array_from_callback
         # would read one value for all)
         arrays = [v if isinstance(v, jax.Array) else jax.device_put(v, d) for v, d in zip(values, dmap)]
         return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
-    put = _batched_put()
-    if put is not None:
-        return put(shape, sharding, values, list(dmap))
     order = iter(zip(dmap.values(), values))
 
     def value(index):
