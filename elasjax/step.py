@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import threading
 import time
 import weakref
@@ -567,10 +568,18 @@ class ExecutableCache:
     devices (the same `Plan.shape_key`) can be `rebind`-ed from it instead of compiled
     (`reuse_programs`): the cache remembers the latest executable of each program while it is
     held anywhere (`program`). A trainer owns one; pass a
-    shared one to reuse executables across runs in one process (tests, experiment sweeps)."""
+    shared one to reuse executables across runs in one process (tests, experiment sweeps).
 
-    def __init__(self, max_entries: int = 16, max_programs: int = 8):
+    `map_budget`: past this fraction of the process's memory-mapping limit (`vm.max_map_count`;
+    a loaded CPU executable holds ~800 mappings here), the oldest entries are dropped too, so
+    that a long-lived process never runs out of mappings: XLA's JIT then fails mid-compile
+    (`LLVM ERROR: Unable to allocate section memory`, or a segmentation fault, seen in a test
+    worker that had run many files with 64 entries). None: no bound."""
+
+    def __init__(self, max_entries: int = 16, max_programs: int = 8, map_budget: float | None = 0.5):
         self.max_entries, self.max_programs = max_entries, max_programs
+        self.map_budget = map_budget
+        self.evicted_for_maps = 0  # entries dropped by `map_budget`
         self._d: dict = {}
         # program key -> an executable of that program, while something else holds it: the index
         # never keeps an evicted executable (and its memory mappings) alive
@@ -630,10 +639,17 @@ class ExecutableCache:
         self._put(self.key(cfg, plan, donate, tx_key), exe, self.program_key(cfg, plan, donate, tx_key))
 
     def _put(self, k, exe: Executables, program_key=None) -> None:
+        from .standby import map_usage
+
         with self._lock:
             self._d[k] = exe
             while len(self._d) > self.max_entries:
                 self._d.pop(next(iter(self._d)))
+            if self.map_budget is not None:
+                while len(self._d) > 1 and (map_usage() or 0.0) > self.map_budget:
+                    self._d.pop(next(iter(self._d)))  # the oldest; its mappings go with it
+                    self.evicted_for_maps += 1
+                    gc.collect()  # unless something else still holds it
             if program_key is not None:
                 self._programs.pop(program_key, None)
                 self._programs[program_key] = exe
