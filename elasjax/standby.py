@@ -82,8 +82,6 @@ class StandbyCompiler:
         self.rebind_s = 0.0
         self.dropped = 0  # plans of the latest `submit` left out by `max_plans`
         self.started: list = []  # the last STARTED_KEPT plans, in the order compiles started
-        self._tid: int | None = None  # the build thread's native id
-        self._blocked = 0  # callers blocked in `wait` or `wait_all`
         self._thread = threading.Thread(target=self._loop, name="elasjax-standby", daemon=True)
         self._thread.start()
 
@@ -204,21 +202,9 @@ class StandbyCompiler:
             return plan == self._busy or plan in self._queue
 
     def wait_all(self, timeout: float | None = None) -> bool:
-        """Block until the queue is empty and nothing compiles; True if so before `timeout`.
-        The builds run at normal priority meanwhile (the caller waits for them)."""
+        """Block until the queue is empty and nothing compiles; True if so before `timeout`."""
         with self._cv:
-            self._boost(+1)
-            try:
-                return self._cv.wait_for(lambda: not self._queue and self._busy is None, timeout)
-            finally:
-                self._boost(-1)
-
-    def _boost(self, d: int) -> None:
-        """Under the lock: one more (`d` = 1) or one fewer (-1) caller blocked on the builds; the
-        build thread runs at priority 0 while any is, else at `NICE`."""
-        self._blocked += d
-        if self._blocked == (1 if d > 0 else 0):
-            self.renice(0 if d > 0 else self.NICE)
+            return self._cv.wait_for(lambda: not self._queue and self._busy is None, timeout)
 
     def wait(self, plan, timeout: float | None = None) -> Any | None:
         """Block until `plan` is compiled (queueing it first if needed)."""
@@ -231,7 +217,6 @@ class StandbyCompiler:
                 self._urgent.add(plan)
                 self._cv.notify_all()
             self._waiting[plan] = self._waiting.get(plan, 0) + 1  # an ended build requeues it
-            self._boost(+1)
             try:
                 while plan not in self._ready:
                     if plan in self._errors:
@@ -242,7 +227,6 @@ class StandbyCompiler:
                     self._cv.wait(left)
                 return self._ready[plan]
             finally:
-                self._boost(-1)
                 self._waiting[plan] -= 1
                 if not self._waiting[plan]:
                     del self._waiting[plan]
@@ -257,23 +241,7 @@ class StandbyCompiler:
         while len(self._ready) > self._capacity:
             self._ready.popitem(last=False)
 
-    # the build thread's nice value: the training thread and a recovery's own compile come first
-    NICE = 10
-
-    def renice(self, nice: int) -> None:
-        """Set the build thread's CPU priority: `NICE` in the background, 0 while someone
-        waits for its builds (`_boost`). Best effort: raising a priority may need a privilege;
-        without it the build keeps its lower priority."""
-        if self._tid is not None:
-            try:
-                os.setpriority(os.PRIO_PROCESS, self._tid, nice)
-            except (AttributeError, OSError):
-                pass
-
     def _loop(self) -> None:
-        with self._cv:
-            self._tid = threading.get_native_id()
-            self.renice(0 if self._blocked else self.NICE)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._stop)

@@ -1,7 +1,6 @@
 """Standby executables, the deterministic mode, and the baseline recovery strategies."""
 
 import dataclasses
-import os
 import threading
 import time
 
@@ -171,43 +170,6 @@ def test_plans_that_need_no_compile_are_built_first_but_never_before_a_needed_on
         gate.set()
         assert sb.wait_all(timeout=10)
         assert sb.started == ["x1", "z1", "x2", "x3", "y1", "y2"]
-    finally:
-        gate.set()
-        sb.close()
-
-
-def test_standby_builds_at_low_priority_unless_someone_waits_for_them():
-    """The build thread runs at `StandbyCompiler.NICE` (training and a recovery's own compile
-    come first) and at priority 0 while a caller is blocked in `wait` for a plan, back to `NICE`
-    after. Read from the thread's own nice value, not from time."""
-    gate, started = threading.Event(), threading.Event()
-
-    def compile_fn(plan):
-        started.set()
-        gate.wait()
-        return f"exe:{plan}"
-
-    def nice():
-        return os.getpriority(os.PRIO_PROCESS, sb._tid)
-
-    sb = StandbyCompiler(compile_fn)
-    try:
-        sb.submit(["a", "b"])
-        assert started.wait(10)
-        assert nice() == StandbyCompiler.NICE
-        waiter = threading.Thread(target=sb.wait, args=("b",))
-        waiter.start()
-        deadline = time.monotonic() + 10
-        while sb._blocked != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        if nice() != 0:  # raising a priority needs CAP_SYS_NICE (root here)
-            assert os.geteuid() != 0, "the waited-for build kept its low priority"
-            pytest.skip("not permitted to raise a thread's priority on this machine")
-        gate.set()
-        waiter.join(10)
-        assert not waiter.is_alive() and sb._blocked == 0
-        assert nice() == StandbyCompiler.NICE
     finally:
         gate.set()
         sb.close()
