@@ -573,8 +573,9 @@ class ExecutableCache:
     `map_budget`: past this fraction of the process's memory-mapping limit (`vm.max_map_count`;
     a loaded CPU executable holds ~800 mappings here), the oldest entries are dropped too, so
     that a long-lived process never runs out of mappings: XLA's JIT then fails mid-compile
-    (`LLVM ERROR: Unable to allocate section memory`, or a segmentation fault, seen in a test
-    worker that had run many files with 64 entries). None: no bound."""
+    (`LLVM ERROR: Unable to allocate section memory`, seen with 66 loaded plans; most likely
+    also the segmentation fault of a test worker that had run many files with 64 entries).
+    None: no bound."""
 
     def __init__(self, max_entries: int = 16, max_programs: int = 8, map_budget: float | None = 0.5):
         self.max_entries, self.max_programs = max_entries, max_programs
