@@ -20,12 +20,10 @@ engine's own primitives do the fault tolerance; this module wires them up:
   with the same devices and plan the same next layout (the planner is pure). A slow process
   keeps beating and is waited for. (This replaces `multihost_utils.live_devices`, whose
   membership check waits for the coordination service's own heartbeat: 0.6-1.7 s more.)
-- Cross-process copies (a transition's pieces, snapshot copies) go point to point (`p2p`) through
-  `jax.experimental.transfer`: every process runs a transfer server; the sender schedules its
-  arrays under an id every process derives from the same sequence (`await_pull`), the receiver
-  pulls exactly those into its own device (`pull`). Only the planned bytes travel, and a pull from
-  a dead process fails at once (its socket closes) instead of waiting for a timeout.
-  (Cross-process `jax.device_put` onto a different device set is refused by the runtime.)
+- Cross-process copies (a transition's pieces, snapshot copies) go point to point through
+  `jax.experimental.transfer` (`p2p.TransferLinks`): only the planned bytes travel, and a pull
+  from a dead process fails at once. (Cross-process `jax.device_put` onto a different device set
+  is refused by the runtime.)
 - `agree` exchanges small values (snapshot refusals, cut-over readiness) through the coordination
   service's key-value store.
 - Kills are real: a scheduled `kill_process` event makes that process write the time to the
@@ -626,8 +624,7 @@ class MultiControllerRuntime:
     def note_collectives(self, groups: frozenset) -> None:
         """Executables whose collectives can span `groups` (`Plan.collective_groups`) run on
         the current client (their communicators may exist in it)."""
-        if not groups <= self._groups:
-            self._groups |= groups
+        self._groups |= groups
 
     def renew_collectives(self, failure: DeviceFailure, groups: frozenset = frozenset()) -> dict | None:
         """After `failure`, replace every live process's CPU client by one with no gloo

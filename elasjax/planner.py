@@ -598,7 +598,7 @@ def growth_plan(
     return dataclasses.replace(g, reason=reason)
 
 
-def torchft_plan(previous: Plan, survivors, cfg: Config) -> Plan | None:
+def torchft_plan(previous: Plan, survivors) -> Plan | None:
     """TorchFT-like recovery: keep the intact data replicas exactly as they are (same
     micro-batches, same samples) and drop the broken ones with their samples: the global batch
     shrinks and the loss averages over the surviving replicas."""

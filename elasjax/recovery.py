@@ -181,7 +181,9 @@ class RecoveryEvent:
 
 def host_checksums(rt, sums, exe: Executables) -> dict[str, str]:
     """Stacked device checksums (replicated over `exe`'s plan) -> {key: hex}, on every live
-    process (`runtime.host_values`)."""
+    process (`runtime.host_values`). Every plan's state is checksummed here before its first
+    step (start, recovery, cut-over): the runtime learns then which collective groups run on
+    its client (`note_collectives`)."""
     rt.note_collectives(exe.plan.collective_groups)
     return checksum.rows_to_host(
         exe.layout.checksum_keys, host_values(rt, sums, exe.plan.device_ids)
@@ -460,7 +462,7 @@ class Recovering:
                     if not dead:  # a retry (collectives failed, nobody died): the same plan
                         new_plan = optimal = pos.plan
                     elif strategy == "torchft_like":
-                        optimal = torchft_plan(pos.plan, survivors, self.cfg)
+                        optimal = torchft_plan(pos.plan, survivors)
                         if optimal is None:
                             raise UnrecoverableStateError(
                                 "params", (), f"torchft_like: no data replica is intact after "

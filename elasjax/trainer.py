@@ -398,7 +398,6 @@ class Trainer(Recovering):
         host_batch = self._batch(step, plan)
         t0 = time.perf_counter()
         batch = exe.put_batch(host_batch.arrays())
-        self.rt.note_collectives(plan.collective_groups)
         new_state, met = exe.train(pos.state, batch)
         for x in jax.tree.leaves(met):  # queued now, right behind the step: read later without
             x.copy_to_host_async()  # waiting for the steps dispatched after it
