@@ -20,8 +20,13 @@ model or optax object exists only in the training process). Elsewhere the standb
 thread (`standby.compiler: thread`).
 
 Protocol: pickles over the child's stdin/stdout (its own output goes to stderr). The first
-message is the setup (device count, JAX settings, config); each later one a request
-`(plan, donate)`, answered `("ok", Portable, seconds)` or `("error", message)`.
+message is the setup (device count, JAX settings, config), answered `("ready",)` once the child
+has imported and set up; each later one a request `(plan, donate)`, answered
+`("ok", Portable, seconds)` or `("error", message)`.
+
+How far a compile has got (`progress`) is the child's CPU time since the request (Linux
+`/proc`), against the CPU time of its finished compiles: a recovery that needs what the child
+compiles waits for it only when it is far enough along (`Recovering.WORKER_WAIT_PROGRESS`).
 """
 
 from __future__ import annotations
@@ -76,6 +81,12 @@ class CompileWorker:
         self.started = 0  # children started
         self.killed = 0  # children killed by `kill` while compiling
         self._killed: set[int] = set()
+        self._seen_ready: set[int] = set()  # children whose ready message was read
+        # the child's CPU seconds at the request under way ("starting": the child is still
+        # importing and setting up; None: no request, or no CPU time to read)
+        self._cpu_at_request: float | str | None = None
+        self.compiled = 0  # compiles answered, and their CPU seconds in the child
+        self.compile_cpu_s = 0.0
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ)
@@ -106,10 +117,25 @@ class CompileWorker:
                 self._proc = self._start()
             proc = self._proc
         try:
+            with self._lock:
+                self._cpu_at_request = "starting"
+            if self._fresh(proc) and pickle.load(proc.stdout)[0] != "ready":
+                raise pickle.UnpicklingError("the child did not say it was ready")
+            start = child_cpu_s(proc.pid)
+            with self._lock:
+                self._cpu_at_request = start
             pickle.dump((plan, donate), proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             proc.stdin.flush()
             reply = pickle.load(proc.stdout)
+            end = child_cpu_s(proc.pid)
+            with self._lock:
+                self._cpu_at_request = None
+                if reply[0] == "ok" and start is not None and end is not None:
+                    self.compiled += 1
+                    self.compile_cpu_s += end - start
         except (EOFError, BrokenPipeError, OSError, pickle.UnpicklingError) as e:
+            with self._lock:
+                self._cpu_at_request = None
             with self._lock:
                 if self._proc is proc:
                     self._proc = None
@@ -124,6 +150,27 @@ class CompileWorker:
         if reply[0] != "ok":
             raise RuntimeError(f"compile worker: {reply[1]}")
         return reply[1], reply[2]
+
+    def _fresh(self, proc: subprocess.Popen) -> bool:
+        """Is this the first request to `proc` (its ready message still to be read)?"""
+        with self._lock:
+            fresh = proc.pid not in self._seen_ready
+            self._seen_ready.add(proc.pid)
+            return fresh
+
+    def progress(self) -> tuple[float, float] | None:
+        """(CPU seconds the child has spent on the compile under way, 0 while it is still
+        starting; mean CPU seconds of its finished compiles, 0.0 before the first); None when
+        nothing compiles or the CPU time cannot be read."""
+        with self._lock:
+            proc, start = self._proc, self._cpu_at_request
+            mean = self.compile_cpu_s / self.compiled if self.compiled else 0.0
+        if proc is None or start is None:
+            return None
+        if start == "starting":
+            return 0.0, mean
+        now = child_cpu_s(proc.pid)
+        return None if now is None else (now - start, mean)
 
     def renice(self, nice: int) -> bool:
         """Set the child's threads' priority: 0 while a recovery waits for its compile (no
@@ -163,6 +210,17 @@ class CompileWorker:
                 proc.wait()
 
 
+def child_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user and system, every thread) process `pid` has used; None where `/proc`
+    cannot say (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def main() -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything the child prints goes to stderr, never into the pipe
@@ -179,6 +237,8 @@ def main() -> int:
     cfg = setup["cfg"]
     factory = StateFactory(cfg, make_optimizer(cfg.train))
     devices = {d.id: d for d in jax.devices()}
+    pickle.dump(("ready",), out, protocol=pickle.HIGHEST_PROTOCOL)
+    out.flush()
     while True:
         try:
             plan, donate = pickle.load(inp)

@@ -316,10 +316,11 @@ class StandbyConfig:
     `compiler`: where the compiles run. `process`: a child process at a lower CPU priority
     (`elasjax.compile_worker`; one process on the CPU backend, the built-in GPT and the
     trainer's optimizer): training steps come first, a recovery that needs another program ends
-    the child's compile so that its own has every core, and one it waits for runs at normal
-    priority. `thread`: in the training process (a compile cannot be stopped and shares the
-    cores: a recovery's compile can take twice as long; the default, see the README for why).
-    `auto`: `process` where it applies.
+    the child's compile so that its own has every core, one it needs is waited for (at normal
+    priority) only when the child is a quarter of a compile's CPU time into it, and ended and
+    compiled here otherwise. `thread`: in the training process (a compile cannot be stopped and
+    shares the cores: a recovery's compile can take twice as long). `auto` (default): `process`
+    where it applies, else `thread`.
 
     `wait_at_start` blocks before step 0 until the standby is ready and the transitions of
     `recovery.prepare_transfers` are planned; `wait_after_recovery` blocks the same way after
@@ -333,9 +334,9 @@ class StandbyConfig:
     CPU its key includes the device assignment."""
 
     enabled: bool = False
-    # where background compiles run: "thread", "process" (a child process a recovery can
-    # stop, `compile_worker`), or "auto" (process where it applies, else thread)
-    compiler: Literal["auto", "process", "thread"] = "thread"
+    # where background compiles run: "auto" (process where it applies, else thread),
+    # "process" (a child process a recovery can stop, `compile_worker`), or "thread"
+    compiler: Literal["auto", "process", "thread"] = "auto"
     max_plans: Optional[int] = None  # None: every likely failure's plan
     depth: int = 1  # failures ahead to cover: 1 or 2
     # build a device set's executables from its program compiled for other devices

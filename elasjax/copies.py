@@ -9,8 +9,11 @@ order, which every process knows. Nothing else crosses processes.
 
 On the CPU backend a new shard is a 64-byte-aligned host buffer that JAX adopts as the device
 buffer without a copy; its pieces are copied in by numpy from zero-copy views of the sources,
-split over threads (numpy copies release the GIL). Ranks whose ZeRO tiers stay in place keep their
-very buffers (`reuse`). Other backends slice on the device and `device_put` the pieces.
+split over threads (numpy copies release the GIL) when there is enough to copy. The replicas of
+a box on several devices share one buffer, as a replicated `jax.device_put` of a numpy array
+does on CPU: adopted memory is never written (a step that donates such an input writes its
+output elsewhere; `tests/test_reshard.py` checks it). Ranks whose ZeRO tiers stay in place keep
+their very buffers (`reuse`). Other backends slice on the device and `device_put` the pieces.
 """
 
 from __future__ import annotations
@@ -95,6 +98,12 @@ def aligned_empty(shape: tuple[int, ...], dtype, zero: bool = False) -> np.ndarr
     return raw[off : off + n].view(dtype).reshape(shape)
 
 
+# Below this many distinct bytes (replicas counted once) per thread, one thread copies faster:
+# the copies of a small state are short numpy calls whose Python between them holds the GIL
+# (the demo's d4t2 -> d7t1 recovery, 2 cores: 6-7 ms on one thread, 13-16 ms on two).
+THREAD_MIN_BYTES = 4 << 20
+
+
 class CopyThreads:
     """The threads that fill destination shards (one per core, at most 8). Owned by whoever
     runs transitions (a runtime, a benchmark); `close` ends them."""
@@ -150,16 +159,23 @@ def execute(
             out[(d.leaf, d.device)] = _build_on_device(d, devices, data, received)
     if work:
         threads = threads or CopyThreads(1)
-        # split the shards into byte-balanced groups, one per thread
-        n = min(threads.n, len(work))
-        groups: list[list[DstShard]] = [[] for _ in range(n)]
+        # shards of the same box of a leaf (replicas) are built once and share the buffer;
+        # split the rest into byte-balanced groups, one per thread, each worth a thread
+        same: dict = defaultdict(list)
+        for d in work:
+            same[(d.leaf, d.box) if d.box else id(d)].append(d)
+        units = sorted(same.values(), key=lambda u: -math.prod(u[0].shape))
+        total = sum(math.prod(u[0].shape) * np.dtype(u[0].dtype).itemsize for u in units)
+        n = max(1, min(threads.n, len(units), total // THREAD_MIN_BYTES))
+        groups: list[list[list[DstShard]]] = [[] for _ in range(n)]
         load = [0] * n
-        for d in sorted(work, key=lambda d: -math.prod(d.shape)):
+        for u in units:
             i = load.index(min(load))
-            groups[i].append(d)
-            load[i] += math.prod(d.shape) * np.dtype(d.dtype).itemsize
+            groups[i].append(u)
+            load[i] += math.prod(u[0].shape) * np.dtype(u[0].dtype).itemsize
         views: dict = {}
-        for d in work:  # source views made once, on this thread
+        for u in units:  # source views made once, on this thread
+            d = u[0]
             for j, c in enumerate(d.copies):
                 if (id(d), j) in received:
                     continue
@@ -205,10 +221,12 @@ def _exchange(dsts, data, transport, me, where):
     return received, sent, recv_bytes
 
 
-def _build_on_host(dsts: list[DstShard], views: dict, received: dict) -> dict:
-    """Assemble destination shards in aligned host buffers from zero-copy source views."""
+def _build_on_host(units: list[list[DstShard]], views: dict, received: dict) -> dict:
+    """Assemble destination shards in aligned host buffers from zero-copy source views. The
+    shards of a unit hold the same box of a leaf (replicas): one buffer is built for all."""
     out = {}
-    for d in dsts:
+    for unit in units:
+        d = unit[0]
         # zero only what no copy writes (a full fill would touch every page twice)
         buf = aligned_empty(d.shape, d.dtype, zero=not d.covered and d.gaps is None)
         flatbuf = buf.reshape(d.flat_shape())
@@ -222,7 +240,8 @@ def _build_on_host(dsts: list[DstShard], views: dict, received: dict) -> dict:
                 flatbuf[c.dst_idx] = piece
             else:
                 buf[c.dst_idx] = piece
-        out[(d.leaf, d.device)] = buf
+        for r in unit:
+            out[(r.leaf, r.device)] = buf
     return out
 
 
@@ -283,7 +302,7 @@ def assemble(shape, sharding, dmap: dict, values: list, dtype=None) -> jax.Array
     buffers placed (adopted without a copy when aligned). `dtype` is needed where this process
     holds no shard."""
     put = _batched_put() if values else None
-    if put is not None:  # a replicated array too: one value per device, as given
+    if put is not None:  # replicated too (JAX then adopts the first value for every device)
         return put(shape, sharding, values, list(dmap))
     if not values or sharding.is_fully_replicated:
         # no shard here (a process outside the plan), or replicated (make_array_from_callback

@@ -60,7 +60,6 @@ from .shards import (
     TransferLog,
     UnrecoverableStateError,
     box_size,
-    describe,
     describe_state,
     index_to_box,
     map_shard_data,
@@ -210,11 +209,16 @@ class Recovering:
     # a queued needed plan waits for the compile under way unless that has more than this
     # fraction of a mean compile left; beyond it, a cold compile now is sooner
     WAIT_BEHIND = 0.25
+    # a needed plan (or its program) compiling in the worker is waited for only once the worker
+    # has spent this fraction of a compile's CPU time on it; before, it is ended and the plan
+    # compiled here with every core, sooner than the rest of a compile at low priority plus the
+    # load (a child niced beside training may have barely started)
+    WORKER_WAIT_PROGRESS = 0.25
 
     def executables(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
         """See `_executables`; a compile worker's compile runs at normal priority meanwhile
         (what it compiles now is needed: `drop_queued` ended any other)."""
-        if self.worker is None:
+        if self.worker is None or self.standby.ready(plan.compile_key):
             return self._executables(plan)
         self.worker.renice(0)
         try:
@@ -228,7 +232,9 @@ class Recovering:
         needed plan never waits in line: a queued one jumps to the front, or is built here when
         the build under way would take longer than `WAIT_BEHIND` of building it here; with
         `standby.rebind`, when the compile under way is of its program (for other devices), that
-        compile is waited for and the plan loaded from it (`step.rebind`)."""
+        compile is waited for and the plan loaded from it (`step.rebind`). Either compile, when
+        it runs in the compile worker and has not got far (`WORKER_WAIT_PROGRESS`), is ended
+        instead and the plan compiled here."""
         if self.standby is not None:
             key = plan.compile_key
             exe = self.standby.get(key)
@@ -236,6 +242,12 @@ class Recovering:
                 return self._current(exe, key), True, True, 0.0
             where = self.standby.expedite(key)
             busy = self.standby.busy()
+            if busy is not None and (
+                busy == key or (self.cfg.standby.rebind and busy.shape_key == key.shape_key)
+            ) and self._worker_early():
+                took = where == "front" and self.standby.take(key)  # first: never built twice
+                if self.standby.cancel_busy(busy) or took:
+                    busy, where = None, "absent"  # built here
             if (
                 self.cfg.standby.rebind and busy is not None and busy != key
                 and busy.shape_key == key.shape_key and not self._rebindable(key)
@@ -272,6 +284,17 @@ class Recovering:
             reuse_programs=self.cfg.standby.rebind,
         )
         return exe, hit, False, 0.0
+
+    def _worker_early(self) -> bool:
+        """Has the compile worker spent less than `WORKER_WAIT_PROGRESS` of a compile's CPU
+        time (its finished compiles' mean, else this process's first compile) on the compile
+        under way? False when nothing says."""
+        progress = self.worker.progress() if self.worker is not None else None
+        if progress is None:
+            return False
+        spent, full = progress
+        full = full or self.first_compile_cpu_s
+        return full > 0 and spent < self.WORKER_WAIT_PROGRESS * full
 
     def _rebindable(self, plan: Plan) -> bool:
         """Can `plan` be built without compiling (its program is compiled for other devices)?"""
@@ -617,7 +640,7 @@ class Recovering:
             return info
         try:
             self._prepare_move(
-                describe(store)[0], dead, plan, pos.exe.layout,
+                store, dead, plan, pos.exe.layout,
                 self.pool.describe_sources(dead, self.dead_hosts), info,
             )
         except UnrecoverableStateError as err:

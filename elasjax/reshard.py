@@ -59,6 +59,7 @@ from .shards import (
     describe,
     index_to_box,
     key_data_sharding,
+    source_ref,
 )
 
 PyTree = Any
@@ -356,10 +357,11 @@ def _form(layout) -> Any:
 
 
 def _refs(store: ShardStore, extra: dict) -> frozenset:
-    """The `SourceRef`s of a described store and its extra sources."""
-    return frozenset(s.data for leaf in store.shards for s in leaf) | frozenset(
-        s.data for shards in extra.values() for s in shards
-    )
+    """The `SourceRef`s of a store and its extra sources (described or not: a ref is made of
+    what a shard is, never of its data)."""
+    return frozenset(
+        source_ref(p, s) for p, leaf in zip(store.paths, store.shards) for s in leaf
+    ) | frozenset(source_ref(p, s) for p, shards in extra.items() for s in shards)
 
 
 @dataclasses.dataclass
@@ -437,14 +439,16 @@ class TransitionPlanCache:
         self, store: ShardStore, target_shardings: PyTree, extra: dict | None = None, *,
         old_layout=None, new_layout=None, info: dict | None = None,
     ) -> TransitionPlan:
-        """Plan (and keep) the transition from a described store (`describe`, `describe_state`);
-        `info`, if given, receives `plan_hit` (it was kept already) and `plan_s`."""
+        """Plan (and keep) the transition from a store (described, `describe_state`, or not:
+        it is described only if no plan is kept for it); `info`, if given, receives `plan_hit`
+        (it was kept already) and `plan_s`."""
         target_flat = _target_leaves(target_shardings)
         sig = _signature(store, _refs(store, extra or {}), target_flat, old_layout, new_layout)
         plan = self.get(sig)
         if info is not None:
             info.update(plan_hit=plan is not None, plan_s=0.0 if plan is not None else None)
         if plan is None:
+            store, extra = describe(store, extra)
             plan = plan_transition(
                 store, target_shardings, extra_sources=extra, old_layout=old_layout,
                 new_layout=new_layout, signature=sig, where=self.where,
@@ -485,12 +489,12 @@ def transition(
     extra_sources = extra_sources or {}
     if store.key_dtypes:  # typed PRNG keys travel as their key data, and are wrapped again
         target_shardings = _key_data_targets(store, target_shardings)
-    desc, desc_extra = describe(store, extra_sources)
     target_flat = _target_leaves(target_shardings)
-    sig = _signature(store, _refs(desc, desc_extra), target_flat, old_layout, new_layout)
+    sig = _signature(store, _refs(store, extra_sources), target_flat, old_layout, new_layout)
     plan = plans.get(sig) if plans is not None else None
     hit = plan is not None
     if plan is None:
+        desc, desc_extra = describe(store, extra_sources)
         where = plans.where if plans is not None and plans.where is not None else (
             transport.process_of if transport is not None else None
         )

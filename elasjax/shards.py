@@ -14,6 +14,7 @@ present after it, provided they are exactly the described ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -106,13 +107,20 @@ def key_data_sharding(sharding, key_dtype):
     )
 
 
+@functools.lru_cache(maxsize=512)
+def _boxes(sharding, shape: tuple[int, ...]) -> tuple[tuple[int, Box], ...]:
+    """(device id, box) of every shard of an array of `shape` laid out by `sharding` (a
+    recovery reads them for every leaf, and the layouts repeat)."""
+    return tuple(
+        (d.id, index_to_box(idx, shape)) for d, idx in sharding.devices_indices_map(shape).items()
+    )
+
+
 def _leaf_shards(x, dead: set[int], with_data: bool) -> list[Shard]:
-    shape = tuple(x.shape)
     local = {s.device.id: s.data for s in x.addressable_shards} if with_data else {}
     return [
-        Shard(d.id, index_to_box(idx, shape), local.get(d.id))
-        for d, idx in x.sharding.devices_indices_map(shape).items()
-        if d.id not in dead
+        Shard(d, box, local.get(d)) for d, box in _boxes(x.sharding, tuple(x.shape))
+        if d not in dead
     ]
 
 
@@ -275,7 +283,7 @@ def source_ref(path: str, s: Shard) -> SourceRef:
 
 def described(path: str, s: Shard) -> Shard:
     """`s` with its `SourceRef` for data."""
-    return dataclasses.replace(s, data=source_ref(path, s))
+    return Shard(s.device, s.box, (path, s.device, s.rung, s.box), s.rung)
 
 
 def describe(store: ShardStore, extra: dict[str, list[Shard]] | None = None):

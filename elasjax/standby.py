@@ -175,6 +175,18 @@ class StandbyCompiler:
                 self.cancelled += 1
             return n
 
+    def cancel_busy(self, plan) -> bool:
+        """End the build under way if it is `plan` and it can be ended (a compile in the
+        worker); True if it was."""
+        with self._cv:
+            if (
+                self.cancel_fn is None or self._busy != plan or self._busy_cheap
+                or not self.cancel_fn()
+            ):
+                return False
+            self.cancelled += 1
+            return True
+
     def get(self, plan) -> Any | None:
         with self._cv:
             exe = self._ready.get(plan)

@@ -169,6 +169,7 @@ class Trainer(Recovering):
         self.standby: StandbyCompiler | None = None
         grows = any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
         self.worker: CompileWorker | None = None
+        self.first_compile_cpu_s = 0.0  # CPU seconds of the start's compile (0: none here)
         if cfg.standby.enabled or cfg.recovery.migration == "async" or grows:
             why = None
             if cfg.standby.compiler != "thread":
@@ -249,6 +250,7 @@ class Trainer(Recovering):
         plans = [pos.plan.name]
         pending = list(self.schedule)
         open_event: RecoveryEvent | None = None
+        recovered_at = 0.0
         redo_until = -1
         bar = Progress(T, enabled=self.progress)
         with bar:
@@ -298,6 +300,7 @@ class Trainer(Recovering):
                     pos = dataclasses.replace(pos, good=self.good)
                     during = [e for e in pending if e.at_step == step and e.phase == "recovery"]
                     pos, open_event = self._recover(pos, failure, during)
+                    recovered_at = time.perf_counter()  # the first step's time counts from here
                     # drop the events this recovery consumed (or that can no longer fire);
                     # later failures of devices that will have returned by then stay
                     gone = set(self.topo.device_ids) - set(pos.live)
@@ -318,7 +321,8 @@ class Trainer(Recovering):
                 if sync:
                     self._flush(mw, bar)
                 if open_event is not None:
-                    open_event.first_step_s = self._t_done - flight.t0
+                    # its batch and dispatch included: the MTTR ends when the step's result is read
+                    open_event.first_step_s = self._t_done - recovered_at
                     open_event.compiles = self.compiles.count - open_event.compiles
                     recoveries.append(open_event)
                     if self.rt.writer:
@@ -474,7 +478,10 @@ class Trainer(Recovering):
 
                         survivors = [d for d in self.topo.device_ids if d in live]
                         plan = replan(survivors, self.topo, self.cfg, self.initial, self.initial)
-                    exe, _, _, _ = self.executables(plan)
+                    cpu0 = time.process_time()
+                    exe, hit, _, _ = self.executables(plan)
+                    if not hit:  # what a compile costs here, before any background one
+                        self.first_compile_cpu_s = time.process_time() - cpu0
                 with self.rt.guard("start/init"):
                     step, state, good = self._init_state(exe)
                     self.rt.commit(state)

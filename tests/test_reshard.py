@@ -70,6 +70,7 @@ def test_device_then_host_then_device(factory):
 def test_tensor_change_moves_the_missing_halves(factory):
     init = planner.initial_plan(TOPO, CFG)
     state = factory.init(_mesh(init))
+    ref = jax.tree.leaves(_host(state))
     store, _ = inject(state, (3,))
     plan = planner.replan([0, 1, 2, 4, 5, 6, 7], TOPO, CFG, init, init)
     assert plan.tensor == 1
@@ -83,6 +84,22 @@ def test_tensor_change_moves_the_missing_halves(factory):
     )
     assert log.bytes_moved == 7 * tensor_sharded // 2
     assert all(t.src != t.dst for t in log.moved)
+    # every replica holds the data; the replicas of a box share one host buffer (as a
+    # replicated device_put of a numpy array does on CPU), which a step that donates its input
+    # must not write through: every device's output is computed from the old values
+    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 2 + 1 if a.dtype == np.float32 else a, t),
+                   donate_argnums=0)
+    for x, want in zip(jax.tree.leaves(new), ref):
+        for s in x.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(s.data), want[s.index])
+    shared = [x for x in jax.tree.leaves(new) if x.dtype == np.float32 and x.sharding.is_fully_replicated
+              and len({s.data.unsafe_buffer_pointer() for s in x.addressable_shards}) == 1]
+    assert shared  # the tensor-sharded leaves, now replicated over 7 devices
+    out = step(new)
+    for x, want in zip(jax.tree.leaves(out), ref):
+        if x.dtype == np.float32:
+            for s in x.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(s.data), want[s.index] * 2 + 1)
 
 
 def test_replicated_state_moves_nothing_on_host_loss(factory):

@@ -258,6 +258,63 @@ def test_a_recovery_ends_a_worker_compile_of_a_program_it_does_not_need():
         sb.close()
 
 
+def test_a_needed_compile_the_worker_has_barely_begun_is_ended_and_built_here():
+    """A recovery waits for the worker's compile of the plan it needs (or of its program) only
+    once the worker has spent `WORKER_WAIT_PROGRESS` of a compile's CPU time on it
+    (`Recovering._worker_early`: its finished compiles' mean, else this process's first
+    compile); before, `cancel_busy` ends that compile, and only it. A child still starting has
+    made no progress. Counted, not timed."""
+    import os
+    from types import SimpleNamespace
+
+    from elasjax.compile_worker import CompileWorker, child_cpu_s
+    from elasjax.recovery import Recovering
+
+    f = Recovering.WORKER_WAIT_PROGRESS
+
+    def early(progress, first=0.0):
+        worker = SimpleNamespace(progress=lambda: progress)
+        return Recovering._worker_early(SimpleNamespace(
+            worker=worker, first_compile_cpu_s=first, WORKER_WAIT_PROGRESS=f))
+
+    assert early((0.0, 10.0)) and early((10 * f - 0.1, 10.0))
+    assert not early((10 * f + 0.1, 10.0))
+    assert early((10 * f - 0.1, 0.0), first=10.0) and not early((10 * f + 0.1, 0.0), first=10.0)
+    assert not early((0.0, 0.0)) and not early(None)  # nothing to go by: wait, as before
+
+    w = CompileWorker(tiny_config())
+    assert w.progress() is None  # no child
+    w._proc = SimpleNamespace(pid=os.getpid())  # this process stands in for a child
+    w._cpu_at_request = "starting"
+    assert w.progress() == (0.0, 0.0)
+    w._cpu_at_request = child_cpu_s(os.getpid()) - 2.0
+    w.compiled, w.compile_cpu_s = 2, 8.0
+    spent, mean = w.progress()
+    assert spent >= 2.0 and mean == 4.0
+    w._proc = None
+
+    ended = threading.Event()
+
+    def compile_fn(plan):
+        if plan == "slow":
+            ended.wait(30)
+            raise CompileCancelled(plan)
+        return f"exe:{plan}"
+
+    sb = StandbyCompiler(compile_fn, cancel=lambda: ended.set() or True)
+    try:
+        sb.submit(["slow", "b"])
+        deadline = time.monotonic() + 10
+        while sb.busy() != "slow" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not sb.cancel_busy("b") and sb.cancelled == 0  # not the one under way
+        assert sb.cancel_busy("slow") and sb.cancelled == 1
+        # nobody waited for it: not built again; the queue goes on
+        assert sb.wait_all(timeout=10) and sb.get("slow") is None and sb.get("b") == "exe:b"
+    finally:
+        sb.close()
+
+
 _WORKER_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
