@@ -27,7 +27,8 @@ holders, new buddies), so the next failure is covered.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 import jax
@@ -68,25 +69,61 @@ class _Generation:
     moved_sums: dict = dataclasses.field(default_factory=dict)  # (holder, via) -> checksums
 
 
-def shard_checksums_fn(state_shardings, mesh: Mesh, leaf_ids: list[int]):
-    """jit: state -> uint32[*mesh.shape, len(leaf_ids), 2], each device's checksum of its own
-    block of each listed leaf (block-local element order, as `checksum.np_leaf_checksum`). Any
-    mesh: the trainer's (data, stage, tensor) or a user's own axes."""
-    specs = [s.spec for s in jax.tree.leaves(state_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
+def _specs(state_shardings) -> list:
+    return [s.spec for s in jax.tree.leaves(state_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
+
+
+def _leaf_checksums(mesh: Mesh, specs: tuple):
+    """shard_map: the listed leaves (laid out by `specs`) -> uint32[*mesh.shape, n, 2]."""
     ndim = len(mesh.axis_names)
 
     def local(*blocks):
         sums = jnp.stack([checksum.leaf_checksum(b) for b in blocks])
         return sums[(None,) * ndim]
 
-    f = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=tuple(specs[i] for i in leaf_ids),
-        out_specs=PartitionSpec(*mesh.axis_names),
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(*mesh.axis_names),
         check_vma=False,
     )
+
+
+def shard_checksums_fn(state_shardings, mesh: Mesh, leaf_ids: list[int]):
+    """jit: state -> uint32[*mesh.shape, len(leaf_ids), 2], each device's checksum of its own
+    block of each listed leaf (block-local element order, as `checksum.np_leaf_checksum`). Any
+    mesh: the trainer's (data, stage, tensor) or a user's own axes."""
+    specs = _specs(state_shardings)
+    f = _leaf_checksums(mesh, tuple(specs[i] for i in leaf_ids))
     return jax.jit(lambda state: f(*[jax.tree.leaves(state)[i] for i in leaf_ids]))
+
+
+# `shard_checksums`' compiled functions, by what they depend on: a recovery's new pool finds the
+# one the standby compiled for its plan (`SnapshotPool.prepare`) instead of compiling it
+_COMPILED: OrderedDict = OrderedDict()
+_COMPILED_LOCK = threading.Lock()
+COMPILED_KEPT = 16
+
+
+def shard_checksums(state_shardings, mesh: Mesh, leaf_ids: list[int], abstract) -> Any:
+    """`shard_checksums_fn` compiled ahead, taking only the listed leaves (`abstract`: the
+    state's shapes and dtypes); kept (the latest `COMPILED_KEPT`) by mesh, layouts and shapes."""
+    specs = _specs(state_shardings)
+    avals = jax.tree.leaves(abstract)
+    key = (mesh, tuple((specs[i], tuple(avals[i].shape), str(avals[i].dtype)) for i in leaf_ids))
+    with _COMPILED_LOCK:
+        fn = _COMPILED.get(key)
+        if fn is not None:
+            _COMPILED.move_to_end(key)
+            return fn
+    args = [
+        jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=NamedSharding(mesh, specs[i]))
+        for i in leaf_ids
+    ]
+    fn = jax.jit(_leaf_checksums(mesh, tuple(specs[i] for i in leaf_ids))).lower(*args).compile()
+    with _COMPILED_LOCK:
+        _COMPILED[key] = fn
+        while len(_COMPILED) > COMPILED_KEPT:
+            _COMPILED.popitem(last=False)
+    return fn
 
 
 def check_coverable(cfg: SnapshotConfig, topo: Topology) -> None:
@@ -190,8 +227,23 @@ class SnapshotPool:
         if leaf_ids:
             self._leaf_ids = leaf_ids
             self._pos_in = {li: i for i, li in enumerate(leaf_ids)}
-            self._fn = shard_checksums_fn(state_shardings, mesh, leaf_ids)
+            self._fn = shard_checksums(state_shardings, mesh, leaf_ids, state)
             self._mesh_ndim = len(mesh.axis_names)
+
+    def prepare(self, abstract, state_shardings, mesh: Mesh) -> None:
+        """Compile ahead the checksums this pool's snapshots would take on a plan (`abstract`:
+        its state's shapes and dtypes): the standby calls it for each plan it builds, so that a
+        recovery's first snapshot does not compile. Which leaves are snapshotted depends only on
+        the layout and the topology, as in `configure`."""
+        if not self.enabled:
+            return
+        placed = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
+            state_shardings,
+        )
+        leaf_ids = [li for li, x in enumerate(jax.tree.leaves(placed)) if _unique_shards(x, self.topo)]
+        if leaf_ids:
+            shard_checksums(state_shardings, mesh, leaf_ids, abstract)
 
     def risk(self) -> str | None:
         """What an opted-out pool leaves exposed on this plan, or None."""
@@ -230,7 +282,7 @@ class SnapshotPool:
             for li in {r.leaf for r in self.records}
             for s in leaves[li].addressable_shards
         }
-        sums = self._fn(state)
+        sums = self._fn(*[leaves[li] for li in self._leaf_ids])
         sums_of = {s.device.id: s.data for s in sums.addressable_shards}
         gen = _Generation(version, sums)
         moves, targets = [], []

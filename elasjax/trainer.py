@@ -561,7 +561,9 @@ class Trainer(Recovering):
         """A standby plan's executables (the standby thread): compiled, or rebound from its
         program. Where they may be loaded again (`standby.rebind`, or a renewed CPU client under
         `launch`), they are serialized here too (`Executables.portable`, once per program), so
-        that a rebind or reload at recovery does not pay for it."""
+        that a rebind or reload at recovery does not pay for it. The checksums its snapshot pool
+        takes are compiled too (`SnapshotPool.prepare`), so that a hit's first snapshot does not
+        compile."""
         if self.worker is not None and not (
             self._rebindable(plan)
             or self.exe_cache.has(self.cfg, plan, self.donate, self.factory.tx_key)
@@ -569,13 +571,15 @@ class Trainer(Recovering):
             src, compile_s = self.worker.compile(plan, self.donate)
             exe = from_portable(self.cfg, self.factory, plan, self.devices, src, compile_s)
             self.exe_cache.put(self.cfg, plan, exe, self.donate, self.factory.tx_key)
-            return exe
-        exe = self.exe_cache.get(
-            self.cfg, self.factory, plan, self.devices, donate=self.donate,
-            reuse_programs=self.cfg.standby.rebind,
-        )[0]
-        if self.cfg.standby.rebind or jax.process_count() > 1:
-            exe.portable()
+        else:
+            exe = self.exe_cache.get(
+                self.cfg, self.factory, plan, self.devices, donate=self.donate,
+                reuse_programs=self.cfg.standby.rebind,
+            )[0]
+            if self.cfg.standby.rebind or jax.process_count() > 1:
+                exe.portable()
+        # the snapshot checksums of the plan's pool too (a small compile, here)
+        self.pool.prepare(exe.layout.abstract, exe.state_shardings, exe.mesh)
         return exe
 
     def _init_state(self, exe: Executables):

@@ -481,3 +481,22 @@ def test_baseline_strategies(exe_cache, tmp_path):
     assert (ev.rung, ev.resumed_at_step, ev.steps_lost) == ("checkpoint", 3, 1)
     for s in range(8):
         assert abs(ck.losses[s] - ref.losses[s]) <= 1e-5 * ref.losses[s]
+
+
+def test_a_standby_hit_compiles_nothing_for_its_first_snapshot(exe_cache):
+    """With ZeRO-1 the moments are unique per device, so the pool snapshots them and checksums
+    each copy on device. The standby compiles those checksums for every plan it builds
+    (`SnapshotPool.prepare`): the recovery, a hit, compiles nothing, its first snapshot
+    included. Counted (XLA compiles on the training thread), not timed. (A test process holds
+    many executables: the mapping budget is raised so that the standby builds every plan.)"""
+    cfg = tiny_config(
+        "train.steps=4", "faults=[{at_step: 2, devices: [2]}]", "zero.stage=1",
+        "standby.enabled=true", "standby.wait_at_start=true", "standby.warm=false",
+        "standby.compiler=thread", "standby.map_budget=0.9",
+    )
+    t = trainer.Trainer(cfg, None, exe_cache=exe_cache)
+    s = t.run()
+    (rec,) = s.recoveries
+    assert t.standby.over_budget == 0 and rec.standby_hit
+    assert rec.compiles == 0
+    assert t.pool.records  # the new plan's pool does snapshot
