@@ -40,6 +40,7 @@ import jax
 
 from . import checksum
 from .mesh import make_mesh
+from .metrics import RecoveryEvent
 from .planner import (
     NoPlanError,
     Plan,
@@ -66,19 +67,6 @@ from .shards import (
 )
 from .standby import StandbyCoverageWarning
 from .step import Executables, on_devices
-
-# The phases whose sum is a recovery's `mttr_s`, under every runtime.
-MTTR_PHASES = (
-    "detect_s",
-    "retry_s",
-    "plan_s",
-    "compile_s",
-    "transfer_s",
-    "verify_s",
-    "snapshot_s",
-    "first_step_s",
-)
-
 
 class RecoveryVerificationError(RuntimeError):
     """The rebuilt state's checksums differ from the last good state's."""
@@ -108,74 +96,6 @@ class PendingCutover:
     kind: str = "migration"
     joined: tuple[int, ...] = ()  # growth: the devices that returned
     predicted_gain: float = 0.0  # growth: relative step-time gain predicted by the cost model
-
-
-@dataclasses.dataclass
-class RecoveryEvent:
-    step: int
-    failed_devices: list[int]
-    fault: str
-    from_plan: str
-    to_plan: str
-    rung: str
-    bytes_moved: int
-    transfers: int
-    max_transfers_per_device: int
-    bytes_lost: int
-    steps_lost: int
-    detect_s: float
-    plan_s: float
-    compile_s: float
-    standby_hit: bool  # the executable was compiled and ready when recovery asked for it
-    exe_cache_hit: bool
-    transfer_s: float
-    verify_s: float
-    runtime: str
-    failure_simulation: str
-    first_step_s: float = 0.0
-    snapshot_s: float = 0.0
-    retry_s: float = 0.0
-    standby_wait_s: float = 0.0  # waited for a background compile already under way
-    attempts: int = 1
-    verified: bool = False
-    resumed_at_step: int = 0
-    bytes_kept_in_place: int = 0
-    bytes_cross_process: int = 0
-    bytes_sent: dict = dataclasses.field(default_factory=dict)  # this process, by peer
-    bytes_received: dict = dataclasses.field(default_factory=dict)
-    failed_processes: list[int] = dataclasses.field(default_factory=list)
-    failed_phases: list[str] = dataclasses.field(default_factory=list)
-    rungs: list[str] = dataclasses.field(default_factory=list)
-    refused_snapshots: list[str] = dataclasses.field(default_factory=list)
-    migration: str = "blocking"  # "blocking" | "async" (resumed on a fast path first)
-    optimal_plan: str = ""
-    strategy: str = "elastic"
-    compiles: int = -1  # XLA compilations on the training thread from detection to first step
-    transfer_plan_hit: bool = False  # the transition was planned before the failure
-    transfer_plan_s: float = 0.0  # time spent planning it after the failure (0 on a hit)
-    # hot spares (`parallel.spares`): the hosts (under launch: processes) whose spare devices
-    # the new plan took into the lost ones' mesh positions, and the mesh size before and after
-    spare_took_over: list[int] = dataclasses.field(default_factory=list)
-    from_n_devices: int = 0
-    to_n_devices: int = 0
-    # a new CPU client with fresh gloo communicators was started (`elasjax.collectives`): its
-    # time is in plan_s; executables of the old client are reloaded onto it when used
-    collectives_renewed: bool = False
-    renew_s: float = 0.0
-    renew_reasons: str = ""  # which process asked, and why
-    # asked for, but the client was kept: the aborted communicators are ones the new plan
-    # cannot reach (`MultiControllerRuntime.renew_collectives`); why
-    client_kept: str = ""
-    detail: dict = dataclasses.field(default_factory=dict)  # what the runtime knows of the cause
-
-    @property
-    def mttr_s(self) -> float:
-        return sum(getattr(self, k) for k in MTTR_PHASES)
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        detail = d.pop("detail")
-        return {"type": "recovery", **d, **detail, "mttr_s": self.mttr_s}
 
 
 def host_checksums(rt, sums, exe: Executables) -> dict[str, str]:

@@ -34,12 +34,11 @@ from .checkpoint import Checkpointer, form_of, restore_onto
 from .config import Config, ConfigError, dump
 from .data import DataPipeline
 from .faults import resolve_schedule
-from .metrics import JsonlWriter
+from .metrics import JsonlWriter, RecoveryEvent
 from .planner import Plan, initial_plan
 from .recovery import (
     Position,
     Recovering,
-    RecoveryEvent,
     RecoveryVerificationError,
     host_checksums,
 )

@@ -44,7 +44,7 @@ from elasjax.mesh import make_mesh
 from elasjax.metrics import read_jsonl
 from elasjax.copies import pack, packed_size, unpack
 from elasjax.multicontroller import RuntimeConfig, xla_flags
-from elasjax.recovery import MTTR_PHASES
+from elasjax.metrics import MTTR_PHASES
 from elasjax.reshard import plan_transition
 from elasjax.shards import ShardStore, buffers, describe
 from elasjax.state import StateFactory, make_optimizer
