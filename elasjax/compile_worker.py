@@ -136,7 +136,6 @@ class CompileWorker:
         except (EOFError, BrokenPipeError, OSError, pickle.UnpicklingError) as e:
             with self._lock:
                 self._cpu_at_request = None
-            with self._lock:
                 if self._proc is proc:
                     self._proc = None
             try:

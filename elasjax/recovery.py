@@ -68,6 +68,7 @@ from .shards import (
 from .standby import StandbyCoverageWarning
 from .step import Executables, on_devices
 
+
 class RecoveryVerificationError(RuntimeError):
     """The rebuilt state's checksums differ from the last good state's."""
 
