@@ -165,14 +165,14 @@ def execute(
         for d in work:
             same[(d.leaf, d.box) if d.box else id(d)].append(d)
         units = sorted(same.values(), key=lambda u: -math.prod(u[0].shape))
-        total = sum(math.prod(u[0].shape) * np.dtype(u[0].dtype).itemsize for u in units)
-        n = max(1, min(threads.n, len(units), total // THREAD_MIN_BYTES))
+        size = [math.prod(u[0].shape) * np.dtype(u[0].dtype).itemsize for u in units]
+        n = max(1, min(threads.n, len(units), sum(size) // THREAD_MIN_BYTES))
         groups: list[list[list[DstShard]]] = [[] for _ in range(n)]
         load = [0] * n
-        for u in units:
+        for u, nbytes in zip(units, size):
             i = load.index(min(load))
             groups[i].append(u)
-            load[i] += math.prod(u[0].shape) * np.dtype(u[0].dtype).itemsize
+            load[i] += nbytes
         views: dict = {}
         for u in units:  # source views made once, on this thread
             d = u[0]

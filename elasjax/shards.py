@@ -283,7 +283,7 @@ def source_ref(path: str, s: Shard) -> SourceRef:
 
 def described(path: str, s: Shard) -> Shard:
     """`s` with its `SourceRef` for data."""
-    return Shard(s.device, s.box, (path, s.device, s.rung, s.box), s.rung)
+    return Shard(s.device, s.box, source_ref(path, s), s.rung)
 
 
 def describe(store: ShardStore, extra: dict[str, list[Shard]] | None = None):

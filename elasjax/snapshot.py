@@ -74,7 +74,10 @@ def _specs(state_shardings) -> list:
 
 
 def _leaf_checksums(mesh: Mesh, specs: tuple):
-    """shard_map: the listed leaves (laid out by `specs`) -> uint32[*mesh.shape, n, 2]."""
+    """shard_map: the listed leaves (laid out by `specs`) -> uint32[*mesh.shape, n, 2], each
+    device's checksum of its own block of each leaf (block-local element order, as
+    `checksum.np_leaf_checksum`). Any mesh: the trainer's (data, stage, tensor) or a user's own
+    axes."""
     ndim = len(mesh.axis_names)
 
     def local(*blocks):
@@ -87,15 +90,6 @@ def _leaf_checksums(mesh: Mesh, specs: tuple):
     )
 
 
-def shard_checksums_fn(state_shardings, mesh: Mesh, leaf_ids: list[int]):
-    """jit: state -> uint32[*mesh.shape, len(leaf_ids), 2], each device's checksum of its own
-    block of each listed leaf (block-local element order, as `checksum.np_leaf_checksum`). Any
-    mesh: the trainer's (data, stage, tensor) or a user's own axes."""
-    specs = _specs(state_shardings)
-    f = _leaf_checksums(mesh, tuple(specs[i] for i in leaf_ids))
-    return jax.jit(lambda state: f(*[jax.tree.leaves(state)[i] for i in leaf_ids]))
-
-
 # `shard_checksums`' compiled functions, by what they depend on: a recovery's new pool finds the
 # one the standby compiled for its plan (`SnapshotPool.prepare`) instead of compiling it
 _COMPILED: OrderedDict = OrderedDict()
@@ -104,8 +98,9 @@ COMPILED_KEPT = 16
 
 
 def shard_checksums(state_shardings, mesh: Mesh, leaf_ids: list[int], abstract) -> Any:
-    """`shard_checksums_fn` compiled ahead, taking only the listed leaves (`abstract`: the
-    state's shapes and dtypes); kept (the latest `COMPILED_KEPT`) by mesh, layouts and shapes."""
+    """The on-device checksums of the listed leaves (`_leaf_checksums`), compiled ahead for
+    leaves of `abstract`'s shapes and dtypes laid out by `state_shardings`; kept (the latest
+    `COMPILED_KEPT`) by mesh, layouts and shapes."""
     specs = _specs(state_shardings)
     avals = jax.tree.leaves(abstract)
     key = (mesh, tuple((specs[i], tuple(avals[i].shape), str(avals[i].dtype)) for i in leaf_ids))
