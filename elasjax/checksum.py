@@ -9,6 +9,7 @@ changes it (the multipliers are odd, hence invertible modulo 2**32).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -77,6 +78,95 @@ def leaf_checksum(x: jax.Array) -> jax.Array:
     return weighted_checksum(bits, jax.lax.iota(jnp.uint32, bits.size))
 
 
+def _axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _axes_index(mesh, names: Sequence[str]):
+    """(combined index, count) of this device along `names` (row-major, the first name major),
+    inside a `shard_map` over `mesh`."""
+    index, count = jnp.uint32(0), 1
+    for name in names:
+        size = mesh.shape[name]
+        index = index * jnp.uint32(size) + jax.lax.axis_index(name).astype(jnp.uint32)
+        count *= size
+    return index, count
+
+
+def _block_sums(mesh, x: jax.Array, spec, global_shape: tuple[int, ...]) -> jax.Array:
+    """This device's uint32[2] share of the checksum of a leaf of `global_shape` laid out by
+    `spec`, from its block `x` (inside a `shard_map`): the block's elements at their global
+    row-major identities; a block held by R devices (replicated over the mesh axes `spec` leaves
+    out) is split R ways, so each element is counted once over the mesh."""
+    bits = _bits(x)
+    extra = bits.ndim - x.ndim  # a 64-bit element's two words, a key's data words
+    shape = tuple(global_shape) + tuple(bits.shape[x.ndim:])
+    entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    used = {a for e in entries for a in _axes_of(e)}
+    r, R = _axes_index(mesh, [a for a in mesh.axis_names if a not in used])
+    strides = [int(np.prod(shape[i + 1:], dtype=np.uint64) % (1 << 32)) for i in range(len(shape))]
+    if not used:  # the whole array on every device: split its flat elements R ways
+        n = bits.size
+        c = -(-n // R)
+        start = jnp.minimum(r * jnp.uint32(c), jnp.uint32(n - c))  # the last share ends at n
+        idx = start + jax.lax.iota(jnp.uint32, c)
+        part = jax.lax.dynamic_slice_in_dim(bits.reshape(-1), start, c)
+        return weighted_checksum(part, idx, idx >= r * jnp.uint32(c))  # not the share before
+    idx = jnp.uint32(0)
+    for i, entry in enumerate(entries):
+        block, _ = _axes_index(mesh, _axes_of(entry))
+        coord = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, i)
+        idx = idx + (block * jnp.uint32(bits.shape[i]) + coord) * jnp.uint32(strides[i])
+    split = next((i for i, n in enumerate(bits.shape) if R > 1 and n % R == 0), None)
+    if split is None:  # not divisible: the first replica counts the block, the others nothing
+        w = weights(idx, jnp.full(bits.shape, r == 0))
+        return checksum_with(bits, w)
+    k = bits.shape[split] // R
+    part = jax.lax.dynamic_slice_in_dim(bits, r * k, k, axis=split)
+    return weighted_checksum(part, jax.lax.dynamic_slice_in_dim(idx, r * k, k, axis=split))
+
+
+# elements: a replicated leaf smaller than this is hashed whole on every device that holds it (no
+# communication); sharing its hashing out costs more, in a cross-device sum, than it saves
+SPLIT_MIN = 1 << 20
+
+
+def on_mesh(shape: Sequence[int], spec, mesh) -> bool:
+    """Whether `mesh_checksums` should take a leaf of `shape` laid out by `spec`: the spec
+    splits every axis evenly (as `shard_map` needs), and the leaf is sharded (`leaf_checksum`
+    would gather it) or big enough to be worth sharing out."""
+    sizes = [int(np.prod([mesh.shape[a] for a in _axes_of(e)], dtype=np.int64)) for e in spec]
+    if any(n % k for n, k in zip(shape, sizes)):
+        return False
+    return any(k > 1 for k in sizes) or int(np.prod(shape, dtype=np.int64)) >= SPLIT_MIN
+
+
+def mesh_checksums(xs: Sequence[jax.Array], specs: Sequence[Any], mesh) -> jax.Array:
+    """uint32[n, 2]: `leaf_checksum` of each of `xs` (traceable), laid out on `mesh` by `specs`
+    (PartitionSpecs), with each element hashed once over the mesh and one all-reduce for all
+    leaves. `leaf_checksum` under GSPMD hashes a replicated leaf on every device that holds it and
+    gathers a sharded one before flattening it; the values are the same (wrapping sums are
+    exact in any order)."""
+    xs, specs = list(xs), list(specs)
+    for i, x in enumerate(xs):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # as its key data (trailing axes whole)
+            xs[i] = jax.random.key_data(x)
+            specs[i] = jax.sharding.PartitionSpec(*specs[i], *([None] * (xs[i].ndim - x.ndim)))
+    shapes = [tuple(x.shape) for x in xs]
+
+    def local(*blocks):
+        sums = jnp.stack([_block_sums(mesh, b, sp, sh) for b, sp, sh in zip(blocks, specs, shapes)])
+        return jax.lax.psum(sums, tuple(mesh.axis_names))
+
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=tuple(specs), out_specs=jax.sharding.PartitionSpec(),
+        check_vma=False,
+    )(*xs)
+
+
 def np_leaf_checksum(x: np.ndarray) -> np.ndarray:
     """`leaf_checksum` computed with numpy on the host (same values)."""
     x = np.asarray(x)
@@ -102,9 +192,26 @@ def hex_of(a) -> str:
     return f"{int(a[0]):08x}{int(a[1]):08x}"
 
 
-def tree_checksums(tree: Any) -> Any:
-    """A pytree of uint32[2] checksums (traceable; use inside or outside jit)."""
-    return jax.tree.map(leaf_checksum, tree)
+def tree_checksums(tree: Any, shardings: Any = None) -> Any:
+    """A pytree of uint32[2] checksums (traceable; use inside or outside jit). Given the tree's
+    `shardings` (NamedShardings), its sharded and large leaves on the first leaf's mesh go
+    through `mesh_checksums` (same values, no gathering, no hashing on every replica)."""
+    if shardings is None:
+        return jax.tree.map(leaf_checksum, tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    shs = treedef.flatten_up_to(shardings)
+    mesh = next((s.mesh for s in shs if isinstance(s, jax.sharding.NamedSharding)), None)
+    take = [
+        i for i, (x, s) in enumerate(zip(leaves, shs))
+        if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh
+        and on_mesh(x.shape, s.spec, mesh)
+    ]
+    out = [leaf_checksum(x) for x in leaves]
+    if take:
+        rows = mesh_checksums([leaves[i] for i in take], [shs[i].spec for i in take], mesh)
+        for j, i in enumerate(take):
+            out[i] = rows[j]
+    return jax.tree.unflatten(treedef, out)
 
 
 def to_host(sums: Any) -> dict[str, str]:

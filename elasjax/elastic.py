@@ -31,6 +31,7 @@ class refuses a multi-process job with a clear error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -399,7 +400,8 @@ class ElasticState:
             self.state, self.shardings(mesh),
         )
         step = self._make_step(mesh).lower(abstract, self._batch_fn(mesh)).compile()
-        return step, _checksums.lower(abstract).compile()
+        sums = jax.jit(functools.partial(checksum.tree_checksums, shardings=self.shardings(mesh)))
+        return step, sums.lower(abstract).compile()
 
     def executable(self):
         """Your step compiled for the current mesh (after `standby`)."""

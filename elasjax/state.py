@@ -320,16 +320,28 @@ class StateLayout:
                 out.append((key, None, 0))
         return out
 
-    def checksums(self, state: TrainState) -> dict[str, jax.Array]:
-        """Traceable: {key: uint32[2]} with layout-independent element identities."""
+    def checksums(self, state: TrainState, mesh: Mesh | None = None) -> dict[str, jax.Array]:
+        """Traceable: {key: uint32[2]} with layout-independent element identities. Given the
+        `mesh` the state is laid out on (by `shardings(mesh)`), sharded and large plain leaves
+        are hashed once over the mesh (`checksum.mesh_checksums`), not gathered or hashed on
+        every device holding a copy; the values are the same."""
         out: dict[str, jax.Array] = {}
         shared: dict = {}  # Adam's moments share every storage tier's element identities
         partial_keys, partials = [], []
-        for (key, unit, tier), slot, x in zip(self._tags, self._slot_leaf, jax.tree.leaves(state)):
+        specs = None if mesh is None else [
+            s.spec for s in jax.tree.leaves(self.shardings(mesh))
+        ]
+        plain: list[tuple[str, jax.Array, Any]] = []
+        for i, ((key, unit, tier), slot, x) in enumerate(
+            zip(self._tags, self._slot_leaf, jax.tree.leaves(state))
+        ):
             if slot:
                 out[key] = self._slot_checksum(x)
             elif unit is None:
-                out[key] = checksum.leaf_checksum(x)
+                if specs is not None and checksum.on_mesh(x.shape, specs[i], mesh):
+                    plain.append((key, x, specs[i]))
+                else:
+                    out[key] = checksum.leaf_checksum(x)
             else:
                 u = self.codec.unit(unit)
                 if (unit, tier) not in shared:
@@ -345,11 +357,15 @@ class StateLayout:
             totals = jnp.sum(jnp.stack(partials), axis=-1, dtype=jnp.uint32)  # [n, 2]
             for i, key in enumerate(partial_keys):
                 out[key] = out[key] + totals[i] if key in out else totals[i]
+        if plain:
+            rows = checksum.mesh_checksums([x for _, x, _ in plain], [s for *_, s in plain], mesh)
+            for i, (key, _, _) in enumerate(plain):
+                out[key] = rows[i]
         return out
 
-    def stacked_checksums(self, state: TrainState) -> jax.Array:
+    def stacked_checksums(self, state: TrainState, mesh: Mesh | None = None) -> jax.Array:
         """Traceable: `checksums` as one uint32[n, 2] array, rows in `checksum_keys` order."""
-        return checksum.stack(self.checksums(state))
+        return checksum.stack(self.checksums(state, mesh))
 
     def _slot_checksum(self, x: jax.Array) -> jax.Array:
         """Checksum of a slot leaf [S, Lmax, *rest] with the element identities of the canonical

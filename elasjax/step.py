@@ -5,9 +5,10 @@ fixes shapes and shardings. Executables are built ahead of time (`lower(...).com
 explicit in/out shardings and the state donated, once per plan; recovery measures exactly that
 compile as its `compile_s` phase.
 
-Every step also returns the checksums of the state it produced (`checksum.tree_checksums`,
-computed on device in the same executable), so the host always holds the checksums of the last
-good state: recovery verifies the rebuilt state against them.
+Every step also returns the checksums of the state it produced (`StateLayout.stacked_checksums`,
+computed on device in the same executable, each element hashed once over the mesh), so the host
+always holds the checksums of the last good state: recovery verifies the rebuilt state against
+them.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def make_train_step(
         metrics = {
             "loss": loss,
             "grad_norm": norm if cfg.train.deterministic else optax.tree.norm(g_opt),
-            "checksums": layout.stacked_checksums(new),
+            "checksums": layout.stacked_checksums(new, mesh),
         }
         return new, metrics
 
@@ -414,7 +415,10 @@ def compile_plan(
         .compile()
     )
     sums = (
-        jax.jit(layout.stacked_checksums, in_shardings=(st_sh,), out_shardings=rep)
+        jax.jit(
+            functools.partial(layout.stacked_checksums, mesh=mesh), in_shardings=(st_sh,),
+            out_shardings=rep,
+        )
         .lower(abs_state)
         .compile()
     )

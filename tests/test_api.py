@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import elasjax
 from elasjax import checksum
@@ -57,6 +57,45 @@ def test_checksums_cover_64_bit_leaves_on_device_and_host():
             y = x.copy()
             y.view(np.uint8)[13] ^= 1  # a bit of the high word of element 1
             assert checksum.hex_of(checksum.np_leaf_checksum(y)) != on_device
+
+
+@pytest.mark.parametrize("split_min", [checksum.SPLIT_MIN, 1])
+def test_mesh_checksums_equal_leaf_checksums_on_every_layout(monkeypatch, split_min):
+    """The mesh path (each element hashed once over the mesh, one all-reduce) gives every leaf's
+    `leaf_checksum`: sharded on one or two axes, replicated and split R ways (R = 4 or 7, sizes
+    not divisible by R), 64-bit words, PRNG keys; a flipped bit changes it."""
+    monkeypatch.setattr(checksum, "SPLIT_MIN", split_min)
+    mesh3 = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "stage", "tensor"))
+    mesh7 = Mesh(np.array(jax.devices()[:7]).reshape(7, 1), ("data", "tensor"))
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        cases = [
+            (mesh3, rng.normal(size=(24, 32)).astype(np.float32), P(None, "tensor")),
+            (mesh3, rng.normal(size=(32, 12)).astype(np.float32), P(("tensor", "data"), None)),
+            (mesh3, rng.normal(size=(6, 3)).astype(np.float32), P("tensor", None)),  # 3 % 4
+            (mesh3, rng.integers(0, 1 << 40, size=(8, 4)), P("data", None)),  # int64 words
+            (mesh3, rng.normal(size=(5, 3)).astype(np.float32), P()),
+            (mesh3, np.float32(3.5), P()),
+            (mesh7, rng.normal(size=(13, 11)).astype(np.float32), P()),  # 143 % 7
+            (mesh7, rng.normal(size=(4,)).astype(jnp.bfloat16), P()),
+        ]
+        for mesh, x, spec in cases:
+            a = jax.device_put(x, NamedSharding(mesh, spec))
+            want = checksum.hex_of(checksum.leaf_checksum(a))
+            assert want == checksum.hex_of(checksum.np_leaf_checksum(np.asarray(x)))
+            taken = checksum.on_mesh(a.shape, spec, mesh)
+            assert taken == (spec != P() or split_min == 1), (x.shape, spec)
+            if not taken:
+                continue
+            f = jax.jit(lambda y, spec=spec, mesh=mesh: checksum.mesh_checksums([y], [spec], mesh))
+            assert checksum.hex_of(f(a)[0]) == want, (x.shape, spec)
+            flipped = np.array(x, copy=True)
+            flipped.reshape(-1).view(np.uint8)[-1] ^= 1
+            assert checksum.hex_of(f(jax.device_put(flipped, a.sharding))[0]) != want
+        assert not checksum.on_mesh((5, 3), P("tensor", None), mesh3)  # shard_map: even blocks
+        key = jax.device_put(jax.random.key(3), NamedSharding(mesh3, P()))
+        got = checksum.mesh_checksums([key], [P()], mesh3)[0]
+        assert checksum.hex_of(got) == checksum.hex_of(checksum.leaf_checksum(key))
 
 
 def _mixed_state(tx, step_dtype=jnp.int64):
