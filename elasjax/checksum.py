@@ -102,7 +102,7 @@ def _block_sums(mesh, x: jax.Array, spec, global_shape: tuple[int, ...]) -> jax.
     row-major identities; a block held by R devices (replicated over the mesh axes `spec` leaves
     out) is split R ways, so each element is counted once over the mesh."""
     bits = _bits(x)
-    extra = bits.ndim - x.ndim  # a 64-bit element's two words, a key's data words
+    # a 64-bit element's two words are a trailing axis, whole on every device
     shape = tuple(global_shape) + tuple(bits.shape[x.ndim:])
     entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
     used = {a for e in entries for a in _axes_of(e)}
