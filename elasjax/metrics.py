@@ -90,6 +90,43 @@ class RecoveryEvent:
     def mttr_s(self) -> float:
         return sum(getattr(self, k) for k in MTTR_PHASES)
 
+    # summed when a recovery continues one whose first step failed
+    _ADDED = ("plan_s", "compile_s", "transfer_s", "verify_s", "snapshot_s", "standby_wait_s",
+              "renew_s", "transfer_plan_s", "bytes_moved", "transfers", "bytes_lost",
+              "bytes_kept_in_place", "bytes_cross_process", "attempts")
+
+    def continued_by(self, later: RecoveryEvent, failed_step_s: float) -> RecoveryEvent:
+        """One recovery of this event and `later`, the recovery of a failure in this one's first
+        step (`failed_step_s` long): a recovery ends at its first good step, so its MTTR runs
+        from this failure to the step after `later`. The failed step and `later`'s detection
+        count as `retry_s`; the other phases add up; the failures are both listed."""
+        merged = dataclasses.replace(
+            later,
+            step=self.step,
+            failed_devices=sorted(set(self.failed_devices) | set(later.failed_devices)),
+            failed_processes=sorted(set(self.failed_processes) | set(later.failed_processes)),
+            fault=f"{self.fault}; then, in its first step: {later.fault}",
+            from_plan=self.from_plan,
+            from_n_devices=self.from_n_devices,
+            detect_s=self.detect_s,
+            retry_s=self.retry_s + failed_step_s + later.detect_s + later.retry_s,
+            standby_hit=self.standby_hit and later.standby_hit,
+            exe_cache_hit=self.exe_cache_hit and later.exe_cache_hit,
+            verified=self.verified and later.verified,
+            steps_lost=self.steps_lost + later.steps_lost,
+            failed_phases=self.failed_phases + later.failed_phases,
+            rungs=self.rungs + later.rungs,
+            refused_snapshots=self.refused_snapshots + later.refused_snapshots,
+            collectives_renewed=self.collectives_renewed or later.collectives_renewed,
+            renew_reasons="; ".join(r for r in (self.renew_reasons, later.renew_reasons) if r),
+            client_kept="; ".join(r for r in (self.client_kept, later.client_kept) if r),
+            compiles=self.compiles,  # the count at this recovery's start
+            detail={**later.detail, **self.detail, "first_step_failure": later.fault},
+        )
+        for k in self._ADDED:
+            setattr(merged, k, getattr(self, k) + getattr(later, k))
+        return merged
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         detail = d.pop("detail")

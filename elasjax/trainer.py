@@ -294,11 +294,16 @@ class Trainer(Recovering):
                         new_state, flight = self._dispatch(pos, due, redo=step < redo_until)
                     pending = [e for e in pending if e not in due]
                 except DeviceFailure as failure:
+                    t_failed = time.perf_counter() - failure.detect_s
                     self.pool.abort(step + 1)  # that step's snapshot, if it was taken
                     self._flush(mw, bar)  # the checksums of the state recovery rebuilds
                     pos = dataclasses.replace(pos, good=self.good)
                     during = [e for e in pending if e.at_step == step and e.phase == "recovery"]
+                    unfinished = open_event  # a recovery whose first step just failed
                     pos, open_event = self._recover(pos, failure, during)
+                    if unfinished is not None:  # still one recovery: it ends at a good step
+                        open_event = unfinished.continued_by(
+                            open_event, max(0.0, t_failed - recovered_at))
                     recovered_at = time.perf_counter()  # the first step's time counts from here
                     # drop the events this recovery consumed (or that can no longer fire);
                     # later failures of devices that will have returned by then stay

@@ -12,7 +12,9 @@ import pytest
 from conftest import LOSS_RTOL, assert_params_close, assert_same_computation, tiny_config
 from elasjax import trainer
 from elasjax.config import ConfigError
-from elasjax.metrics import read_jsonl
+from elasjax.faults import FaultEvent
+from elasjax.metrics import MTTR_PHASES, read_jsonl
+from elasjax.runtime import InProcessRuntime
 from elasjax.shards import UnrecoverableStateError
 
 pytestmark = pytest.mark.slow
@@ -79,3 +81,37 @@ def test_bad_fault_schedules_fail_before_training(fault, msg):
 def test_more_devices_than_visible():
     with pytest.raises(ConfigError, match=r"'parallel.devices' = 16 but only 8 devices are visible"):
         trainer.Trainer(tiny_config("parallel.devices=16"))
+
+
+class _FailsInTheFirstStepAfter(InProcessRuntime):
+    """Loses device 5 in the first step after the first scheduled failure's recovery."""
+
+    armed = fired = False
+
+    def inject(self, events, point, trees=()):
+        if point == "before_step" and self.armed and not self.fired:
+            self.fired = True
+            events = [FaultEvent(events[0].at_step if events else -1, (5,), "devices", "devices [5]")]
+        elif point == "before_step" and events:
+            self.armed = True
+        return super().inject(events, point, trees)
+
+
+def test_a_failure_in_the_first_step_after_a_recovery_continues_that_recovery(exe_cache, tmp_path):
+    """A recovery ends at its first good step: a failure before it (here: device 5 lost in the
+    first step after device 3's recovery) is reported in the same event, with both failures and
+    an MTTR from the first failure to the first good step, not as a second recovery that hides
+    the first."""
+    cfg = tiny_config("train.steps=8", "faults=[{at_step: 4, devices: [3]}]")
+    rt = _FailsInTheFirstStepAfter(cfg)
+    out = trainer.run(cfg, tmp_path, exe_cache=exe_cache, runtime=rt)
+    assert rt.fired
+    (ev,) = out.recoveries
+    assert ev.failed_devices == [3, 5] and ev.step == 4 and ev.attempts == 2
+    assert "devices [3]" in ev.fault and "then, in its first step: devices [5]" in ev.fault
+    assert ev.from_plan == out.plans[0] and ev.to_plan == out.final_plan.name
+    (rec,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "recovery"]
+    assert rec["failed_devices"] == [3, 5] and rec["retry_s"] > 0
+    assert abs(rec["mttr_s"] - sum(rec[k] for k in MTTR_PHASES)) < 1e-9
+    ref = trainer.run(tiny_config("train.steps=8", "faults=[]"), None, exe_cache=exe_cache)
+    assert_same_computation(out, ref)
