@@ -91,10 +91,20 @@ def _leaf_checksums(mesh: Mesh, specs: tuple):
 
 
 # `shard_checksums`' compiled functions, by what they depend on: a recovery's new pool finds the
-# one the standby compiled for its plan (`SnapshotPool.prepare`) instead of compiling it
+# one the standby compiled for its plan (`SnapshotPool.prepare`) instead of compiling it. Each
+# entry is (function, its serialized source, the device ids that source names): a function loaded
+# by `rebind_checksums` keeps the form it was loaded from, since XLA:CPU cannot serialize a loaded
+# executable again (run, the copy fails: "Function add_multiply_fusion.1 not found")
 _COMPILED: OrderedDict = OrderedDict()
 _COMPILED_LOCK = threading.Lock()
 COMPILED_KEPT = 16
+
+
+def _keep(key, entry) -> None:
+    with _COMPILED_LOCK:
+        _COMPILED[key] = entry
+        while len(_COMPILED) > COMPILED_KEPT:
+            _COMPILED.popitem(last=False)
 
 
 def shard_checksums(state_shardings, mesh: Mesh, leaf_ids: list[int], abstract) -> Any:
@@ -105,20 +115,39 @@ def shard_checksums(state_shardings, mesh: Mesh, leaf_ids: list[int], abstract) 
     avals = jax.tree.leaves(abstract)
     key = (mesh, tuple((specs[i], tuple(avals[i].shape), str(avals[i].dtype)) for i in leaf_ids))
     with _COMPILED_LOCK:
-        fn = _COMPILED.get(key)
-        if fn is not None:
+        entry = _COMPILED.get(key)
+        if entry is not None:
             _COMPILED.move_to_end(key)
-            return fn
+            return entry[0]
     args = [
         jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=NamedSharding(mesh, specs[i]))
         for i in leaf_ids
     ]
     fn = jax.jit(_leaf_checksums(mesh, tuple(specs[i] for i in leaf_ids))).lower(*args).compile()
-    with _COMPILED_LOCK:
-        _COMPILED[key] = fn
-        while len(_COMPILED) > COMPILED_KEPT:
-            _COMPILED.popitem(last=False)
+    _keep(key, (fn, None, tuple(d.id for d in mesh.devices.flat)))
     return fn
+
+
+def rebind_checksums(old: Mesh, new: Mesh, load) -> int:
+    """Put the checksums compiled for `old` (`shard_checksums`) onto `new`, a mesh of the same
+    shape on other devices or on a renewed client's devices, without compiling. `load(serialized,
+    ids)` loads a serialized executable (`jax.experimental.serialize_executable.serialize`) whose
+    device references name `ids` onto `new`'s devices, position for position (`step.rebind`).
+    Returns how many it put."""
+    from jax.experimental import serialize_executable as se
+
+    with _COMPILED_LOCK:
+        kept = [(k, e) for k, e in _COMPILED.items() if k[0] == old]
+    put = 0
+    for (_, entries), (fn, source, ids) in kept:
+        key = (new, entries)
+        with _COMPILED_LOCK:
+            if key in _COMPILED:
+                continue
+        source = se.serialize(fn) if source is None else source
+        _keep(key, (load(source, ids), source, ids))
+        put += 1
+    return put
 
 
 def check_coverable(cfg: SnapshotConfig, topo: Topology) -> None:

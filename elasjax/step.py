@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import rng
+from . import rng, snapshot
 from .config import Config
 from .mesh import DATA, LOGICAL_RULES, make_mesh, replicated
 from .microbatch import accumulate
@@ -478,7 +478,9 @@ def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Exec
     and loaded with the new plan's devices as their assignment, position for position (this
     machine, the demo's 7-device plan: load 0.3-0.6 s against a 7 s compile; a step on the
     rebound executable gives the same bits as one compiled for those devices,
-    tests/test_standby_baselines.py). The eval function is re-made (it compiles on first use)."""
+    tests/test_standby_baselines.py). The snapshot checksums compiled for `exe`'s mesh are
+    loaded onto the new one too (`snapshot.rebind_checksums`). The eval function is re-made (it
+    compiles on first use)."""
     if plan.shape_key != exe.plan.shape_key:
         raise ValueError(f"cannot rebind {exe.plan.name} to {plan.name}: a different program")
     mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
@@ -490,6 +492,9 @@ def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Exec
         )
     t0 = time.perf_counter()
     src = exe.portable()
+    # the snapshot pool's checksums compiled for exe's mesh go along (a renewed client's first
+    # snapshot then compiles nothing)
+    snapshot.rebind_checksums(exe.mesh, mesh, lambda ser, ids: _load(ser, ids, flat))
     return dataclasses.replace(
         exe,
         plan=plan,

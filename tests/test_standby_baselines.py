@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from elasjax import trainer
+from elasjax import snapshot, trainer
 from elasjax.metrics import read_jsonl
 from elasjax.compile_worker import CompileCancelled
 from elasjax.standby import BackgroundJobs, CompileCounter, StandbyCompiler
@@ -127,8 +127,13 @@ def test_a_program_compiled_for_some_devices_is_rebound_to_others_with_the_same_
         assert a.shape_key == b.shape_key and a.device_ids != b.device_ids
         exe_a, _ = t.exe_cache.get(cfg, t.factory, a, t.devices, donate=False)
         assert exe_a.origin == "compiled"
+        leaf_ids = list(range(len(jax.tree.leaves(exe_a.layout.abstract))))
+        snapshot.shard_checksums(exe_a.state_shardings, exe_a.mesh, leaf_ids, exe_a.layout.abstract)
         with CompileCounter() as cc:
             exe_b, found = t.exe_cache.get(cfg, t.factory, b, t.devices, donate=False, reuse_programs=True)
+            # the snapshot checksums compiled for a's mesh came along
+            sums_b = snapshot.shard_checksums(
+                exe_b.state_shardings, exe_b.mesh, leaf_ids, exe_b.layout.abstract)
         assert cc.count == 0 and not found and exe_b.origin == "rebound"
         assert [d.id for d in exe_b.mesh.devices.flat] == list(b.device_ids)
         native = compile_plan(cfg, t.factory, b, t.devices, donate=False)
@@ -139,6 +144,19 @@ def test_a_program_compiled_for_some_devices_is_rebound_to_others_with_the_same_
             assert {d.id for d in v.sharding.device_set} == set(b.device_ids)
             np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
         np.testing.assert_array_equal(np.asarray(native.checksum(state)), np.asarray(exe_b.checksum(state)))
+        leaves = jax.tree.leaves(state)
+        specs = tuple(sh.spec for sh in jax.tree.leaves(native.state_shardings))
+        fresh = jax.jit(snapshot._leaf_checksums(native.mesh, specs))(*leaves)
+        np.testing.assert_array_equal(np.asarray(fresh), np.asarray(sums_b(*leaves)))
+        # rebound again from the rebound b: its checksums come from the form they were loaded
+        # from (a loaded XLA:CPU executable cannot be serialized again)
+        c = replan(live[:3] + live[4:], t.topo, cfg, t.initial, t.initial)
+        assert c.shape_key == b.shape_key and c.device_ids not in (a.device_ids, b.device_ids)
+        exe_c = rebind(exe_b, c, t.devices)
+        sums_c = snapshot.shard_checksums(
+            exe_c.state_shardings, exe_c.mesh, leaf_ids, exe_c.layout.abstract)
+        leaves_c = jax.tree.leaves(jax.device_put(state, exe_c.state_shardings))
+        np.testing.assert_array_equal(np.asarray(fresh), np.asarray(sums_c(*leaves_c)))
         other = dataclasses.replace(b, microbatches=b.microbatches * 2, micro_batch=b.micro_batch)
         with pytest.raises(ValueError, match="a different program"):
             rebind(exe_a, other, t.devices)
