@@ -5,6 +5,7 @@ gradient is zero and Adam would amplify its round-off noise into lr-sized differ
 device-and-host consistency test runs with XLA optimisations on: test_optimized.py.
 """
 
+import gc
 import shutil
 
 import pytest
@@ -95,6 +96,45 @@ class _FailsInTheFirstStepAfter(InProcessRuntime):
         elif point == "before_step" and events:
             self.armed = True
         return super().inject(events, point, trees)
+
+
+def test_no_garbage_collection_runs_from_a_failure_to_its_first_good_step(exe_cache, monkeypatch):
+    """Python's cyclic collector is held from the failure to the recovery's first good step
+    (a collection there would stop the loop for as long as the recovery), and back on after it:
+    garbage made during the recovery (here 20,000 cycles, enough for automatic collections) is
+    collected only after the first good step."""
+    phase = ["before"]  # -> "recovery" at the failure, -> "after" once its first step is logged
+    collections = {"before": 0, "recovery": 0, "after": 0}
+    enabled_in_recovery = []
+
+    def callback(when, info):
+        if when == "start":
+            collections[phase[0]] += 1
+
+    orig_recover, orig_line = trainer.Trainer._recover, trainer.recovery_line
+
+    def recover(self, pos, failure, during):
+        phase[0] = "recovery"
+        enabled_in_recovery.append(gc.isenabled())
+        for _ in range(20_000):  # garbage that would trigger the collector
+            a = []
+            a.append(a)
+        return orig_recover(self, pos, failure, during)
+
+    def line(ev):  # the loop logs the event once its first step is good
+        phase[0] = "after"
+        return orig_line(ev)
+
+    monkeypatch.setattr(trainer.Trainer, "_recover", recover)
+    monkeypatch.setattr(trainer, "recovery_line", line)
+    gc.callbacks.append(callback)
+    try:
+        out = trainer.run(tiny_config("train.steps=8", "faults=[{at_step: 4, devices: [3]}]"),
+                          None, exe_cache=exe_cache)
+    finally:
+        gc.callbacks.remove(callback)
+    assert len(out.recoveries) == 1 and enabled_in_recovery == [False] and gc.isenabled()
+    assert collections["recovery"] == 0 and collections["after"] > 0, collections
 
 
 def test_a_failure_in_the_first_step_after_a_recovery_continues_that_recovery(exe_cache, tmp_path):
