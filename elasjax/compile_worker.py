@@ -41,6 +41,8 @@ from pathlib import Path
 
 import jax
 
+from .liveness import cpu_s
+
 # JAX settings that change what a compile produces: the child takes the training process's
 CARRIED_CONFIG = (
     "jax_enable_x64",
@@ -121,13 +123,13 @@ class CompileWorker:
                 self._cpu_at_request = "starting"
             if self._fresh(proc) and pickle.load(proc.stdout)[0] != "ready":
                 raise pickle.UnpicklingError("the child did not say it was ready")
-            start = child_cpu_s(proc.pid)
+            start = cpu_s(proc.pid)
             with self._lock:
                 self._cpu_at_request = start
             pickle.dump((plan, donate), proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             proc.stdin.flush()
             reply = pickle.load(proc.stdout)
-            end = child_cpu_s(proc.pid)
+            end = cpu_s(proc.pid)
             with self._lock:
                 self._cpu_at_request = None
                 if reply[0] == "ok" and start is not None and end is not None:
@@ -168,7 +170,7 @@ class CompileWorker:
             return None
         if start == "starting":
             return 0.0, mean
-        now = child_cpu_s(proc.pid)
+        now = cpu_s(proc.pid)
         return None if now is None else (now - start, mean)
 
     def renice(self, nice: int) -> bool:
@@ -207,17 +209,6 @@ class CompileWorker:
             except (OSError, subprocess.TimeoutExpired):
                 proc.kill()
                 proc.wait()
-
-
-def child_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user and system, every thread) process `pid` has used; None where `/proc`
-    cannot say (not Linux, or the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def main() -> int:

@@ -23,7 +23,9 @@ class Liveness:
     has not changed for `timeout` seconds is *silent*; process 0 (the arbiter of every guard's
     exit barrier, see `MultiControllerRuntime.guard`) declares a process dead only when it is
     silent *and* has not reached the barrier. A slow process keeps beating (its heartbeat thread
-    does not wait for its computation), so it is waited for, never declared dead.
+    does not wait for its computation), so it is waited for, never declared dead. A same-host
+    peer whose heartbeat is silent while its CPU time advances (`cpu_of`, `working`) is starved,
+    not dead: the arbiter waits for it too (up to `multicontroller.STARVED_MAX_S`).
 
     Measured on the 2-core machine (jax 0.10.2, gloo, 4 processes): a SIGKILLed process was seen
     silent for 0.5 s about 0.51-0.55 s after the kill, on every survivor; gloo surfaces the death
@@ -32,10 +34,14 @@ class Liveness:
     (the coordination service's heartbeat) answered 0.6-1.7 s after that.
     """
 
-    def __init__(self, client, me: int, peers, interval: float, timeout: float):
+    def __init__(self, client, me: int, peers, interval: float, timeout: float, cpu_of=None):
         self.client, self.me, self.interval, self.timeout = client, me, interval, timeout
         now = time.time()
         self._last: dict[int, tuple[str | None, float]] = {p: (None, now) for p in peers if p != me}
+        # a same-host peer's CPU time (`cpu_of(p)`: seconds, or None where unknown) and when it
+        # last advanced (`working`)
+        self.cpu_of = cpu_of
+        self._cpu: dict[int, tuple[float, float]] = {}
         self.first_silent: dict[int, float] = {}  # when each peer's current silence passed timeout
         self.max_gap: dict[int, float] = {p: 0.0 for p in self._last}  # longest seen silence
         self.long_gaps: list[tuple[float, int, float, str]] = []  # (when, peer, gap, our phase)
@@ -74,8 +80,12 @@ class Liveness:
             v = self.client.key_value_try_get(f"elasjax/hb/{p}")
         except JaxRuntimeError:  # not written yet, or the service is going away
             v = None
+        cpu = self.cpu_of(p) if self.cpu_of is not None else None
         now = time.time()
         with self._lock:
+            if cpu is not None:  # first seen: not yet known to advance
+                old_cpu, t = self._cpu.get(p, (cpu, float("-inf")))
+                self._cpu[p] = (cpu, now if cpu > old_cpu else t)
             if p not in self._last:
                 return float("inf")
             old, t = self._last[p]
@@ -91,6 +101,15 @@ class Liveness:
                 self.first_silent[p] = now
             return now - t
 
+    def working(self, p: int, window: float) -> bool:
+        """Has process p's CPU time advanced in the last `window` seconds (as last observed)? Known
+        for same-host peers only (`cpu_of`); False elsewhere. A process whose heartbeat is silent
+        while its CPU time advances is starved (its heartbeat thread cannot run, or cannot reach
+        the coordination service), not dead."""
+        with self._lock:
+            _, t = self._cpu.get(p, (None, float("-inf")))
+        return time.time() - t <= window
+
     def silent_s(self, p: int) -> float:
         """Seconds since process p's heartbeat last changed, as this process saw it."""
         with self._lock:
@@ -100,11 +119,53 @@ class Liveness:
         with self._lock:
             for p in procs:
                 self._last.pop(p, None)
+                self._cpu.pop(p, None)
 
     def close(self) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2 * self.interval + 1)
+
+
+def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Liveness,
+              exits: "ProcessExits", fast: float, slow: float, starved_max: float):
+    """The arbiter's wait at a barrier: read each pending process's post (`<key>/<p>`) until
+    every one has posted or is dead. A peer is dead when it exited (`exits`), or when its
+    heartbeat has been silent past the limit (`fast` once some post reports an error, the
+    evidence of a failure; else `slow`) and it is not a same-host peer whose CPU time advanced
+    within that limit (`Liveness.working`: starved, waited for up to `starved_max` of silence; a
+    start-up compile of 4 processes on 2 cores silenced a live one for 7.25 s here).
+    Returns (statuses, failed {p: silence}, exited, starved {p: silence}, the limit applied)."""
+    statuses = dict(statuses)
+    failed: dict[int, float] = {}
+    starved: dict[int, float] = {}
+    exited: list[int] = []  # dead by the kernel's word, not by a timeout
+    used = fast
+    pending = list(pending)
+    while pending:
+        for p in list(pending):
+            try:
+                statuses[p] = client.blocking_key_value_get(f"{key}/{p}", 20)
+                pending.remove(p)
+                continue
+            except JaxRuntimeError:  # not there yet: dead or slow?
+                pass
+            if exits.exited(p):
+                failed[p] = liveness.observe(p)
+                exited.append(p)
+                pending.remove(p)
+                continue
+            silent = liveness.observe(p)
+            limit = fast if any(v.startswith("err:") for v in statuses.values()) else slow
+            if silent <= limit:
+                continue
+            if silent < starved_max and liveness.working(p, limit):
+                starved[p] = silent
+                continue
+            used = limit
+            failed[p] = silent
+            pending.remove(p)
+    return statuses, failed, exited, starved, used
 
 
 _THROTTLE = """
@@ -148,6 +209,17 @@ def _boot_id() -> str:
         return ""
 
 
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds (user and system, every thread) process `pid` has used; None where `/proc`
+    cannot say (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _start_ticks(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), which
     tells a process from a later one that reused its pid."""
@@ -174,6 +246,7 @@ class ProcessExits:
         self.enabled = enabled and hasattr(os, "pidfd_open")
         self._peers = [p for p in peers if p != me]
         self._fds: dict[int, int] = {}
+        self._pids: dict[int, int] = {}  # watched peers' pids (checked against their start time)
         self._lock = threading.Lock()
         self._closing: list[int] = []  # forgotten pidfds, closed by the watcher thread if any
         self._thread: threading.Thread | None = None
@@ -211,6 +284,15 @@ class ProcessExits:
                 continue
             with self._lock:
                 self._fds[p] = fd
+                self._pids[p] = info["pid"]
+
+    def cpu_s(self, p: int) -> float | None:
+        """CPU seconds a watched same-host peer has used (`cpu_s`); None for other peers and
+        once it exited."""
+        pid = self._pids.get(p)
+        if pid is None or self.exited(p):
+            return None
+        return cpu_s(pid)
 
     def exited(self, p: int) -> bool:
         fd = self._fds.get(p)
@@ -250,6 +332,7 @@ class ProcessExits:
     def forget(self, procs) -> None:
         with self._lock:
             for p in procs:
+                self._pids.pop(p, None)
                 fd = self._fds.pop(p, None)
                 if fd is None:
                     continue

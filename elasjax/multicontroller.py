@@ -61,7 +61,7 @@ from .collectives import (
 from .copies import CopyThreads, pack, packed_size, unpack
 from .p2p import TransferLinks
 from .faults import MULTI_CONTROLLER, FaultEvent
-from .liveness import Liveness, ProcessExits, Throttle
+from .liveness import Liveness, ProcessExits, Throttle, arbitrate
 from .planner import Topology
 from .runtime import DeviceFailure
 from .shards import ShardStore
@@ -109,7 +109,8 @@ class RuntimeConfig:
         heartbeat key has not changed for this long, while the step failed on a process that
         did reach it, is declared dead by process 0 (the arbiter); without such a failure, and
         at the other barriers, `heartbeat_timeout_s` applies (compiles starve heartbeat threads). It never
-        fires on a process that is merely slow: such a process keeps beating.
+        fires on a process that is merely slow: such a process keeps beating, and a same-host
+        one whose heartbeat starves is waited for while its CPU time advances (`STARVED_MAX_S`).
       slow: `(process, factor, from_step, steps)`: make `process` `factor` times slower (it is
         stopped and resumed by SIGSTOP/SIGCONT, a slow host) for `steps` steps from step
         `from_step` (benchmarks of false positives); None: off.
@@ -201,6 +202,9 @@ def xla_flags(rc: RuntimeConfig, existing: str = "") -> str:
 # cores with 5 s (session 10; one at start-up beside compiles, one in a recovery of a test that
 # shared the cores with another launch), with elasjax heartbeat silences of 3.3 s around it
 COORDINATION_HEARTBEAT_S = 30
+# The longest heartbeat silence waited for while a same-host peer's CPU time advances (a starved
+# process, `Liveness.working`); the coordination service would end it soon after anyway
+STARVED_MAX_S = COORDINATION_HEARTBEAT_S
 
 
 def initialize(rc: RuntimeConfig) -> None:
@@ -293,11 +297,11 @@ class MultiControllerRuntime:
         # device sets whose gloo communicators the current client may hold (every plan whose
         # executables ran on it, `note_collectives`): after an abort they are all broken
         self._groups: set[frozenset[int]] = set()
+        self.exits = ProcessExits(self.client, self.me, range(jax.process_count()), rc.watch_exits)
         self.liveness = Liveness(
             self.client, self.me, range(jax.process_count()), rc.liveness_interval_s,
-            rc.liveness_timeout_s,
+            rc.liveness_timeout_s, cpu_of=self.exits.cpu_s,
         )
-        self.exits = ProcessExits(self.client, self.me, range(jax.process_count()), rc.watch_exits)
         # a same-host peer's exit aborts this process's collectives at once (they would wait
         # for the collective timeout), when a renewed client can replace them
         self._in_body = False
@@ -492,36 +496,23 @@ class MultiControllerRuntime:
                     return json.loads(self.client.blocking_key_value_get(f"{key}/verdict", 60_000))
                 except JaxRuntimeError:
                     continue
-        statuses = {self.me: status}
-        failed: dict[int, float] = {}
-        exited: list[int] = []  # dead by the kernel's word (`ProcessExits`), not by a timeout
-        pending = [p for p in live if p != self.me]
         # the fast timeout needs evidence of a failure: a block that failed on a process that
         # got here. A peer absent while every block succeeded took part in all their
         # collectives, so it is late, not dead: it gets the slow timeout (measured: a live
         # process's heartbeat stalled 1.02 s during a step beside a background compile).
-        fast, slow, used = timeout, max(timeout, float(self.rc.heartbeat_timeout_s)), timeout
-        while pending:
-            for p in list(pending):
-                try:
-                    statuses[p] = self.client.blocking_key_value_get(f"{key}/{p}", 20)
-                    pending.remove(p)
-                except JaxRuntimeError:  # not there yet: dead or slow?
-                    if self.exits.exited(p):
-                        failed[p] = self.liveness.observe(p)
-                        exited.append(p)
-                        pending.remove(p)
-                        continue
-                    silent = self.liveness.observe(p)
-                    evidence = any(v.startswith("err:") for v in statuses.values())
-                    limit = fast if evidence else slow
-                    if silent > limit:
-                        used = limit
-                        failed[p] = silent
-                        pending.remove(p)
+        slow = max(timeout, float(self.rc.heartbeat_timeout_s))
+        statuses, failed, exited, starved, used = arbitrate(
+            self.client, key, {self.me: status}, [p for p in live if p != self.me],
+            self.liveness, self.exits, timeout, slow, STARVED_MAX_S,
+        )
+        if starved:
+            self.log(f"{self.liveness.phase} {where} barrier: waited for " + ", ".join(
+                f"process {p} (silent {v:.2f}s, its CPU time advancing)" for p, v in starved.items()
+            ) + ": starved, not dead")
         verdict = {
             "failed": sorted(failed),
             "exited": sorted(exited),
+            "starved_s": {str(p): round(v, 3) for p, v in starved.items()},
             "silent_s": {str(p): round(v, 3) for p, v in failed.items()},
             "errors": {str(p): v[4:] for p, v in statuses.items() if v.startswith("err:")},
             "timeout_s": used,

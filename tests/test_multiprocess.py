@@ -151,6 +151,42 @@ def test_standby_compiles_the_spare_substituted_plan_of_each_single_host_failure
             t.rt.close()
 
 
+def test_a_silent_peer_whose_cpu_time_advances_is_working_and_a_stopped_one_is_not():
+    """`Liveness.working`, the arbiter's test for a same-host peer whose heartbeat is silent: a
+    process burning CPU is working (starved, not dead); one asleep or stopped (SIGSTOP) is not,
+    and neither is one not seen yet. Real child processes, read from /proc (`liveness.cpu_s`)."""
+    import time
+
+    from jax.errors import JaxRuntimeError
+
+    from elasjax.liveness import Liveness, cpu_s
+
+    class KV:  # the key-value calls Liveness makes; the children never beat
+        def key_value_set(self, key, value, allow_overwrite=True):
+            pass
+
+        def key_value_try_get(self, key):
+            raise JaxRuntimeError("NOT_FOUND")
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    pids = {1: busy.pid, 2: idle.pid}
+    lv = Liveness(KV(), 0, [0, 1, 2, 3], interval=0.05, timeout=0.2,
+                  cpu_of=lambda p: cpu_s(pids[p]) if p in pids else None)
+    try:
+        time.sleep(1.0)  # the watcher samples every 25 ms
+        assert lv.silent_s(1) > 0.5 and lv.silent_s(2) > 0.5  # both silent past the timeout
+        assert lv.working(1, 0.3) and not lv.working(2, 0.3) and not lv.working(3, 0.3)
+        os.kill(busy.pid, signal.SIGSTOP)
+        time.sleep(0.6)
+        assert not lv.working(1, 0.3)
+    finally:
+        lv.close()
+        for c in (busy, idle):
+            c.kill()
+            c.wait()
+
+
 def test_xla_flags_replace_device_count_and_timeout():
     rc = RuntimeConfig("127.0.0.1:1234", 4, 1, collective_timeout_s=7)
     flags = xla_flags(

@@ -285,7 +285,8 @@ def test_a_needed_compile_the_worker_has_barely_begun_is_ended_and_built_here():
     import os
     from types import SimpleNamespace
 
-    from elasjax.compile_worker import CompileWorker, child_cpu_s
+    from elasjax.compile_worker import CompileWorker
+    from elasjax.liveness import cpu_s
     from elasjax.recovery import Recovering
 
     f = Recovering.WORKER_WAIT_PROGRESS
@@ -305,7 +306,7 @@ def test_a_needed_compile_the_worker_has_barely_begun_is_ended_and_built_here():
     w._proc = SimpleNamespace(pid=os.getpid())  # this process stands in for a child
     w._cpu_at_request = "starting"
     assert w.progress() == (0.0, 0.0)
-    w._cpu_at_request = child_cpu_s(os.getpid()) - 2.0
+    w._cpu_at_request = cpu_s(os.getpid()) - 2.0
     w.compiled, w.compile_cpu_s = 2, 8.0
     spent, mean = w.progress()
     assert spent >= 2.0 and mean == 4.0
