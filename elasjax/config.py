@@ -331,7 +331,9 @@ class StandbyConfig:
     process), so the first step after a hit runs at steady-state speed; executables built in
     the background are not warmed. `cache_dir` turns on JAX's persistent compilation cache
     there, so a restarted job (or the next run) loads executables instead of compiling them; on
-    CPU its key includes the device assignment."""
+    CPU its key includes the device assignment. XLA:CPU cannot serialize an executable the cache
+    loaded, so such a program is not rebound to other device sets (they compile) and, after a
+    new CPU client under launch, is built again through the cache instead of reloaded."""
 
     enabled: bool = False
     # where background compiles run: "auto" (process where it applies, else thread),

@@ -92,15 +92,6 @@ def parse_slow(text: str, processes: int) -> tuple[int, float, int, int]:
     return p, factor, start, steps
 
 
-# What cannot run under launch, and why (also in the README's limits and docs/multiprocess.md).
-LAUNCH_LIMITS = {
-    "standby.cache_dir": (
-        "JAX's persistent compilation cache deadlocked loading multi-device CPU executables "
-        "with collectives in multi-process runs (measured with jax 0.10.2); allowed values: null"
-    ),
-}
-
-
 def parse_spares(text: str | int) -> int:
     """`--spares K`: hot spare processes on top of `--processes` (`parallel.spares`)."""
     try:
@@ -138,8 +129,6 @@ def resolve_config(
             f"({n_processes - k} processes x {devices_per_process}{spares}); allowed values: "
             f"-1, {n}"
         )
-    if cfg.standby.cache_dir is not None:
-        raise ConfigError(f"config 'standby.cache_dir' under `elasjax launch`: {LAUNCH_LIMITS['standby.cache_dir']}")
     if cfg.recovery.grow_standby:
         raise ConfigError(
             "config 'recovery.grow_standby' = true is not available under `elasjax launch`: "

@@ -306,8 +306,14 @@ class Recovering:
 
     def _current(self, exe: Executables, key) -> Executables:
         """A standby executable on the current client: reloaded (`step.rehome`, no compile) when
-        the CPU client was renewed after it was built, and kept so."""
+        the CPU client was renewed after it was built, and kept so (built again where it cannot
+        be reloaded: one that JAX's persistent cache loaded, which serves it again)."""
         current = on_devices(exe, self.devices)
+        if current is None:
+            current = self.exe_cache.get(
+                self.cfg, self.factory, exe.plan, self.devices, donate=self.donate,
+                reuse_programs=self.cfg.standby.rebind,
+            )[0]
         if current is not exe:
             self.standby.put(key, current)
         return current

@@ -41,6 +41,7 @@ from .config import ConfigError, SnapshotConfig
 from .planner import Topology
 from .shards import Box, Shard, box_size, box_str, described, index_to_box
 from .sharding import path_str
+from .standby import CompileCounter
 
 
 @dataclasses.dataclass
@@ -94,7 +95,8 @@ def _leaf_checksums(mesh: Mesh, specs: tuple):
 # one the standby compiled for its plan (`SnapshotPool.prepare`) instead of compiling it. Each
 # entry is (function, its serialized source, the device ids that source names): a function loaded
 # by `rebind_checksums` keeps the form it was loaded from, since XLA:CPU cannot serialize a loaded
-# executable again (run, the copy fails: "Function add_multiply_fusion.1 not found")
+# executable again (run, the copy fails: "Function add_multiply_fusion.1 not found"); None: not
+# serialized yet; False: loaded by JAX's persistent compilation cache, so never serializable
 _COMPILED: OrderedDict = OrderedDict()
 _COMPILED_LOCK = threading.Lock()
 COMPILED_KEPT = 16
@@ -123,8 +125,10 @@ def shard_checksums(state_shardings, mesh: Mesh, leaf_ids: list[int], abstract) 
         jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=NamedSharding(mesh, specs[i]))
         for i in leaf_ids
     ]
-    fn = jax.jit(_leaf_checksums(mesh, tuple(specs[i] for i in leaf_ids))).lower(*args).compile()
-    _keep(key, (fn, None, tuple(d.id for d in mesh.devices.flat)))
+    with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
+        fn = jax.jit(_leaf_checksums(mesh, tuple(specs[i] for i in leaf_ids))).lower(*args).compile()
+    # one that JAX's persistent cache loaded cannot be serialized again: never rebound (False)
+    _keep(key, (fn, False if cached.count else None, tuple(d.id for d in mesh.devices.flat)))
     return fn
 
 
@@ -142,7 +146,7 @@ def rebind_checksums(old: Mesh, new: Mesh, load) -> int:
     for (_, entries), (fn, source, ids) in kept:
         key = (new, entries)
         with _COMPILED_LOCK:
-            if key in _COMPILED:
+            if key in _COMPILED or source is False:
                 continue
         source = se.serialize(fn) if source is None else source
         _keep(key, (load(source, ids), source, ids))

@@ -290,7 +290,7 @@ class StandbyCompiler:
                 self._busy = None
                 if err is None:
                     self._ready[plan] = exe
-                    if getattr(exe, "origin", "compiled") == "compiled":
+                    if getattr(exe, "origin", "compiled") in ("compiled", "cached"):
                         self.compiled += 1
                         self.compile_s += dt
                     else:
@@ -424,14 +424,18 @@ class CompileCounter:
     recovery can prove it compiled nothing. Use as a context manager; `count` is live."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
+    # recorded only when JAX's persistent compilation cache served an executable (loaded, not
+    # compiled): count these with `CompileCounter(event=CompileCounter.CACHE_HIT)`
+    CACHE_HIT = "/jax/compilation_cache/cache_retrieval_time_sec"
 
-    def __init__(self, thread: threading.Thread | None = None):
+    def __init__(self, thread: threading.Thread | None = None, event: str = EVENT):
         self.thread_id = (thread or threading.current_thread()).ident
+        self.event = event
         self.count = 0
         self.seconds = 0.0
 
     def _listener(self, event: str, duration: float, **kwargs) -> None:
-        if event == self.EVENT and threading.get_ident() == self.thread_id:
+        if event == self.event and threading.get_ident() == self.thread_id:
             self.count += 1
             self.seconds += duration
 

@@ -35,6 +35,7 @@ from .pipeline import pipeline_loss, pipeline_slot_losses
 from .planner import Plan
 from .sharding import batch_shardings
 from .shards import index_to_box
+from .standby import CompileCounter
 from .state import StateFactory, StateLayout, TrainState
 
 PyTree = Any
@@ -321,18 +322,32 @@ class Executables:
     batch_abstract: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
     warm_s: float = 0.0  # seconds of its warm-up run (`warm_up`), 0 if never warmed
     make_eval: Any = None  # mesh -> the eval function on it (`rebind` re-makes it)
-    # "compiled" here; "rebound" from a compile for other devices (`rebind`; `compile_s` is then
-    # the load); "reloaded" onto a renewed client's devices of the same ids
+    # "compiled" here; "cached": loaded from JAX's persistent compilation cache (`standby.
+    # cache_dir`) by `compile_plan`; "rebound" from a compile for other devices (`rebind`;
+    # `compile_s` is then the load); "reloaded" onto a renewed client's devices of the same ids
     origin: str = "compiled"
     _portable: Any = dataclasses.field(default=None, repr=False, compare=False)
     _portable_lock: Any = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
     )
 
+    @property
+    def portable_ok(self) -> bool:
+        """Can `portable` serialize these executables? Not when JAX's persistent cache loaded
+        them: XLA:CPU cannot serialize a loaded executable again (the copy loads, and fails when
+        run: "Function add_multiply_fusion.8 not found"; jax 0.10.2). An executable loaded by
+        `rebind` keeps the form it was loaded from."""
+        return self._portable is not None or self.origin != "cached"
+
     def portable(self) -> "Portable":
         """The train and checksum executables serialized (once; `rebind` loads them)."""
         from jax.experimental import serialize_executable as se
 
+        if not self.portable_ok:
+            raise ValueError(
+                f"the executables of {self.plan.name} were loaded from JAX's persistent "
+                "compilation cache and cannot be serialized again (XLA:CPU); compile them instead"
+            )
         with self._portable_lock:
             if self._portable is None:
                 self._portable = Portable(
@@ -404,27 +419,29 @@ def compile_plan(
     rep = replicated(mesh)
     train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh, plan)
     metric_sh = {"loss": rep, "grad_norm": rep, "checksums": rep}
-    train = (
-        jax.jit(
-            train_fn,
-            in_shardings=(st_sh, b_sh),
-            out_shardings=(st_sh, metric_sh),
-            donate_argnums=0 if donate else (),
+    with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
+        train = (
+            jax.jit(
+                train_fn,
+                in_shardings=(st_sh, b_sh),
+                out_shardings=(st_sh, metric_sh),
+                donate_argnums=0 if donate else (),
+            )
+            .lower(abs_state, ab)
+            .compile()
         )
-        .lower(abs_state, ab)
-        .compile()
-    )
-    sums = (
-        jax.jit(
-            functools.partial(layout.stacked_checksums, mesh=mesh), in_shardings=(st_sh,),
-            out_shardings=rep,
+        sums = (
+            jax.jit(
+                functools.partial(layout.stacked_checksums, mesh=mesh), in_shardings=(st_sh,),
+                out_shardings=rep,
+            )
+            .lower(abs_state)
+            .compile()
         )
-        .lower(abs_state)
-        .compile()
-    )
     return Executables(
         plan, mesh, layout, st_sh, b_sh, train, sums, make_eval(mesh),
         time.perf_counter() - t0, ab, make_eval=make_eval,
+        origin="cached" if cached.count else "compiled",
     )
 
 
@@ -443,11 +460,12 @@ def from_portable(
     )
 
 
-def on_devices(exe: Executables, devices: dict[int, jax.Device]) -> Executables:
-    """`exe` itself when it runs on `devices`' client, else `rehome`d onto them."""
+def on_devices(exe: Executables, devices: dict[int, jax.Device]) -> Executables | None:
+    """`exe` itself when it runs on `devices`' client, else `rehome`d onto them; None where it
+    cannot be (`Executables.portable_ok`: then compile it, which JAX's persistent cache serves)."""
     if exe.client is devices[exe.plan.device_ids[0]].client:
         return exe
-    return rehome(exe, devices)
+    return rehome(exe, devices) if exe.portable_ok else None
 
 
 def rehome(exe: Executables, devices: dict[int, jax.Device]) -> Executables:
@@ -464,7 +482,8 @@ REBINDABLE = ("cpu", "gpu", "cuda", "rocm")
 def can_rebind(exe: Executables, plan: Plan) -> bool:
     """Can `rebind` put `exe`'s program on `plan`'s devices: the same program (`shape_key`)
     on a backend whose executables take a new device assignment?"""
-    return exe.plan.shape_key == plan.shape_key and exe.client.platform in REBINDABLE
+    return (exe.plan.shape_key == plan.shape_key and exe.client.platform in REBINDABLE
+            and exe.portable_ok)
 
 
 def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Executables:
@@ -619,7 +638,8 @@ class ExecutableCache:
         reuse_programs: bool = False,
     ) -> tuple[Executables, bool]:
         """(executables, found here). An entry made for another client's devices of the same
-        ids (a renewed CPU client) is reloaded onto `devices`; with `reuse_programs`
+        ids (a renewed CPU client) is reloaded onto `devices` (compiled again where it cannot be,
+        `Executables.portable_ok`); with `reuse_programs`
         (`standby.rebind`), a plan whose program is here for other devices is rebound to its
         own (`rebind`); otherwise it is compiled."""
         k = self.key(cfg, plan, donate, factory.tx_key)
@@ -629,9 +649,11 @@ class ExecutableCache:
                 self._d[k] = exe
         if exe is not None:
             current = on_devices(exe, devices)
-            if current is not exe:
+            if current is exe:
+                return exe, True
+            if current is not None:
                 self._put(k, current)
-            return current, True
+                return current, True
         src = self.program(cfg, plan, donate, factory.tx_key) if reuse_programs else None
         if src is not None:
             exe = rebind(src, plan, devices)

@@ -600,7 +600,7 @@ class Trainer(Recovering):
                 self.cfg, self.factory, plan, self.devices, donate=self.donate,
                 reuse_programs=self.cfg.standby.rebind,
             )[0]
-            if self.cfg.standby.rebind or jax.process_count() > 1:
+            if (self.cfg.standby.rebind or jax.process_count() > 1) and exe.portable_ok:
                 exe.portable()
         # the snapshot checksums of the plan's pool too (a small compile, here)
         self.pool.prepare(exe.layout.abstract, exe.state_shardings, exe.mesh)

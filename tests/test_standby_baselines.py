@@ -382,6 +382,62 @@ def test_a_plan_compiled_in_the_worker_process_computes_the_bits_of_one_compiled
     assert pauses[0] is None and len(pauses) == 2 and 2 < pauses[1] <= 5
 
 
+_CACHED_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from conftest import tiny_config  # the suite's XLA settings
+import jax, numpy as np
+from elasjax import snapshot, trainer
+from elasjax.planner import replan
+from elasjax.step import ExecutableCache, can_rebind, compile_plan
+trainer.enable_compilation_cache({cache!r})  # process-wide: hence a process of its own
+cfg = tiny_config("faults=[]")
+t = trainer.Trainer(cfg, None, exe_cache=ExecutableCache())
+live = list(t.topo.device_ids)
+a = replan(live[1:], t.topo, cfg, t.initial, t.initial)
+b = replan(live[:-1], t.topo, cfg, t.initial, t.initial)
+first = compile_plan(cfg, t.factory, a, t.devices, donate=False)  # written to the cache
+again = compile_plan(cfg, t.factory, a, t.devices, donate=False)  # loaded from it
+cache = ExecutableCache()
+cache.put(cfg, a, again, donate=False)
+exe_b, found = cache.get(cfg, t.factory, b, t.devices, donate=False, reuse_programs=True)
+state = exe_b.init()
+new, met = exe_b.train(state, exe_b.put_batch(t.data.batch(0, b).arrays()))
+jax.block_until_ready((new, met, exe_b.checksum(new)))
+abstract = again.layout.abstract
+ids = list(range(len(jax.tree.leaves(abstract))))
+snapshot.shard_checksums(again.state_shardings, again.mesh, ids, abstract)
+snapshot._COMPILED.clear()
+snapshot.shard_checksums(again.state_shardings, again.mesh, ids, abstract)  # from the cache
+put = snapshot.rebind_checksums(again.mesh, exe_b.mesh, lambda ser, i: 1 / 0)
+print(json.dumps({{
+    "origins": [first.origin, again.origin, exe_b.origin], "portable": again.portable_ok,
+    "can_rebind": can_rebind(again, b), "found": found, "loss": float(met["loss"]),
+    "checksums_put": put,
+}}))
+"""
+
+
+def test_an_executable_from_the_persistent_cache_is_never_serialized_again(tmp_path):
+    """XLA:CPU cannot serialize an executable that JAX's persistent compilation cache loaded (the
+    copy loads, then fails when run: "Function add_multiply_fusion.8 not found"; it broke the
+    second `--standby` run with a warm `standby.cache_dir`, and under launch). Such a plan is
+    `cached`, not rebound to other devices (they compile, and run), and its snapshot checksums
+    are not rebound either. A process of its own: the cache is a process-wide setting."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _CACHED_RUN.format(tests=str(Path(__file__).parent), cache=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["origins"] == ["compiled", "cached", "compiled"]
+    assert not got["portable"] and not got["can_rebind"] and not got["found"]
+    assert np.isfinite(got["loss"]) and got["checksums_put"] == 0
+
+
 def test_the_worker_process_is_refused_where_it_cannot_build_the_executables():
     import optax
 
