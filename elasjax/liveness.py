@@ -164,6 +164,7 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
                 continue
             used = limit
             failed[p] = silent
+            starved.pop(p, None)  # its CPU time stopped too: dead after all, not waited for
             pending.remove(p)
     return statuses, failed, exited, starved, used
 

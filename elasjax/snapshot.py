@@ -141,12 +141,12 @@ def rebind_checksums(old: Mesh, new: Mesh, load) -> int:
     from jax.experimental import serialize_executable as se
 
     with _COMPILED_LOCK:
-        kept = [(k, e) for k, e in _COMPILED.items() if k[0] == old]
+        kept = [(k, e) for k, e in _COMPILED.items() if k[0] == old and e[1] is not False]
     put = 0
     for (_, entries), (fn, source, ids) in kept:
         key = (new, entries)
         with _COMPILED_LOCK:
-            if key in _COMPILED or source is False:
+            if key in _COMPILED:
                 continue
         source = se.serialize(fn) if source is None else source
         _keep(key, (load(source, ids), source, ids))
