@@ -42,6 +42,16 @@ def _bits(x: jax.Array) -> jax.Array:
     )
 
 
+def _words(x: jax.Array) -> jax.Array:
+    """`x` as an array `_bits` takes one value per element of: 64-bit elements split into their
+    two uint32 words (a trailing axis), PRNG keys as their key data; other arrays unchanged."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype.itemsize == 8:
+        return _bits(x)
+    return x
+
+
 def weights(idx: jax.Array, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The two odd multipliers of element identities `idx` (uint32); zero where `valid` is
     False, so those elements do not count. Arrays with the same identities share them."""
@@ -72,10 +82,116 @@ def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None =
     return checksum_with(bits, weights(idx, valid))
 
 
+# Elements hashed per loop step. Hashing a large array in one fused pass writes every element's
+# weighted product to memory before reducing it; on the CPU backend that pass cost 3-6x the same
+# work done in cache-sized chunks (experiments/RESULTS.md, "Checksums"), so arrays larger than
+# this are hashed chunk by chunk in a loop (the same values: the sums wrap, in any order).
+CHUNK = 1 << 14
+
+
+def grid_sums(bits: jax.Array, row_base=None, start=None, count: int | None = None,
+              stop=None) -> jax.Array:
+    """uint32[2] checksum of `bits` (uint32, or any 8-32-bit array, converted one tile at a time
+    so that a tile's pass reads only its elements) viewed as [rows, inner]: the element at (r, c) has
+    the identity `row_base(r) + c` (`row_base`: uint32 rows -> uint32 starts; default r * inner,
+    the row-major position). With `start` (traced or static), only the flat positions
+    [start, start + count) below `stop` count: a share of the array (`count` static).
+
+    An array larger than `CHUNK` whose rows are whole tiles of `CHUNK` elements, or whose tiles
+    are whole rows, is hashed one tile at a time in a loop (each identity from its row's start,
+    no per-element division); others in one pass."""
+    R, inner = bits.shape
+    n = R * inner
+    base = row_base if row_base is not None else (lambda r: r * jnp.uint32(inner))
+    share = start is not None
+    lo = hi = None
+    if share:
+        lo = jnp.uint32(start)
+        hi = jnp.minimum(lo + jnp.uint32(count), jnp.uint32(stop))
+    C = CHUNK
+    if n <= C or not (inner % C == 0 or C % inner == 0):
+        return _tile_sums(bits, jnp.uint32(0), base, lo, hi)
+    if inner % C == 0:  # tiles inside rows
+        per_row = inner // C
+        tiles = bits.reshape(R * per_row, C)
+
+        def tile_of(t):
+            row = t // jnp.uint32(per_row)
+            off = (t % jnp.uint32(per_row)) * jnp.uint32(C)
+            return jax.lax.dynamic_index_in_dim(tiles, t, 0), (
+                lambda _r, row=row, off=off: base(row[None]) + off)
+
+        n_tiles, shape = R * per_row, (1, C)
+        tail = None
+    else:  # tiles of k whole rows, the rows after the last whole tile in one pass
+        k = C // inner
+        n_tiles = R // k
+        tiles = bits[: n_tiles * k].reshape(n_tiles, k, inner)
+        tail = bits[n_tiles * k:]
+
+        def tile_of(t):
+            first = t * jnp.uint32(k)
+            return jax.lax.dynamic_index_in_dim(tiles, t, 0, keepdims=False), (
+                lambda _r, first=first: base(first + jax.lax.iota(jnp.uint32, k)))
+
+        shape = (k, inner)
+    col = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
+
+    def one(t, masked=True):
+        block, rows_base = tile_of(t)
+        block = _bits(block.reshape(shape))
+        idx = rows_base(None)[:, None] + col
+        valid = None
+        if share and masked:
+            pos = t * jnp.uint32(C) + jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(
+                shape[1]) + col
+            valid = (pos >= lo) & (pos < hi)
+        return checksum_with(block, weights(idx, valid))
+
+    if share and count % C == 0 and n % count == 0:  # the share is whole tiles: no masks
+        first = lo // jnp.uint32(C)
+        acc = jax.lax.fori_loop(
+            0, count // C, lambda j, acc: acc + one(first + j.astype(jnp.uint32), masked=False),
+            jnp.zeros(2, jnp.uint32),
+        )
+    elif share:  # the tiles that hold the share
+        first = lo // jnp.uint32(C)
+        steps = min(n_tiles, -(-count // C) + 1)
+
+        def step(j, acc):
+            t = first + j.astype(jnp.uint32)
+            inside = t < jnp.uint32(n_tiles)
+            got = one(jnp.minimum(t, jnp.uint32(n_tiles - 1)))
+            return acc + jnp.where(inside, got, jnp.uint32(0))
+
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(2, jnp.uint32))
+    else:
+        acc = jax.lax.fori_loop(
+            0, n_tiles, lambda t, acc: acc + one(t.astype(jnp.uint32)), jnp.zeros(2, jnp.uint32)
+        )
+    if tail is not None and tail.shape[0]:
+        acc = acc + _tile_sums(tail, jnp.uint32(n_tiles * (C // inner)), base, lo, hi)
+    return acc
+
+
+def _tile_sums(bits: jax.Array, row0, base, lo, hi) -> jax.Array:
+    """One pass over rows `row0 ...` of a [rows, inner] grid (see `grid_sums`)."""
+    bits = _bits(bits)
+    R, inner = bits.shape
+    rows = row0 + jax.lax.iota(jnp.uint32, R)
+    col = jax.lax.broadcasted_iota(jnp.uint32, (R, inner), 1)
+    idx = base(rows)[:, None] + col
+    valid = None
+    if lo is not None:
+        pos = rows[:, None] * jnp.uint32(inner) + col
+        valid = (pos >= lo) & (pos < hi)
+    return checksum_with(bits, weights(idx, valid))
+
+
 def leaf_checksum(x: jax.Array) -> jax.Array:
     """uint32[2] checksum of one array (any sharding); element identity = row-major index."""
-    bits = _bits(x).reshape(-1)
-    return weighted_checksum(bits, jax.lax.iota(jnp.uint32, bits.size))
+    flat = _words(x).reshape(-1)
+    return grid_sums(flat.reshape(1, -1) if flat.size > CHUNK else flat.reshape(-1, 1))
 
 
 def _axes_of(entry) -> tuple[str, ...]:
@@ -101,32 +217,55 @@ def _block_sums(mesh, x: jax.Array, spec, global_shape: tuple[int, ...]) -> jax.
     `spec`, from its block `x` (inside a `shard_map`): the block's elements at their global
     row-major identities; a block held by R devices (replicated over the mesh axes `spec` leaves
     out) is split R ways, so each element is counted once over the mesh."""
-    bits = _bits(x)
+    bits = _words(x)
     # a 64-bit element's two words are a trailing axis, whole on every device
     shape = tuple(global_shape) + tuple(bits.shape[x.ndim:])
     entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
     used = {a for e in entries for a in _axes_of(e)}
     r, R = _axes_index(mesh, [a for a in mesh.axis_names if a not in used])
-    strides = [int(np.prod(shape[i + 1:], dtype=np.uint64) % (1 << 32)) for i in range(len(shape))]
-    if not used:  # the whole array on every device: split its flat elements R ways
-        n = bits.size
-        c = -(-n // R)
-        start = jnp.minimum(r * jnp.uint32(c), jnp.uint32(n - c))  # the last share ends at n
-        idx = start + jax.lax.iota(jnp.uint32, c)
-        part = jax.lax.dynamic_slice_in_dim(bits.reshape(-1), start, c)
-        return weighted_checksum(part, idx, idx >= r * jnp.uint32(c))  # not the share before
-    idx = jnp.uint32(0)
-    for i, entry in enumerate(entries):
-        block, _ = _axes_index(mesh, _axes_of(entry))
-        coord = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, i)
-        idx = idx + (block * jnp.uint32(bits.shape[i]) + coord) * jnp.uint32(strides[i])
-    split = next((i for i, n in enumerate(bits.shape) if R > 1 and n % R == 0), None)
-    if split is None:  # not divisible: the first replica counts the block, the others nothing
-        w = weights(idx, jnp.full(bits.shape, r == 0))
-        return checksum_with(bits, w)
-    k = bits.shape[split] // R
-    part = jax.lax.dynamic_slice_in_dim(bits, r * k, k, axis=split)
-    return weighted_checksum(part, jax.lax.dynamic_slice_in_dim(idx, r * k, k, axis=split))
+    if not used:
+        grid, row_base = bits.reshape(1, -1), None
+    else:
+        grid, row_base = _block_grid(mesh, bits, shape, entries)
+    if R == 1:
+        return grid_sums(grid, row_base)
+    n = bits.size
+    c = -(-n // R)  # this device's share of the block's flat elements
+    return grid_sums(grid, row_base, start=r * jnp.uint32(c), count=c, stop=n)
+
+
+def _block_grid(mesh, bits: jax.Array, shape: tuple[int, ...], entries):
+    """(this device's block `bits` as [rows, inner], row -> global row-major identity of the
+    row's first element) for an array of `shape` (inside a `shard_map`). The block's dimensions
+    from the last sharded one on are one contiguous run of the global order (`inner`
+    elements); a row's start follows from its leading coordinates."""
+    local = bits.shape
+    nd = len(shape)
+    sharded = [i for i in range(nd) if _axes_of(entries[i])]
+    last = sharded[-1]
+    inner = int(np.prod(local[last:], dtype=np.int64))
+    strides = [int(np.prod(shape[i + 1:], dtype=np.uint64) % (1 << 32)) for i in range(nd)]
+    base = jnp.uint32(0)  # the block's offset along every sharded dimension
+    for i in sharded:
+        block, _ = _axes_index(mesh, _axes_of(entries[i]))
+        base = base + block * jnp.uint32(local[i]) * jnp.uint32(strides[i])
+    # leading dimensions (before `last`), consecutive unsharded ones merged: [extent, stride]
+    lead: list[list[int]] = []
+    for i in range(last):
+        if lead and i - 1 not in sharded and i not in sharded:
+            lead[-1][0] *= local[i]
+            lead[-1][1] = strides[i]
+        else:
+            lead.append([local[i], strides[i]])
+
+    def row_base(row):
+        idx = base + jnp.zeros_like(row)
+        for extent, stride in reversed(lead):
+            idx = idx + (row % jnp.uint32(extent)) * jnp.uint32(stride)
+            row = row // jnp.uint32(extent)
+        return idx
+
+    return bits.reshape(-1, inner), row_base
 
 
 # elements: a replicated leaf smaller than this is hashed whole on every device that holds it (no

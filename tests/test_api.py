@@ -59,12 +59,15 @@ def test_checksums_cover_64_bit_leaves_on_device_and_host():
             assert checksum.hex_of(checksum.np_leaf_checksum(y)) != on_device
 
 
+@pytest.mark.parametrize("chunk", [checksum.CHUNK, 4])
 @pytest.mark.parametrize("split_min", [checksum.SPLIT_MIN, 1])
-def test_mesh_checksums_equal_leaf_checksums_on_every_layout(monkeypatch, split_min):
+def test_mesh_checksums_equal_leaf_checksums_on_every_layout(monkeypatch, split_min, chunk):
     """The mesh path (each element hashed once over the mesh, one all-reduce) gives every leaf's
     `leaf_checksum`: sharded on one or two axes, replicated and split R ways (R = 4 or 7, sizes
-    not divisible by R), 64-bit words, PRNG keys; a flipped bit changes it."""
+    not divisible by R), 64-bit words, PRNG keys; a flipped bit changes it. With a `CHUNK` of 4
+    elements every array is hashed in a loop of chunks, the last one overlapping."""
     monkeypatch.setattr(checksum, "SPLIT_MIN", split_min)
+    monkeypatch.setattr(checksum, "CHUNK", chunk)
     mesh3 = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "stage", "tensor"))
     mesh7 = Mesh(np.array(jax.devices()[:7]).reshape(7, 1), ("data", "tensor"))
     rng = np.random.default_rng(0)
@@ -73,6 +76,8 @@ def test_mesh_checksums_equal_leaf_checksums_on_every_layout(monkeypatch, split_
             (mesh3, rng.normal(size=(24, 32)).astype(np.float32), P(None, "tensor")),
             (mesh3, rng.normal(size=(32, 12)).astype(np.float32), P(("tensor", "data"), None)),
             (mesh3, rng.normal(size=(6, 3)).astype(np.float32), P("tensor", None)),  # 3 % 4
+            (mesh3, rng.normal(size=(4, 6, 2, 5)).astype(np.float32), P("data", None, "tensor")),
+            (mesh3, rng.normal(size=(3, 4, 10)).astype(np.float32), P(None, "stage", None)),
             (mesh3, rng.integers(0, 1 << 40, size=(8, 4)), P("data", None)),  # int64 words
             (mesh3, rng.normal(size=(5, 3)).astype(np.float32), P()),
             (mesh3, np.float32(3.5), P()),
