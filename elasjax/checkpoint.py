@@ -135,6 +135,11 @@ def restore_latest(cfg: CheckpointConfig, abstract_target: Any) -> tuple[Any, di
         ck.close()
 
 
+# The ZeRO storage format `form_of` records: 2 is `zero.ZeroCodec`'s rows of unpadded pieces
+# in each tensor rank's own element order (1, before it, had padded pieces in tensor-major order)
+STORAGE_FORMAT = 2
+
+
 def form_of(plan) -> dict:
     """What identifies a plan's state form (`StateFactory.layout`), as JSON."""
     z = plan.zero
@@ -144,14 +149,25 @@ def form_of(plan) -> dict:
         "zero": None if z is None else {
             "kind": z.kind, "stage": z.stage, "n_pieces": z.n_pieces,
             "tiers": [[list(slots) for slots in t] for t in z.tiers],
+            "format": STORAGE_FORMAT,
         },
         "partition": list(plan.partition),
     }
 
 
+class CheckpointFormatError(ValueError):
+    """A checkpoint whose saved form this version of elasjax cannot read."""
+
+
 def _plan_of_form(form: dict):
     """The plan fields `StateFactory.layout` reads, from `form_of`'s record."""
     z = form["zero"]
+    if z is not None and z.get("format", 1) != STORAGE_FORMAT:
+        raise CheckpointFormatError(
+            f"the checkpoint holds ZeRO storage in format {z.get('format', 1)}; this elasjax "
+            f"reads format {STORAGE_FORMAT} (and ZeRO-0 checkpoints of any version). Resume it "
+            "with the elasjax that wrote it, or from a checkpoint saved with zero.stage = 0"
+        )
     zero = None if z is None else ZeroLayout(
         z["kind"], z["stage"], z["n_pieces"],
         tuple(tuple(tuple(slots) for slots in t) for t in z["tiers"]),
@@ -210,12 +226,12 @@ def _as_checkpoint_sources(store, saved) -> None:
             if tag[1] is None:
                 out.append(Shard(s.device, s.box, s.data, "checkpoint"))
                 continue
-            b = len(shape) - 4  # [*layers, data, slots, rows, piece]
-            (r0, r1), (q0, q1) = s.box[b], s.box[b + 2]
+            b = len(shape) - 3  # [*layers, data, rows, width]
+            (r0, r1), (q0, q1) = s.box[b], s.box[b + 1]
             for r in range(r0, r1):
                 for q in range(q0, q1):
-                    box = s.box[:b] + ((r, r + 1), s.box[b + 1], (q, q + 1), s.box[b + 3])
-                    cut = (slice(None),) * b + (slice(r - r0, r - r0 + 1), slice(None),
+                    box = s.box[:b] + ((r, r + 1), (q, q + 1), s.box[b + 2])
+                    cut = (slice(None),) * b + (slice(r - r0, r - r0 + 1),
                                                 slice(q - q0, q - q0 + 1))
                     out.append(Shard(s.device, box, None if s.data is None else s.data[cut],
                                      "checkpoint"))
@@ -236,7 +252,7 @@ def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, t
     saved = factory.layout(_plan_of_form(meta["form"]))
     live = sorted(exe.plan.device_ids)
     by_id = devices or {d.id: d for d in jax.devices()}
-    data_dims = [None if t[1] is None else len(x.shape) - 4
+    data_dims = [None if t[1] is None else len(x.shape) - 3
                  for t, x in zip(saved._tags, jax.tree.leaves(saved.abstract))]
     sh = spread_shardings(saved.abstract, [by_id[i] for i in live], data_dims)
     target = jax.tree.map(
@@ -257,4 +273,4 @@ def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, t
     return state, meta, {"peak_restore_bytes": max(per_device.values(), default=0)}
 
 
-__all__ = ["Checkpointer", "form_of", "restore_latest", "restore_onto", "spread_shardings"]
+__all__ = ["CheckpointFormatError", "Checkpointer", "form_of", "restore_latest", "restore_onto", "spread_shardings"]

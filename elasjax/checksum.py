@@ -82,110 +82,105 @@ def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None =
     return checksum_with(bits, weights(idx, valid))
 
 
-# Elements hashed per loop step. Hashing a large array in one fused pass writes every element's
-# weighted product to memory before reducing it; on the CPU backend that pass cost 3-6x the same
-# work done in cache-sized chunks (experiments/RESULTS.md, "Checksums"), so arrays larger than
-# this are hashed chunk by chunk in a loop (the same values: the sums wrap, in any order).
+# Elements hashed per loop step. Hashing a large array in one fused pass writes its bit pattern
+# and weighted products to memory before reducing them; on the CPU backend that cost up to 6x the
+# same work done in cache-sized tiles, each converted to bits on its own (the state of a 25.5M-
+# parameter GPT: 246 -> 42 ms, experiments/RESULTS.md, "Checksums"). So arrays larger than this
+# are hashed tile by tile in a loop (the same values: the sums wrap, in any order).
 CHUNK = 1 << 14
 
 
-def grid_sums(bits: jax.Array, row_base=None, start=None, count: int | None = None,
+def tile_sums(xs: Sequence[jax.Array], ident, start=None, count: int | None = None,
               stop=None) -> jax.Array:
-    """uint32[2] checksum of `bits` (uint32, or any 8-32-bit array, converted one tile at a time
-    so that a tile's pass reads only its elements) viewed as [rows, inner]: the element at (r, c) has
-    the identity `row_base(r) + c` (`row_base`: uint32 rows -> uint32 starts; default r * inner,
-    the row-major position). With `start` (traced or static), only the flat positions
-    [start, start + count) below `stop` count: a share of the array (`count` static).
+    """uint32[len(xs), 2]: the checksums of same-shaped arrays `xs` (8-32-bit values, or
+    uint32 words) viewed as [rows, inner], at the identities `ident(rows, cols)` -> (uint32
+    identities, validity or None) of a tile's elements (`rows`: uint32[k], `cols`: uint32
+    [k, inner] or [1, c], broadcastable to the tile). With `start` (traced or static), only the
+    flat positions [start, start + count) below `stop` count: a share (`count` static).
 
-    An array larger than `CHUNK` whose rows are whole tiles of `CHUNK` elements, or whose tiles
-    are whole rows, is hashed one tile at a time in a loop (each identity from its row's start,
-    no per-element division); others in one pass."""
-    R, inner = bits.shape
+    Tiles of about `CHUNK` elements (whole rows, or pieces of one row) are hashed in a loop,
+    each converted to bits and given its identities on its own; the identities of all of `xs`
+    are computed once per tile."""
+    R, inner = xs[0].shape
     n = R * inner
-    base = row_base if row_base is not None else (lambda r: r * jnp.uint32(inner))
     share = start is not None
     lo = hi = None
     if share:
         lo = jnp.uint32(start)
         hi = jnp.minimum(lo + jnp.uint32(count), jnp.uint32(stop))
+    zero = jnp.zeros((len(xs), 2), jnp.uint32)
+
+    def hashed(blocks, rows, cols, repeat=None):
+        idx, valid = ident(rows, cols)
+        shape = blocks[0].shape
+        if repeat is not None:
+            valid = repeat if valid is None else valid & repeat
+        if share:
+            pos = rows[:, None] * jnp.uint32(inner) + cols
+            inside = (pos >= lo) & (pos < hi)
+            valid = inside if valid is None else valid & inside
+        w = weights(jnp.broadcast_to(idx, shape),
+                    None if valid is None else jnp.broadcast_to(valid, shape))
+        return jnp.stack([checksum_with(_bits(b), w) for b in blocks])
+
     C = CHUNK
-    if n <= C or not (inner % C == 0 or C % inner == 0):
-        return _tile_sums(bits, jnp.uint32(0), base, lo, hi)
-    if inner % C == 0:  # tiles inside rows
-        per_row = inner // C
-        tiles = bits.reshape(R * per_row, C)
+    if n <= C:  # one pass
+        rows = jax.lax.iota(jnp.uint32, R)
+        return hashed(list(xs), rows, jax.lax.broadcasted_iota(jnp.uint32, (R, inner), 1))
+    if inner >= C:  # tiles inside rows; a row's last tile may start earlier (the repeats masked)
+        per_row = -(-inner // C)
+        exact = inner % C == 0
+        iota = jax.lax.broadcasted_iota(jnp.uint32, (1, C), 1)
+        tiles = per_row * R if not share else min(per_row * R, (-(-count // C) + 2) * (
+            1 if exact else 2))
+        first = 0 if not share else lo // jnp.uint32(inner) * jnp.uint32(per_row) + (
+            lo % jnp.uint32(inner)) // jnp.uint32(C)
 
-        def tile_of(t):
-            row = t // jnp.uint32(per_row)
-            off = (t % jnp.uint32(per_row)) * jnp.uint32(C)
-            return jax.lax.dynamic_index_in_dim(tiles, t, 0), (
-                lambda _r, row=row, off=off: base(row[None]) + off)
+        def step(t, acc):
+            tile = jnp.uint32(first) + t.astype(jnp.uint32)
+            inside = tile < jnp.uint32(per_row * R)
+            tile = jnp.minimum(tile, jnp.uint32(per_row * R - 1))
+            row = tile // jnp.uint32(per_row)
+            want = (tile % jnp.uint32(per_row)) * jnp.uint32(C)
+            at = jnp.minimum(want, jnp.uint32(inner - C))
+            blocks = [jax.lax.dynamic_slice(x, (row, at), (1, C)) for x in xs]
+            cols = at + iota
+            repeat = None if exact else cols >= want
+            got = hashed(blocks, row[None], cols, repeat)
+            return acc + (jnp.where(inside, got, jnp.uint32(0)) if share else got)
 
-        n_tiles, shape = R * per_row, (1, C)
-        tail = None
-    else:  # tiles of k whole rows, the rows after the last whole tile in one pass
-        k = C // inner
-        n_tiles = R // k
-        tiles = bits[: n_tiles * k].reshape(n_tiles, k, inner)
-        tail = bits[n_tiles * k:]
-
-        def tile_of(t):
-            first = t * jnp.uint32(k)
-            return jax.lax.dynamic_index_in_dim(tiles, t, 0, keepdims=False), (
-                lambda _r, first=first: base(first + jax.lax.iota(jnp.uint32, k)))
-
-        shape = (k, inner)
-    col = jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
-
-    def one(t, masked=True):
-        block, rows_base = tile_of(t)
-        block = _bits(block.reshape(shape))
-        idx = rows_base(None)[:, None] + col
-        valid = None
-        if share and masked:
-            pos = t * jnp.uint32(C) + jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(
-                shape[1]) + col
-            valid = (pos >= lo) & (pos < hi)
-        return checksum_with(block, weights(idx, valid))
-
-    if share and count % C == 0 and n % count == 0:  # the share is whole tiles: no masks
-        first = lo // jnp.uint32(C)
-        acc = jax.lax.fori_loop(
-            0, count // C, lambda j, acc: acc + one(first + j.astype(jnp.uint32), masked=False),
-            jnp.zeros(2, jnp.uint32),
-        )
-    elif share:  # the tiles that hold the share
-        first = lo // jnp.uint32(C)
-        steps = min(n_tiles, -(-count // C) + 1)
-
-        def step(j, acc):
-            t = first + j.astype(jnp.uint32)
-            inside = t < jnp.uint32(n_tiles)
-            got = one(jnp.minimum(t, jnp.uint32(n_tiles - 1)))
-            return acc + jnp.where(inside, got, jnp.uint32(0))
-
-        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(2, jnp.uint32))
+        return jax.lax.fori_loop(0, tiles, step, zero)
+    # tiles of k whole rows; the last one may start earlier (the repeated rows masked)
+    k = C // inner
+    n_tiles = -(-R // k)
+    exact = R % k == 0
+    cols = jax.lax.broadcasted_iota(jnp.uint32, (k, inner), 1)
+    if share:
+        first = lo // jnp.uint32(inner * k)
+        steps = min(n_tiles, -(-count // (inner * k)) + 1)
     else:
-        acc = jax.lax.fori_loop(
-            0, n_tiles, lambda t, acc: acc + one(t.astype(jnp.uint32)), jnp.zeros(2, jnp.uint32)
-        )
-    if tail is not None and tail.shape[0]:
-        acc = acc + _tile_sums(tail, jnp.uint32(n_tiles * (C // inner)), base, lo, hi)
-    return acc
+        first, steps = 0, n_tiles
+
+    def step(t, acc):
+        want = (jnp.uint32(first) + t.astype(jnp.uint32)) * jnp.uint32(k)
+        at = jnp.minimum(want, jnp.uint32(R - k))
+        blocks = [jax.lax.dynamic_slice_in_dim(x, at, k) for x in xs]
+        rows = at + jax.lax.iota(jnp.uint32, k)
+        repeat = None if exact and not share else (rows >= want)[:, None]
+        return acc + hashed(blocks, rows, cols, repeat)
+
+    return jax.lax.fori_loop(0, steps, step, zero)
 
 
-def _tile_sums(bits: jax.Array, row0, base, lo, hi) -> jax.Array:
-    """One pass over rows `row0 ...` of a [rows, inner] grid (see `grid_sums`)."""
-    bits = _bits(bits)
-    R, inner = bits.shape
-    rows = row0 + jax.lax.iota(jnp.uint32, R)
-    col = jax.lax.broadcasted_iota(jnp.uint32, (R, inner), 1)
-    idx = base(rows)[:, None] + col
-    valid = None
-    if lo is not None:
-        pos = rows[:, None] * jnp.uint32(inner) + col
-        valid = (pos >= lo) & (pos < hi)
-    return checksum_with(bits, weights(idx, valid))
+def grid_sums(bits: jax.Array, row_base=None, start=None, count: int | None = None,
+              stop=None) -> jax.Array:
+    """uint32[2] checksum of `bits` viewed as [rows, inner], the element at (r, c) having the
+    identity `row_base(r) + c` (default: its row-major position); `start`, `count`, `stop`: a
+    share, as in `tile_sums`."""
+    inner = bits.shape[1]
+    base = row_base if row_base is not None else (lambda r: r * jnp.uint32(inner))
+    return tile_sums([bits], lambda rows, cols: (base(rows)[:, None] + cols, None),
+                     start, count, stop)[0]
 
 
 def leaf_checksum(x: jax.Array) -> jax.Array:

@@ -179,45 +179,32 @@ def plan_layered_leaf(
 # ZeRO storage: canonical element ranges of shards.
 
 
-def _runs(row: np.ndarray) -> list[tuple[int, int, int]]:
-    """Maximal runs (first slot, first piece, length) of consecutive pieces in a table row."""
-    idx = np.nonzero(row >= 0)[0]
-    if idx.size == 0:
-        return []
-    brk = np.nonzero((np.diff(idx) != 1) | (np.diff(row[idx]) != 1))[0]
-    starts = np.concatenate([[0], brk + 1])
-    ends = np.concatenate([brk + 1, [idx.size]])
-    return [(int(idx[a]), int(row[idx[a]]), int(b - a)) for a, b in zip(starts, ends)]
-
-
 def _shard_segments(
-    codec, unit, tier: int, rank: int, row: int, cache: dict | None = None
+    codec, unit, tier: int, rank: int, row: int, natural: bool, cache: dict | None = None
 ) -> list[tuple[int, int, int]]:
-    """(canonical start, canonical end, local flat offset) segments held by one storage shard
-    (one rank, one row, one tier), split at member boundaries. `cache` memoises them within a
-    transition (Adam's two moments share every segment)."""
-    if cache is not None:
-        key = (id(codec), unit.name, tier, rank, row)
-        if key not in cache:
-            cache[key] = _shard_segments(codec, unit, tier, rank, row)
-        return cache[key]
-    K = codec.layout.n_pieces
-    table = codec.tables[tier][rank]
-    rot = np.where(table >= 0, (table + unit.rotation) % K, -1)
-    out = []
-    p, L = unit.piece, unit.row_len
-    for slot, piece, n in _runs(rot):
-        a, b = piece * p, min((piece + n) * p, L)
-        if a >= b:
-            continue
-        local = slot * p
-        for m in unit.members:
-            lo, hi = m.row_offset, m.row_offset + m.size // unit.rows
-            x0, x1 = max(a, lo), min(b, hi)
-            if x0 < x1:
-                g0 = m.full_offset + row * (m.size // unit.rows) + (x0 - lo)
-                out.append((g0, g0 + (x1 - x0), local + (x0 - a)))
-    return out
+    """(identity start, end, local flat offset) segments held by one storage shard (one rank,
+    one row, one tier): `ZeroCodec.segments`. `cache` memoises them within a transition (Adam's
+    two moments share every segment)."""
+    if cache is None:
+        return codec.segments(unit, tier, rank, row, natural)
+    key = (id(codec), unit.name, tier, rank, row, natural)
+    if key not in cache:
+        cache[key] = codec.segments(unit, tier, rank, row, natural)
+    return cache[key]
+
+
+def _natural(old_layout, new_layout) -> bool:
+    """Must storage be matched by element identities in the full leaves (`ZeroCodec.segments`)?
+    Only when the tensor degree changes: otherwise rows mean the same on both plans, and row
+    positions give far fewer, longer runs."""
+    if old_layout is None or old_layout.codec is None or new_layout is None:
+        return True
+    return old_layout.codec.tensor != new_layout.codec.tensor
+
+
+def storage_rank_row(box, batch: int) -> tuple[int, int]:
+    """(data rank, tensor row) of a storage shard's box ([*layers, data, rows, width])."""
+    return box[batch][0], box[batch + 1][0]
 
 
 class _SegmentIndex:
@@ -272,61 +259,84 @@ def plan_storage_shard(
             g = e
 
 
-def plan_storage_shard_by_layer(
-    family: str, itemsize: int, index: dict[int, _SegmentIndex], segments, dst: DstShard,
-    batch_box: tuple[int, int], layer_ids: np.ndarray, picker: _Picker,
-) -> None:
-    """`plan_storage_shard` for per-layer storage on pipelines: each stacked index (slot) of
-    the destination shard is filled from whichever shard holds that layer, at its own index."""
-    b0, b1 = batch_box
-    for pos in range(b0, b1):
-        lid = int(layer_ids[pos])
-        if lid < 0:
-            continue  # an empty slot stays zero
-        layer = index.get(lid)
-        for g0, g1, doff in segments:
-            g = g0
-            while g < g1:
-                cands = layer.covering(g, g + 1) if layer is not None else []
-                if not cands:
-                    raise UnrecoverableStateError(
-                        family, ((lid, lid + 1), (g, g1)),
-                        "no live device or snapshot holds these elements of this layer",
-                    )
-                chosen = picker.pick([c[3] for c in cands], dst.device, 0)
-                c = next(c for c in cands if c[3] is chosen)
-                e = min(c[1], g1)
-                n = e - g
-                if chosen.device != dst.device:
-                    picker.load[chosen.device] += n * itemsize
-                s0, d0 = c[2] + (g - c[0]), doff + (g - g0)
-                dst.copies.append(
-                    Copy(chosen, (c[4], slice(s0, s0 + n)), (pos - b0, slice(d0, d0 + n)),
-                          n * itemsize, True)
-                )
-                g = e
+def _layers_of(codec, unit) -> int:
+    """Layers of the model a stacked unit holds (its slots may be more, some empty)."""
+    return int(np.max(codec.stacked_layer_ids(unit))) + 1
 
 
-def _index_family_by_layer(
-    store, old_layout, leaf_ids, old_tags, extra, seg_cache=None
-) -> dict[int, _SegmentIndex]:
-    """`_index_family` per layer: layer id -> canonical segments of (source, stacked index)."""
+def _leaf_space(unit, lid: int, g: int, natural: bool, layers: int) -> int:
+    """A stacked unit's segment start `g` (one layer's identities, `ZeroCodec.segments`) as
+    the identity of the same element in the whole leaf [layers, ...], which an unstacked unit
+    of that leaf uses: natural identities offset by the layer; row positions placed inside the
+    tensor row of all layers."""
+    if natural:
+        return lid * unit.total + g
+    row, p = divmod(g, unit.row_len)
+    return (row * layers + lid) * unit.row_len + p
+
+
+def _index_family_leaf(store, old_layout, leaf_ids, old_tags, extra, natural: bool,
+                       seg_cache=None) -> _SegmentIndex:
+    """`_index_family` in whole-leaf identities (`_leaf_space`): the sources of a stacked
+    family per layer (entry position: the source's stacked index), of an unstacked one as
+    they are (position None)."""
     codec = old_layout.codec
-    out: dict[int, _SegmentIndex] = defaultdict(_SegmentIndex)
+    index = _SegmentIndex()
     for oi in leaf_ids:
         tag = old_tags[oi]
         unit = codec.unit(tag.unit)
-        ids = codec.stacked_layer_ids(unit)
+        batch = len(unit.batch_shape)
+        ids = codec.stacked_layer_ids(unit) if batch else None
+        L = _layers_of(codec, unit) if batch else 0
         for s in store.shards[oi] + extra.get(store.paths[oi], []):
-            (p0, p1), rank, row = s.box[0], s.box[1][0], s.box[3][0]
-            segs = _shard_segments(codec, unit, tag.tier, rank, row, seg_cache)
+            rank, row = storage_rank_row(s.box, batch)
+            segs = _shard_segments(codec, unit, tag.tier, rank, row, natural, seg_cache)
+            if not batch:
+                for g0, g1, off in segs:
+                    index.add(g0, g1, off, s, None)
+                continue
+            p0, p1 = s.box[0]
             for pos in range(p0, p1):
-                if ids[pos] >= 0:
-                    for g0, g1, off in segs:
-                        out[int(ids[pos])].add(g0, g1, off, s, pos - p0)
-    for index in out.values():
-        index.freeze()
-    return dict(out)
+                if ids[pos] < 0:
+                    continue
+                for g0, g1, off in segs:
+                    x0 = _leaf_space(unit, int(ids[pos]), g0, natural, L)
+                    index.add(x0, x0 + g1 - g0, off, s, pos - p0)
+    index.freeze()
+    return index
+
+
+def plan_storage_shard_leaf(
+    family: str, itemsize: int, index: _SegmentIndex, segments, dst: DstShard, picker: _Picker,
+) -> None:
+    """Fill a destination storage shard from a whole-leaf index (`_index_family_leaf`):
+    `segments` are (leaf-space start, end, storage offset, stacked index or None). A copy
+    indexes its source and destination as flat views [*dst.batch, -1]: with no batch, a
+    stacked source's element (position, offset) is at position * width + offset."""
+    for x0, x1, doff, dpos in segments:
+        g = x0
+        while g < x1:
+            cands = index.covering(g, g + 1)
+            if not cands:
+                raise UnrecoverableStateError(
+                    family, ((g, x1),), "no live device or snapshot holds these elements"
+                )
+            chosen = picker.pick([c[3] for c in cands], dst.device, 0)
+            c = next(c for c in cands if c[3] is chosen)
+            e = min(c[1], x1)
+            n = e - g
+            if chosen.device != dst.device:
+                picker.load[chosen.device] += n * itemsize
+            s0, d0 = c[2] + (g - c[0]), doff + (g - x0)
+            spos = c[4] or 0
+            if dst.batch == 0:
+                width = chosen.box[-1][1] - chosen.box[-1][0]
+                src_idx = (Ellipsis, slice(spos * width + s0, spos * width + s0 + n))
+                dst_idx = (Ellipsis, slice(d0, d0 + n))
+            else:
+                src_idx, dst_idx = (spos, slice(s0, s0 + n)), (dpos, slice(d0, d0 + n))
+            dst.copies.append(Copy(chosen, src_idx, dst_idx, n * itemsize, True))
+            g = e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,7 +585,7 @@ def plan_transition(
         if t.unit is not None:
             families[t.key].append(i)
     indexes: dict[str, _SegmentIndex] = {}
-    layer_indexes: dict[str, dict[int, _SegmentIndex]] = {}
+    leaf_indexes: dict[str, _SegmentIndex] = {}
     seg_cache: dict = {}
     dsts: list[DstShard] = []
     old_tables = _slot_table(old_layout)
@@ -601,49 +611,68 @@ def plan_transition(
             continue
         codec, unit = new_layout.codec, new_layout.codec.unit(tag.unit)
         batch = len(unit.batch_shape)
-        # per-layer storage on a pipeline: a storage shard holds its stage's slots, and a layer
-        # may sit in another slot (or stage) on the other plan
-        slotted = batch > 0 and (old_tables is not None or new_tables is not None)
-        same_slots = not _differ(old_tables, new_tables)
+        old_unit = old_layout.codec.unit(tag.unit) if old_layout.codec is not None else None
+        old_batch = len(old_unit.batch_shape) if old_unit is not None else 0
+        new_ids = codec.stacked_layer_ids(unit) if batch else None
+        # the same rows on both plans: unstacked both, or stacked with the same layer in every
+        # position (ZeRO-3, a pipeline keeping its partition); otherwise a layer may sit in
+        # another slot (or stage), or in a unit of the whole leaf: matched in leaf identities
+        same_rows = old_batch == batch and (batch == 0 or np.array_equal(
+            old_layout.codec.stacked_layer_ids(old_unit), new_ids))
+        # every layer at once where every shard holds every layer (a pipeline's shards hold
+        # their stage's: their row identities alone do not say which layer)
+        all_layers = same_rows and (batch == 0 or (
+            codec.layer_axis is None and old_layout.codec.layer_axis is None))
         same_pieces = _same_pieces(old_layout, new_layout)
-        new_ids = codec.stacked_layer_ids(unit) if slotted else None
+        natural = _natural(old_layout, new_layout)
+        L = _layers_of(codec, unit) if batch else 0
         old_tier = families[tag.key][tag.tier] if tag.tier < len(families[tag.key]) else None
         held = {s.device: s for s in store.shards[old_tier]} if old_tier is not None else {}
         for d, idx in dmap.items():
             box = index_to_box(idx, shape)
-            rank, row = box[batch][0], box[batch + 2][0]
+            rank, row = storage_rank_row(box, batch)
             ds = DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, batch)
             old = held.get(d.id)
             if (
                 same_pieces
+                and same_rows
                 and old is not None
                 and tuple(b - a for a, b in old.box) == ds.shape
                 # the same tensor row: a device can change its tensor rank in a new group
-                and old.box[batch + 2][0] == row
-                and tuple(old_layout.codec.tables[tag.tier][old.box[batch][0]])
+                and storage_rank_row(old.box, batch)[1] == row
+                and tuple(old_layout.codec.tables[tag.tier][storage_rank_row(old.box, batch)[0]])
                 == tuple(codec.tables[tag.tier][rank])
-                and (not slotted or (same_slots and old.box[:batch] == box[:batch]))
+                and old.box[:batch] == box[:batch]
             ):
                 ds.reuse = old.data  # this rank keeps this tier in place: no copy
                 log.kept_bytes += math.prod(ds.shape) * itemsize
                 dsts.append(ds)
                 continue
-            segs = _shard_segments(codec, unit, tag.tier, rank, row, seg_cache)
-            if slotted:
-                if tag.key not in layer_indexes:
-                    layer_indexes[tag.key] = _index_family_by_layer(
-                        store, old_layout, families[tag.key], old_tags, extra, seg_cache
+            segs = _shard_segments(codec, unit, tag.tier, rank, row, natural, seg_cache)
+            if all_layers:
+                if tag.key not in indexes:
+                    indexes[tag.key] = _index_family(
+                        store, old_layout, families[tag.key], old_tags, extra, natural, seg_cache
                     )
-                plan_storage_shard_by_layer(
-                    tag.key, itemsize, layer_indexes[tag.key], segs, ds, box[0], new_ids, picker,
-                )
+                plan_storage_shard(tag.key, itemsize, unit.layers, indexes[tag.key], segs, ds,
+                                   picker)
                 dsts.append(ds)
                 continue
-            if tag.key not in indexes:
-                indexes[tag.key] = _index_family(
-                    store, old_layout, families[tag.key], old_tags, extra, seg_cache
+            if tag.key not in leaf_indexes:
+                leaf_indexes[tag.key] = _index_family_leaf(
+                    store, old_layout, families[tag.key], old_tags, extra, natural, seg_cache
                 )
-            plan_storage_shard(tag.key, itemsize, unit.layers, indexes[tag.key], segs, ds, picker)
+            if batch:
+                (b0, b1) = box[0]
+                want = [
+                    (x0, x0 + g1 - g0, off, pos - b0)
+                    for pos in range(b0, b1) if new_ids[pos] >= 0
+                    for g0, g1, off in segs
+                    for x0 in [_leaf_space(unit, int(new_ids[pos]), g0, natural, L)]
+                ]
+            else:
+                want = [(g0, g1, off, None) for g0, g1, off in segs]
+            plan_storage_shard_leaf(tag.key, itemsize, leaf_indexes[tag.key], want, ds, picker)
             dsts.append(ds)
     for ds in dsts:
         if ds.reuse is not None and not ds.copies:
@@ -712,12 +741,13 @@ def _same_pieces(old_layout, new_layout) -> bool:
         a.layout.kind == b.layout.kind
         and a.layout.n_pieces == b.layout.n_pieces
         and a.tensor == b.tensor
-        and [(u.name, u.piece, u.rotation, u.rows) for u in a.units]
-        == [(u.name, u.piece, u.rotation, u.rows) for u in b.units]
+        and [(u.name, u.row_len, u.rows, u.layers) for u in a.units]
+        == [(u.name, u.row_len, u.rows, u.layers) for u in b.units]
     )
 
 
-def _index_family(store, old_layout, leaf_ids, old_tags, extra, seg_cache=None) -> _SegmentIndex:
+def _index_family(store, old_layout, leaf_ids, old_tags, extra, natural: bool,
+                  seg_cache=None) -> _SegmentIndex:
     """Canonical segments of every source (live shards and snapshots) of one storage family."""
     codec = old_layout.codec
     index = _SegmentIndex()
@@ -726,9 +756,10 @@ def _index_family(store, old_layout, leaf_ids, old_tags, extra, seg_cache=None) 
         unit = codec.unit(tag.unit)
         batch = len(unit.batch_shape)
         for s in store.shards[oi] + extra.get(store.paths[oi], []):
-            rank, row = s.box[batch][0], s.box[batch + 2][0]
-            assert s.box[batch + 2][1] - row == 1, "one storage row per device"
-            for g0, g1, off in _shard_segments(codec, unit, tag.tier, rank, row, seg_cache):
+            rank, row = storage_rank_row(s.box, batch)
+            assert s.box[batch + 1][1] - row == 1, "one storage row per device"
+            for g0, g1, off in _shard_segments(codec, unit, tag.tier, rank, row, natural,
+                                               seg_cache):
                 index.add(g0, g1, off, s)
     index.freeze()
     return index

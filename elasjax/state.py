@@ -29,7 +29,7 @@ from . import checksum, models
 from .config import Config, TrainConfig
 from .rng import root_key
 from .sharding import named_shardings, opt_state_logical, path_str
-from .mesh import STAGE
+from .mesh import DATA, STAGE, TENSOR
 from .pipeline import StageLayout, from_slots, slot_logical, to_slots
 from .zero import ZeroCodec
 
@@ -188,13 +188,15 @@ class StateLayout:
 
     # -- ZeRO storage of parameter-shaped trees (in this layout's params form) ------------------
 
-    def to_storage(self, params: PyTree) -> PyTree:
+    def to_storage(self, params: PyTree, mesh: Mesh | None = None) -> PyTree:
+        """Parameter-shaped tree (this layout's params form) -> ZeRO storage; given the `mesh`
+        it is laid out on, per device (`ZeroCodec.to_storage`)."""
         if self.stage_layout is not None:
             params = self._flat_slots(params)
-        return self.codec.to_storage(params)
+        return self.codec.to_storage(params, mesh)
 
-    def from_storage(self, storage: PyTree) -> PyTree:
-        params = self.codec.from_storage(storage)
+    def from_storage(self, storage: PyTree, mesh: Mesh | None = None) -> PyTree:
+        params = self.codec.from_storage(storage, mesh)
         return self._unflat_slots(params) if self.stage_layout is not None else params
 
     # -- construction ---------------------------------------------------------------------------
@@ -323,11 +325,11 @@ class StateLayout:
     def checksums(self, state: TrainState, mesh: Mesh | None = None) -> dict[str, jax.Array]:
         """Traceable: {key: uint32[2]} with layout-independent element identities. Given the
         `mesh` the state is laid out on (by `shardings(mesh)`), sharded and large plain leaves
-        are hashed once over the mesh (`checksum.mesh_checksums`), not gathered or hashed on
-        every device holding a copy; the values are the same."""
+        and the ZeRO storage are hashed once over the mesh, each device its own block
+        (`checksum.mesh_checksums`, `_storage_sums`), not gathered or hashed on every device
+        holding a copy; the values are the same."""
         out: dict[str, jax.Array] = {}
-        shared: dict = {}  # Adam's moments share every storage tier's element identities
-        partial_keys, partials = [], []
+        storage: dict[tuple[str, int], list[tuple[str, jax.Array]]] = {}
         specs = None if mesh is None else [
             s.spec for s in jax.tree.leaves(self.shardings(mesh))
         ]
@@ -342,26 +344,86 @@ class StateLayout:
                     plain.append((key, x, specs[i]))
                 else:
                     out[key] = checksum.leaf_checksum(x)
-            else:
-                u = self.codec.unit(unit)
-                if (unit, tier) not in shared:
-                    shared[unit, tier] = checksum.weights(*self.codec.canonical_index(u, tier))
-                # reduce each storage tier to per-rank sums [2, D] locally; all tiers are then
-                # summed over ranks at once (one cross-device reduction, not one per tier)
-                rank_axis = len(u.batch_shape)
-                partials.append(
-                    checksum.checksum_with(checksum._bits(x), shared[unit, tier], keep_axis=rank_axis)
-                )
-                partial_keys.append(key)
-        if partials:
-            totals = jnp.sum(jnp.stack(partials), axis=-1, dtype=jnp.uint32)  # [n, 2]
-            for i, key in enumerate(partial_keys):
-                out[key] = out[key] + totals[i] if key in out else totals[i]
+            else:  # Adam's moments share every storage tier's element identities
+                storage.setdefault((unit, tier), []).append((key, x))
+        if storage:
+            keys = [k for group in storage.values() for k, _ in group]
+            rows = self._storage_sums(storage, mesh)
+            for i, key in enumerate(keys):  # a family's tiers add up to one checksum
+                out[key] = out[key] + rows[i] if key in out else rows[i]
         if plain:
             rows = checksum.mesh_checksums([x for _, x, _ in plain], [s for *_, s in plain], mesh)
             for i, (key, _, _) in enumerate(plain):
                 out[key] = rows[i]
         return out
+
+    def _storage_sums(self, groups: dict, mesh: Mesh | None) -> jax.Array:
+        """uint32[n, 2]: the checksum of each ZeRO storage leaf of `groups` ((unit, tier) ->
+        [(key, array)]), in order, at its elements' canonical identities
+        (`ZeroCodec.storage_identity`). Given the `mesh`, each device hashes its own block (a
+        block replicated over axes the storage does not use is shared out among its holders)
+        and one all-reduce adds them up; otherwise every rank and row is hashed from the global
+        arrays."""
+        codec = self.codec
+        order = list(groups)
+        if mesh is None:
+            rows = []
+            for unit, tier in order:
+                u = codec.unit(unit)
+                xs = [x for _, x in groups[unit, tier]]
+                W = xs[0].shape[-1]
+                rank = jax.lax.broadcasted_iota(jnp.uint32, (codec.layout.data, u.rows, W), 0)
+                row = jax.lax.broadcasted_iota(jnp.uint32, (codec.layout.data, u.rows, W), 1)
+                cols = jax.lax.broadcasted_iota(jnp.uint32, (codec.layout.data, u.rows, W), 2)
+                g, valid = codec.storage_identity(u, tier, rank, row)(None, cols)
+                if u.batch_shape:
+                    lid = jnp.asarray(np.asarray(codec.stacked_layer_ids(u), np.int32))
+                    lid = lid.reshape(-1, 1, 1, 1)
+                    g = g[None] + lid.astype(jnp.uint32) * jnp.uint32(u.total)
+                    valid = valid[None] & (lid >= 0)
+                w = checksum.weights(g, valid)
+                rows.append(jnp.stack([checksum.checksum_with(checksum._bits(x), w) for x in xs]))
+            return jnp.concatenate(rows)
+        specs = [codec.storage_spec(codec.unit(unit)) for unit, _ in order for _ in groups[unit, _]]
+        arrays = [x for k in order for _, x in groups[k]]
+
+        def local(*blocks):
+            it, sums = iter(blocks), []
+            for unit, tier in order:
+                u = codec.unit(unit)
+                xs = [next(it) for _ in groups[unit, tier]]
+                b = len(u.batch_shape)
+                spec = codec.storage_spec(u)
+                used = {a for e in spec for a in checksum._axes_of(e)}
+                r, R = checksum._axes_index(mesh, [a for a in mesh.axis_names if a not in used])
+                rank = jax.lax.axis_index(DATA)
+                row = jax.lax.axis_index(TENSOR) if u.tensor_sharded else 0
+                stage = jax.lax.axis_index(codec.layer_axis) if b and codec.layer_axis else 0
+                flat = [x.reshape(-1, x.shape[-1]) for x in xs]
+                ident = codec.storage_identity(
+                    u, tier, rank, row, self._layer_lookup(u, b, stage, flat[0].shape[0]))
+                if R == 1:
+                    sums.append(checksum.tile_sums(flat, ident))
+                else:
+                    n = flat[0].size
+                    c = -(-n // R)
+                    sums.append(checksum.tile_sums(flat, ident, r * jnp.uint32(c), c, n))
+            return jax.lax.psum(jnp.concatenate(sums), tuple(mesh.axis_names))
+
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=tuple(specs), out_specs=PartitionSpec(), check_vma=False
+        )(*arrays)
+
+    def _layer_lookup(self, u, batch: int, stage, local: int | None = None):
+        """rows -> layer ids (int32) of a stacked unit's storage rows on this device (the
+        stage's slots on a pipeline); None for a unit without layers."""
+        if not batch:
+            return None
+        ids = jnp.asarray(np.asarray(self.codec.stacked_layer_ids(u), np.int32))
+        if self.codec.layer_axis is None:
+            return lambda rows: ids[rows]
+        per = local if local is not None else len(self.codec.stacked_layer_ids(u))
+        return lambda rows: ids[jnp.uint32(stage) * jnp.uint32(per) + rows]
 
     def stacked_checksums(self, state: TrainState, mesh: Mesh | None = None) -> jax.Array:
         """Traceable: `checksums` as one uint32[n, 2] array, rows in `checksum_keys` order."""

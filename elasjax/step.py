@@ -59,17 +59,18 @@ def normaliser(batch: dict) -> jax.Array:
     return jnp.sum(batch["weights"] * batch["counts"])
 
 
-def make_loss_fn(cfg: Config, model, deterministic: bool, layout: StateLayout | None = None):
+def make_loss_fn(cfg: Config, model, deterministic: bool, layout: StateLayout | None = None,
+                 mesh: Mesh | None = None):
     """(params, micro-batch, step key) -> the model's summed weighted loss (`ModelSpec.loss`).
     Under ZeRO-3 `params` is the storage; non-layer parameters are gathered up front and each
-    layer inside the layer loop."""
+    layer inside the layer loop (per device, given the `mesh`)."""
     zero3 = layout is not None and layout.stage == 3
 
     def loss_fn(params, mb, key):
         keys = rng.sample_keys(key, mb["key_ids"])
         lt = None
         if zero3:
-            params, lt = layout.codec.zero3_inputs(params)
+            params, lt = layout.codec.zero3_inputs(params, mesh)
         return model.loss(params, mb, keys, mb["weights"], deterministic, layer_transform=lt)
 
     return loss_fn
@@ -89,12 +90,12 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
         return _pipelined_grad_fn(cfg, mesh, layout)
     if cfg.train.deterministic:
         return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout)
-    loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout)
+    loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout, mesh=mesh)
     micro_sh = NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"]))
     seed = cfg.train.seed
     if stage == 2:
         acc_sh = jax.tree.map(lambda x: x, layout.codec.storage_shardings(mesh))
-        to_acc = layout.codec.to_storage
+        to_acc = functools.partial(layout.codec.to_storage, mesh=mesh)
     else:
         acc_sh, to_acc = state_sh.params, None
 
@@ -256,11 +257,11 @@ def make_train_step(
         if stage in (0, 3):
             p_opt, g_opt = state.params, grads
         else:
-            p_opt = layout.to_storage(state.params)
-            g_opt = layout.to_storage(grads) if stage == 1 else grads
+            p_opt = layout.to_storage(state.params, mesh)
+            g_opt = layout.to_storage(grads, mesh) if stage == 1 else grads
         updates, opt_state = tx.update(g_opt, state.opt_state, p_opt)
         new_p = optax.apply_updates(p_opt, updates)
-        params = layout.from_storage(new_p) if stage in (1, 2) else new_p
+        params = layout.from_storage(new_p, mesh) if stage in (1, 2) else new_p
         new = TrainState(state.step + 1, params, opt_state)
         metrics = {
             "loss": loss,
@@ -275,7 +276,7 @@ def make_train_step(
 def make_eval_step(
     cfg: Config, model, layout: StateLayout | None = None, mesh: Mesh | None = None, plan=None
 ):
-    loss_fn = make_loss_fn(cfg, model, deterministic=True, layout=layout)
+    loss_fn = make_loss_fn(cfg, model, deterministic=True, layout=layout, mesh=mesh)
 
     pipelined = layout is not None and layout.stage_layout is not None
     key = rng.root_key(0)

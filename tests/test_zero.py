@@ -196,15 +196,10 @@ def _lost_real_bytes(layout, plan, failed):
     dead_ranks = [r for r, g in enumerate(plan.groups) if set(g) & set(failed)]
     n_fams = 2 if layout.stage < 3 else 3  # Adam mu, nu (+ parameters under ZeRO-3)
     for u in codec.units:
-        K = codec.layout.n_pieces
         for r in dead_ranks:
-            for i, t in enumerate(codec.tables):
-                for base in t[r]:
-                    if base < 0:
-                        continue
-                    k = (base + u.rotation) % K
-                    real = max(0, min((k + 1) * u.piece, u.row_len) - k * u.piece)
-                    total += real * u.rows * max(u.layers, 1) * 4 * n_fams
+            for i in range(len(codec.tables)):
+                real = codec.rank_elements(u, i, r)
+                total += real * u.rows * max(u.layers, 1) * 4 * n_fams
     return total
 
 
@@ -351,9 +346,9 @@ GPT7B_UNITS = [(32, 4096 * 3 * 4096), (32, 4096 * 4096), (32, 4096 * 16384), (32
 
 
 def _rank_elements(lay, units):
-    """Elements every rank allocates (tiers x slots x piece) and the ideal share total / data."""
-    slots = sum(len(t[0]) for t in lay.tiers)
-    alloc = sum(max(1, n) * slots * -(-row // lay.n_pieces) for n, row in units)
+    """Elements every rank allocates (each tier as wide as its longest rank's pieces) and the
+    ideal share total / data."""
+    alloc = sum(max(1, n) * sum(zero.tier_widths(lay, row)) for n, row in units)
     return alloc, sum(max(1, n) * row for n, row in units) / lay.data
 
 
