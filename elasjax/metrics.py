@@ -184,3 +184,149 @@ def deviation(a: dict[int, float], ref: dict[int, float], steps=None) -> dict[st
         return {"steps": 0, "max_rel": math.nan, "mean_rel": math.nan}
     rel = [abs(a[s] - ref[s]) / max(abs(ref[s]), 1e-30) for s in common]
     return {"steps": len(common), "max_rel": max(rel), "mean_rel": sum(rel) / len(rel)}
+
+
+# -- the whole cost of failures: time lost per failure, and the run's goodput -------------------
+
+# A step slower than this times its plan's pace is slow (first steps after a change)
+SLOW = 1.1
+
+
+@dataclasses.dataclass
+class Timeline:
+    """What the loop did, in order, for `failure_costs`: ("step", plan, seconds, redo),
+    ("recovery", RecoveryEvent), ("cutover", plan it installed, stall seconds), ("pause",
+    seconds: the loop waited for the standby)."""
+
+    items: list = dataclasses.field(default_factory=list)
+    startup_s: float = 0.0  # from the run's start to its first step's dispatch
+
+    def step(self, plan: str, dt: float, redo: bool) -> None:
+        self.items.append(("step", plan, dt, redo))
+
+    def recovery(self, ev: RecoveryEvent) -> None:
+        self.items.append(("recovery", ev))
+
+    def cutover(self, plan: str, stall_s: float) -> None:
+        self.items.append(("cutover", plan, stall_s))
+
+    def pause(self, wait_s: float) -> None:
+        self.items.append(("pause", wait_s))
+
+
+def paces(timeline: Timeline) -> dict[str, float]:
+    """Each plan's fault-free pace: the median step time of its settled steps (not the first
+    after a start, recovery or cut-over, not redone); all its steps where it has no settled
+    one."""
+    settled: dict[str, list[float]] = {}
+    every: dict[str, list[float]] = {}
+    fresh = True
+    for it in timeline.items:
+        if it[0] != "step":
+            fresh = it[0] in ("recovery", "cutover") or fresh
+            continue
+        _, plan, dt, redo = it
+        every.setdefault(plan, []).append(dt)
+        if redo:
+            continue
+        if not fresh:
+            settled.setdefault(plan, []).append(dt)
+        fresh = False
+    return {p: _median(settled.get(p) or v) for p, v in every.items()}
+
+
+def _median(v: list[float]) -> float:
+    s = sorted(v)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def failure_costs(timeline: Timeline, initial_plan: str, wall_s: float
+                  ) -> tuple[list[dict], dict]:
+    """(the time lost to each recovery, the run's goodput).
+
+    A failure's time lost runs from the failure until the run is back at the fault-free pace
+    of the plan it recovered to (after the cut-over, with an asynchronous migration): the
+    recovery's phases before its first step, the first steps' time beyond that plan's pace,
+    the fast-path steps' time beyond the pace of the plan it cuts over to, the pauses for the
+    standby and the cut-over's stall, and the steps redone from a checkpoint. A plan's pace is
+    `paces`; after its first step at pace, later slow steps are not charged to the failure.
+
+    Goodput = useful steps x the initial plan's pace / wall time. Badput by cause: start-up
+    (to the first step), compile and recovery (the recoveries' phases before their first
+    steps), pauses, redone steps, slow steps (beyond their plan's pace, net of the steps below
+    it), capacity (a smaller
+    plan's pace beyond the initial one's, per step; negative where a plan is faster), and the
+    rest (host work between steps, evaluation, checkpoints, step-time jitter)."""
+    pace = paces(timeline)
+    # which plan each recovery ends on: the plan a later cut-over (before the next recovery)
+    # installs, else its own
+    targets, cur = [], None
+    for it in timeline.items:
+        if it[0] == "recovery":
+            targets.append(it[1].to_plan)
+            cur = len(targets) - 1
+        elif it[0] == "cutover" and cur is not None:
+            targets[cur] = it[1]
+    costs: list[dict] = []
+    open_: dict | None = None
+    good_steps = 0
+    bad = dict(startup_s=timeline.startup_s, compile_s=0.0, recovery_s=0.0, pauses_s=0.0,
+               redone_s=0.0, slow_steps_s=0.0, capacity_s=0.0)
+    s_ff = pace.get(initial_plan)
+    for it in timeline.items:
+        kind = it[0]
+        if kind == "recovery":
+            ev = it[1]
+            before = ev.mttr_s - ev.first_step_s
+            bad["compile_s"] += ev.compile_s
+            bad["recovery_s"] += before - ev.compile_s
+            open_ = {"step": ev.step, "failed_devices": ev.failed_devices, "to_plan": ev.to_plan,
+                     "target_plan": targets[len(costs)], "phases_s": before, "slow_steps_s": 0.0,
+                     "fast_path_s": 0.0, "pauses_s": 0.0, "redone_s": 0.0, "at_pace": False,
+                     "steps_to_pace": 0}
+            costs.append(open_)
+        elif kind == "cutover":
+            bad["pauses_s"] += it[2]
+            if open_ is not None:
+                open_["pauses_s"] += it[2]
+                open_["at_pace"] = False
+        elif kind == "pause":
+            bad["pauses_s"] += it[1]
+            if open_ is not None:
+                open_["pauses_s"] += it[1]
+        else:
+            _, plan, dt, redo = it
+            p = pace[plan]
+            if redo:
+                bad["redone_s"] += dt
+                if open_ is not None:
+                    open_["redone_s"] += dt
+                continue
+            good_steps += 1
+            bad["slow_steps_s"] += dt - p  # signed: steps faster than the median net out
+            if s_ff is not None:
+                bad["capacity_s"] += p - s_ff
+            if open_ is None or open_["at_pace"]:
+                continue
+            target = pace.get(open_["target_plan"])
+            open_["steps_to_pace"] += 1
+            if plan != open_["target_plan"] and target is not None:  # a fast-path step
+                open_["fast_path_s"] += max(0.0, dt - target)
+            elif dt > SLOW * p:
+                open_["slow_steps_s"] += dt - p
+            else:
+                open_["at_pace"] = True
+    for c in costs:
+        c["time_lost_s"] = (c["phases_s"] + c["slow_steps_s"] + c["fast_path_s"]
+                            + c["pauses_s"] + c["redone_s"])
+        if not c["at_pace"]:
+            c["note"] = "the run ended (or failed again) before it was back at pace"
+        del c["at_pace"]
+    good = good_steps * s_ff if s_ff is not None else None
+    out = {"wall_s": wall_s, "useful_steps": good_steps, "pace_s": s_ff, "good_s": good,
+           "goodput": good / wall_s if good is not None and wall_s > 0 else None,
+           "badput": bad, "paces": pace}
+    if good is not None:
+        out["badput"]["other_s"] = wall_s - good - sum(bad.values())
+    return costs, out

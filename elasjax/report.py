@@ -101,7 +101,8 @@ class Progress:
             self._p.__exit__(*exc)
 
 
-def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), growths=()) -> None:
+def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), growths=(),
+                  costs=(), goodput=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -132,8 +133,28 @@ def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), grow
                 f"{e.first_step_s:.3f}", f"{e.mttr_s:.3f}",
             )
         con.print(t)
+        if costs:
+            t = Table(title="Time lost per failure, until back at pace (seconds)")
+            for col in ("step", "recovery", "slow steps", "fast path", "pauses", "redone",
+                        "total", "steps to pace"):
+                t.add_column(col, justify="right")
+            for c in costs:
+                t.add_row(
+                    str(c["step"]), f"{c['phases_s']:.3f}", f"{c['slow_steps_s']:.3f}",
+                    f"{c['fast_path_s']:.3f}", f"{c['pauses_s']:.3f}", f"{c['redone_s']:.3f}",
+                    f"{c['time_lost_s']:.3f}",
+                    str(c["steps_to_pace"]) + ("" if "note" not in c else " (not back)"),
+                )
+            con.print(t)
     else:
         con.print("no failures were injected")
+    if goodput and goodput.get("goodput") is not None:
+        b = goodput["badput"]
+        con.print(
+            f"goodput {goodput['goodput']:.3f} ({goodput['useful_steps']} steps x "
+            f"{goodput['pace_s']:.3f}s fault-free pace / {goodput['wall_s']:.1f}s wall); badput s: "
+            + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f}" for k, v in b.items())
+        )
     if growths:
         t = Table(title="Growth (returned devices; cut-over at a step boundary)")
         for col in ("join", "cut-over", "devices", "plan change", "moved", "compile wait", "stall",

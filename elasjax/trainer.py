@@ -35,7 +35,7 @@ from .checkpoint import Checkpointer, form_of, restore_onto
 from .config import Config, ConfigError, dump
 from .data import DataPipeline
 from .faults import resolve_schedule
-from .metrics import JsonlWriter, RecoveryEvent
+from .metrics import JsonlWriter, RecoveryEvent, Timeline, failure_costs
 from .planner import Plan, initial_plan
 from .recovery import (
     Position,
@@ -78,6 +78,10 @@ class RunSummary:
     notes: list[str] = dataclasses.field(default_factory=list)
     joins: list[dict] = dataclasses.field(default_factory=list)  # `join` events
     growths: list[dict] = dataclasses.field(default_factory=list)  # growth cut-overs
+    # the time each recovery cost until the run was back at pace, and the run's goodput
+    # (`metrics.failure_costs`)
+    failure_costs: list[dict] = dataclasses.field(default_factory=list)
+    goodput: dict = dataclasses.field(default_factory=dict)
 
     @property
     def final_loss(self) -> float:
@@ -203,6 +207,9 @@ class Trainer(Recovering):
         self.evals: dict[int, float] = {}
         self.digests: dict[int, str] = {}
         self._inflight: collections.deque[_InFlight] = collections.deque()
+        self.timeline = Timeline()  # for the failures' whole cost (`metrics.failure_costs`)
+        self._t_run = 0.0
+        self._recovery_at: int | None = None  # where an open recovery goes in the timeline
         self._t_done = self._t_first_done = 0.0
         self._gc_held = False  # the collector is off for a recovery (`_hold_gc`)
 
@@ -214,6 +221,7 @@ class Trainer(Recovering):
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> RunSummary:
+        self._t_run = time.perf_counter()
         out = self.out_dir if self.rt.writer else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
@@ -282,6 +290,7 @@ class Trainer(Recovering):
                             self._flush(mw, bar)
                             pos = dataclasses.replace(pos, good=self.good)
                             pos, mig = self._cutover(pos)
+                            self.timeline.cutover(pos.plan.name, mig.get("stall_s", 0.0))
                             (growths if mig["type"] == "growth" else migrations).append(mig)
                             ew.write(mig)
                             bar.log(migration_line(mig))
@@ -305,6 +314,8 @@ class Trainer(Recovering):
                     during = [e for e in pending if e.at_step == step and e.phase == "recovery"]
                     unfinished = open_event  # a recovery whose first step just failed
                     pos, open_event = self._recover(pos, failure, during)
+                    if unfinished is None:  # its first step's record comes after it
+                        self._recovery_at = len(self.timeline.items)
                     if unfinished is not None:  # still one recovery: it ends at a good step
                         open_event = unfinished.continued_by(
                             open_event, max(0.0, t_failed - recovered_at))
@@ -333,6 +344,7 @@ class Trainer(Recovering):
                     open_event.first_step_s = self._t_done - recovered_at
                     open_event.compiles = self.compiles.count - open_event.compiles
                     recoveries.append(open_event)
+                    self.timeline.items.insert(self._recovery_at, ("recovery", open_event))
                     if self.rt.writer:
                         open_event.detail.update(self.rt.detection_report(open_event.detail))
                     ew.write(open_event.to_json())
@@ -377,9 +389,14 @@ class Trainer(Recovering):
                 f"since {since} at step {pc.step}) was not ready on every process before the "
                 "last step"
             )
+        costs, goodput = failure_costs(
+            self.timeline, self.initial.name, time.perf_counter() - self._t_run)
+        for c in costs:
+            ew.write({"type": "failure_cost", **c})
         ew.write(
             {
                 "type": "end",
+                "goodput": goodput,
                 "step": pos.step,
                 "final_loss": self.losses[T - 1],
                 "plan": pos.plan.name,
@@ -398,10 +415,11 @@ class Trainer(Recovering):
             self.rt.log(note)
         if self.progress:
             print_summary(recoveries, self.losses, self.evals, pos.plan, self.out_dir, notes,
-                          growths)
+                          growths, costs, goodput)
         return RunSummary(
             self.out_dir, self.losses, self.evals, recoveries, plans, pos.plan, self.good,
             self.digests, pos.state, migrations, self.transfer_logs, notes, joins, growths,
+            costs, goodput,
         )
 
     def _hold_gc(self) -> None:
@@ -425,6 +443,8 @@ class Trainer(Recovering):
         _, idx = self.data.step_ids(step)
         host_batch = self._batch(step, plan)
         t0 = time.perf_counter()
+        if not self.timeline.startup_s:
+            self.timeline.startup_s = t0 - self._t_run
         batch = exe.put_batch(host_batch.arrays())
         new_state, met = exe.train(pos.state, batch)
         for x in jax.tree.leaves(met):  # queued now, right behind the step: read later without
@@ -460,6 +480,7 @@ class Trainer(Recovering):
         if not self.losses:
             self._t_first_done = t_done
         self._t_done = t_done
+        self.timeline.step(f.plan.name, dt, f.redo)
         if not np.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {f.step}")
         self.losses[f.step] = loss
@@ -552,7 +573,9 @@ class Trainer(Recovering):
         """Block until the standby of the current plan is built and its transitions planned
         (`standby.wait_at_start` before step 0, `step` None; `standby.wait_after_recovery` after
         a recovery's first good step); warm what was built (one process). Logged and written as
-        a `standby_ready` event: the training pause it costs is its `wait_s`."""
+        a `standby_ready` event: the training pause it costs is its `wait_s` (after a
+        recovery, a pause the failure's time lost counts)."""
+        t_all = time.perf_counter()
         if self.standby is not None:
             t0 = time.perf_counter()
             self.standby.wait_all()
@@ -580,6 +603,8 @@ class Trainer(Recovering):
                 print(line)
         if self.jobs is not None:
             self.jobs.wait_idle()  # the likely transitions are planned too
+        if step is not None:
+            self.timeline.pause(time.perf_counter() - t_all)
 
     def _standby_build(self, plan: Plan) -> Executables:
         """A standby plan's executables (the standby thread): compiled, or rebound from its
