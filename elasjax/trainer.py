@@ -111,6 +111,9 @@ class _InFlight:
     redo: bool
     evals: list | None = None
     tokens: float = 0.0  # the step's loss normaliser: its real samples' counts (GPT: tokens)
+    # when the step had finished, where dispatch waits for it (`_sync_dispatch`); else its
+    # results are known ready when read
+    t_ran: float | None = None
 
 
 class UnprotectedStateWarning(UserWarning):
@@ -341,7 +344,7 @@ class Trainer(Recovering):
                     self._flush(mw, bar)
                 if open_event is not None:
                     # its batch and dispatch included: the MTTR ends when the step's result is read
-                    open_event.first_step_s = self._t_done - recovered_at
+                    open_event.first_step_s = time.perf_counter() - recovered_at
                     open_event.compiles = self.compiles.count - open_event.compiles
                     recoveries.append(open_event)
                     self.timeline.items.insert(self._recovery_at, ("recovery", open_event))
@@ -422,6 +425,13 @@ class Trainer(Recovering):
             costs, goodput,
         )
 
+    @staticmethod
+    def _sync_dispatch(exe: Executables) -> bool:
+        """Does dispatching `exe`'s step wait for it to run? On the CPU backend elasjax turns
+        asynchronous dispatch off (`elasjax/__init__.py`): a step has run when its call returns,
+        and reading its metrics READ_BEHIND steps later would time the steps after it."""
+        return exe.client.platform == "cpu" and not jax.config.read("jax_cpu_enable_async_dispatch")
+
     def _hold_gc(self) -> None:
         """No garbage collection from a failure to the recovery's first good step: Python's
         cyclic collector stops the loop while it scans: in a run of the demo under `--standby`
@@ -447,6 +457,7 @@ class Trainer(Recovering):
             self.timeline.startup_s = t0 - self._t_run
         batch = exe.put_batch(host_batch.arrays())
         new_state, met = exe.train(pos.state, batch)
+        t_ran = time.perf_counter() if self._sync_dispatch(exe) else None
         for x in jax.tree.leaves(met):  # queued now, right behind the step: read later without
             x.copy_to_host_async()  # waiting for the steps dispatched after it
         self.rt.inject(due, "after_dispatch")
@@ -459,7 +470,7 @@ class Trainer(Recovering):
         processed = int((host_batch.weights > 0).sum())
         flight = _InFlight(
             step, plan, met, t0, exe.layout.checksum_keys, processed, DataPipeline.digest(idx),
-            redo, evals, float((host_batch.counts * host_batch.weights).sum()),
+            redo, evals, float((host_batch.counts * host_batch.weights).sum()), t_ran,
         )
         return new_state, flight
 
@@ -475,7 +486,8 @@ class Trainer(Recovering):
         )
         loss, gnorm = float(scalars[0]), float(scalars[1])
         self.good = checksum.rows_to_host(f.keys, scalars[2])
-        t_done = time.perf_counter()
+        # a step's time: from its dispatch (or the end of the step before) to when it had run
+        t_done = f.t_ran if f.t_ran is not None else time.perf_counter()
         dt = t_done - max(f.t0, self._t_done)
         if not self.losses:
             self._t_first_done = t_done

@@ -135,6 +135,24 @@ class RecoveryConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepCostConfig:
+    """Each strategy's fault-free step time over a plain training loop's on the same devices
+    (1.0: its protection costs nothing while nothing fails). The goodput of the trace and growth
+    studies and the post-change throughput divide every rate by it, so a strategy that taxes each
+    step pays for it all run long. Checkpoint-restart's saves are modelled apart
+    (`recovery.ckpt_save_s`). The configs in `configs/sim/` set `elasjax_spmd` to the ratio
+    measured by `experiments/bench_scale.py` and say where the others come from."""
+
+    elaswave: float = 1.0
+    elaswave_no_dvfs: float = 1.0
+    recycle: float = 1.0
+    torchft: float = 1.0
+    oobleck: float = 1.0
+    elasjax_spmd: float = 1.0
+    checkpoint_restart: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class SimConfig:
     """A simulator run. `run` picks the studies: post_change (tables at `layout.devices`),
     trace (goodput over time at `trace.scales`) and growth (shrink only / rejoin / hot spares
@@ -151,6 +169,7 @@ class SimConfig:
     growth: GrowthConfig = GrowthConfig()
     dvfs: DvfsConfig = DvfsConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    step_cost: StepCostConfig = StepCostConfig()
     recycle_bubble_fill: float = 1.0
     planner_budget_s: float = 1.0
 
@@ -214,6 +233,10 @@ def validate(cfg: SimConfig) -> None:
                      f"hosts of {dph} (growth swaps whole hosts); allowed values: multiples of "
                      f"lcm(stage * tensor, devices_per_host) = {np.lcm(per_pipe, dph)}")
     _require(cfg.dvfs.cap_factor > 0, "dvfs.cap_factor", "must be > 0")
+    for name in ALL_STRATEGIES:
+        v = getattr(cfg.step_cost, name)
+        _require(v >= 1.0, f"step_cost.{name}",
+                 f"= {v}; allowed values: >= 1.0 (a fault-free step time over a plain loop's)")
     _require(0 <= cfg.recycle_bubble_fill <= 1, "recycle_bubble_fill", "must be in [0, 1]")
     _require(cfg.planner_budget_s >= 0, "planner_budget_s", "must be >= 0")
     dev = cfg.hardware.build()

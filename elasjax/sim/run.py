@@ -86,9 +86,12 @@ def post_change_study(cfg: simconfig.SimConfig, sc: Scenario | None = None) -> d
         rows = {}
         for name in cfg.strategies:
             outs = [STRATEGIES[name](sc, s) for s in sets]
+            cost = getattr(cfg.step_cost, name)  # the strategy's fault-free step tax
             rows[name] = {
-                "tokens_per_s": float(np.mean([o.tokens_per_s for o in outs])),
-                "fraction": float(np.mean([o.tokens_per_s for o in outs]) / ff.tokens_per_s),
+                "tokens_per_s": float(np.mean([o.tokens_per_s for o in outs])) / cost,
+                "fraction": float(np.mean([o.tokens_per_s for o in outs]) / ff.tokens_per_s)
+                / cost,
+                "step_cost": cost,
                 "step_s": float(np.mean([o.step_s for o in outs])),
                 "global_batch": float(np.mean([o.global_batch for o in outs])),
                 "batch_preserved": all(o.batch_preserved for o in outs),
@@ -149,7 +152,8 @@ def trace_study(cfg: simconfig.SimConfig) -> dict:
         ref = failure_free(sc).tokens_per_s
         lines = {}
         for name in cfg.strategies:
-            tl = simulate(sc, name, STRATEGIES[name], trace, tc.hours, tc.bin_hours, ref)
+            tl = simulate(sc, name, STRATEGIES[name], trace, tc.hours, tc.bin_hours, ref,
+                          getattr(cfg.step_cost, name))
             lines[name] = dataclasses.asdict(tl)
         out[n] = {
             "devices": sc.layout.n_devices,
@@ -185,7 +189,7 @@ def growth_study(cfg: simconfig.SimConfig) -> dict:
             for pol in gc.policies:
                 tl = simulate_policy(sc, pol, trace, tc.hours, tc.bin_hours, ref,
                                      spare_hosts=k if pol == "spares" else 0, swap_s=swap,
-                                     strategy=strat)
+                                     strategy=strat, step_cost=getattr(cfg.step_cost, strat))
                 lines[f"{strat} {pol}"] = dataclasses.asdict(tl)
         job = [e for e in trace if e.kind == "fail" and min(e.devices) < sc.layout.n_devices]
         out[n] = {

@@ -93,9 +93,12 @@ def simulate_policy(
     spare_hosts: int = 0,
     swap_s: float | None = None,
     strategy: str = "elaswave_no_dvfs",
+    step_cost: float = 1.0,
 ) -> PolicyTimeline:
     """Replay `trace` (over the job's `n` devices, then `spare_hosts` hosts of spares) under
-    `policy`; see the module docstring. `swap_s` None: `swap_seconds(sc)`."""
+    `policy`; see the module docstring. `swap_s` None: `swap_seconds(sc)`. `step_cost`: the
+    strategy's fault-free step time over a plain loop's (`SimConfig.step_cost`): every rate is
+    divided by it."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}; allowed values: {', '.join(POLICIES)}")
     elastic = [k for k in STRATEGIES if k != "checkpoint_restart"]
@@ -187,7 +190,7 @@ def simulate_policy(
             wait = -1.0  # a growth: the new plan's grow_s
         start = max(seg_start, resume_at)
         if te > start:
-            segments.append([start, te, current.tokens_per_s])
+            segments.append([start, te, current.tokens_per_s / step_cost])
         seg_start = te
         new = outcome()
         if ev.kind == "fail":
@@ -207,7 +210,7 @@ def simulate_policy(
         filled.append((te, n - len(down)))
     start = max(seg_start, resume_at)
     if horizon > start:
-        segments.append([start, horizon, current.tokens_per_s])
+        segments.append([start, horizon, current.tokens_per_s / step_cost])
     edges, good, mean = bin_progress(segments, horizon, bin_hours, reference_tokens_per_s)
     t = np.array([f[0] for f in filled] + [horizon])
     k = np.array([f[1] for f in filled], dtype=float)

@@ -79,8 +79,11 @@ def simulate(
     hours: float,
     bin_hours: float,
     reference_tokens_per_s: float,
+    step_cost: float = 1.0,
 ) -> Timeline:
-    """Replay `trace` for strategy `fn` and bin the surviving progress (see module docstring)."""
+    """Replay `trace` for strategy `fn` and bin the surviving progress (see module docstring).
+    `step_cost`: the strategy's fault-free step time over a plain loop's
+    (`SimConfig.step_cost`): every rate is divided by it."""
     horizon = hours * 3600.0
     is_cr = name == "checkpoint_restart"
     interval = sc.ckpt_interval_s()
@@ -95,7 +98,7 @@ def simulate(
         return memo[key]
 
     def rate(o: Outcome) -> float:
-        return o.tokens_per_s * (interval / period if is_cr else 1.0)
+        return o.tokens_per_s * (interval / period if is_cr else 1.0) / step_cost
 
     current = outcome(down)
     segments: list[list[float]] = []

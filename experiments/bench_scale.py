@@ -1,0 +1,455 @@
+"""The fault-free cost of elasticity at a ladder of model sizes, against plain JAX.
+
+    python experiments/bench_scale.py [--sizes demo,3m,25m,100m] [--steps S1,S2] [--rounds 3]
+                                      [--modes all] [--rss] [--failures] [--out results/scale]
+
+For each GPT size of the ladder (the demo's 137k parameters, ~3M, ~25M, ~100M; `--sizes` also
+takes `dD:LL` for d_model D and LL layers), on 8 fake CPU devices as data 4 x tensor 2 (hosts of
+2 devices), with the same global batch (32 sequences of 64 tokens, 2 micro-batches), optimizer
+(AdamW after global-norm clipping) and data, in one process:
+
+  plain replicated     a jitted train step, the state laid out by annotation (ZeRO-0)
+  plain ZeRO-1         the same, the optimizer state also sharded over `data` by annotation (on
+                       the first dimension `data` divides): XLA's ZeRO-1, what plain JAX gives
+  plain ZeRO-3         the parameters sharded over `data` too
+  elasjax ZeRO-k ...   `trainer.Trainer` (the whole loop: batches, step, checksums read two steps
+                       late, snapshots as configured), no faults, no evaluation
+
+In every round each loop runs twice, a whole run of S1 and of S2 steps (`--steps S1,S2`; a run
+builds its state and, for elasjax, takes its snapshots and plans its likely transitions before
+step 0, as a job would); a step costs (wall(S2) - wall(S1)) / (S2 - S1), so start-up and the
+last reads cancel. Rounds alternate the loops. The table gives the median over rounds and the
+median of the per-round ratios (each round runs the loops back to back, so a ratio compares
+loops under the same machine state). XLA's `memory_analysis()`
+of each step executable gives its per-device bytes (arguments, outputs, temporaries).
+
+`--rss` runs each loop again alone in a child process and reports its peak resident set size.
+`--failures` trains elasjax ZeRO-1 through a device failure and a host failure, and reports the
+recovery phases, the time lost per failure and the goodput (`metrics.failure_costs`), the bytes
+moved against a memcpy of as many bytes on this machine, and the standby build with
+`--standby`.
+
+8 fake devices share this machine's cores: the figures compare loops on one machine in one run,
+not devices. Results go to `--out` (a JSON per size, `scale.md`, and a plot of the ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from elasjax import config, trainer  # noqa: E402
+from elasjax.data import DataPipeline  # noqa: E402
+from elasjax.mesh import DATA, make_mesh, replicated  # noqa: E402
+from elasjax.planner import Topology, initial_plan  # noqa: E402
+from elasjax.state import StateFactory, TrainState, make_optimizer  # noqa: E402
+from elasjax.sharding import batch_shardings  # noqa: E402
+from elasjax.step import ExecutableCache, abstract_batch, make_grad_fn  # noqa: E402
+
+SIZES = {  # name -> (d_model, layers, heads)
+    "demo": (64, 2, 4),
+    "3m": (256, 4, 8),
+    "25m": (512, 8, 8),
+    "100m": (1024, 8, 16),
+}
+# the run lengths S1, S2 per size: S2 - S1 steps take about 20-40 s here, so that the start-up's
+# spread (a few hundred ms) is small against them
+LENGTHS = {"demo": (5, 405), "3m": (2, 52), "25m": (2, 10), "100m": (2, 5)}
+
+# loop -> (kind, config overrides)
+MODES = {
+    "plain replicated": ("plain", 0),
+    "plain ZeRO-1": ("plain", 1),
+    "plain ZeRO-3": ("plain", 3),
+    "elasjax ZeRO-0": ("elasjax", ["zero.stage=0"]),
+    "elasjax ZeRO-1, snapshots off": ("elasjax", ["zero.stage=1", "snapshot.buddy=false",
+                                                   "snapshot.host=false"]),
+    "elasjax ZeRO-1": ("elasjax", ["zero.stage=1"]),
+    "elasjax ZeRO-2": ("elasjax", ["zero.stage=2"]),
+    "elasjax ZeRO-3": ("elasjax", ["zero.stage=3"]),
+    "elasjax deterministic": ("elasjax", ["zero.stage=0", "train.deterministic=true"]),
+}
+# the ratios the table reports: (loop, its reference)
+RATIOS = [
+    ("elasjax ZeRO-0", "plain replicated"),
+    ("elasjax ZeRO-1, snapshots off", "plain ZeRO-1"),
+    ("elasjax ZeRO-1", "plain ZeRO-1"),
+    ("elasjax ZeRO-2", "plain ZeRO-1"),
+    ("elasjax ZeRO-3", "plain ZeRO-3"),
+    ("elasjax ZeRO-1", "elasjax ZeRO-1, snapshots off"),
+    ("elasjax deterministic", "elasjax ZeRO-0"),
+]
+
+
+def size_config(size: str, steps: int, extra=()) -> config.Config:
+    if size in SIZES:
+        d, layers, heads = SIZES[size]
+    else:  # dD:LL
+        d, layers = (int(x) for x in size.lstrip("d").split(":"))
+        heads = max(4, d // 64)
+    return config.load(None, [
+        f"model.d_model={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
+        f"model.d_mlp={4 * d}", "model.seq_len=64", "model.dropout=0.1",
+        "data.source=synthetic", "data.synthetic_samples=4096",
+        f"train.steps={steps}", "train.global_batch=32", "train.microbatches=2",
+        "train.eval_every=0", "parallel.devices=8", "parallel.devices_per_host=2",
+        "parallel.data=4", "parallel.tensor=2", "faults=[]", "standby.wait_at_start=true",
+        *extra,
+    ])
+
+
+def _with_data(sh: NamedSharding, shape) -> NamedSharding:
+    """`sh` with `data` added on the first dimension it divides (what a user annotating ZeRO
+    writes); unchanged where none does."""
+    n = sh.mesh.shape[DATA]
+    spec = list(sh.spec) + [None] * (len(shape) - len(sh.spec))
+    for i, (a, s) in enumerate(zip(spec, shape)):
+        if a is None and s % n == 0 and s >= n:
+            spec[i] = DATA
+            return NamedSharding(sh.mesh, PartitionSpec(*spec))
+    return sh
+
+
+class Plain:
+    """A plain jitted loop over the same model, batches and optimizer; ZeRO by annotation.
+    One program per run length (the learning-rate schedule depends on it)."""
+
+    def __init__(self, size: str, zero: int, lengths: tuple[int, ...]):
+        self.runs = {n: self._build(size_config(size, n), zero) for n in lengths}
+
+    @staticmethod
+    def _build(cfg: config.Config, zero: int) -> dict:
+        topo = Topology(tuple(range(8)), cfg.parallel.devices_per_host)
+        plan = initial_plan(topo, cfg)
+        f = StateFactory(cfg, make_optimizer(cfg.train))
+        devs = {d.id: d for d in jax.devices()}
+        mesh = make_mesh(plan.mesh_shape, [devs[i] for i in plan.device_ids])
+        ab = abstract_batch(plan, f.model)
+        bsh = batch_shardings(mesh, ab)
+        sh = f.shardings(mesh)
+        if zero >= 1:
+            opt = jax.tree.map(lambda s, a: _with_data(s, a.shape) if a.ndim else s,
+                               sh.opt_state, f.abstract.opt_state)
+            params = sh.params if zero < 3 else jax.tree.map(
+                lambda s, a: _with_data(s, a.shape), sh.params, f.abstract.params)
+            sh = TrainState(sh.step, params, opt)
+        grad_fn = make_grad_fn(cfg, f.model, mesh, sh, None)
+        tx = f.tx
+
+        def step(state, batch):
+            loss, grads = grad_fn(state.params, batch, state.step)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            return TrainState(state.step + 1, optax.apply_updates(state.params, updates),
+                              opt_state), {"loss": loss}
+
+        t0 = time.perf_counter()
+        train = jax.jit(
+            step, in_shardings=(sh, bsh), out_shardings=(sh, {"loss": replicated(mesh)}),
+            donate_argnums=0,
+        ).lower(f.abstract, ab).compile()
+        return {"plan": plan, "train": train, "compile_s": time.perf_counter() - t0,
+                "init": jax.jit(f._init, out_shardings=sh), "bsh": bsh,
+                "data": DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)}
+
+    def wall(self, steps: int) -> float:
+        """Seconds for a whole run of `steps` steps: a fresh state, each step's batch built and
+        placed, the losses read two steps late."""
+        r = self.runs[steps]
+        t0 = time.perf_counter()
+        state = r["init"]()
+        pending = []
+        for s in range(steps):
+            batch = {k: jax.device_put(v, r["bsh"][k])
+                     for k, v in r["data"].batch(s, r["plan"]).arrays().items()}
+            state, met = r["train"](state, batch)
+            pending.append(met["loss"])
+            if len(pending) > 2:
+                float(pending.pop(0))
+        [float(x) for x in pending]
+        jax.block_until_ready(state)
+        return time.perf_counter() - t0
+
+    @property
+    def compile_s(self) -> float:
+        return max(r["compile_s"] for r in self.runs.values())
+
+    def memory(self) -> dict:
+        return _memory(next(iter(self.runs.values()))["train"])
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    return {"args_mb": m.argument_size_in_bytes / 2**20,
+            "out_mb": m.output_size_in_bytes / 2**20,
+            "temp_mb": m.temp_size_in_bytes / 2**20,
+            "alias_mb": m.alias_size_in_bytes / 2**20}
+
+
+class Elastic:
+    """`trainer.Trainer` on the size's config with `overrides`; executables shared by rounds
+    (each run length compiles once, in a warm-up run)."""
+
+    def __init__(self, size: str, overrides, lengths: tuple[int, ...], cache: ExecutableCache):
+        self.cfgs = {n: size_config(size, n, overrides) for n in lengths}
+        self.cache = cache
+        self.snapshot_bytes = 0
+        for n in lengths:
+            self.wall(n)  # compiles
+
+    def wall(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        t = trainer.Trainer(self.cfgs[steps], None, exe_cache=self.cache)
+        t.run()
+        wall = time.perf_counter() - t0
+        self.snapshot_bytes = t.pool.bytes_per_step
+        self.exe, _ = t.exe_cache.get(t.cfg, t.factory, t.initial, t.devices, donate=t.donate)
+        return wall
+
+    @property
+    def compile_s(self) -> float:
+        return self.exe.compile_s
+
+    def memory(self) -> dict:
+        return _memory(self.exe.train)
+
+
+def build(mode: str, size: str, lengths: tuple[int, ...], cache: ExecutableCache):
+    kind, arg = MODES[mode]
+    if kind == "plain":
+        return Plain(size, arg, lengths)
+    return Elastic(size, arg, lengths, cache)
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(mode: str, size: str, steps: int) -> None:
+    """One loop alone (`--rss`): prints its peak RSS after a run of `steps` steps."""
+    loop = build(mode, size, (steps,), ExecutableCache())
+    loop.wall(steps)
+    print(json.dumps({"rss_mb": rss_mb()}))
+
+
+def measure_size(size: str, modes: list[str], short: int, long: int, rounds: int) -> dict:
+    """Per loop and round, a run of `short` and of `long` steps: a step costs the difference of
+    their wall times over `long - short` (start-up, compiles and the last reads cancel)."""
+    cache = ExecutableCache(max_entries=64)
+    loops = {}
+    for m in modes:
+        t0 = time.perf_counter()
+        loops[m] = build(m, size, (short, long), cache)
+        print(f"  built {m} in {time.perf_counter() - t0:.1f}s", flush=True)
+    f = StateFactory(size_config(size, short), make_optimizer(size_config(size, short).train))
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for m in modes:
+            a = loops[m].wall(short)
+            b = loops[m].wall(long)
+            times[m].append((b - a) / (long - short))
+        print(f"  round {r}: " + ", ".join(f"{m} {times[m][-1] * 1e3:.0f} ms" for m in modes),
+              flush=True)
+    out = {"size": size, "n_params": f.n_params, "steps": [short, long], "rounds": rounds,
+           "load": os.getloadavg()[0], "loops": {}, "ratios": {}}
+    for m in modes:
+        out["loops"][m] = {"ms": [t * 1e3 for t in times[m]],
+                           "median_ms": statistics.median(times[m]) * 1e3,
+                           "memory": loops[m].memory(),
+                           "compile_s": loops[m].compile_s}
+        if isinstance(loops[m], Elastic):
+            out["loops"][m]["snapshot_mb_per_step"] = loops[m].snapshot_bytes / 2**20
+    for a, b in RATIOS:
+        if a in times and b in times:
+            per_round = sorted(x / y for x, y in zip(times[a], times[b]))
+            out["ratios"][f"{a} / {b}"] = {
+                "median": statistics.median(per_round), "min": per_round[0], "max": per_round[-1]}
+    return out
+
+
+def rss_rows(size: str, modes: list[str], steps: int) -> dict:
+    out = {}
+    for m in modes:
+        got = subprocess.run(
+            [sys.executable, __file__, "--child", m, "--sizes", size, "--steps", str(steps)],
+            capture_output=True, text=True, check=True,
+        )
+        out[m] = json.loads(got.stdout.strip().splitlines()[-1])["rss_mb"]
+        print(f"  peak RSS {m}: {out[m]:.0f} MB", flush=True)
+    return out
+
+
+def memcpy_gbps(nbytes: int = 256 << 20) -> float:
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def failures(size: str, steps: int, standby: bool) -> dict:
+    """elasjax ZeRO-1 through a device failure (step steps//3) and a host failure
+    (2 * steps // 3): recovery phases, time lost per failure, goodput, bytes moved."""
+    from elasjax.metrics import read_jsonl
+
+    faults = (f"faults=[{{at_step: {steps // 3}, devices: [3]}}, "
+              f"{{at_step: {2 * steps // 3}, hosts: [0]}}]")
+    extra = ["zero.stage=1", faults] + (["standby.enabled=true"] if standby else [])
+    cfg = size_config(size, steps, extra)
+    with tempfile.TemporaryDirectory() as out:
+        summary = trainer.run(cfg, out)
+        events = read_jsonl(os.path.join(out, "events.jsonl"))
+    bw = memcpy_gbps()
+    rows = []
+    for r in summary.recoveries:
+        rows.append({
+            "step": r.step, "failed": r.failed_devices, "to_plan": r.to_plan,
+            "mttr_s": r.mttr_s, "phases": {k: getattr(r, k) for k in (
+                "detect_s", "plan_s", "compile_s", "transfer_s", "verify_s", "snapshot_s",
+                "first_step_s")},
+            "standby_hit": r.standby_hit, "bytes_moved": r.bytes_moved,
+            "memcpy_floor_s": r.bytes_moved / (bw * 1e9),
+        })
+    end = next(e for e in events if e["type"] == "end")
+    costs = [e for e in events if e["type"] == "failure_cost"]
+    standby_ev = [e for e in events if e["type"] == "standby_ready"]
+    return {"recoveries": rows, "memcpy_gbps": bw, "failure_costs": costs,
+            "goodput": end.get("goodput"), "standby": standby_ev}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| loop | " + " | ".join(f"{r['size']} ({r['n_params'] / 1e6:.2f}M)" for r in results)
+             + " |", "|---" * (len(results) + 1) + "|"]
+    modes = list(results[0]["loops"])
+    for m in modes:
+        cells = []
+        for r in results:
+            lp = r["loops"].get(m)
+            cells.append("" if lp is None else f"{lp['median_ms']:.0f} ms")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines.append("| **ratios** (median of per-round ratios, min..max) |" + " |" * len(results))
+    for key in results[0]["ratios"]:
+        cells = []
+        for r in results:
+            x = r["ratios"].get(key)
+            cells.append("" if x is None else
+                         f"**{x['median']:.3f}** ({x['min']:.3f}..{x['max']:.3f})")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines.append("| **per-device step memory, MB** (XLA: arguments + outputs - aliased + temporaries) |"
+                 + " |" * len(results))
+    for m in modes:
+        cells = []
+        for r in results:
+            mem = r["loops"].get(m, {}).get("memory") or {}
+            cells.append("" if not mem else
+                         f"{mem['args_mb'] + mem['out_mb'] - mem['alias_mb'] + mem['temp_mb']:.0f}"
+                         f" (temp {mem['temp_mb']:.0f})")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    if any("rss" in r for r in results):
+        lines.append("| **peak RSS, MB** (the loop alone in a process) |" + " |" * len(results))
+        for m in modes:
+            lines.append(f"| {m} | " + " | ".join(
+                f"{r.get('rss', {}).get(m, float('nan')):.0f}" for r in results) + " |")
+    snap = [r["loops"].get("elasjax ZeRO-1", {}).get("snapshot_mb_per_step") for r in results]
+    if any(s is not None for s in snap):
+        lines.append("| snapshot MB per step (elasjax ZeRO-1) | " + " | ".join(
+            "" if s is None else f"{s:.1f}" for s in snap) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["n_params"] for r in results]
+    for key in results[0]["ratios"]:
+        ax.plot(x, [r["ratios"].get(key, {}).get("median", np.nan) for r in results], "o-",
+                label=key)
+    ax.axhline(1.03, color="gray", ls="--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("per-step time ratio")
+    ax.set_title("fault-free step cost (8 fake CPU devices, d4t2, measured)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="demo,3m,25m,100m")
+    ap.add_argument("--modes", default="all", help="comma-separated loop names, or 'all'")
+    ap.add_argument("--steps", default=None,
+                    help="S1,S2: the two run lengths (default: per size, LENGTHS)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rss", action="store_true")
+    ap.add_argument("--failures", action="store_true")
+    ap.add_argument("--standby", action="store_true")
+    ap.add_argument("--failure-steps", type=int, default=12)
+    ap.add_argument("--out", default="results/scale")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args.child, args.sizes, int((args.steps or "2,4").split(",")[-1]))
+        return 0
+    modes = list(MODES) if args.modes == "all" else args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}; allowed: {', '.join(MODES)}")
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for size in args.sizes.split(","):
+        print(f"# size {size}", flush=True)
+        short, long = ((int(x) for x in args.steps.split(",")) if args.steps
+                       else LENGTHS.get(size, (2, 6)))
+        r = measure_size(size, modes, short, long, args.rounds)
+        if args.rss:
+            r["rss"] = rss_rows(size, modes, long)
+        if args.failures:
+            r["failures"] = failures(size, args.failure_steps, args.standby)
+        results.append(r)
+        with open(os.path.join(args.out, f"{size}.json"), "w") as f:
+            json.dump(r, f, indent=1, default=str)
+        print(table(results), flush=True)
+    lengths = ", ".join(f"{r['size']} {r['steps'][0]},{r['steps'][1]}" for r in results)
+    text = (f"bench_scale: runs of S1,S2 steps ({lengths}) x {args.rounds} rounds per loop, 8 "
+            f"fake CPU devices on {os.cpu_count()} cores, jax {jax.__version__}, load average "
+            f"{os.getloadavg()[0]:.1f} at the end\n\n" + table(results) + "\n")
+    with open(os.path.join(args.out, "scale.md"), "w") as f:
+        f.write(text)
+    plot(results, os.path.join(args.out, "scale.png"))
+    print("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
