@@ -54,6 +54,9 @@ class RecoveryEvent:
     snapshot_s: float = 0.0
     retry_s: float = 0.0
     standby_wait_s: float = 0.0  # waited for a background compile already under way
+    # the first step ran the new plan's executable for the first time, never warmed (XLA's
+    # first run of a program is slower: its first step is then slow, and says why)
+    first_step_first_run: bool = False
     attempts: int = 1
     verified: bool = False
     resumed_at_step: int = 0
@@ -282,6 +285,7 @@ def failure_costs(timeline: Timeline, initial_plan: str, wall_s: float
             bad["compile_s"] += ev.compile_s
             bad["recovery_s"] += before - ev.compile_s
             open_ = {"step": ev.step, "failed_devices": ev.failed_devices, "to_plan": ev.to_plan,
+                     "first_step_first_run": ev.first_step_first_run,
                      "target_plan": targets[len(costs)], "phases_s": before, "slow_steps_s": 0.0,
                      "fast_path_s": 0.0, "pauses_s": 0.0, "redone_s": 0.0, "at_pace": False,
                      "steps_to_pace": 0}
@@ -317,9 +321,16 @@ def failure_costs(timeline: Timeline, initial_plan: str, wall_s: float
                 open_["slow_steps_s"] += dt - p
             else:
                 open_["at_pace"] = True
-    for c in costs:
+    for c, ev in zip(costs, [it[1] for it in timeline.items if it[0] == "recovery"]):
         c["time_lost_s"] = (c["phases_s"] + c["slow_steps_s"] + c["fast_path_s"]
                             + c["pauses_s"] + c["redone_s"])
+        p = pace.get(ev.to_plan)
+        c["first_step_x"] = ev.first_step_s / p if p else None  # x its plan's pace
+        if c["first_step_x"] is not None and c["first_step_x"] > SLOW:
+            c["first_step_why"] = (
+                "the first run of the new plan's executable, compiled in the recovery and not "
+                "warmed (warm it ahead with standby)" if ev.first_step_first_run
+                else "not known: its executable had run before")
         if not c["at_pace"]:
             c["note"] = "the run ended (or failed again) before it was back at pace"
         del c["at_pace"]

@@ -39,6 +39,7 @@ The interface, used by the trainer, the snapshot pool and transitions:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Iterable, Sequence
@@ -140,6 +141,16 @@ class InProcessRuntime:
         self.live: set[int] = set(self.devices)
         self.threads = CopyThreads()
         self._survivors: dict[int, tuple] = {}  # id(tree) -> (tree, what `inject` left of it)
+        self._snapshot_jobs: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def snapshot_jobs(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that takes the snapshot pool's copies while the next step runs
+        (`SnapshotPool.take`): with synchronous dispatch (`elasjax/__init__.py`) a copy made on
+        the training thread would wait for it and make the next step wait."""
+        if self._snapshot_jobs is None:
+            self._snapshot_jobs = concurrent.futures.ThreadPoolExecutor(1, "elasjax-snapshot")
+        return self._snapshot_jobs
 
     def process_of(self, device) -> int:
         return 0
@@ -224,3 +235,6 @@ class InProcessRuntime:
 
     def close(self) -> None:
         self.threads.close()
+        if self._snapshot_jobs is not None:
+            self._snapshot_jobs.shutdown(wait=True)
+            self._snapshot_jobs = None

@@ -183,20 +183,45 @@ class SnapshotPool:
     process's (`runtime.process_of`, `runtime.me`) and where host copies live. `cfg` as given
     (`null` fields are decided from the topology: `SnapshotConfig.resolved`)."""
 
-    def __init__(self, cfg: SnapshotConfig, topo: Topology, runtime=None):
+    def __init__(self, cfg: SnapshotConfig, topo: Topology, runtime=None, *, donated: bool = True,
+                 threaded: bool = False):
+        """`donated`: the step that follows a snapshot donates the state it reads (its buffers
+        are then overwritten): a host copy still under way must read a copy of them.
+        `threaded`: take the snapshots on the runtime's snapshot thread (`thread_helps`), beside
+        the next step, which then must not donate the state they read."""
         if runtime is None:  # one process holding every device of `topo`
             from .runtime import InProcessRuntime
 
             runtime = InProcessRuntime(topology=topo)
         check_coverable(cfg, topo)
-        self.given = cfg
+        if threaded and donated:
+            raise ValueError("SnapshotPool: threaded=True takes snapshots while the next step "
+                             "runs, which must not donate the state they read: pass donated=False")
+        if threaded and getattr(runtime, "snapshot_jobs", None) is None:
+            raise ValueError(f"SnapshotPool: threaded=True needs a runtime with a snapshot thread "
+                             f"(InProcessRuntime), not {type(runtime).__name__}")
+        self.given, self.donated, self.threaded = cfg, donated, threaded
         self.cfg, self.topo, self.rt = cfg.resolved(topo.n_hosts), topo, runtime
         self.unprotected: list[str] = []  # unique shards left uncovered (opted out), described
         self.records: list[Record] = []
         self.refusals: list[str] = []
         self._fn = None
         self._pending: _Generation | None = None
+        self._taking = None  # a `take` under way on the runtime's snapshot thread (a Future)
         self.bytes_per_step = 0
+
+    @staticmethod
+    def thread_helps(runtime) -> bool:
+        """Would snapshots taken on `runtime`'s snapshot thread run beside the next step? Only
+        where dispatch waits for the program it runs (the CPU backend with elasjax's synchronous
+        dispatch, `elasjax/__init__.py`): there a copy made on the training thread delays the
+        next step by its whole length. Elsewhere dispatch returns at once, and `take` only queues
+        the copies behind the step, on the training thread."""
+        return (
+            getattr(runtime, "snapshot_jobs", None) is not None
+            and jax.default_backend() == "cpu"
+            and not jax.config.read("jax_cpu_enable_async_dispatch")
+        )
 
     @property
     def enabled(self) -> bool:
@@ -208,6 +233,7 @@ class SnapshotPool:
     def configure(self, state, state_shardings, mesh: Mesh, live: set[int]) -> None:
         """Choose what to snapshot on this plan and where (buddies on other hosts, balanced).
         Every process makes the same choice (from the shardings alone)."""
+        self._settle()
         self.records = []
         self.unprotected = []
         self._fn = None
@@ -300,10 +326,27 @@ class SnapshotPool:
         """Start snapshotting `state` (whose step counter is `version`) right after the step
         produced it. The copies land in a pending generation; the last filed one stays the
         pool's until `complete` files this one (at the next step boundary), and `abort` drops it
-        if its step fails. Collective under the multi-controller runtime."""
+        if its step fails. Collective under the multi-controller runtime.
+
+        A `threaded` pool makes the checksums and copies are made there, while the training thread goes on to the next
+        step; whatever reads the pool (`complete`, `abort`, `sources`, `device_buffers`) waits
+        for them first. The state's buffers stay valid meanwhile: the loop keeps the state, and
+        its next step does not donate it (`__init__`)."""
         if not self.records:
             return
         self.complete()
+        if self.threaded:
+            self._taking = self.rt.snapshot_jobs.submit(self._take, state, version)
+        else:
+            self._pending = self._take(state, version)
+
+    def _settle(self) -> None:
+        """Wait for a `take` under way on the snapshot thread; its generation is then pending."""
+        taking, self._taking = self._taking, None
+        if taking is not None:
+            self._pending = taking.result()
+
+    def _take(self, state, version: int) -> _Generation:
         leaves = jax.tree.leaves(state)
         held = {
             (li, s.device.id): s.data
@@ -316,9 +359,9 @@ class SnapshotPool:
         moves, targets = [], []
         for i, r in enumerate(self.records):
             if r.via == r.holder:
-                if self._local(r.holder):  # host copy on the holder's host: now, before the
-                    gen.landed[i] = np.array(held[(r.leaf, r.holder)], copy=True)  # next step
-                continue  # donates the buffer
+                if self._local(r.holder):  # host copy on the holder's host
+                    gen.landed[i] = self._to_host(held[(r.leaf, r.holder)])
+                continue
             if not (self._local(r.holder) or self._local(r.via)):
                 continue
             data = held.get((r.leaf, r.holder))
@@ -338,15 +381,29 @@ class SnapshotPool:
                 gen.landed[t] = x
             else:
                 gen.moved_sums[t] = x
-        self._pending = gen
+        return gen
+
+    def _to_host(self, x: jax.Array):
+        """A host copy of the one-device buffer `x`, independent of it (filed by `complete`).
+        On the CPU backend the buffer is host memory already: copied now (a view of it would
+        die with its simulated device). On an accelerator the transfer is started and not
+        waited for (from a device copy when the next step donates the buffer): the step
+        after it runs meanwhile, and `complete` collects it at the next step boundary."""
+        if x.devices().pop().platform == "cpu":
+            return np.array(x, copy=True)
+        y = x.copy() if self.donated else x
+        y.copy_to_host_async()
+        return y
 
     def abort(self, version: int) -> None:
         """Drop the pending generation of `version` (its step failed): the filed one stays."""
+        self._settle()
         if self._pending is not None and self._pending.version == version:
             self._pending = None
 
     def complete(self) -> None:
         """File the pending generation: its copies and their checksums become the pool's."""
+        self._settle()
         gen, self._pending = self._pending, None
         if gen is None:
             return
@@ -446,6 +503,7 @@ class SnapshotPool:
 
     def in_flight(self) -> list:
         """The copies (and checksums) of the pending generation landing on this process."""
+        self._settle()
         gen = self._pending
         if gen is None:
             return []
@@ -458,10 +516,12 @@ class SnapshotPool:
 
     def fresh(self) -> SnapshotPool:
         """An empty pool of the same kind (for a new plan; this one stays until it is replaced)."""
-        pool = SnapshotPool(self.given, self.topo, self.rt)
+        pool = SnapshotPool(self.given, self.topo, self.rt, donated=self.donated,
+                            threaded=self.threaded)
         pool.refusals = self.refusals
         return pool
 
     def drop(self) -> None:
+        self._settle()
         self.records = []
         self._pending = None

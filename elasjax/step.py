@@ -322,6 +322,7 @@ class Executables:
     compile_s: float
     batch_abstract: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
     warm_s: float = 0.0  # seconds of its warm-up run (`warm_up`), 0 if never warmed
+    runs: int = 0  # training steps run on it (the first run of an executable is slower)
     make_eval: Any = None  # mesh -> the eval function on it (`rebind` re-makes it)
     # "compiled" here; "cached": loaded from JAX's persistent compilation cache (`standby.
     # cache_dir`) by `compile_plan`; "rebound" from a compile for other devices (`rebind`;

@@ -139,6 +139,7 @@ class Trainer(Recovering):
         if cfg.standby.cache_dir:
             enable_compilation_cache(cfg.standby.cache_dir)
         self.rt = runtime if runtime is not None else InProcessRuntime(cfg)
+        self._owns_rt = runtime is None  # closed (its threads ended) when the run ends
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress and self.rt.writer
@@ -165,12 +166,18 @@ class Trainer(Recovering):
         # devices or rebound onto others, experiments/probe_loaded_donation.py), while the same
         # program without donation ran 200 steps, loaded or compiled. Donation only saves
         # memory; the values are the same.
-        self.donate = self.rt.donate and not (cfg.standby.rebind or cfg.standby.cache_dir)
+        # Snapshots taken beside the next step (`SnapshotPool.thread_helps`: the CPU backend)
+        # read the state while that step runs: the step must not donate it.
+        snap = cfg.snapshot.resolved(self.topo.n_hosts)
+        threaded = (snap.buddy or snap.host) and SnapshotPool.thread_helps(self.rt)
+        self.donate = self.rt.donate and not (
+            cfg.standby.rebind or cfg.standby.cache_dir or threaded)
+        self.pool = SnapshotPool(cfg.snapshot, self.topo, self.rt, donated=self.donate,
+                                 threaded=bool(threaded))
         self.ckpt = (
             Checkpointer(cfg.checkpoint, self.rt.processes()) if cfg.checkpoint.dir is not None else None
         )
         self.dropped_checkpoints: list[int] = []
-        self.pool = SnapshotPool(cfg.snapshot, self.topo, self.rt)
         self.dead_hosts: set[int] = set()
         self.transfer_logs: list[TransferLog] = []
         self.standby: StandbyCompiler | None = None
@@ -252,6 +259,8 @@ class Trainer(Recovering):
                 self.worker.close()
             if self.jobs is not None:
                 self.jobs.close()
+            if self._owns_rt:
+                self.rt.close()  # waits for a snapshot under way
 
     def _run(self, mw: JsonlWriter, ew: JsonlWriter) -> RunSummary:
         T = self.cfg.train.steps
@@ -304,8 +313,13 @@ class Trainer(Recovering):
                            and not e.is_join] + [
                         e for e in pending if cutover_now and e.phase == "cutover" and e.at_step <= step
                     ]
+                    if open_event is not None and pos.step == open_event.resumed_at_step:
+                        open_event.first_step_first_run = pos.exe.runs == 0 and not pos.exe.warm_s
                     with self.rt.guard("step"):
-                        self.rt.inject(due, "before_step", [pos.state, self.pool.device_buffers()])
+                        # (the pool's buffers only when a fault is due: reading them waits for
+                        # the snapshot under way, which otherwise runs beside the next step)
+                        self.rt.inject(due, "before_step",
+                                       [pos.state, self.pool.device_buffers()] if due else [])
                         new_state, flight = self._dispatch(pos, due, redo=step < redo_until)
                     pending = [e for e in pending if e not in due]
                 except DeviceFailure as failure:
@@ -366,6 +380,7 @@ class Trainer(Recovering):
                     with self.rt.guard("checkpoint"):
                         self.ckpt.save(pos.step, pos.state, self.good, form_of(pos.exe.plan))
         self._flush(mw, bar)
+        self.pool.complete()  # the last step's snapshot, taken beside the loop, is filed
         notes = [
             f"the cut-over to {a['optimal_plan']} was abandoned at step {a['step']}: its "
             f"background compile failed ({next(iter(a['errors'].values()))[:200]}); the run "
@@ -458,6 +473,7 @@ class Trainer(Recovering):
         batch = exe.put_batch(host_batch.arrays())
         new_state, met = exe.train(pos.state, batch)
         t_ran = time.perf_counter() if self._sync_dispatch(exe) else None
+        exe.runs += 1
         for x in jax.tree.leaves(met):  # queued now, right behind the step: read later without
             x.copy_to_host_async()  # waiting for the steps dispatched after it
         self.rt.inject(due, "after_dispatch")
@@ -466,7 +482,9 @@ class Trainer(Recovering):
         every = self.cfg.train.eval_every
         if every and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps):
             evals = self._eval(exe, plan, new_state)
-        self.rt.commit((new_state, met, evals, self.pool.in_flight()))
+        # a runtime whose steps complete in their guard waits for the snapshot's copies too; the
+        # others leave them running beside the next step
+        self.rt.commit((new_state, met, evals, self.pool.in_flight() if self.rt.step_sync else ()))
         processed = int((host_batch.weights > 0).sum())
         flight = _InFlight(
             step, plan, met, t0, exe.layout.checksum_keys, processed, DataPipeline.digest(idx),

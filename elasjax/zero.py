@@ -7,15 +7,27 @@ including the uneven survivor counts of an elastic run (7, 5, 3 ...), which a pl
 partitioned state lives in a *storage layout* of its own:
 
 - A **unit** is what gets partitioned on its own. `interleaved`: every parameter leaf is a unit
-  (a stacked-layer leaf is partitioned per layer, so ZeRO-3 can gather one layer at a time).
-  `contiguous` (the Megatron/DeepSpeed distributed-optimizer layout): all tensor-sharded leaves
-  form one flat buffer and all other leaves another.
-- A unit's elements in *canonical order* (the tensor-sharded dimension moved first, then
-  row-major) form `rows` rows (one per tensor rank; 1 for units replicated over `tensor`). Each
-  row is cut into `K` equal **pieces** (the last padded with zeros).
-- The **tiers** say which piece each data rank stores in each slot: storage tier `i` of a unit
-  is an array `[*layers, data, slots_i, rows, piece]` sharded over `data` (and `tensor` on the
-  rows). A table entry of -1 is an empty slot (zeros).
+  (a stacked-layer leaf is partitioned per layer under ZeRO-3, which gathers one layer at a
+  time, and on pipelines, whose layer slots are sharded over `stage`). `contiguous` (the
+  Megatron/DeepSpeed distributed-optimizer layout): all tensor-sharded leaves form one flat
+  buffer and all other leaves another.
+- A unit has `rows` rows (one per tensor rank; 1 for units replicated over `tensor`): row r is
+  tensor rank r's blocks of the unit's leaves, each flattened in its own row-major order, as the
+  rank holds them. Each row is cut into `K` **pieces** of `row_len // K` or one more elements
+  (piece k: `[k * row_len // K, (k + 1) * row_len // K)`), with no padding.
+- The **tiers** say which piece each data rank stores in each slot. Storage tier `i` of a unit
+  is an array `[*layers, data, rows, width_i]` sharded over `data` (and `tensor` on the rows):
+  rank d's pieces of row r, consecutive pieces merged into runs (`TierPlace`), zeros after them
+  up to the tier's width (its longest rank's elements).
+
+Why this form: the train step converts parameters and gradients to storage and the updated
+storage back every step, so it must cost what sharding the optimizer state by annotation costs.
+A rank's storage is slices of its own row (no transpose, no gather), and in the layout a fresh
+start has, whenever the data degree divides the row, the tier gathered over `data` *is* the
+row: the all-gather writes the parameter block as it lands. Element identities (checksums,
+transitions across tensor degrees) are row-major positions in the full leaves, the same on every
+plan; a tensor rank's block is not contiguous in them, which costs only at recovery time
+(`ZeroCodec.segments`).
 
 Elastic transitions (see `evolve`): with `interleaved`, `K = lcm(1..D0)` pieces per row for
 D0 <= 10, so any data degree up to the initial one divides the pieces evenly, and `K = 64 * D0`
@@ -27,14 +39,15 @@ tier, as narrow as the orphans allow. Recovery is then a set of disjoint rank-to
 exactly the lost bytes. Every rank allocates every slot of every tier, so each in-place shrink
 costs up to one extra slot per rank: when that would put a rank over `MAX_STORAGE_RATIO` (1.05)
 times the ideal `total / D`, or the tiers are used up, the layout is rebuilt instead (1024 ranks
-losing one at a time re-lay out every third or fourth loss; see tests/test_zero.py). With
-`contiguous`, a unit is cut into one piece per rank; losing a rank shifts every boundary, so
-almost all bytes move (an all-to-all), which is what the benchmark contrasts. A change of tensor
-degree, a new device in a group, or a rebuild re-lays out everything: all bytes are
-re-partitioned.
+losing one at a time re-lay out every third or fourth loss; see tests/test_zero.py). An evolved
+layout's row is reassembled from its runs after the gather (one more copy of the row per step
+until a re-layout). With `contiguous`, a unit is cut into one piece per rank; losing a rank
+shifts every boundary, so almost all bytes move (an all-to-all), which is what the benchmark
+contrasts. A change of tensor degree, a new device in a group, or a rebuild re-lays out
+everything: all bytes are re-partitioned.
 
-Pieces are padded and empty slots are zero. Adam keeps zeros zero (zero gradient, zero moment,
-zero update, and weight decay of zero is zero), so padding never leaks into real values.
+Storage past a rank's runs is zero. Adam keeps zeros zero (zero gradient, zero moment, zero
+update, and weight decay of zero is zero), so padding never leaks into real values.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ not devices. Results go to `--out` (a JSON per size, `scale.md`, and a plot of t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -71,7 +71,7 @@ SIZES = {  # name -> (d_model, layers, heads)
 }
 # the run lengths S1, S2 per size: S2 - S1 steps take about 20-40 s here, so that the start-up's
 # spread (a few hundred ms) is small against them
-LENGTHS = {"demo": (5, 405), "3m": (2, 52), "25m": (2, 10), "100m": (2, 5)}
+LENGTHS = {"demo": (5, 205), "3m": (2, 52), "25m": (2, 10), "100m": (2, 5)}
 
 # loop -> (kind, config overrides)
 MODES = {
@@ -79,7 +79,7 @@ MODES = {
     "plain ZeRO-1": ("plain", 1),
     "plain ZeRO-3": ("plain", 3),
     "elasjax ZeRO-0": ("elasjax", ["zero.stage=0"]),
-    "elasjax ZeRO-1, snapshots off": ("elasjax", ["zero.stage=1", "snapshot.buddy=false",
+    "elasjax ZeRO-1 no snapshots": ("elasjax", ["zero.stage=1", "snapshot.buddy=false",
                                                    "snapshot.host=false"]),
     "elasjax ZeRO-1": ("elasjax", ["zero.stage=1"]),
     "elasjax ZeRO-2": ("elasjax", ["zero.stage=2"]),
@@ -89,11 +89,11 @@ MODES = {
 # the ratios the table reports: (loop, its reference)
 RATIOS = [
     ("elasjax ZeRO-0", "plain replicated"),
-    ("elasjax ZeRO-1, snapshots off", "plain ZeRO-1"),
+    ("elasjax ZeRO-1 no snapshots", "plain ZeRO-1"),
     ("elasjax ZeRO-1", "plain ZeRO-1"),
     ("elasjax ZeRO-2", "plain ZeRO-1"),
     ("elasjax ZeRO-3", "plain ZeRO-3"),
-    ("elasjax ZeRO-1", "elasjax ZeRO-1, snapshots off"),
+    ("elasjax ZeRO-1", "elasjax ZeRO-1 no snapshots"),
     ("elasjax deterministic", "elasjax ZeRO-0"),
 ]
 
@@ -239,15 +239,25 @@ def build(mode: str, size: str, lengths: tuple[int, ...], cache: ExecutableCache
     return Elastic(size, arg, lengths, cache)
 
 
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def child(mode: str, size: str, steps: int) -> None:
-    """One loop alone (`--rss`): prints its peak RSS after a run of `steps` steps."""
+    """One loop alone (`--rss`): prints its peak resident set size while it runs `steps` steps,
+    after its build (the process's high-water mark, VmHWM, is reset once the loop is built and
+    compiled: the compiler's own peak is not the loop's), and the resident size before the run."""
     loop = build(mode, size, (steps,), ExecutableCache())
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+    before = _status_mb("VmRSS")
     loop.wall(steps)
-    print(json.dumps({"rss_mb": rss_mb()}))
+    print(json.dumps({"rss_mb": _status_mb("VmHWM"), "before_mb": before}))
 
 
 def measure_size(size: str, modes: list[str], short: int, long: int, rounds: int) -> dict:
@@ -292,8 +302,10 @@ def rss_rows(size: str, modes: list[str], steps: int) -> dict:
             [sys.executable, __file__, "--child", m, "--sizes", size, "--steps", str(steps)],
             capture_output=True, text=True, check=True,
         )
-        out[m] = json.loads(got.stdout.strip().splitlines()[-1])["rss_mb"]
-        print(f"  peak RSS {m}: {out[m]:.0f} MB", flush=True)
+        got = json.loads(got.stdout.strip().splitlines()[-1])
+        out[m] = got["rss_mb"]
+        print(f"  peak RSS {m}: {out[m]:.0f} MB (resident {got['before_mb']:.0f} MB before the "
+              f"run)", flush=True)
     return out
 
 
@@ -344,7 +356,7 @@ def failures(size: str, steps: int, standby: bool) -> dict:
 def table(results: list[dict]) -> str:
     lines = ["| loop | " + " | ".join(f"{r['size']} ({r['n_params'] / 1e6:.2f}M)" for r in results)
              + " |", "|---" * (len(results) + 1) + "|"]
-    modes = list(results[0]["loops"])
+    modes = list(dict.fromkeys(m for r in results for m in r["loops"]))
     for m in modes:
         cells = []
         for r in results:
@@ -352,7 +364,7 @@ def table(results: list[dict]) -> str:
             cells.append("" if lp is None else f"{lp['median_ms']:.0f} ms")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("| **ratios** (median of per-round ratios, min..max) |" + " |" * len(results))
-    for key in results[0]["ratios"]:
+    for key in dict.fromkeys(k for r in results for k in r["ratios"]):
         cells = []
         for r in results:
             x = r["ratios"].get(key)
@@ -370,14 +382,36 @@ def table(results: list[dict]) -> str:
                          f" (temp {mem['temp_mb']:.0f})")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     if any("rss" in r for r in results):
-        lines.append("| **peak RSS, MB** (the loop alone in a process) |" + " |" * len(results))
-        for m in modes:
+        lines.append("| **peak RSS while it runs, MB** (the loop alone in a process, after its build) |" + " |" * len(results))
+        for m in dict.fromkeys(m for r in results for m in r.get("rss", {})):
             lines.append(f"| {m} | " + " | ".join(
-                f"{r.get('rss', {}).get(m, float('nan')):.0f}" for r in results) + " |")
+                f"{r['rss'][m]:.0f}" if m in r.get("rss", {}) else "" for r in results) + " |")
     snap = [r["loops"].get("elasjax ZeRO-1", {}).get("snapshot_mb_per_step") for r in results]
     if any(s is not None for s in snap):
         lines.append("| snapshot MB per step (elasjax ZeRO-1) | " + " | ".join(
             "" if s is None else f"{s:.1f}" for s in snap) + " |")
+    for r in results:
+        if "failures" in r:
+            lines += ["", failures_text(r["size"], r["failures"])]
+    return "\n".join(lines)
+
+
+def failures_text(size: str, f: dict) -> str:
+    lines = [f"{size}, elasjax ZeRO-1 through a device and a host failure (detection simulated: "
+             f"the fault is injected; memcpy on this machine {f['memcpy_gbps']:.1f} GB/s):",
+             "| step | failed | plan | MTTR s | phases s | first step x pace | time lost s | "
+             "bytes moved | memcpy floor s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r, c in zip(f["recoveries"], f["failure_costs"]):
+        ph = ", ".join(f"{k[:-2]} {v:.2f}" for k, v in r["phases"].items() if v >= 0.005)
+        x = c.get("first_step_x")
+        lines.append(
+            f"| {r['step']} | {r['failed']} | {r['to_plan']} | {r['mttr_s']:.2f} | {ph} | "
+            f"{'' if x is None else f'{x:.2f}'} | {c['time_lost_s']:.2f} | "
+            f"{r['bytes_moved'] / 2**20:.0f} MB | {r['memcpy_floor_s']:.3f} |")
+    g = f.get("goodput") or {}
+    if g:
+        bad = ", ".join(f"{k} {v:.1f}" for k, v in (g.get("badput") or {}).items() if abs(v) >= 0.05)
+        lines.append(f"\ngoodput {g['goodput'] or float('nan'):.3f} (wall {g['wall_s']:.1f} s); badput s: {bad}")
     return "\n".join(lines)
 
 
@@ -412,6 +446,8 @@ def main(argv=None) -> int:
                     help="S1,S2: the two run lengths (default: per size, LENGTHS)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rss", action="store_true")
+    ap.add_argument("--rss-modes", default="plain ZeRO-1,elasjax ZeRO-1 no snapshots,elasjax ZeRO-1",
+                    help="the loops --rss measures (each alone in a process)")
     ap.add_argument("--failures", action="store_true")
     ap.add_argument("--standby", action="store_true")
     ap.add_argument("--failure-steps", type=int, default=12)
@@ -433,7 +469,7 @@ def main(argv=None) -> int:
                        else LENGTHS.get(size, (2, 6)))
         r = measure_size(size, modes, short, long, args.rounds)
         if args.rss:
-            r["rss"] = rss_rows(size, modes, long)
+            r["rss"] = rss_rows(size, args.rss_modes.split(","), long)
         if args.failures:
             r["failures"] = failures(size, args.failure_steps, args.standby)
         results.append(r)

@@ -94,6 +94,10 @@ def test_a_run_reports_time_lost_and_goodput(tmp_path):
     (cost,) = run.failure_costs
     assert cost["step"] == 3 and cost["phases_s"] == pytest.approx(rec.mttr_s - rec.first_step_s)
     assert cost["time_lost_s"] >= cost["phases_s"]
+    # the recovery compiled the new plan: its first step was the executable's first run, and a
+    # first step slower than the plan's pace says so
+    assert rec.first_step_first_run and cost["first_step_x"] > 0
+    assert cost["first_step_x"] <= 1.1 or "first run" in cost["first_step_why"]
     events = read_jsonl(tmp_path / "events.jsonl")
     (fc,) = [e for e in events if e["type"] == "failure_cost"]
     (end,) = [e for e in events if e["type"] == "end"]
