@@ -68,6 +68,8 @@ class _Generation:
     sums: Any
     landed: dict = dataclasses.field(default_factory=dict)  # record index -> copy
     moved_sums: dict = dataclasses.field(default_factory=dict)  # (holder, via) -> checksums
+    # record index -> its checksum row on the host, read ahead by a threaded take (`_rows`)
+    rows: dict | None = None
 
 
 def _specs(state_shardings) -> list:
@@ -381,6 +383,8 @@ class SnapshotPool:
                 gen.landed[t] = x
             else:
                 gen.moved_sums[t] = x
+        if self.threaded:  # read here, beside the step, rather than when the step is done
+            gen.rows = self._rows(gen)
         return gen
 
     def _to_host(self, x: jax.Array):
@@ -395,6 +399,24 @@ class SnapshotPool:
         y.copy_to_host_async()
         return y
 
+    def _rows(self, gen: _Generation) -> dict:
+        """Record index -> the holder's checksum row of its leaf, for the records whose holder,
+        or a copy of its checksums, is on this process (each holder's block read once)."""
+        local = {s.device.id: s.data for s in gen.sums.addressable_shards}
+        blocks: dict = {}
+        rows = {}
+        for i, r in enumerate(self.records):
+            if self._local(r.holder):
+                key, blk = r.holder, local[r.holder]
+            elif gen.moved_sums.get((r.holder, r.via)) is not None:
+                key, blk = (r.holder, r.via), gen.moved_sums[(r.holder, r.via)]
+            else:
+                continue
+            if key not in blocks:
+                blocks[key] = np.asarray(blk).reshape(-1, 2)
+            rows[i] = blocks[key][self._pos_in[r.leaf]]
+        return rows
+
     def abort(self, version: int) -> None:
         """Drop the pending generation of `version` (its step failed): the filed one stays."""
         self._settle()
@@ -407,17 +429,13 @@ class SnapshotPool:
         gen, self._pending = self._pending, None
         if gen is None:
             return
-        local = {s.device.id: s.data for s in gen.sums.addressable_shards}
+        rows = gen.rows if gen.rows is not None else self._rows(gen)
         for i, r in enumerate(self.records):
             r.step, r.checksum = gen.version, None
             r.buddy_data = r.host_data = None
-            if self._local(r.holder):
-                blk = local[r.holder]
-            elif gen.moved_sums.get((r.holder, r.via)) is not None:
-                blk = gen.moved_sums[(r.holder, r.via)]
-            else:
+            if i not in rows:
                 continue  # neither the holder nor a copy of it lives here
-            r.checksum = np.asarray(blk).reshape(-1, 2)[self._pos_in[r.leaf]]
+            r.checksum = rows[i]
             landed = gen.landed.get(i)
             if isinstance(landed, jax.Array) and landed.is_deleted():
                 # still on its way (a host copy not yet off its device) when that device failed

@@ -35,7 +35,7 @@ from .checkpoint import Checkpointer, form_of, restore_onto
 from .config import Config, ConfigError, dump
 from .data import DataPipeline
 from .faults import resolve_schedule
-from .metrics import JsonlWriter, RecoveryEvent, Timeline, failure_costs
+from .metrics import JsonlWriter, RecoveryEvent, StepClock, Timeline, failure_costs
 from .planner import Plan, initial_plan
 from .recovery import (
     Position,
@@ -111,9 +111,7 @@ class _InFlight:
     redo: bool
     evals: list | None = None
     tokens: float = 0.0  # the step's loss normaliser: its real samples' counts (GPT: tokens)
-    # when the step had finished, where dispatch waits for it (`_sync_dispatch`); else its
-    # results are known ready when read
-    t_ran: float | None = None
+    seq: int | None = None  # its number for the step clock (`metrics.StepClock`), if watched
 
 
 class UnprotectedStateWarning(UserWarning):
@@ -221,6 +219,8 @@ class Trainer(Recovering):
         self._t_run = 0.0
         self._recovery_at: int | None = None  # where an open recovery goes in the timeline
         self._t_done = self._t_first_done = 0.0
+        self.clock = StepClock()  # when each step finished (read later)
+        self._seq = 0
         self._gc_held = False  # the collector is off for a recovery (`_hold_gc`)
 
     @property
@@ -259,6 +259,7 @@ class Trainer(Recovering):
                 self.worker.close()
             if self.jobs is not None:
                 self.jobs.close()
+            self.clock.close()
             if self._owns_rt:
                 self.rt.close()  # waits for a snapshot under way
 
@@ -440,13 +441,6 @@ class Trainer(Recovering):
             costs, goodput,
         )
 
-    @staticmethod
-    def _sync_dispatch(exe: Executables) -> bool:
-        """Does dispatching `exe`'s step wait for it to run? On the CPU backend elasjax turns
-        asynchronous dispatch off (`elasjax/__init__.py`): a step has run when its call returns,
-        and reading its metrics READ_BEHIND steps later would time the steps after it."""
-        return exe.client.platform == "cpu" and not jax.config.read("jax_cpu_enable_async_dispatch")
-
     def _hold_gc(self) -> None:
         """No garbage collection from a failure to the recovery's first good step: Python's
         cyclic collector stops the loop while it scans: in a run of the demo under `--standby`
@@ -472,7 +466,11 @@ class Trainer(Recovering):
             self.timeline.startup_s = t0 - self._t_run
         batch = exe.put_batch(host_batch.arrays())
         new_state, met = exe.train(pos.state, batch)
-        t_ran = time.perf_counter() if self._sync_dispatch(exe) else None
+        seq = None
+        if not self.rt.step_sync:  # (there a step has finished when it is read)
+            self._seq += 1
+            seq = self._seq
+            self.clock.watch(seq, met["loss"])
         exe.runs += 1
         for x in jax.tree.leaves(met):  # queued now, right behind the step: read later without
             x.copy_to_host_async()  # waiting for the steps dispatched after it
@@ -488,7 +486,7 @@ class Trainer(Recovering):
         processed = int((host_batch.weights > 0).sum())
         flight = _InFlight(
             step, plan, met, t0, exe.layout.checksum_keys, processed, DataPipeline.digest(idx),
-            redo, evals, float((host_batch.counts * host_batch.weights).sum()), t_ran,
+            redo, evals, float((host_batch.counts * host_batch.weights).sum()), seq,
         )
         return new_state, flight
 
@@ -505,7 +503,9 @@ class Trainer(Recovering):
         loss, gnorm = float(scalars[0]), float(scalars[1])
         self.good = checksum.rows_to_host(f.keys, scalars[2])
         # a step's time: from its dispatch (or the end of the step before) to when it had run
-        t_done = f.t_ran if f.t_ran is not None else time.perf_counter()
+        t_read = time.perf_counter()
+        t_done = self.clock.finished(f.seq) if f.seq is not None else None
+        t_done = t_read if t_done is None else min(t_done, t_read)
         dt = t_done - max(f.t0, self._t_done)
         if not self.losses:
             self._t_first_done = t_done

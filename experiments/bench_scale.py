@@ -75,9 +75,12 @@ LENGTHS = {"demo": (5, 205), "3m": (2, 52), "25m": (2, 10), "100m": (2, 5)}
 
 # loop -> (kind, config overrides)
 MODES = {
-    "plain replicated": ("plain", 0),
-    "plain ZeRO-1": ("plain", 1),
-    "plain ZeRO-3": ("plain", 3),
+    "plain replicated": ("plain", (0, True)),
+    "plain ZeRO-1": ("plain", (1, True)),
+    "plain ZeRO-3": ("plain", (3, True)),
+    "plain replicated undonated": ("plain", (0, False)),
+    "plain ZeRO-1 undonated": ("plain", (1, False)),
+    "plain ZeRO-3 undonated": ("plain", (3, False)),
     "elasjax ZeRO-0": ("elasjax", ["zero.stage=0"]),
     "elasjax ZeRO-1 no snapshots": ("elasjax", ["zero.stage=1", "snapshot.buddy=false",
                                                    "snapshot.host=false"]),
@@ -86,7 +89,11 @@ MODES = {
     "elasjax ZeRO-3": ("elasjax", ["zero.stage=3"]),
     "elasjax deterministic": ("elasjax", ["zero.stage=0", "train.deterministic=true"]),
 }
-# the ratios the table reports: (loop, its reference)
+# the ratios the table reports: (loop, its reference). A plain reference is the faster of the
+# plain loop that donates its state (`donate_argnums`, what a JAX user writes) and the same loop
+# without donation, per round, where both ran: on XLA:CPU donation can make the step slower (its
+# in-place updates add copies), and elasjax's default loop on the CPU backend does not donate
+# (`SnapshotPool.thread_helps`).
 RATIOS = [
     ("elasjax ZeRO-0", "plain replicated"),
     ("elasjax ZeRO-1 no snapshots", "plain ZeRO-1"),
@@ -131,11 +138,11 @@ class Plain:
     """A plain jitted loop over the same model, batches and optimizer; ZeRO by annotation.
     One program per run length (the learning-rate schedule depends on it)."""
 
-    def __init__(self, size: str, zero: int, lengths: tuple[int, ...]):
-        self.runs = {n: self._build(size_config(size, n), zero) for n in lengths}
+    def __init__(self, size: str, zero: int, lengths: tuple[int, ...], donate: bool = True):
+        self.runs = {n: self._build(size_config(size, n), zero, donate) for n in lengths}
 
     @staticmethod
-    def _build(cfg: config.Config, zero: int) -> dict:
+    def _build(cfg: config.Config, zero: int, donate: bool) -> dict:
         topo = Topology(tuple(range(8)), cfg.parallel.devices_per_host)
         plan = initial_plan(topo, cfg)
         f = StateFactory(cfg, make_optimizer(cfg.train))
@@ -162,7 +169,7 @@ class Plain:
         t0 = time.perf_counter()
         train = jax.jit(
             step, in_shardings=(sh, bsh), out_shardings=(sh, {"loss": replicated(mesh)}),
-            donate_argnums=0,
+            donate_argnums=0 if donate else (),
         ).lower(f.abstract, ab).compile()
         return {"plan": plan, "train": train, "compile_s": time.perf_counter() - t0,
                 "init": jax.jit(f._init, out_shardings=sh), "bsh": bsh,
@@ -235,7 +242,7 @@ class Elastic:
 def build(mode: str, size: str, lengths: tuple[int, ...], cache: ExecutableCache):
     kind, arg = MODES[mode]
     if kind == "plain":
-        return Plain(size, arg, lengths)
+        return Plain(size, arg[0], lengths, arg[1])
     return Elastic(size, arg, lengths, cache)
 
 
@@ -250,8 +257,11 @@ def _status_mb(field: str) -> float:
 def child(mode: str, size: str, steps: int) -> None:
     """One loop alone (`--rss`): prints its peak resident set size while it runs `steps` steps,
     after its build (the process's high-water mark, VmHWM, is reset once the loop is built and
-    compiled: the compiler's own peak is not the loop's), and the resident size before the run."""
+    compiled: the compiler's own peak is not the loop's), and the resident size before the run.
+    Every loop has made one whole run before (an elasjax loop compiles in one)."""
     loop = build(mode, size, (steps,), ExecutableCache())
+    if isinstance(loop, Plain):
+        loop.wall(steps)  # as an elasjax loop's build does: one whole run first
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
@@ -288,8 +298,10 @@ def measure_size(size: str, modes: list[str], short: int, long: int, rounds: int
         if isinstance(loops[m], Elastic):
             out["loops"][m]["snapshot_mb_per_step"] = loops[m].snapshot_bytes / 2**20
     for a, b in RATIOS:
-        if a in times and b in times:
-            per_round = sorted(x / y for x, y in zip(times[a], times[b]))
+        refs = [m for m in (b, b + " undonated") if m in times]
+        if a in times and refs:
+            per_round = sorted(x / min(ys) for x, *ys in zip(times[a], *(times[m] for m in refs)))
+            b = b if len(refs) == 1 else f"{b} (faster of donated, undonated)"
             out["ratios"][f"{a} / {b}"] = {
                 "median": statistics.median(per_round), "min": per_round[0], "max": per_round[-1]}
     return out
@@ -408,6 +420,11 @@ def failures_text(size: str, f: dict) -> str:
             f"| {r['step']} | {r['failed']} | {r['to_plan']} | {r['mttr_s']:.2f} | {ph} | "
             f"{'' if x is None else f'{x:.2f}'} | {c['time_lost_s']:.2f} | "
             f"{r['bytes_moved'] / 2**20:.0f} MB | {r['memcpy_floor_s']:.3f} |")
+    for ev in f.get("standby") or []:
+        lines.append(f"\nstandby ready {'at start' if ev['step'] is None else 'after step ' + str(ev['step'])}: "
+                     f"{ev['plans']} plans ({ev['compiled']} compiled in {ev['compile_s']:.1f} s, "
+                     f"{ev['rebound']} rebound in {ev['rebind_s']:.1f} s), training waited "
+                     f"{ev['wait_s']:.1f} s")
     g = f.get("goodput") or {}
     if g:
         bad = ", ".join(f"{k} {v:.1f}" for k, v in (g.get("badput") or {}).items() if abs(v) >= 0.05)

@@ -106,3 +106,36 @@ def test_a_run_reports_time_lost_and_goodput(tmp_path):
     assert 0 < g["goodput"] < 1 and g["useful_steps"] == 8
     assert g["badput"]["compile_s"] == pytest.approx(rec.compile_s)
     assert g["goodput"] == pytest.approx(run.goodput["goodput"])
+
+
+def test_step_clock_notes_when_a_step_finished_not_when_it_was_read():
+    """A step read later than it finished is timed at its end; one whose devices failed has no
+    end (None); reading a step forgets the ones before it."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from elasjax.metrics import StepClock
+
+    clock = StepClock()
+    try:
+        f = jax.jit(lambda a: (a @ a).sum())
+        t0 = time.perf_counter()
+        y = f(jnp.ones((256, 256)))
+        clock.watch(1, y)
+        y.block_until_ready()
+        t1 = time.perf_counter()
+        time.sleep(0.3)  # read late
+        t = clock.finished(1)
+        assert t is not None and t0 <= t <= t1 + 0.1
+        z = jnp.ones(4) + 1
+        z.delete()
+        clock.watch(2, z)
+        assert clock.finished(2, wait_s=5.0) is None
+        clock.watch(3, jnp.zeros(2))
+        clock.watch(4, jnp.zeros(2))
+        assert clock.finished(4, wait_s=5.0) is not None
+        assert clock.finished(3, wait_s=0.0) is None  # forgotten once 4 was read
+    finally:
+        clock.close()
