@@ -83,9 +83,9 @@ def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None =
 
 
 # Elements hashed per loop step. Hashing a large array in one fused pass writes its bit pattern
-# and weighted products to memory before reducing them; on the CPU backend that cost up to 6x the
+# and weighted products to memory before reducing them; on the CPU backend that cost about 5x the
 # same work done in cache-sized tiles, each converted to bits on its own (the state of a 25.5M-
-# parameter GPT: 246 -> 42 ms, experiments/RESULTS.md, "Checksums"). So arrays larger than this
+# parameter GPT: 257 -> 52 ms, experiments/RESULTS.md, "Checksums"). So arrays larger than this
 # are hashed tile by tile in a loop (the same values: the sums wrap, in any order).
 CHUNK = 1 << 14
 

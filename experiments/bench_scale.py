@@ -12,6 +12,9 @@ takes `dD:LL` for d_model D and LL layers), on 8 fake CPU devices as data 4 x te
   plain ZeRO-1         the same, the optimizer state also sharded over `data` by annotation (on
                        the first dimension `data` divides): XLA's ZeRO-1, what plain JAX gives
   plain ZeRO-3         the parameters sharded over `data` too
+  ... undonated        the same loop without donating its state (on XLA:CPU donation can make
+                       the step slower; elasjax's loop there does not donate when snapshots run
+                       beside the step): a ratio's plain reference is the faster of the two
   elasjax ZeRO-k ...   `trainer.Trainer` (the whole loop: batches, step, checksums read two steps
                        late, snapshots as configured), no faults, no evaluation
 
