@@ -146,8 +146,8 @@ class InProcessRuntime:
     @property
     def snapshot_jobs(self) -> concurrent.futures.ThreadPoolExecutor:
         """The thread that takes the snapshot pool's copies while the next step runs
-        (`SnapshotPool.take`): with synchronous dispatch (`elasjax/__init__.py`) a copy made on
-        the training thread would wait for it and make the next step wait."""
+        (`SnapshotPool.take`, `SnapshotPool.thread_helps`): on the CPU backend copies made on
+        the training thread would hold back the next step's dispatch."""
         if self._snapshot_jobs is None:
             self._snapshot_jobs = concurrent.futures.ThreadPoolExecutor(1, "elasjax-snapshot")
         return self._snapshot_jobs

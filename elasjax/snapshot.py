@@ -214,11 +214,12 @@ class SnapshotPool:
 
     @staticmethod
     def thread_helps(runtime) -> bool:
-        """Would snapshots taken on `runtime`'s snapshot thread run beside the next step? Only
-        where dispatch waits for the program it runs (the CPU backend with elasjax's synchronous
-        dispatch, `elasjax/__init__.py`): there a copy made on the training thread delays the
-        next step by its whole length. Elsewhere dispatch returns at once, and `take` only queues
-        the copies behind the step, on the training thread."""
+        """Would snapshots taken on `runtime`'s snapshot thread run beside the next step? On the
+        CPU backend with elasjax's synchronous dispatch (`elasjax/__init__.py`): there a host copy
+        is a memcpy by the calling thread and a call waits for the execution before it
+        (`metrics.StepClock`), so copies made on the training thread hold back the next step's
+        dispatch. Elsewhere `take` only queues the copies behind the step, on the training
+        thread."""
         return (
             getattr(runtime, "snapshot_jobs", None) is not None
             and jax.default_backend() == "cpu"
@@ -330,8 +331,8 @@ class SnapshotPool:
         pool's until `complete` files this one (at the next step boundary), and `abort` drops it
         if its step fails. Collective under the multi-controller runtime.
 
-        A `threaded` pool makes the checksums and copies are made there, while the training thread goes on to the next
-        step; whatever reads the pool (`complete`, `abort`, `sources`, `device_buffers`) waits
+        A `threaded` pool makes the checksums and copies on the runtime's snapshot thread while
+        the training thread goes on to the next step; whatever reads the pool (`complete`, `abort`, `sources`, `device_buffers`) waits
         for them first. The state's buffers stay valid meanwhile: the loop keeps the state, and
         its next step does not donate it (`__init__`)."""
         if not self.records:
