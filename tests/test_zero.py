@@ -242,6 +242,53 @@ def test_corrupted_snapshot_is_refused_and_the_next_rung_used():
     assert all("step 5 != 6" in m for m in pool.refusals)
 
 
+@pytest.mark.parametrize("buddy,host", [(True, False), (False, True)])
+def test_threaded_pool_copies_into_two_buffer_sets_and_recovers_bitwise(buddy, host):
+    """A threaded pool (the CPU loop's) lands its copies in two buffer sets allocated at
+    `configure`: each take writes the set the filed generation does not hold, an aborted take
+    leaves the filed one intact, and recovery from the copies is bitwise."""
+    from elasjax.runtime import InProcessRuntime
+
+    cfg, f = _setup(1, "interleaved", buddy=buddy, host=host)
+    plan = planner.initial_plan(TOPO, cfg)
+    mesh, lay = _mesh(plan), f.layout(plan)
+    state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))())
+    rt = InProcessRuntime(topology=TOPO)
+    try:
+        pool = SnapshotPool(cfg.snapshot, TOPO, rt, donated=False, threaded=True)
+        pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
+        sets = [{id(b) for b in bufs.values()} for bufs in pool._landing]
+        assert sets[0] and not sets[0] & sets[1]
+        states = [state, _bump(state), _bump(_bump(state))]
+        seen = []
+        for version, st_ in enumerate(states):
+            pool.take(st_, version)
+            pool.complete()
+            held = {id(r.buddy_data if buddy else r.host_data) for r in pool.records}
+            seen.append(next(i for i, s_ in enumerate(sets) if held <= s_))
+        assert seen == [0, 1, 0]  # alternating, never a fresh buffer
+        filed = [np.array(r.buddy_data if buddy else r.host_data) for r in pool.records]
+        pool.take(_bump(states[-1]), 3)  # its step fails
+        pool.abort(3)
+        assert all(
+            np.array_equal(a, r.buddy_data if buddy else r.host_data)
+            for a, r in zip(filed, pool.records)
+        )
+        before = _cks(lay, states[-1])
+        store, _ = inject(states[-1], (3,))
+        live = set(TOPO.device_ids) - {3}
+        new_plan = planner.replan(sorted(live), TOPO, cfg, plan, plan)
+        new_lay, new_mesh = f.layout(new_plan), _mesh(new_plan)
+        new_state, log = transition(
+            store, new_lay.shardings(new_mesh), devices=DEVS,
+            extra_sources=pool.sources({3}, set(), version=2), old_layout=lay, new_layout=new_lay,
+        )
+        assert not log.sources() & {3}
+        assert _cks(new_lay, new_state) == before
+    finally:
+        rt.close()
+
+
 def test_plan_prepared_before_a_failure_is_used_and_equals_a_cold_plan():
     """The trainer plans likely transitions ahead, from shard descriptions. On the failure the
     prepared plan runs (no planning) and builds bitwise the state a plan made then builds, with

@@ -6,7 +6,6 @@ checksums against the pre-failure state (the trainer raises otherwise). Loss tol
 test_trainer: relative 1e-5 per step.
 """
 
-import jax
 import numpy as np
 import pytest
 
@@ -78,19 +77,20 @@ def test_flipped_byte_in_the_newest_snapshot_is_refused_and_the_next_rung_used(
 ):
     """One byte of the newest buddy copy of a partition of the failing device is flipped: the
     copy fails its checksum, the refusal is in the recovery event, and the host copy (the next
-    rung) restores it. The host copies of that device's other partitions were still on it when it
-    failed (lost in flight, also logged); their buddy copies restore them."""
+    rung) restores it. The loop's pool is threaded here (CPU): its copies have landed in host
+    buffers before a failure is injected, so no other copy is refused."""
     from elasjax.snapshot import SnapshotPool
 
     sources, flipped = SnapshotPool.sources, []
 
     def flip_then_sources(pool, dead, dead_hosts, version):
         pool.complete()  # the newest generation, filed
+        assert pool.threaded
         rec = next(r for r in pool.records if r.holder in dead and r.buddy_data is not None
-                   and not r.buddy_data.is_deleted() and r.step == version)
+                   and r.step == version)
         bad = np.array(rec.buddy_data, copy=True)
         bad.view(np.uint8).reshape(-1)[7] ^= 0x10
-        rec.buddy_data = jax.device_put(bad, next(iter(rec.buddy_data.devices())))
+        rec.buddy_data = bad
         flipped.append(rec.path)
         return sources(pool, dead, dead_hosts, version)
 
@@ -102,9 +102,8 @@ def test_flipped_byte_in_the_newest_snapshot_is_refused_and_the_next_rung_used(
     )
     (ev,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "recovery"]
     assert ev["rung"] == "host" and ev["verified"] and ev["steps_lost"] == 0
-    refused = [m for m in ev["refused_snapshots"] if "checksum" in m]
-    assert len(refused) == 1 and f"buddy copy of '{flipped[0]}'" in refused[0]
-    assert any("lost in flight" in m for m in ev["refused_snapshots"])
+    (refused,) = ev["refused_snapshots"]
+    assert "checksum" in refused and f"buddy copy of '{flipped[0]}'" in refused
     for step in range(12):
         rel = abs(s.losses[step] - reference.losses[step]) / reference.losses[step]
         assert rel <= 1e-5, (step, rel)
