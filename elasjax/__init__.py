@@ -35,7 +35,8 @@ import jax as _jax
 # always; an evaluation or checksum beside the next step does not.
 _jax.config.update("jax_cpu_enable_async_dispatch", False)
 
-from .config import CheckpointConfig, Config, ConfigError, SnapshotConfig, load as load_config
+from .config import CheckpointConfig, Config, ConfigError, SnapshotConfig
+from .config import load as load_config
 from .elastic import (
     ElasticState,
     Recovery,
@@ -46,11 +47,12 @@ from .elastic import (
     sample_keys,
     state_checksums,
 )
-from .models import ArraySource, LayerStack, ModelSpec, register as register_model
-from .reshard import transition
-from .shards import ShardStore, TransferLog, UnrecoverableStateError
+from .models import ArraySource, LayerStack, ModelSpec
+from .models import register as register_model
 from .state import OptimizerMeaningError
 from .trainer import RunSummary, run
+from .transfer.reshard import transition
+from .transfer.shards import ShardStore, TransferLog, UnrecoverableStateError
 
 __all__ = [
     # the pieces

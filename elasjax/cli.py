@@ -21,7 +21,6 @@ def _ensure_devices(n: int = 8) -> None:
 
 def _train(args) -> int:
     from . import config, trainer
-
     from .launch import import_modules
 
     import_modules(args.imports)
@@ -125,7 +124,7 @@ def _launch(args) -> int:
         args.set = [*args.set, f"parallel.spares={spares}"]
     if args.num_processes is None or args.process_id is None:  # join a cluster as one process
         raise launch.ConfigError("--coordinator needs --num-processes and --process-id")
-    from .multicontroller import RuntimeConfig
+    from .runtime.multicontroller import RuntimeConfig
 
     rc = RuntimeConfig(
         args.coordinator, args.num_processes, args.process_id, args.platform,
@@ -200,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "launch":  # before anything creates a JAX backend in this process
         from .config import ConfigError
-        from .multicontroller import RejoinUnsupportedError
-        from .shards import UnrecoverableStateError
+        from .runtime.multicontroller import RejoinUnsupportedError
+        from .transfer.shards import UnrecoverableStateError
 
         try:
             return _launch(args)
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         _ensure_devices(8)
     from .config import ConfigError
     from .planner import NoPlanError
-    from .shards import UnrecoverableStateError
+    from .transfer.shards import UnrecoverableStateError
 
     try:
         return {"train": _train, "plan": _plan, "compare": _compare}[args.cmd](args)

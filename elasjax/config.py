@@ -314,7 +314,7 @@ class StandbyConfig:
     plan per program), so that the standby of the plan a recovery moves to is loads only.
 
     `compiler`: where the compiles run. `process`: a child process at a lower CPU priority
-    (`elasjax.compile_worker`; one process on the CPU backend, the built-in GPT and the
+    (`elasjax.compilation.worker`; one process on the CPU backend, the built-in GPT and the
     trainer's optimizer): training steps come first, a recovery that needs another program ends
     the child's compile so that its own has every core, one it needs is waited for (at normal
     priority) only when the child is a quarter of a compile's CPU time into it, and ended and

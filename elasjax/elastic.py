@@ -42,14 +42,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import checksum, reshard, rng
-from .checkpoint import Checkpointer
+from . import rng
+from .compilation.standby import StandbyCompiler
 from .config import CheckpointConfig, SnapshotConfig
 from .planner import Topology
-from .shards import ShardStore, UnrecoverableStateError, is_key, key_data_sharding
 from .sharding import path_str
-from .snapshot import SnapshotPool
-from .standby import StandbyCompiler
+from .transfer import checksum, reshard
+from .transfer.checkpoint import Checkpointer
+from .transfer.shards import ShardStore, UnrecoverableStateError, is_key, key_data_sharding
+from .transfer.snapshot import SnapshotPool
 
 PyTree = Any
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from .config import ConfigError, FaultConfig
 from .planner import Topology
-from .shards import ShardStore
+from .transfer.shards import ShardStore
 
 IN_PROCESS = "in-process"
 MULTI_CONTROLLER = "multi-controller"

@@ -2,7 +2,7 @@
 surviving real process failures (SIGKILL), plus the local launcher that starts and reaps them.
 
 Each worker runs the same `trainer.Trainer` as `elasjax train`, on the multi-controller runtime
-(`elasjax.multicontroller`): every feature the trainer has (ZeRO, pipelines and async migration,
+(`elasjax.runtime.multicontroller`): every feature the trainer has (ZeRO, pipelines and async migration,
 deterministic mode, standby executables, prepared transitions, buddy snapshots, checkpoints,
 evaluation, the baselines) runs here too, and a config that cannot is refused before any process
 starts (`resolve_config`).
@@ -35,11 +35,12 @@ from pathlib import Path
 import jax
 from jax.errors import JaxRuntimeError
 
-from .collectives import RENEW_MODES
 from .config import Config, ConfigError, FaultConfig, load
 from .faults import MULTI_CONTROLLER, resolve_schedule
 from .metrics import read_jsonl
-from .multicontroller import (
+from .planner import Topology, initial_plan
+from .runtime.collectives import RENEW_MODES
+from .runtime.multicontroller import (
     MultiControllerRuntime,
     RejoinUnsupportedError,
     RuntimeConfig,
@@ -47,8 +48,7 @@ from .multicontroller import (
     kv_client,
     xla_flags,
 )
-from .planner import Topology, initial_plan
-from .snapshot import check_coverable
+from .transfer.snapshot import check_coverable
 
 # ---------------------------------------------------------------------------------------------
 # The config as a launch runs it.

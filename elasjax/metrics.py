@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 # The phases whose sum is a recovery's `mttr_s`, under every runtime.
 MTTR_PHASES = (
     "detect_s",
@@ -82,7 +81,7 @@ class RecoveryEvent:
     spare_took_over: list[int] = dataclasses.field(default_factory=list)
     from_n_devices: int = 0
     to_n_devices: int = 0
-    # a new CPU client with fresh gloo communicators was started (`elasjax.collectives`): its
+    # a new CPU client with fresh gloo communicators was started (`elasjax.runtime.collectives`): its
     # time is in plan_s; executables of the old client are reloaded onto it when used
     collectives_renewed: bool = False
     renew_s: float = 0.0

@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 
-from . import checksum
+from .compilation.standby import StandbyCoverageWarning
 from .mesh import make_mesh
 from .metrics import RecoveryEvent
 from .planner import (
@@ -52,10 +52,12 @@ from .planner import (
     torchft_kept,
     torchft_plan,
 )
-from .reshard import transition
-from .runtime import DeviceFailure, host_values
+from .runtime.inprocess import DeviceFailure, host_values
 from .sharding import path_str
-from .shards import (
+from .step import Executables, on_devices
+from .transfer import checksum
+from .transfer.reshard import transition
+from .transfer.shards import (
     ShardStore,
     Transfer,
     TransferLog,
@@ -65,8 +67,6 @@ from .shards import (
     index_to_box,
     map_shard_data,
 )
-from .standby import StandbyCoverageWarning
-from .step import Executables, on_devices
 
 
 class RecoveryVerificationError(RuntimeError):

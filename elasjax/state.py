@@ -25,12 +25,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import checksum, models
+from . import models
 from .config import Config, TrainConfig
-from .rng import root_key
-from .sharding import named_shardings, opt_state_logical, path_str
 from .mesh import DATA, STAGE, TENSOR
 from .pipeline import StageLayout, from_slots, slot_logical, to_slots
+from .rng import root_key
+from .sharding import named_shardings, opt_state_logical, path_str
+from .transfer import checksum
 from .zero import ZeroCodec
 
 PyTree = Any

@@ -27,16 +27,17 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import rng, snapshot
+from . import rng
+from .compilation.standby import CompileCounter
 from .config import Config
 from .mesh import DATA, LOGICAL_RULES, make_mesh, replicated
 from .microbatch import accumulate
 from .pipeline import pipeline_loss, pipeline_slot_losses
 from .planner import Plan
 from .sharding import batch_shardings
-from .shards import index_to_box
-from .standby import CompileCounter
 from .state import StateFactory, StateLayout, TrainState
+from .transfer import snapshot
+from .transfer.shards import index_to_box
 
 PyTree = Any
 
@@ -673,7 +674,7 @@ class ExecutableCache:
         self._put(self.key(cfg, plan, donate, tx_key), exe, self.program_key(cfg, plan, donate, tx_key))
 
     def _put(self, k, exe: Executables, program_key=None) -> None:
-        from .standby import map_usage
+        from .compilation.standby import map_usage
 
         with self._lock:
             self._d[k] = exe

@@ -30,8 +30,9 @@ import jax
 import numpy as np
 import optax
 
-from . import checksum
-from .checkpoint import Checkpointer, form_of, restore_onto
+from .compilation import worker as compile_worker
+from .compilation.standby import BackgroundJobs, CompileCounter, StandbyCompiler
+from .compilation.worker import CompileWorker
 from .config import Config, ConfigError, dump
 from .data import DataPipeline
 from .faults import resolve_schedule
@@ -44,16 +45,15 @@ from .recovery import (
     host_checksums,
 )
 from .report import Progress, join_line, migration_line, print_summary, recovery_line
-from .reshard import TransitionPlanCache
 from .rng import check_backend_config
-from .runtime import DeviceFailure, InProcessRuntime, host_values
-from .shards import TransferLog
-from .snapshot import SnapshotPool
-from . import compile_worker
-from .compile_worker import CompileWorker
-from .standby import BackgroundJobs, CompileCounter, StandbyCompiler
+from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
 from .state import StateFactory, check_elementwise, make_optimizer
 from .step import ExecutableCache, Executables, from_portable, warm_up
+from .transfer import checksum
+from .transfer.checkpoint import Checkpointer, form_of, restore_onto
+from .transfer.reshard import TransitionPlanCache
+from .transfer.shards import TransferLog
+from .transfer.snapshot import SnapshotPool
 
 __all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer", "run"]
 

@@ -26,7 +26,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from elasjax import checksum, config, trainer  # noqa: E402
+from elasjax import config, trainer  # noqa: E402
+from elasjax.transfer import checksum
 
 
 def run(mode: str, steps: int, standby_optimal: bool = False, deterministic: bool = False):

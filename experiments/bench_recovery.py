@@ -36,13 +36,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from elasjax import config, planner  # noqa: E402
-from elasjax.copies import CopyThreads  # noqa: E402
 from elasjax.faults import inject  # noqa: E402
 from elasjax.mesh import make_mesh  # noqa: E402
-from elasjax.reshard import TransitionPlanCache, transition  # noqa: E402
-from elasjax.shards import ShardStore, describe_state  # noqa: E402
-from elasjax.snapshot import SnapshotPool  # noqa: E402
 from elasjax.state import StateFactory, make_optimizer  # noqa: E402
+from elasjax.transfer.copies import CopyThreads  # noqa: E402
+from elasjax.transfer.reshard import TransitionPlanCache, transition  # noqa: E402
+from elasjax.transfer.shards import ShardStore, describe_state  # noqa: E402
+from elasjax.transfer.snapshot import SnapshotPool  # noqa: E402
 
 
 def build(args, layout: str):

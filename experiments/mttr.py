@@ -11,7 +11,7 @@ The demo GPT (`configs/demo.yaml`: data 4 x tensor 2 on 8 fake CPU devices) lose
   3. in-process checkpoint restore (`recovery.strategy: checkpoint_restart`): Orbax checkpoints
      every `--ckpt-every` steps; the newest is restored onto the new mesh in the same process
      and the lost steps are redone (own executable cache: no standby, compiled cold);
-  4. full restart: a new Python process (`elasjax.restart`: imports, JAX start, plan and mesh,
+  4. full restart: a new Python process (`elasjax.bench.restart`: imports, JAX start, plan and mesh,
      compile, Orbax restore, first step) restores the checkpoint run 3 restored, plus the other
      steps it must redo, timed at the step times run 3 measured for exactly those steps.
 
@@ -42,7 +42,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 
-from elasjax import config, restart, trainer  # noqa: E402
+from elasjax import config, trainer
+from elasjax.bench import restart  # noqa: E402
 from elasjax.metrics import read_jsonl  # noqa: E402
 from elasjax.step import ExecutableCache  # noqa: E402
 

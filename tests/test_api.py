@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import elasjax
-from elasjax import checksum
+from elasjax.transfer import checksum
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,13 +22,13 @@ import os
 import re
 
 import pytest
+from conftest import PIPE, assert_same_computation, tiny_config
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import PIPE, assert_same_computation, tiny_config
 from elasjax import faults, planner, trainer
 from elasjax.config import FaultConfig
-from elasjax.shards import UnrecoverableStateError
+from elasjax.transfer.shards import UnrecoverableStateError
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,11 @@ import jax
 import pytest
 from conftest import assert_same_computation, tiny_config
 
-from elasjax import checksum, config, faults, planner, trainer
+from elasjax import config, faults, planner, trainer
 from elasjax.config import ConfigError
 from elasjax.metrics import read_jsonl
 from elasjax.step import ExecutableCache
+from elasjax.transfer import checksum
 
 TOPO = planner.Topology(tuple(range(8)), 2)
 

@@ -37,17 +37,17 @@ import numpy as np
 import pytest
 from conftest import TINY, tiny_config
 
-from elasjax import copies, planner, trainer
+from elasjax import planner, trainer
 from elasjax.config import ConfigError
 from elasjax.launch import KillSpec, parse_spares, resolve_config
 from elasjax.mesh import make_mesh
-from elasjax.metrics import read_jsonl
-from elasjax.copies import pack, packed_size, unpack
-from elasjax.multicontroller import RuntimeConfig, xla_flags
-from elasjax.metrics import MTTR_PHASES
-from elasjax.reshard import plan_transition
-from elasjax.shards import ShardStore, buffers, describe
+from elasjax.metrics import MTTR_PHASES, read_jsonl
+from elasjax.runtime.multicontroller import RuntimeConfig, xla_flags
 from elasjax.state import StateFactory, make_optimizer
+from elasjax.transfer import copies
+from elasjax.transfer.copies import pack, packed_size, unpack
+from elasjax.transfer.reshard import plan_transition
+from elasjax.transfer.shards import ShardStore, buffers, describe
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "multiprocess.yaml"
@@ -160,7 +160,7 @@ def test_a_silent_peer_whose_cpu_time_advances_is_working_and_a_stopped_one_is_n
 
     from jax.errors import JaxRuntimeError
 
-    from elasjax.liveness import Liveness, cpu_s
+    from elasjax.runtime.liveness import Liveness, cpu_s
 
     class KV:  # the key-value calls Liveness makes; the children never beat
         def key_value_set(self, key, value, allow_overwrite=True):
@@ -207,8 +207,8 @@ def test_collectives_are_renewed_after_a_wait_that_ran_into_the_collective_timeo
     failed block waited about a whole collective timeout (a gloo pair then closed for good, and
     XLA:CPU would reuse its communicator); a block released within it, or one that completed
     (a spare, a process that was not blocked), does not ask. Bad modes name the field."""
-    from elasjax.collectives import renewal_reason
-    from elasjax.runtime import DeviceFailure
+    from elasjax.runtime.collectives import renewal_reason
+    from elasjax.runtime.inprocess import DeviceFailure
 
     def failure(blocked):
         return DeviceFailure({2, 3}, "step", detail={"body_to_error_s": blocked})
@@ -229,8 +229,8 @@ def test_a_client_is_kept_only_when_the_next_plan_reaches_no_aborted_communicato
     (4 processes x 2 devices, ids 0-7): after the first two aborts the next plan's groups are
     all new and the client is kept; the 2-device plan on process 0 reuses the tensor pair
     {0, 1} of the first plan, so that abort renews. Any vote that is not an abort renews."""
-    from elasjax.collectives import keep_client
     from elasjax.planner import Plan
+    from elasjax.runtime.collectives import keep_client
 
     def groups(ids, data, tensor):
         return Plan(ids, data, tensor, 1, -(-32 // data), 32).collective_groups
@@ -640,15 +640,15 @@ def test_liveness_knobs_and_slow_option_are_checked():
 _GUARD_WORKER = r"""
 import json, os, signal, sys, time
 port, me, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-from elasjax.multicontroller import RuntimeConfig, initialize, MultiControllerRuntime, kv_client
+from elasjax.runtime.multicontroller import RuntimeConfig, initialize, MultiControllerRuntime, kv_client
 rc = RuntimeConfig(f"127.0.0.1:{port}", 3, me, devices_per_process=1,
                    collective_timeout_s=1 if mode == "fence" else 8,
                    heartbeat_timeout_s=5, liveness_timeout_s=1.0, watch_exits=mode != "kill")
 initialize(rc)
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from elasjax.runtime import DeviceFailure
-from elasjax.multicontroller import DeclaredDeadError
+from elasjax.runtime.inprocess import DeviceFailure
+from elasjax.runtime.multicontroller import DeclaredDeadError
 import subprocess
 rt = MultiControllerRuntime(rc)
 

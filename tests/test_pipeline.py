@@ -11,15 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import PIPE, tiny_config
-from elasjax import checksum, pipeline, planner, rng, step
+
+from elasjax import pipeline, planner, rng, step
 from elasjax.data import DataPipeline
 from elasjax.faults import inject
 from elasjax.mesh import make_mesh
-from elasjax.reshard import transition
-from elasjax.snapshot import SnapshotPool
 from elasjax.state import StateFactory, make_optimizer
+from elasjax.transfer import checksum
+from elasjax.transfer.reshard import transition
+from elasjax.transfer.snapshot import SnapshotPool
 
 DEVS = {d.id: d for d in jax.devices()}
 TOPO = planner.Topology(tuple(range(8)), 2)

@@ -3,15 +3,15 @@
 import jax
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from elasjax import planner
 from elasjax.faults import inject
 from elasjax.mesh import make_mesh
-from elasjax.reshard import transition
-from elasjax.shards import ShardStore, UnrecoverableStateError
 from elasjax.sharding import path_str
 from elasjax.state import StateFactory, make_optimizer
+from elasjax.transfer.reshard import transition
+from elasjax.transfer.shards import ShardStore, UnrecoverableStateError
 
 CFG = tiny_config()
 TOPO = planner.Topology(tuple(range(8)), 2)

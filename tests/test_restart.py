@@ -1,12 +1,13 @@
-"""The measured restart (`elasjax.restart`): a fresh process restores a checkpoint onto the
+"""The measured restart (`elasjax.bench.restart`): a fresh process restores a checkpoint onto the
 survivors' plan and runs the checkpoint's step with the fault-free run's loss."""
 
 import math
 
 import pytest
-
 from conftest import skip_if_not_enough_devices, tiny_config
-from elasjax import restart, trainer
+
+from elasjax import trainer
+from elasjax.bench import restart
 
 
 @pytest.mark.slow

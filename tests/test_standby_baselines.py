@@ -7,13 +7,14 @@ import time
 import jax
 import numpy as np
 import pytest
-
 from conftest import tiny_config
-from elasjax import snapshot, trainer
+
+from elasjax import trainer
+from elasjax.compilation.standby import BackgroundJobs, CompileCounter, StandbyCompiler
+from elasjax.compilation.worker import CompileCancelled
 from elasjax.metrics import read_jsonl
-from elasjax.compile_worker import CompileCancelled
-from elasjax.standby import BackgroundJobs, CompileCounter, StandbyCompiler
 from elasjax.step import rebind
+from elasjax.transfer import snapshot
 
 
 def test_standby_compiler_queue_and_errors():
@@ -197,7 +198,7 @@ def test_the_executable_cache_drops_its_oldest_entries_past_the_mapping_budget()
     """`ExecutableCache(map_budget=)`: past the budget (here: any use at all) every put drops
     the oldest entries, keeping the newest, so that a long-lived process (a test worker with a
     shared cache of 64) never runs out of memory mappings mid-compile. Counted."""
-    from elasjax.standby import map_usage
+    from elasjax.compilation.standby import map_usage
     from elasjax.step import ExecutableCache
 
     if map_usage() is None:
@@ -214,7 +215,7 @@ def test_background_builds_stop_at_the_mapping_budget_but_a_needed_plan_is_built
     """Over `map_budget` (here: any use at all), ready plans no longer submitted are evicted,
     then the queue is dropped and counted in `over_budget`; a plan recovery waits for is still
     built."""
-    from elasjax.standby import map_usage
+    from elasjax.compilation.standby import map_usage
 
     if map_usage() is None:
         pytest.skip("no /proc memory-mapping counts on this platform")
@@ -285,9 +286,9 @@ def test_a_needed_compile_the_worker_has_barely_begun_is_ended_and_built_here():
     import os
     from types import SimpleNamespace
 
-    from elasjax.compile_worker import CompileWorker
-    from elasjax.liveness import cpu_s
+    from elasjax.compilation.worker import CompileWorker
     from elasjax.recovery import Recovering
+    from elasjax.runtime.liveness import cpu_s
 
     f = Recovering.WORKER_WAIT_PROGRESS
 
@@ -453,7 +454,7 @@ def test_standby_covers_every_likely_failure_unless_capped():
     own plan (its own device set; two programs: 7 and 6 devices). The default keeps all 12;
     a cap keeps its number, counts the rest and warns. `depth: 2` adds one plan per program a
     second failure needs."""
-    from elasjax.standby import StandbyCoverageWarning
+    from elasjax.compilation.standby import StandbyCoverageWarning
     from elasjax.trainer import Trainer
 
     t = Trainer(tiny_config("standby.enabled=true"))
@@ -517,7 +518,7 @@ def test_compile_counter_counts_this_thread_only():
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::elasjax.standby.StandbyCoverageWarning")  # max_plans=1
+@pytest.mark.filterwarnings("ignore::elasjax.compilation.standby.StandbyCoverageWarning")  # max_plans=1
 def test_standby_hit_recovers_without_compiling(exe_cache):
     """With standby on, the plan after losing device 0 is compiled before the failure: the
     recovery uses it and compiles nothing between detection and the first step."""

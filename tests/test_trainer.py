@@ -9,14 +9,14 @@ import gc
 import shutil
 
 import pytest
-
 from conftest import LOSS_RTOL, assert_params_close, assert_same_computation, tiny_config
+
 from elasjax import trainer
 from elasjax.config import ConfigError
 from elasjax.faults import FaultEvent
 from elasjax.metrics import MTTR_PHASES, read_jsonl
-from elasjax.runtime import InProcessRuntime
-from elasjax.shards import UnrecoverableStateError
+from elasjax.runtime.inprocess import InProcessRuntime
+from elasjax.transfer.shards import UnrecoverableStateError
 
 pytestmark = pytest.mark.slow
 

@@ -3,17 +3,18 @@
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_config
-from elasjax import checksum, planner, zero
+from elasjax import planner, zero
 from elasjax.faults import inject
 from elasjax.mesh import make_mesh
-from elasjax.reshard import TransitionPlanCache, transition
-from elasjax.shards import UnrecoverableStateError, describe_state
-from elasjax.snapshot import SnapshotPool
 from elasjax.state import StateFactory, make_optimizer
+from elasjax.transfer import checksum
+from elasjax.transfer.reshard import TransitionPlanCache, transition
+from elasjax.transfer.shards import UnrecoverableStateError, describe_state
+from elasjax.transfer.snapshot import SnapshotPool
 
 DEVS = {d.id: d for d in jax.devices()}
 TOPO = planner.Topology(tuple(range(8)), 2)
@@ -247,7 +248,7 @@ def test_threaded_pool_copies_into_two_buffer_sets_and_recovers_bitwise(buddy, h
     """A threaded pool (the CPU loop's) lands its copies in two buffer sets allocated at
     `configure`: each take writes the set the filed generation does not hold, an aborted take
     leaves the filed one intact, and recovery from the copies is bitwise."""
-    from elasjax.runtime import InProcessRuntime
+    from elasjax.runtime.inprocess import InProcessRuntime
 
     cfg, f = _setup(1, "interleaved", buddy=buddy, host=host)
     plan = planner.initial_plan(TOPO, cfg)
@@ -435,8 +436,8 @@ def test_zero3_checkpoint_round_trip_onto_fewer_devices_never_holds_full_state(t
     quarter of the state (the canonical path it replaces held all of it on every device)."""
     from types import SimpleNamespace
 
-    from elasjax.checkpoint import Checkpointer, form_of, restore_onto
     from elasjax.config import CheckpointConfig
+    from elasjax.transfer.checkpoint import Checkpointer, form_of, restore_onto
 
     cfg, f = _setup(3, "interleaved")
     plan = planner.initial_plan(TOPO, cfg)

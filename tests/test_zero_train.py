@@ -8,8 +8,8 @@ test_trainer: relative 1e-5 per step.
 
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from elasjax import trainer
 from elasjax.config import ConfigError, SnapshotConfig
 from elasjax.metrics import read_jsonl
@@ -79,7 +79,7 @@ def test_flipped_byte_in_the_newest_snapshot_is_refused_and_the_next_rung_used(
     copy fails its checksum, the refusal is in the recovery event, and the host copy (the next
     rung) restores it. The loop's pool is threaded here (CPU): its copies have landed in host
     buffers before a failure is injected, so no other copy is refused."""
-    from elasjax.snapshot import SnapshotPool
+    from elasjax.transfer.snapshot import SnapshotPool
 
     sources, flipped = SnapshotPool.sources, []
 

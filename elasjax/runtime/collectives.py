@@ -48,7 +48,7 @@ from collections.abc import Iterable
 
 import jax
 
-from .runtime import DeviceFailure
+from .inprocess import DeviceFailure
 
 RENEW_MODES = ("auto", "always", "never")
 # the coordination-service directories of a CPU client: the gloo rendezvous of each clique

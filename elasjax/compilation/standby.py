@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .compile_worker import CompileCancelled
+from .worker import CompileCancelled
 
 
 class StandbyCoverageWarning(UserWarning):

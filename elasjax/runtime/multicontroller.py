@@ -55,16 +55,20 @@ import jax
 import numpy as np
 from jax.errors import JaxRuntimeError
 
+from ..faults import MULTI_CONTROLLER, FaultEvent
+from ..planner import Topology
+from ..transfer.copies import CopyThreads, pack, packed_size, unpack
+from ..transfer.shards import ShardStore
 from .collectives import (
-    RENEW_MODES, abort_collectives, keep_client, renew_cpu_client, renewal_reason,
+    RENEW_MODES,
+    abort_collectives,
+    keep_client,
+    renew_cpu_client,
+    renewal_reason,
 )
-from .copies import CopyThreads, pack, packed_size, unpack
-from .p2p import TransferLinks
-from .faults import MULTI_CONTROLLER, FaultEvent
+from .inprocess import DeviceFailure
 from .liveness import Liveness, ProcessExits, Throttle, arbitrate
-from .planner import Topology
-from .runtime import DeviceFailure
-from .shards import ShardStore
+from .p2p import TransferLinks
 
 COORDINATOR_LOSS = (
     "process 0 hosts the JAX coordination service; when it dies the runtime terminates every "
@@ -120,7 +124,7 @@ class RuntimeConfig:
         a guard's block shuts its collectives down at once (`collectives.abort_collectives`) and
         renews them in the recovery; off: the heartbeat and the collective timeout decide.
       renew_collectives: after a failure, replace the CPU client by one with fresh gloo
-        communicators (`elasjax.collectives`): `auto` when a survivor's collective ran into the
+        communicators (`elasjax.runtime.collectives`): `auto` when a survivor's collective ran into the
         collective timeout (a communicator among survivors may be closed), when a process
         aborted its collectives at an exit, or to retry a step whose collectives failed while
         every process was alive; `always`; `never` (no abort and no retry either).

@@ -27,9 +27,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .config import CheckpointConfig
+from ..config import CheckpointConfig
+from ..zero import ZeroLayout
 from .shards import Shard, ShardStore
-from .zero import ZeroLayout
 
 
 class Checkpointer:

@@ -36,12 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..compilation.standby import CompileCounter
+from ..config import ConfigError, SnapshotConfig
+from ..planner import Topology
+from ..sharding import path_str
 from . import checksum, copies
-from .config import ConfigError, SnapshotConfig
-from .planner import Topology
 from .shards import Box, Shard, box_size, box_str, described, index_to_box
-from .sharding import path_str
-from .standby import CompileCounter
 
 
 @dataclasses.dataclass
@@ -193,7 +193,7 @@ class SnapshotPool:
         `threaded`: take the snapshots on the runtime's snapshot thread (`thread_helps`), beside
         the next step, which then must not donate the state they read."""
         if runtime is None:  # one process holding every device of `topo`
-            from .runtime import InProcessRuntime
+            from ..runtime.inprocess import InProcessRuntime
 
             runtime = InProcessRuntime(topology=topo)
         check_coverable(cfg, topo)

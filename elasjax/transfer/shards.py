@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .sharding import path_str
+from ..sharding import path_str
 
 PyTree = Any
 Box = tuple[tuple[int, int], ...]

@@ -48,11 +48,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from .config import Config, ConfigError
-from .copies import CopyThreads
-from .faults import IN_PROCESS, FaultEvent
-from .planner import Topology
-from .shards import ShardStore
+from ..config import Config, ConfigError
+from ..faults import IN_PROCESS, FaultEvent
+from ..planner import Topology
+from ..transfer.copies import CopyThreads
+from ..transfer.shards import ShardStore
 
 
 class DeviceFailure(Exception):

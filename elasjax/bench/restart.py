@@ -3,7 +3,7 @@
 A job without elastic recovery survives a failure by starting again on the survivors: a new
 Python process imports the framework, starts JAX, builds the mesh and plan, compiles the train
 step, restores the newest persistent checkpoint onto the new mesh and runs the steps lost since
-that checkpoint. `measure_restart` launches exactly that process (`python -m elasjax.restart`)
+that checkpoint. `measure_restart` launches exactly that process (`python -m elasjax.bench.restart`)
 and times every phase of it, so that the baseline's MTTR is measured rather than modelled:
 
     python_start  spawn -> first line of this module runs (interpreter, `elasjax` package)
@@ -97,7 +97,7 @@ def measure_restart(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 600.0,
 ) -> RestartTiming:
-    """Launch `python -m elasjax.restart` for the survivors of `failed` and time it.
+    """Launch `python -m elasjax.bench.restart` for the survivors of `failed` and time it.
 
     Args:
         cfg: the run's `config.Config`; `cfg.checkpoint.dir` must hold the checkpoint.
@@ -116,7 +116,7 @@ def measure_restart(
         ValueError: `cfg.checkpoint.dir` is not set or does not exist.
         RestartError: the child failed, timed out or reported no result.
     """
-    from .config import dump  # light: yaml and the dataclasses only
+    from ..config import dump  # light: yaml and the dataclasses only
 
     if cfg.checkpoint.dir is None:
         raise ValueError("measure_restart needs cfg.checkpoint.dir (the checkpoint to restore)")
@@ -139,7 +139,7 @@ def measure_restart(
         cfg_path = Path(tmp) / "config.yaml"
         cfg_path.write_text(dump(cfg))
         err_path = Path(tmp) / "stderr.txt"
-        argv = [python or sys.executable, "-m", "elasjax.restart", "--config", str(cfg_path)]
+        argv = [python or sys.executable, "-m", "elasjax.bench.restart", "--config", str(cfg_path)]
         argv += ["--failed", ",".join(str(int(d)) for d in failed)]
         if step is not None:
             argv += ["--step", str(int(step))]
@@ -218,15 +218,15 @@ def restart_child(
     import jax
     import numpy as np
 
-    from . import checksum
-    from .checkpoint import Checkpointer, restore_onto
-    from .config import ConfigError, load
-    from .data import DataPipeline
-    from .mesh import make_mesh
-    from .planner import Topology, initial_plan, replan
-    from .rng import check_backend_config
-    from .state import StateFactory, make_optimizer
-    from .step import compile_plan
+    from ..config import ConfigError, load
+    from ..data import DataPipeline
+    from ..mesh import make_mesh
+    from ..planner import Topology, initial_plan, replan
+    from ..rng import check_backend_config
+    from ..state import StateFactory, make_optimizer
+    from ..step import compile_plan
+    from ..transfer import checksum
+    from ..transfer.checkpoint import Checkpointer, restore_onto
 
     t = _lap(phases, "imports", t)
     devices = jax.devices()
@@ -244,7 +244,7 @@ def restart_child(
         )
     cache_dir = getattr(cfg.standby, "cache_dir", None)
     if cache_dir:  # the job's persistent compilation cache: a restart may load, not compile
-        from .trainer import enable_compilation_cache
+        from ..trainer import enable_compilation_cache
 
         enable_compilation_cache(cache_dir)
     job = {d.id: d for d in devices[:n]}
@@ -305,10 +305,10 @@ def _lap(phases: dict[str, float], name: str, t0: float) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m elasjax.restart --config C --failed 3[,4] [--step N] [--devices 8]
+    """`python -m elasjax.bench.restart --config C --failed 3[,4] [--step N] [--devices 8]
     [--set a.b=v]`."""
     ap = argparse.ArgumentParser(
-        prog="python -m elasjax.restart",
+        prog="python -m elasjax.bench.restart",
         description="Restart on the survivors from the newest checkpoint, timing each phase.",
     )
     ap.add_argument("--config", required=True, help="YAML config with checkpoint.dir")

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .sharding import path_str
+from ..sharding import path_str
 
 _K1 = np.uint32(0x9E3779B1)
 _K2 = np.uint32(0x85EBCA77)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import jax
 
-from .liveness import cpu_s
+from ..runtime.liveness import cpu_s
 
 # JAX settings that change what a compile produces: the child takes the training process's
 CARRIED_CONFIG = (
@@ -96,7 +96,7 @@ class CompileWorker:
         root = str(Path(__file__).resolve().parents[1])  # this elasjax, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(  # no preexec_fn: a fork of a threaded process runs no Python
-            [sys.executable, "-c", "import sys; from elasjax.compile_worker import main; "
+            [sys.executable, "-c", "import sys; from elasjax.compilation.worker import main; "
              "sys.exit(main())"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
@@ -221,8 +221,8 @@ def main() -> int:
     jax.config.update("jax_num_cpu_devices", setup["devices"])
     for name, value in setup["jax_config"].items():
         jax.config.update(name, value)
-    from .state import StateFactory, make_optimizer
-    from .step import compile_plan
+    from ..state import StateFactory, make_optimizer
+    from ..step import compile_plan
 
     cfg = setup["cfg"]
     factory = StateFactory(cfg, make_optimizer(cfg.train))

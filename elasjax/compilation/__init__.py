@@ -1,0 +1,1 @@
+"""Executables ready before they are needed: the standby compiler and the compile worker process."""
