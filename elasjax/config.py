@@ -306,7 +306,7 @@ class StandbyConfig:
 
     Each candidate device set gets its own executables, but with `rebind` (default) each
     program (plan shape) is compiled once and the other device sets load it with their own
-    device assignment (`step.rebind`, on CPU and GPU; a fraction of a compile), built first; the
+    device assignment (`executables.rebind`, on CPU and GPU; a fraction of a compile), built first; the
     same for a recovery's cold build. Executables that are loaded (`rebind`, `cache_dir`) never
     donate their input state (XLA:CPU deadlocked running a loaded executable that donates; see
     `Trainer.donate`): the state is held twice while a step runs; `rebind: false` (and no
@@ -342,7 +342,7 @@ class StandbyConfig:
     max_plans: Optional[int] = None  # None: every likely failure's plan
     depth: int = 1  # failures ahead to cover: 1 or 2
     # build a device set's executables from its program compiled for other devices
-    # (`step.rebind`) instead of compiling; executables then never donate (see the docstring)
+    # (`executables.rebind`) instead of compiling; executables then never donate (see the docstring)
     rebind: bool = True
     # background builds stop past this fraction of the process's memory-mapping limit (Linux
     # vm.max_map_count; a loaded CPU executable holds hundreds of mappings)

@@ -32,8 +32,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from .config import Config, ConfigError, allowed_tensor_degrees, layer_count
-from .mesh import MESH_AXES, collective_groups
-from .zero import ZeroLayout, evolve, fresh_layout, kept_ranks
 from .costmodel import (
     Hardware,
     ModelProfile,
@@ -43,7 +41,9 @@ from .costmodel import (
     pipelined_plan_cost,
     spmd_step_cost,
 )
+from .mesh import MESH_AXES, collective_groups
 from .partition import minimax_partition
+from .zero import ZeroLayout, evolve, fresh_layout, kept_ranks
 
 TIE_TOLERANCE = 0.05  # relative; plans closer than this are ranked by devices used
 
@@ -119,7 +119,7 @@ class Plan:
     def shape_key(self) -> "Plan":
         """The plan as its program sees it: every field but which devices (the program is
         partitioned over mesh positions; the device assignment is bound at load,
-        `step.rebind`)."""
+        `executables.rebind`)."""
         return dataclasses.replace(self, device_ids=tuple(range(self.n_devices)), spare_ids=())
 
     @property

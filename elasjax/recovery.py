@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 
+from .compilation.executables import Executables, on_devices
 from .compilation.standby import StandbyCoverageWarning
 from .mesh import make_mesh
 from .metrics import RecoveryEvent
@@ -54,7 +55,6 @@ from .planner import (
 )
 from .runtime.inprocess import DeviceFailure, host_values
 from .sharding import path_str
-from .step import Executables, on_devices
 from .transfer import checksum
 from .transfer.reshard import transition
 from .transfer.shards import (
@@ -153,7 +153,7 @@ class Recovering:
         needed plan never waits in line: a queued one jumps to the front, or is built here when
         the build under way would take longer than `WAIT_BEHIND` of building it here; with
         `standby.rebind`, when the compile under way is of its program (for other devices), that
-        compile is waited for and the plan loaded from it (`step.rebind`). Either compile, when
+        compile is waited for and the plan loaded from it (`executables.rebind`). Either compile, when
         it runs in the compile worker and has not got far (`WORKER_WAIT_PROGRESS`), is ended
         instead and the plan compiled here."""
         if self.standby is not None:
@@ -240,7 +240,7 @@ class Recovering:
         the likeliest growth (every down device returns). With `standby.depth: 2`, also one plan
         of each new program (`Plan.shape_key`) needed after a second failure of each of those:
         after a recovery, the standby set of the new plan then needs no compile, only loads
-        (`step.rebind`). One per program, not every device set: a loaded CPU executable holds
+        (`executables.rebind`). One per program, not every device set: a loaded CPU executable holds
         hundreds of memory mappings, and a process has a bounded number (`standby.map_budget`)."""
         first = self._next_plans(plan, live)
         out = [p for p, _ in first]
@@ -305,7 +305,7 @@ class Recovering:
         return renewal
 
     def _current(self, exe: Executables, key) -> Executables:
-        """A standby executable on the current client: reloaded (`step.rehome`, no compile) when
+        """A standby executable on the current client: reloaded (`executables.rehome`, no compile) when
         the CPU client was renewed after it was built, and kept so (built again where it cannot
         be reloaded: one that JAX's persistent cache loaded, which serves it again)."""
         current = on_devices(exe, self.devices)

@@ -31,7 +31,9 @@ import numpy as np
 import optax
 
 from .compilation import worker as compile_worker
-from .compilation.standby import BackgroundJobs, CompileCounter, StandbyCompiler
+from .compilation.counter import CompileCounter
+from .compilation.executables import ExecutableCache, Executables, from_portable, warm_up
+from .compilation.standby import BackgroundJobs, StandbyCompiler
 from .compilation.worker import CompileWorker
 from .config import Config, ConfigError, dump
 from .data import DataPipeline
@@ -48,7 +50,6 @@ from .report import Progress, join_line, migration_line, print_summary, recovery
 from .rng import check_backend_config
 from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
 from .state import StateFactory, check_elementwise, make_optimizer
-from .step import ExecutableCache, Executables, from_portable, warm_up
 from .transfer import checksum
 from .transfer.checkpoint import Checkpointer, form_of, restore_onto
 from .transfer.reshard import TransitionPlanCache

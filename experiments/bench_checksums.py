@@ -25,11 +25,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
-
 from bench_scale import SIZES, size_config  # noqa: E402
+
+from elasjax.compilation.executables import compile_plan  # noqa: E402
 from elasjax.planner import Topology, initial_plan  # noqa: E402
 from elasjax.state import StateFactory, make_optimizer  # noqa: E402
-from elasjax.step import compile_plan  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -27,9 +27,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from elasjax import config, planner  # noqa: E402
+from elasjax.compilation.executables import compile_plan  # noqa: E402
 from elasjax.data import DataPipeline  # noqa: E402
 from elasjax.state import StateFactory, make_optimizer  # noqa: E402
-from elasjax.step import compile_plan  # noqa: E402
 
 
 def setup(path: str, deterministic: bool):

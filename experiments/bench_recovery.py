@@ -190,8 +190,8 @@ def snapshot_cost(args):
     after the step, completed at the next step boundary: they may overlap the next step), and
     with each snapshot waited for right after its step (serial: its whole cost). The modes
     alternate in blocks of two steps, `args.steps` rounds; medians of the per-step times."""
+    from elasjax.compilation.executables import compile_plan
     from elasjax.data import DataPipeline
-    from elasjax.step import compile_plan
 
     cfg = build(args, "interleaved")
     devs = {d.id: d for d in jax.devices()}

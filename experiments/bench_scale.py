@@ -59,12 +59,13 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from elasjax import config, trainer  # noqa: E402
+from elasjax.compilation.executables import ExecutableCache
 from elasjax.data import DataPipeline  # noqa: E402
 from elasjax.mesh import DATA, make_mesh, replicated  # noqa: E402
 from elasjax.planner import Topology, initial_plan  # noqa: E402
-from elasjax.state import StateFactory, TrainState, make_optimizer  # noqa: E402
 from elasjax.sharding import batch_shardings  # noqa: E402
-from elasjax.step import ExecutableCache, abstract_batch, make_grad_fn  # noqa: E402
+from elasjax.state import StateFactory, TrainState, make_optimizer  # noqa: E402
+from elasjax.step import abstract_batch, make_grad_fn  # noqa: E402
 
 SIZES = {  # name -> (d_model, layers, heads)
     "demo": (64, 2, 4),

@@ -5,7 +5,7 @@
 The demo GPT (`configs/demo.yaml`: data 4 x tensor 2 on 8 fake CPU devices) trains on the
 standard-library corpus for `--steps` steps; device 3 fails before step 90 and host 0 (devices
 0, 1) before step 190 (single-process simulated device loss). Runs, all in one process sharing
-compiled executables (`step.ExecutableCache`):
+compiled executables (`executables.ExecutableCache`):
 
   fault_free, elastic                   the reference and elastic recovery (per-sample RNG)
   det_fault_free, elastic_det           the same with `train.deterministic: true`
@@ -40,8 +40,8 @@ import jax  # noqa: E402
 
 from elasjax import config, trainer  # noqa: E402
 from elasjax.compare import compare_runs  # noqa: E402
+from elasjax.compilation.executables import ExecutableCache  # noqa: E402
 from elasjax.metrics import losses_by_step, read_jsonl  # noqa: E402
-from elasjax.step import ExecutableCache  # noqa: E402
 
 # name -> (overrides, reference run or None, with the failure schedule?)
 RUNS = {

@@ -44,8 +44,8 @@ import jax  # noqa: E402
 
 from elasjax import config, trainer
 from elasjax.bench import restart  # noqa: E402
+from elasjax.compilation.executables import ExecutableCache  # noqa: E402
 from elasjax.metrics import read_jsonl  # noqa: E402
-from elasjax.step import ExecutableCache  # noqa: E402
 
 PHASES = ("process start", "detect", "plan", "compile", "transfer / restore", "verify",
           "first step", "redo steps")

@@ -2,7 +2,7 @@
 
     .venv/bin/python experiments/probe_loaded_donation.py MODE DONATE STEPS
       MODE:   native (compiled for its devices) | rebound (compiled for other devices, loaded
-              with its own device assignment, `step.rebind`) | reloaded (compiled for its
+              with its own device assignment, `executables.rebind`) | reloaded (compiled for its
               devices, serialized and loaded back)
       DONATE: donate | keep
 
@@ -30,8 +30,8 @@ import conftest  # noqa: E402,F401 - 8 fake devices, the suite's XLA settings
 from conftest import tiny_config  # noqa: E402
 
 from elasjax import trainer  # noqa: E402
+from elasjax.compilation.executables import ExecutableCache, compile_plan, rebind  # noqa: E402
 from elasjax.planner import replan  # noqa: E402
-from elasjax.step import ExecutableCache, compile_plan, rebind  # noqa: E402
 
 
 def main() -> int:

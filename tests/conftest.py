@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from elasjax import config  # noqa: E402
-from elasjax.step import ExecutableCache  # noqa: E402
+from elasjax.compilation.executables import ExecutableCache  # noqa: E402
 
 # A tiny GPT on synthetic data: every field that shapes an executable is fixed here so that tests
 # share compiled plans through `exe_cache`.

@@ -14,9 +14,9 @@ import pytest
 from conftest import assert_same_computation, tiny_config
 
 from elasjax import config, faults, planner, trainer
+from elasjax.compilation.executables import ExecutableCache
 from elasjax.config import ConfigError
 from elasjax.metrics import read_jsonl
-from elasjax.step import ExecutableCache
 from elasjax.transfer import checksum
 
 TOPO = planner.Topology(tuple(range(8)), 2)

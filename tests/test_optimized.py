@@ -12,12 +12,12 @@ here too XLA:CPU emits its older loop kernels instead of its fusion emitters (co
 import jax
 import numpy as np
 import pytest
-
 from conftest import PIPE, assert_params_close, assert_same_computation, tiny_config
+
 from elasjax import trainer
+from elasjax.compilation.executables import ExecutableCache
 from elasjax.metrics import read_jsonl
 from elasjax.state import StateFactory, make_optimizer
-from elasjax.step import ExecutableCache
 
 pytestmark = pytest.mark.slow
 

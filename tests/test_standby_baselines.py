@@ -10,11 +10,12 @@ import pytest
 from conftest import tiny_config
 
 from elasjax import trainer
-from elasjax.compilation.standby import BackgroundJobs, CompileCounter, StandbyCompiler
+from elasjax.compilation.counter import CompileCounter
+from elasjax.compilation.executables import rebind
+from elasjax.compilation.standby import BackgroundJobs, StandbyCompiler
 from elasjax.compilation.worker import CompileCancelled
 from elasjax.metrics import read_jsonl
-from elasjax.step import rebind
-from elasjax.transfer import snapshot
+from elasjax.transfer import checksum
 
 
 def test_standby_compiler_queue_and_errors():
@@ -87,11 +88,11 @@ def test_a_queued_needed_plan_is_compiled_before_every_other_queued_plan():
 
 
 def test_rehome_reloads_a_compiled_plan_that_computes_the_same_bits_without_compiling(exe_cache):
-    """`step.rehome` (how a renewed CPU client gets the standby executables, `collectives`):
+    """`executables.rehome` (how a renewed CPU client gets the standby executables, `collectives`):
     the train and checksum executables are serialized and loaded onto the devices given, no
     XLA compile is counted, and a step on the reloaded one gives bitwise the same state,
     metrics and checksums."""
-    from elasjax.step import rehome
+    from elasjax.compilation.executables import rehome
 
     cfg = tiny_config("faults=[]")
     t = trainer.Trainer(cfg, None, exe_cache=exe_cache)
@@ -112,12 +113,12 @@ def test_rehome_reloads_a_compiled_plan_that_computes_the_same_bits_without_comp
 
 
 def test_a_program_compiled_for_some_devices_is_rebound_to_others_with_the_same_bits():
-    """`step.rebind` (`standby.rebind`: standby covers every device set compiling each program once):
+    """`executables.rebind` (`standby.rebind`: standby covers every device set compiling each program once):
     the plan after losing device 7 is built from the one after losing device 0 (the same
     shape on other devices) with no XLA compile, runs on its own devices, and a step on it gives
     bitwise the state, metrics and checksums of that plan compiled for its devices."""
+    from elasjax.compilation.executables import ExecutableCache, compile_plan
     from elasjax.planner import replan
-    from elasjax.step import ExecutableCache, compile_plan
 
     cfg = tiny_config("faults=[]")
     t = trainer.Trainer(cfg, None, exe_cache=ExecutableCache())
@@ -129,11 +130,11 @@ def test_a_program_compiled_for_some_devices_is_rebound_to_others_with_the_same_
         exe_a, _ = t.exe_cache.get(cfg, t.factory, a, t.devices, donate=False)
         assert exe_a.origin == "compiled"
         leaf_ids = list(range(len(jax.tree.leaves(exe_a.layout.abstract))))
-        snapshot.shard_checksums(exe_a.state_shardings, exe_a.mesh, leaf_ids, exe_a.layout.abstract)
+        checksum.shard_checksums(exe_a.state_shardings, exe_a.mesh, leaf_ids, exe_a.layout.abstract)
         with CompileCounter() as cc:
             exe_b, found = t.exe_cache.get(cfg, t.factory, b, t.devices, donate=False, reuse_programs=True)
             # the snapshot checksums compiled for a's mesh came along
-            sums_b = snapshot.shard_checksums(
+            sums_b = checksum.shard_checksums(
                 exe_b.state_shardings, exe_b.mesh, leaf_ids, exe_b.layout.abstract)
         assert cc.count == 0 and not found and exe_b.origin == "rebound"
         assert [d.id for d in exe_b.mesh.devices.flat] == list(b.device_ids)
@@ -147,14 +148,14 @@ def test_a_program_compiled_for_some_devices_is_rebound_to_others_with_the_same_
         np.testing.assert_array_equal(np.asarray(native.checksum(state)), np.asarray(exe_b.checksum(state)))
         leaves = jax.tree.leaves(state)
         specs = tuple(sh.spec for sh in jax.tree.leaves(native.state_shardings))
-        fresh = jax.jit(snapshot._leaf_checksums(native.mesh, specs))(*leaves)
+        fresh = jax.jit(checksum._leaf_checksums(native.mesh, specs))(*leaves)
         np.testing.assert_array_equal(np.asarray(fresh), np.asarray(sums_b(*leaves)))
         # rebound again from the rebound b: its checksums come from the form they were loaded
         # from (a loaded XLA:CPU executable cannot be serialized again)
         c = replan(live[:3] + live[4:], t.topo, cfg, t.initial, t.initial)
         assert c.shape_key == b.shape_key and c.device_ids not in (a.device_ids, b.device_ids)
         exe_c = rebind(exe_b, c, t.devices)
-        sums_c = snapshot.shard_checksums(
+        sums_c = checksum.shard_checksums(
             exe_c.state_shardings, exe_c.mesh, leaf_ids, exe_c.layout.abstract)
         leaves_c = jax.tree.leaves(jax.device_put(state, exe_c.state_shardings))
         np.testing.assert_array_equal(np.asarray(fresh), np.asarray(sums_c(*leaves_c)))
@@ -198,8 +199,8 @@ def test_the_executable_cache_drops_its_oldest_entries_past_the_mapping_budget()
     """`ExecutableCache(map_budget=)`: past the budget (here: any use at all) every put drops
     the oldest entries, keeping the newest, so that a long-lived process (a test worker with a
     shared cache of 64) never runs out of memory mappings mid-compile. Counted."""
-    from elasjax.compilation.standby import map_usage
-    from elasjax.step import ExecutableCache
+    from elasjax.compilation.counter import map_usage
+    from elasjax.compilation.executables import ExecutableCache
 
     if map_usage() is None:
         pytest.skip("no /proc/self/maps here")
@@ -215,7 +216,7 @@ def test_background_builds_stop_at_the_mapping_budget_but_a_needed_plan_is_built
     """Over `map_budget` (here: any use at all), ready plans no longer submitted are evicted,
     then the queue is dropped and counted in `over_budget`; a plan recovery waits for is still
     built."""
-    from elasjax.compilation.standby import map_usage
+    from elasjax.compilation.counter import map_usage
 
     if map_usage() is None:
         pytest.skip("no /proc memory-mapping counts on this platform")
@@ -388,9 +389,10 @@ import json, sys
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config  # the suite's XLA settings
 import jax, numpy as np
-from elasjax import snapshot, trainer
+from elasjax import trainer
+from elasjax.compilation.executables import ExecutableCache, can_rebind, compile_plan
 from elasjax.planner import replan
-from elasjax.step import ExecutableCache, can_rebind, compile_plan
+from elasjax.transfer import checksum
 trainer.enable_compilation_cache({cache!r})  # process-wide: hence a process of its own
 cfg = tiny_config("faults=[]")
 t = trainer.Trainer(cfg, None, exe_cache=ExecutableCache())
@@ -407,10 +409,10 @@ new, met = exe_b.train(state, exe_b.put_batch(t.data.batch(0, b).arrays()))
 jax.block_until_ready((new, met, exe_b.checksum(new)))
 abstract = again.layout.abstract
 ids = list(range(len(jax.tree.leaves(abstract))))
-snapshot.shard_checksums(again.state_shardings, again.mesh, ids, abstract)
-snapshot._COMPILED.clear()
-snapshot.shard_checksums(again.state_shardings, again.mesh, ids, abstract)  # from the cache
-put = snapshot.rebind_checksums(again.mesh, exe_b.mesh, lambda ser, i: 1 / 0)
+checksum.shard_checksums(again.state_shardings, again.mesh, ids, abstract)
+checksum._COMPILED.clear()
+checksum.shard_checksums(again.state_shardings, again.mesh, ids, abstract)  # from the cache
+put = checksum.rebind_checksums(again.mesh, exe_b.mesh, lambda ser, i: 1 / 0)
 print(json.dumps({{
     "origins": [first.origin, again.origin, exe_b.origin], "portable": again.portable_ok,
     "can_rebind": can_rebind(again, b), "found": found, "loss": float(met["loss"]),

@@ -10,7 +10,7 @@ and times every phase of it, so that the baseline's MTTR is measured rather than
     imports       jax, flax, optax, orbax and elasjax's modules
     jax_init      the first `jax.devices()` call (backend start, fake CPU devices)
     plan_mesh     model shapes (`StateFactory`), the survivors' plan (`planner.replan`), mesh
-    compile       `step.compile_plan` of that plan (cold unless the config sets
+    compile       `executables.compile_plan` of that plan (cold unless the config sets
                   `standby.cache_dir`, JAX's persistent compilation cache)
     restore       Orbax restore of the checkpoint onto the new mesh and its transition to the
                   plan's form (`checkpoint.restore_onto`), as `trainer.Trainer._restore` does
@@ -218,13 +218,13 @@ def restart_child(
     import jax
     import numpy as np
 
+    from ..compilation.executables import compile_plan
     from ..config import ConfigError, load
     from ..data import DataPipeline
     from ..mesh import make_mesh
     from ..planner import Topology, initial_plan, replan
     from ..rng import check_backend_config
     from ..state import StateFactory, make_optimizer
-    from ..step import compile_plan
     from ..transfer import checksum
     from ..transfer.checkpoint import Checkpointer, restore_onto
 

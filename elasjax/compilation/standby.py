@@ -7,10 +7,10 @@ compilation entirely. The queue is replaced whenever the trainer's plan changes 
 plans change with it); plans already compiled stay cached. A plan recovery needs jumps the
 queue (`expedite`, `wait`); once recovery has planned, the rest of the queue is dropped.
 
-The compile function is the foreground's (`step.ExecutableCache.get`), so a standby executable
+The compile function is the foreground's (`executables.ExecutableCache.get`), so a standby executable
 is exactly the executable recovery would otherwise build. Every candidate device set is its own
 entry, but a plan whose program is already compiled for other devices only loads it with its own
-device assignment (`step.rebind`, a fraction of a compile): with `cheap`, the thread builds such
+device assignment (`executables.rebind`, a fraction of a compile): with `cheap`, the thread builds such
 plans before the ones that need a compile, so that most candidates are covered early. Where
 the compiles run in a worker process (`compile_worker`, `cancel`), a recovery ends a compile of
 a program it does not need (`drop_queued`), so that its own build has the cores.
@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .counter import map_usage
 from .worker import CompileCancelled
 
 
@@ -50,7 +51,7 @@ class StandbyCompiler:
         map_budget: float | None = None,
         cancel: Callable[[], bool] | None = None,
     ):
-        """`cheap(plan)`: can `plan` be built now without an XLA compile (`step.rebind`)?
+        """`cheap(plan)`: can `plan` be built now without an XLA compile (`executables.rebind`)?
         Such plans are built first; a plan made urgent (`expedite`, `wait`, `submit(front=)`)
         always comes before them. `map_budget`: the fraction of the process's memory-mapping
         limit (Linux `vm.max_map_count`) the process may use before background builds stop:
@@ -336,18 +337,6 @@ class StandbyCompiler:
         self._thread.join(timeout=60)
 
 
-def map_usage() -> float | None:
-    """The fraction of this process's memory-mapping limit in use (Linux; None elsewhere)."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
-        with open("/proc/self/maps", "rb") as f:
-            used = sum(1 for _ in f)
-    except (OSError, ValueError):
-        return None
-    return used / limit if limit > 0 else None
-
-
 class BackgroundJobs:
     """One daemon thread that runs queued jobs in order (the trainer's transfer-plan
     preparation). `replace` drops the jobs that have not started; a job that raises is counted
@@ -417,35 +406,3 @@ def _lower_priority(nice: int = 10) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
         pass
-
-
-class CompileCounter:
-    """Counts XLA backend compilations made on one thread (JAX's monitoring events), so that a
-    recovery can prove it compiled nothing. Use as a context manager; `count` is live."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-    # recorded only when JAX's persistent compilation cache served an executable (loaded, not
-    # compiled): count these with `CompileCounter(event=CompileCounter.CACHE_HIT)`
-    CACHE_HIT = "/jax/compilation_cache/cache_retrieval_time_sec"
-
-    def __init__(self, thread: threading.Thread | None = None, event: str = EVENT):
-        self.thread_id = (thread or threading.current_thread()).ident
-        self.event = event
-        self.count = 0
-        self.seconds = 0.0
-
-    def _listener(self, event: str, duration: float, **kwargs) -> None:
-        if event == self.event and threading.get_ident() == self.thread_id:
-            self.count += 1
-            self.seconds += duration
-
-    def __enter__(self) -> "CompileCounter":
-        from jax._src import monitoring
-
-        monitoring.register_event_duration_secs_listener(self._listener)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from jax._src import monitoring
-
-        monitoring.unregister_event_duration_listener(self._listener)

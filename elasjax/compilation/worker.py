@@ -8,9 +8,9 @@ another compile; a lower thread priority did not help, the pool's threads keep t
 (its XLA threads inherit it, so training steps come first), and `kill` ends it the moment a
 recovery needs the cores for another program. The next background compile starts a new child.
 
-The child builds exactly what `step.compile_plan` builds (the same config, optimizer, plan and
+The child builds exactly what `executables.compile_plan` builds (the same config, optimizer, plan and
 device ids: fake CPU devices exist in any process) and sends the pair back serialized
-(`Executables.portable`); the training process loads it onto its devices (`step.from_portable`).
+(`Executables.portable`); the training process loads it onto its devices (`executables.from_portable`).
 Loaded executables never donate (`Trainer.donate`): a loaded train step that donates deadlocked
 XLA:CPU's collective rendezvous.
 
@@ -222,7 +222,7 @@ def main() -> int:
     for name, value in setup["jax_config"].items():
         jax.config.update(name, value)
     from ..state import StateFactory, make_optimizer
-    from ..step import compile_plan
+    from .executables import compile_plan
 
     cfg = setup["cfg"]
     factory = StateFactory(cfg, make_optimizer(cfg.train))

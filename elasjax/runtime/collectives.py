@@ -22,7 +22,7 @@ client's rendezvous keys (`cpu:gloo/...`, the topology exchange's `cpu:local_top
 processes' local topologies (a new client's topology exchange expects every process of the
 job). Arrays of the old client stay readable and `jax.device_put` copies them to the new
 client's devices. Executables compiled for the old client do not run on the new devices, but
-need no compile either: `step.rehome` serializes them and loads them onto the new devices
+need no compile either: `executables.rehome` serializes them and loads them onto the new devices
 (measured on the tiny test model: 0.5 s against 4.3 s for its compile, 0 XLA compiles).
 A new client took 0.04-0.12 s on 2 and 3 processes. With the fix (`auto`), 28 of 28 runs of the
 same launch took over, 3 of them after a renewal.

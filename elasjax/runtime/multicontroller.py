@@ -628,7 +628,7 @@ class MultiControllerRuntime:
         the next plan's collective groups, reach none; the transfer server is restarted). Every
         live process calls it at the same point of a recovery. Returns what happened (for the
         event), or None when nobody asked. After a renewal the caller drops what names the old
-        devices (planned transitions); executables are reloaded on use (`step.on_devices`),
+        devices (planned transitions); executables are reloaded on use (`executables.on_devices`),
         shard buffers copied over by `current`."""
         mine = renewal_reason(
             self.rc.renew_collectives, self.rc.platform, failure, self.rc.collective_timeout_s,

@@ -27,16 +27,13 @@ holders, new buddies), so the next failure is covered.
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from ..compilation.standby import CompileCounter
 from ..config import ConfigError, SnapshotConfig
 from ..planner import Topology
 from ..sharding import path_str
@@ -71,90 +68,6 @@ class _Generation:
     # record index -> its checksum row on the host, read ahead by a threaded take (`_rows`)
     rows: dict | None = None
     buffer_set: int | None = None  # which of a threaded pool's landing buffer sets it wrote
-
-
-def _specs(state_shardings) -> list:
-    return [s.spec for s in jax.tree.leaves(state_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
-
-
-def _leaf_checksums(mesh: Mesh, specs: tuple):
-    """shard_map: the listed leaves (laid out by `specs`) -> uint32[*mesh.shape, n, 2], each
-    device's checksum of its own block of each leaf (block-local element order, as
-    `checksum.np_leaf_checksum`). Any mesh: the trainer's (data, stage, tensor) or a user's own
-    axes."""
-    ndim = len(mesh.axis_names)
-
-    def local(*blocks):
-        sums = jnp.stack([checksum.leaf_checksum(b) for b in blocks])
-        return sums[(None,) * ndim]
-
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(*mesh.axis_names),
-        check_vma=False,
-    )
-
-
-# `shard_checksums`' compiled functions, by what they depend on: a recovery's new pool finds the
-# one the standby compiled for its plan (`SnapshotPool.prepare`) instead of compiling it. Each
-# entry is (function, its serialized source, the device ids that source names): a function loaded
-# by `rebind_checksums` keeps the form it was loaded from, since XLA:CPU cannot serialize a loaded
-# executable again (run, the copy fails: "Function add_multiply_fusion.1 not found"); None: not
-# serialized yet; False: loaded by JAX's persistent compilation cache, so never serializable
-_COMPILED: OrderedDict = OrderedDict()
-_COMPILED_LOCK = threading.Lock()
-COMPILED_KEPT = 16
-
-
-def _keep(key, entry) -> None:
-    with _COMPILED_LOCK:
-        _COMPILED[key] = entry
-        while len(_COMPILED) > COMPILED_KEPT:
-            _COMPILED.popitem(last=False)
-
-
-def shard_checksums(state_shardings, mesh: Mesh, leaf_ids: list[int], abstract) -> Any:
-    """The on-device checksums of the listed leaves (`_leaf_checksums`), compiled ahead for
-    leaves of `abstract`'s shapes and dtypes laid out by `state_shardings`; kept (the latest
-    `COMPILED_KEPT`) by mesh, layouts and shapes."""
-    specs = _specs(state_shardings)
-    avals = jax.tree.leaves(abstract)
-    key = (mesh, tuple((specs[i], tuple(avals[i].shape), str(avals[i].dtype)) for i in leaf_ids))
-    with _COMPILED_LOCK:
-        entry = _COMPILED.get(key)
-        if entry is not None:
-            _COMPILED.move_to_end(key)
-            return entry[0]
-    args = [
-        jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype, sharding=NamedSharding(mesh, specs[i]))
-        for i in leaf_ids
-    ]
-    with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
-        fn = jax.jit(_leaf_checksums(mesh, tuple(specs[i] for i in leaf_ids))).lower(*args).compile()
-    # one that JAX's persistent cache loaded cannot be serialized again: never rebound (False)
-    _keep(key, (fn, False if cached.count else None, tuple(d.id for d in mesh.devices.flat)))
-    return fn
-
-
-def rebind_checksums(old: Mesh, new: Mesh, load) -> int:
-    """Put the checksums compiled for `old` (`shard_checksums`) onto `new`, a mesh of the same
-    shape on other devices or on a renewed client's devices, without compiling. `load(serialized,
-    ids)` loads a serialized executable (`jax.experimental.serialize_executable.serialize`) whose
-    device references name `ids` onto `new`'s devices, position for position (`step.rebind`).
-    Returns how many it put."""
-    from jax.experimental import serialize_executable as se
-
-    with _COMPILED_LOCK:
-        kept = [(k, e) for k, e in _COMPILED.items() if k[0] == old and e[1] is not False]
-    put = 0
-    for (_, entries), (fn, source, ids) in kept:
-        key = (new, entries)
-        with _COMPILED_LOCK:
-            if key in _COMPILED:
-                continue
-        source = se.serialize(fn) if source is None else source
-        _keep(key, (load(source, ids), source, ids))
-        put += 1
-    return put
 
 
 def check_coverable(cfg: SnapshotConfig, topo: Topology) -> None:
@@ -290,7 +203,7 @@ class SnapshotPool:
         if leaf_ids:
             self._leaf_ids = leaf_ids
             self._pos_in = {li: i for i, li in enumerate(leaf_ids)}
-            self._fn = shard_checksums(state_shardings, mesh, leaf_ids, state)
+            self._fn = checksum.shard_checksums(state_shardings, mesh, leaf_ids, state)
             self._mesh_ndim = len(mesh.axis_names)
             if self.threaded:
                 self._landing = self._landing_buffers([x for _, x in flat])
@@ -327,7 +240,7 @@ class SnapshotPool:
         )
         leaf_ids = [li for li, x in enumerate(jax.tree.leaves(placed)) if _unique_shards(x, self.topo)]
         if leaf_ids:
-            shard_checksums(state_shardings, mesh, leaf_ids, abstract)
+            checksum.shard_checksums(state_shardings, mesh, leaf_ids, abstract)
 
     def risk(self) -> str | None:
         """What an opted-out pool leaves exposed on this plan, or None."""

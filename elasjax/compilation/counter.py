@@ -1,0 +1,51 @@
+"""What the process compiles and maps: a counter of XLA compilations on one thread (to prove that
+a recovery compiled nothing) and the share of the memory-mapping limit in use (loaded
+executables map memory)."""
+
+from __future__ import annotations
+
+import threading
+
+
+def map_usage() -> float | None:
+    """The fraction of this process's memory-mapping limit in use (Linux; None elsewhere)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    return used / limit if limit > 0 else None
+
+
+class CompileCounter:
+    """Counts XLA backend compilations made on one thread (JAX's monitoring events), so that a
+    recovery can prove it compiled nothing. Use as a context manager; `count` is live."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+    # recorded only when JAX's persistent compilation cache served an executable (loaded, not
+    # compiled): count these with `CompileCounter(event=CompileCounter.CACHE_HIT)`
+    CACHE_HIT = "/jax/compilation_cache/cache_retrieval_time_sec"
+
+    def __init__(self, thread: threading.Thread | None = None, event: str = EVENT):
+        self.thread_id = (thread or threading.current_thread()).ident
+        self.event = event
+        self.count = 0
+        self.seconds = 0.0
+
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.event and threading.get_ident() == self.thread_id:
+            self.count += 1
+            self.seconds += duration
+
+    def __enter__(self) -> "CompileCounter":
+        from jax._src import monitoring
+
+        monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jax._src import monitoring
+
+        monitoring.unregister_event_duration_listener(self._listener)

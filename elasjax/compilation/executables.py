@@ -1,0 +1,414 @@
+"""The executables of one plan and their lifecycle: compiled ahead (`compile_plan`), serialized and
+loaded (`Portable`, `from_portable`), moved onto other devices or a renewed client without a
+compile (`rebind`, `rehome`), warmed, and cached by program (`ExecutableCache`). Recovery measures
+`compile_plan` as its `compile_s` phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import threading
+import time
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ..config import Config
+from ..mesh import make_mesh, replicated
+from ..planner import Plan
+from ..sharding import batch_shardings
+from ..state import StateFactory, StateLayout, TrainState
+from ..step import abstract_batch, make_eval_step, make_train_step
+from ..transfer.checksum import rebind_checksums
+from ..transfer.shards import index_to_box
+from .counter import CompileCounter, map_usage
+
+
+@dataclasses.dataclass
+class Executables:
+    """Compiled functions of one plan on one mesh."""
+
+    plan: Plan
+    mesh: Mesh
+    layout: StateLayout
+    state_shardings: TrainState
+    batch_shardings: dict
+    train: Any
+    checksum: Any  # state -> uint32[n, 2] checksums, rows in `layout.checksum_keys` order
+    eval: Any
+    compile_s: float
+    batch_abstract: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
+    warm_s: float = 0.0  # seconds of its warm-up run (`warm_up`), 0 if never warmed
+    runs: int = 0  # training steps run on it (the first run of an executable is slower)
+    make_eval: Any = None  # mesh -> the eval function on it (`rebind` re-makes it)
+    # "compiled" here; "cached": loaded from JAX's persistent compilation cache (`standby.
+    # cache_dir`) by `compile_plan`; "rebound" from a compile for other devices (`rebind`;
+    # `compile_s` is then the load); "reloaded" onto a renewed client's devices of the same ids
+    origin: str = "compiled"
+    _portable: Any = dataclasses.field(default=None, repr=False, compare=False)
+    _portable_lock: Any = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
+
+    @property
+    def portable_ok(self) -> bool:
+        """Can `portable` serialize these executables? Not when JAX's persistent cache loaded
+        them: XLA:CPU cannot serialize a loaded executable again (the copy loads, and fails when
+        run: "Function add_multiply_fusion.8 not found"; jax 0.10.2). An executable loaded by
+        `rebind` keeps the form it was loaded from."""
+        return self._portable is not None or self.origin != "cached"
+
+    def portable(self) -> "Portable":
+        """The train and checksum executables serialized (once; `rebind` loads them)."""
+        from jax.experimental import serialize_executable as se
+
+        if not self.portable_ok:
+            raise ValueError(
+                f"the executables of {self.plan.name} were loaded from JAX's persistent "
+                "compilation cache and cannot be serialized again (XLA:CPU); compile them instead"
+            )
+        with self._portable_lock:
+            if self._portable is None:
+                self._portable = Portable(
+                    tuple(d.id for d in self.mesh.devices.flat),
+                    se.serialize(self.train),
+                    se.serialize(self.checksum),
+                )
+            return self._portable
+
+    @property
+    def client(self):
+        """The backend client the executables run on (that of the mesh's devices)."""
+        return self.mesh.devices.flat[0].client
+
+    def put_batch(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Global batch arrays from the host batch (every process holds the whole host batch
+        and places its own devices' slices)."""
+        out = {}
+        for k, v in arrays.items():
+            sh = self.batch_shardings[k]
+            if sh.is_fully_addressable:
+                out[k] = jax.device_put(v, sh)
+            else:
+                out[k] = jax.make_array_from_callback(v.shape, sh, lambda i, v=v: v[i], dtype=v.dtype)
+        return out
+
+    def init(self) -> TrainState:
+        return jax.jit(self.layout.init_fn, out_shardings=self.state_shardings)()
+
+    def from_canonical(self, full: TrainState) -> TrainState:
+        """A canonical (ZeRO-0, unpipelined) state in this plan's form (checkpoints written
+        before the saved form was recorded)."""
+        if self.layout.codec is None and self.layout.stage_layout is None:
+            return full
+        return jax.jit(self.layout.from_canonical, out_shardings=self.state_shardings)(full)
+
+
+def _frame(cfg: Config, factory: StateFactory, plan: Plan, devices: dict[int, jax.Device]):
+    """What a plan's executables run in, short of compiling: (mesh, layout, state shardings,
+    abstract batch, batch shardings, the eval-function maker)."""
+    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
+    layout = factory.layout(plan)
+    ab = abstract_batch(plan, factory.model)
+
+    def make_eval(m: Mesh):
+        # Evaluation is not on the recovery path: it compiles on first use (`Executables.eval`)
+        return jax.jit(
+            make_eval_step(cfg, factory.model, layout, m, plan),
+            in_shardings=(layout.shardings(m).params, batch_shardings(m, ab)),
+            out_shardings=(replicated(m), replicated(m)),
+        )
+
+    return mesh, layout, layout.shardings(mesh), ab, batch_shardings(mesh, ab), make_eval
+
+
+def compile_plan(
+    cfg: Config,
+    factory: StateFactory,
+    plan: Plan,
+    devices: dict[int, jax.Device],
+    *,
+    donate: bool = True,
+) -> Executables:
+    """AOT-compile the train and checksum functions of `plan`; time it. `donate=False` keeps
+    the input state valid after a step (multi-process runs, where a step can fail midway)."""
+    t0 = time.perf_counter()
+    mesh, layout, st_sh, ab, b_sh, make_eval = _frame(cfg, factory, plan, devices)
+    abs_state = layout.abstract
+    rep = replicated(mesh)
+    train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh, plan)
+    metric_sh = {"loss": rep, "grad_norm": rep, "checksums": rep}
+    with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
+        train = (
+            jax.jit(
+                train_fn,
+                in_shardings=(st_sh, b_sh),
+                out_shardings=(st_sh, metric_sh),
+                donate_argnums=0 if donate else (),
+            )
+            .lower(abs_state, ab)
+            .compile()
+        )
+        sums = (
+            jax.jit(
+                functools.partial(layout.stacked_checksums, mesh=mesh), in_shardings=(st_sh,),
+                out_shardings=rep,
+            )
+            .lower(abs_state)
+            .compile()
+        )
+    return Executables(
+        plan, mesh, layout, st_sh, b_sh, train, sums, make_eval(mesh),
+        time.perf_counter() - t0, ab, make_eval=make_eval,
+        origin="cached" if cached.count else "compiled",
+    )
+
+
+def from_portable(
+    cfg: Config, factory: StateFactory, plan: Plan, devices: dict[int, jax.Device],
+    src: "Portable", compile_s: float,
+) -> Executables:
+    """`plan`'s executables from their serialized form (compiled elsewhere: a compile worker,
+    `compile_worker`), loaded onto `plan`'s devices; `compile_s` is the compile's seconds."""
+    mesh, layout, st_sh, ab, b_sh, make_eval = _frame(cfg, factory, plan, devices)
+    flat = list(mesh.devices.flat)
+    return Executables(
+        plan, mesh, layout, st_sh, b_sh, _load(src.train, src.device_ids, flat),
+        _load(src.checksum, src.device_ids, flat), make_eval(mesh), compile_s, ab,
+        make_eval=make_eval, _portable=src,
+    )
+
+
+def on_devices(exe: Executables, devices: dict[int, jax.Device]) -> Executables | None:
+    """`exe` itself when it runs on `devices`' client, else `rehome`d onto them; None where it
+    cannot be (`Executables.portable_ok`: then compile it, which JAX's persistent cache serves)."""
+    if exe.client is devices[exe.plan.device_ids[0]].client:
+        return exe
+    return rehome(exe, devices) if exe.portable_ok else None
+
+
+def rehome(exe: Executables, devices: dict[int, jax.Device]) -> Executables:
+    """`exe` on the devices of the same ids of another client (a renewed CPU client,
+    `collectives`): `rebind` to its own plan."""
+    return rebind(exe, exe.plan, devices)
+
+
+# Backends whose loaded executables take a new device assignment (`rebind`); elsewhere a
+# plan on other devices is compiled
+REBINDABLE = ("cpu", "gpu", "cuda", "rocm")
+
+
+def can_rebind(exe: Executables, plan: Plan) -> bool:
+    """Can `rebind` put `exe`'s program on `plan`'s devices: the same program (`shape_key`)
+    on a backend whose executables take a new device assignment?"""
+    return (exe.plan.shape_key == plan.shape_key and exe.client.platform in REBINDABLE
+            and exe.portable_ok)
+
+
+def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Executables:
+    """`exe`'s compiled train and checksum programs loaded onto `plan`'s devices, without
+    compiling: `plan` differs from `exe.plan` at most in which devices it uses (the same
+    `Plan.shape_key`), or `devices` are another client's devices of the same ids (a renewed CPU
+    client, `collectives`).
+
+    The program does not depend on device ids: XLA partitions it over mesh positions, and the
+    device assignment is a compile option. The executables are serialized once (kept on `exe`)
+    and loaded with the new plan's devices as their assignment, position for position (this
+    machine, the demo's 7-device plan: load 0.3-0.6 s against a 7 s compile; a step on the
+    rebound executable gives the same bits as one compiled for those devices,
+    tests/test_standby_baselines.py). The snapshot checksums compiled for `exe`'s mesh are
+    loaded onto the new one too (`checksum.rebind_checksums`). The eval function is re-made (it
+    compiles on first use)."""
+    if plan.shape_key != exe.plan.shape_key:
+        raise ValueError(f"cannot rebind {exe.plan.name} to {plan.name}: a different program")
+    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
+    flat = list(mesh.devices.flat)
+    if plan.device_ids != exe.plan.device_ids and flat[0].client.platform not in REBINDABLE:
+        raise ValueError(
+            f"the {flat[0].client.platform} backend's executables keep their devices; "
+            f"compile {plan.name} instead (rebinding works on {', '.join(REBINDABLE)})"
+        )
+    t0 = time.perf_counter()
+    src = exe.portable()
+    # the snapshot pool's checksums compiled for exe's mesh go along (a renewed client's first
+    # snapshot then compiles nothing)
+    rebind_checksums(exe.mesh, mesh, lambda ser, ids: _load(ser, ids, flat))
+    return dataclasses.replace(
+        exe,
+        plan=plan,
+        mesh=mesh,
+        state_shardings=exe.layout.shardings(mesh),
+        batch_shardings=batch_shardings(mesh, exe.batch_abstract),
+        train=_load(src.train, src.device_ids, flat),
+        checksum=_load(src.checksum, src.device_ids, flat),
+        eval=exe.make_eval(mesh),
+        compile_s=time.perf_counter() - t0,
+        warm_s=0.0,
+        origin="rebound" if plan.device_ids != exe.plan.device_ids else "reloaded",
+        _portable=src,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Portable:
+    """An executable pair in serialized form (`jax.experimental.serialize_executable`), with
+    the device ids, in mesh order, that its device references name."""
+
+    device_ids: tuple[int, ...]
+    train: tuple  # (payload, in_tree, out_tree)
+    checksum: tuple
+
+
+def _load(serialized: tuple, old_ids: tuple[int, ...], flat: list) -> Any:
+    """Load a serialized executable onto `flat` (mesh order), position i of `old_ids` -> flat[i]."""
+    import io
+
+    from jax._src import compiler
+    from jax.experimental import serialize_executable as se
+
+    payload, in_tree, out_tree = serialized
+    client = flat[0].client
+    by_old_id = dict(zip(old_ids, flat))
+    opts = compiler.get_compile_options(
+        1, len(flat), device_assignment=np.asarray(flat, dtype=object).reshape(1, -1), backend=client
+    )
+
+    class Unpickler(se._JaxPjrtUnpickler):
+        def persistent_load(self, pid):
+            if pid[0] == "device":
+                return by_old_id[pid[1]]
+            if pid[0] == "exec":
+                return self.backend.deserialize_executable(
+                    pid[1], executable_devices=self.execution_devices, compile_options=opts
+                )
+            return super().persistent_load(pid)
+
+    unloaded, args_info, no_kwargs = Unpickler(io.BytesIO(payload), client, flat).load()
+    return jax.stages.Compiled(
+        unloaded.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs
+    )
+
+
+def warm_up(exe: Executables) -> float:
+    """Run `exe`'s checksum and train executables once on placeholder zeros, so that the first
+    real step after a recovery does not pay the executable's first-run cost (measured here: a
+    first step 0.25-0.33 s, later ones 0.10-0.13 s). Needs one more copy of the state on the
+    devices while it runs. Returns its seconds."""
+    t0 = time.perf_counter()
+
+    def zeros(a: jax.ShapeDtypeStruct, sh) -> jax.Array:
+        return jax.make_array_from_callback(
+            a.shape, sh,
+            lambda idx: np.zeros([hi - lo for lo, hi in index_to_box(idx, a.shape)], a.dtype),
+        )
+
+    state = jax.tree.map(zeros, exe.layout.abstract, exe.state_shardings)
+    jax.block_until_ready(exe.checksum(state))
+    batch = {k: zeros(a, exe.batch_shardings[k]) for k, a in exe.batch_abstract.items()}
+    jax.block_until_ready(exe.train(state, batch))
+    return time.perf_counter() - t0
+
+
+class ExecutableCache:
+    """Compiled plans, keyed by what the executables depend on (model and train config, and the
+    plan); bounded, least recently used out first. A plan whose program was compiled for other
+    devices (the same `Plan.shape_key`) can be `rebind`-ed from it instead of compiled
+    (`reuse_programs`): the cache remembers the latest executable of each program while it is
+    held anywhere (`program`). A trainer owns one; pass a
+    shared one to reuse executables across runs in one process (tests, experiment sweeps).
+
+    `map_budget`: past this fraction of the process's memory-mapping limit (`vm.max_map_count`;
+    a loaded CPU executable holds ~800 mappings here), the oldest entries are dropped too, so
+    that a long-lived process never runs out of mappings: XLA's JIT then fails mid-compile
+    (`LLVM ERROR: Unable to allocate section memory`, seen with 66 loaded plans; most likely
+    also the segmentation fault of a test worker that had run many files with 64 entries).
+    None: no bound."""
+
+    def __init__(self, max_entries: int = 16, max_programs: int = 8, map_budget: float | None = 0.5):
+        self.max_entries, self.max_programs = max_entries, max_programs
+        self.map_budget = map_budget
+        self.evicted_for_maps = 0  # entries dropped by `map_budget`
+        self._d: dict = {}
+        # program key -> an executable of that program, while something else holds it: the index
+        # never keeps an evicted executable (and its memory mappings) alive
+        self._programs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()  # the standby thread compiles through the same cache
+
+    @staticmethod
+    def key(cfg: Config, plan: Plan, donate: bool = True, tx_key=None):
+        from .. import models  # a registered model is its spec object, never its name alone
+
+        spec = models.get(cfg.model) if cfg.model.type != "gpt" else None
+        return (cfg.model, spec, cfg.train, tx_key, plan.compile_key, donate)
+
+    @classmethod
+    def program_key(cls, cfg: Config, plan: Plan, donate: bool = True, tx_key=None):
+        return cls.key(cfg, plan.shape_key, donate, tx_key)
+
+    def program(self, cfg: Config, plan: Plan, donate: bool = True, tx_key=None):
+        """An executable of `plan`'s program that `rebind` can put on `plan`'s devices, or None
+        (building `plan` would compile)."""
+        with self._lock:
+            src = self._programs.get(self.program_key(cfg, plan, donate, tx_key))
+        return src if src is not None and can_rebind(src, plan) else None
+
+    def get(
+        self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True,
+        reuse_programs: bool = False,
+    ) -> tuple[Executables, bool]:
+        """(executables, found here). An entry made for another client's devices of the same
+        ids (a renewed CPU client) is reloaded onto `devices` (compiled again where it cannot be,
+        `Executables.portable_ok`); with `reuse_programs`
+        (`standby.rebind`), a plan whose program is here for other devices is rebound to its
+        own (`rebind`); otherwise it is compiled."""
+        k = self.key(cfg, plan, donate, factory.tx_key)
+        with self._lock:
+            exe = self._d.pop(k, None)
+            if exe is not None:
+                self._d[k] = exe
+        if exe is not None:
+            current = on_devices(exe, devices)
+            if current is exe:
+                return exe, True
+            if current is not None:
+                self._put(k, current)
+                return current, True
+        src = self.program(cfg, plan, donate, factory.tx_key) if reuse_programs else None
+        if src is not None:
+            exe = rebind(src, plan, devices)
+        else:  # outside the lock
+            exe = compile_plan(cfg, factory, plan, devices, donate=donate)
+        self._put(k, exe, self.program_key(cfg, plan, donate, factory.tx_key))
+        return exe, False
+
+    def has(self, cfg: Config, plan: Plan, donate: bool = True, tx_key=None) -> bool:
+        with self._lock:
+            return self.key(cfg, plan, donate, tx_key) in self._d
+
+    def put(self, cfg: Config, plan: Plan, exe: Executables, donate: bool = True, tx_key=None) -> None:
+        """Keep `exe`, built elsewhere (a compile worker), as `plan`'s entry and its program's."""
+        self._put(self.key(cfg, plan, donate, tx_key), exe, self.program_key(cfg, plan, donate, tx_key))
+
+    def _put(self, k, exe: Executables, program_key=None) -> None:
+        with self._lock:
+            self._d[k] = exe
+            while len(self._d) > self.max_entries:
+                self._d.pop(next(iter(self._d)))
+            if self.map_budget is not None:
+                while len(self._d) > 1 and (map_usage() or 0.0) > self.map_budget:
+                    self._d.pop(next(iter(self._d)))  # the oldest; its mappings go with it
+                    self.evicted_for_maps += 1
+                    gc.collect()  # unless something else still holds it
+            if program_key is not None:
+                self._programs.pop(program_key, None)
+                self._programs[program_key] = exe
+                while len(self._programs) > self.max_programs:
+                    self._programs.pop(next(iter(self._programs)))
+
+    def __contains__(self, item) -> bool:
+        return item in self._d
