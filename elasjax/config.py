@@ -26,6 +26,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .modelspec import registered
+
 
 class ConfigError(ValueError):
     """A config key or value is not allowed; the message names the key and the allowed values."""
@@ -540,9 +542,7 @@ def allowed_tensor_degrees(model: ModelConfig) -> list[int]:
     """Tensor degrees the model allows: for the GPT they must divide heads, the MLP width and
     the vocab; a registered model states its own (`ModelSpec.tensor_degrees`)."""
     if model.type != "gpt":
-        from . import models
-
-        return sorted(models.get(model).tensor_degrees)
+        return sorted(registered(model.type).tensor_degrees)
     return [
         t
         for t in divisors(model.n_heads)
@@ -555,18 +555,14 @@ def layer_count(m: ModelConfig) -> int:
     model's `ModelSpec.n_layers`."""
     if m.type == "gpt":
         return m.n_layers
-    from . import models
-
-    return models.get(m).n_layers
+    return registered(m.type).n_layers
 
 
 def _validate_model(m: ModelConfig) -> int:
     """Check the model section; returns the model's layer count (for the stage bounds)."""
     if m.type != "gpt":
-        from . import models
-
         try:
-            spec = models.get(m)
+            spec = registered(m.type)
         except ValueError as e:
             raise ConfigError(f"config 'model.type' {str(e).split('model.type ', 1)[-1]}") from None
         set_gpt = [
@@ -642,9 +638,7 @@ def validate(cfg: Config) -> None:
             f"values: -1, {', '.join(map(str, tensors))}"
         )
     if m.type != "gpt":
-        from . import models
-
-        if not models.get(m).pipeline and max(p.stage, p.max_stage) > 1:
+        if not registered(m.type).pipeline and max(p.stage, p.max_stage) > 1:
             raise ConfigError(
                 f"config 'parallel.stage' = {p.stage} (max_stage {p.max_stage}): model "
                 f"'{m.type}' has no layer stack (ModelSpec.pipeline is false), so it cannot be "

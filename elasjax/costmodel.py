@@ -12,10 +12,7 @@ after calibration (`Hardware.calibrated`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
-import numpy as np
 
 from .config import ModelConfig
 
@@ -54,15 +51,6 @@ class ModelProfile:
     @property
     def n_params(self) -> int:
         return self.params_per_layer * self.n_layers + self.params_embed
-
-    @classmethod
-    def from_model(cls, m: ModelConfig) -> "ModelProfile":
-        """The profile of `model.type`'s spec: the GPT's from its dimensions, a user model's
-        its own (`ModelSpec.profile`) or, without one, `from_params`."""
-        from . import models
-
-        spec = models.get(m)
-        return spec.profile if spec.profile is not None else _derived_profile(spec)
 
     @classmethod
     def from_params(
@@ -279,14 +267,3 @@ def pipelined_plan_cost(
 
 
 __all__ += ["pipelined_plan_cost"]
-
-
-@functools.lru_cache(maxsize=16)
-def _derived_profile(spec) -> ModelProfile:
-    """A registered model's profile from its parameter count (traced once per spec: the planner
-    asks for every candidate)."""
-    n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(spec.init_params, jax.random.key(0))))
-    width = None
-    if spec.layers is not None:
-        width = max(int(np.prod(spec.layers.activation_shape)), 1)
-    return ModelProfile.from_params(n, width, spec.n_layers)

@@ -46,6 +46,7 @@ from . import rng
 from .compilation.standby import StandbyCompiler
 from .config import CheckpointConfig, SnapshotConfig
 from .planner import Topology
+from .runtime.inprocess import InProcessRuntime
 from .sharding import path_str
 from .transfer import checksum, reshard
 from .transfer.checkpoint import Checkpointer
@@ -281,7 +282,8 @@ class ElasticState:
         self.mesh = mesh
         self.live: set[int] = set(self.devices)
         self.spares: list[int] = sorted(self.live - {d.id for d in mesh.devices.flat})
-        self.pool = SnapshotPool(snapshot or SnapshotConfig(), self.topology)
+        self.pool = SnapshotPool(snapshot or SnapshotConfig(), self.topology,
+                                 InProcessRuntime(topology=self.topology))
         self.dead_hosts: set[int] = set()
         self.step = -1
         self.good: dict[str, str] | None = None

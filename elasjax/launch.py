@@ -48,6 +48,7 @@ from .runtime.multicontroller import (
     kv_client,
     xla_flags,
 )
+from .trainer import Trainer
 from .transfer.snapshot import check_coverable
 
 # ---------------------------------------------------------------------------------------------
@@ -157,8 +158,6 @@ def run_worker(
     kills: Sequence[KillSpec] = (),
 ) -> int:
     """Join the job described by `rc` and train; returns a process exit code."""
-    from .trainer import Trainer
-
     cfg = load(config_path, overrides)
     initialize(rc)
     rt = MultiControllerRuntime(rc)

@@ -16,7 +16,7 @@ pass is the autodiff transpose of the same loop. The embedding runs only on the 
 the head only on the last (`lax.cond` on the stage index); their parameters are replicated over
 `stage`, and their gradients are summed over stages by the transpose of that replication.
 
-The model comes as its layer stack (`models.spec.LayerStack`: embed, block, head loss and the
+The model comes as its layer stack (`modelspec.LayerStack`: embed, block, head loss and the
 activation shape; the GPT's in `models/gpt.py`), so any model with one can be pipelined.
 Random numbers stay layout-independent: a block folds in its *global* layer id and each sample
 its global sample id, exactly as in the unpipelined model (`models.gpt.forward`), so the

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from . import models
 from .config import Config, ConfigError, allowed_tensor_degrees, layer_count
 from .costmodel import (
     Hardware,
@@ -308,7 +309,7 @@ def plan_for_shape(
     """The plan of a given (data, stage, tensor) shape on the live devices;
     `microbatches=None` lets the cost model pick the schedule."""
     hw = hw or Hardware.from_config(cfg.hardware)
-    prof = ModelProfile.from_model(cfg.model)
+    prof = models.profile(cfg.model)
     mmb = cfg.train.max_micro_batch or 1 << 30
     plan = _make(live_ids, topo, cfg, prof, hw, data, tensor, microbatches, mmb, stage)[0]
     return with_zero(plan, cfg)
@@ -388,7 +389,7 @@ def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Pla
         spare = tuple(d for d in topo.device_ids if d in set(plan.spare_ids) | set(held))
         return dataclasses.replace(plan, spare_ids=spare)
     hw = hw or Hardware.from_config(cfg.hardware)
-    prof = ModelProfile.from_model(cfg.model)
+    prof = models.profile(cfg.model)
     n, p, B = len(topo.device_ids), cfg.parallel, cfg.train.global_batch
     S = p.stage
     micro = cfg.pipeline.microbatches or cfg.train.microbatches if S > 1 else cfg.train.microbatches
@@ -433,7 +434,7 @@ def fast_path_plan(
     if not intact or len(intact) == previous.data:
         return None
     hw = hw or Hardware.from_config(cfg.hardware)
-    prof = ModelProfile.from_model(cfg.model)
+    prof = models.profile(cfg.model)
     D, B, b = len(intact), previous.global_batch, previous.micro_batch
     m = ceil_div(ceil_div(B, D), b)
     if previous.canonical_micro:  # deterministic mode: the canonical micro-batches, dealt out
@@ -478,7 +479,7 @@ def rank_candidates(
     """Every feasible (data, stage, tensor) plan on the live devices with its predicted cost,
     best first."""
     hw = hw or Hardware.from_config(cfg.hardware)
-    prof = ModelProfile.from_model(cfg.model)
+    prof = models.profile(cfg.model)
     n, B = len(live_ids), cfg.train.global_batch
     out = []
     for S in stages:
@@ -548,7 +549,7 @@ def _choose(options, prefer_tensor: int):
 def predict_step_s(plan: Plan, cfg: Config, hw: Hardware | None = None) -> float:
     """The cost model's step time of `plan` (recomputed, so that plans built anywhere compare)."""
     hw = hw or Hardware.from_config(cfg.hardware)
-    prof = ModelProfile.from_model(cfg.model)
+    prof = models.profile(cfg.model)
     return _cost(
         prof, hw, plan.data, plan.tensor, plan.stage, plan.microbatches, plan.micro_batch,
         plan.partition,

@@ -30,16 +30,15 @@ import jax
 import numpy as np
 import optax
 
-from .compilation import worker as compile_worker
 from .compilation.counter import CompileCounter
 from .compilation.executables import ExecutableCache, Executables, from_portable, warm_up
 from .compilation.standby import BackgroundJobs, StandbyCompiler
-from .compilation.worker import CompileWorker
+from .compilation.worker import CompileWorker, unavailable
 from .config import Config, ConfigError, dump
 from .data import DataPipeline
 from .faults import resolve_schedule
 from .metrics import JsonlWriter, RecoveryEvent, StepClock, Timeline, failure_costs
-from .planner import Plan, initial_plan
+from .planner import Plan, initial_plan, replan
 from .recovery import (
     Position,
     Recovering,
@@ -186,7 +185,7 @@ class Trainer(Recovering):
         if cfg.standby.enabled or cfg.recovery.migration == "async" or grows:
             why = None
             if cfg.standby.compiler != "thread":
-                why = compile_worker.unavailable(cfg, optimizer is not None, jax.process_count() > 1)
+                why = unavailable(cfg, optimizer is not None, jax.process_count() > 1)
                 if why is None:
                     self.worker = CompileWorker(cfg)
                 elif cfg.standby.compiler == "process":
@@ -550,8 +549,6 @@ class Trainer(Recovering):
                 with self.rt.guard("start/compile"):
                     plan = self.initial
                     if live != set(self.topo.device_ids):
-                        from .planner import replan
-
                         survivors = [d for d in self.topo.device_ids if d in live]
                         plan = replan(survivors, self.topo, self.cfg, self.initial, self.initial)
                     cpu0 = time.process_time()

@@ -38,6 +38,7 @@ import numpy as np  # noqa: E402
 from elasjax import config, planner  # noqa: E402
 from elasjax.faults import inject  # noqa: E402
 from elasjax.mesh import make_mesh  # noqa: E402
+from elasjax.runtime.inprocess import InProcessRuntime  # noqa: E402
 from elasjax.state import StateFactory, make_optimizer  # noqa: E402
 from elasjax.transfer.copies import CopyThreads  # noqa: E402
 from elasjax.transfer.reshard import TransitionPlanCache, transition  # noqa: E402
@@ -129,7 +130,7 @@ def recovery_rows(args, layout: str):
         mesh = make_mesh(plan.mesh_shape, [devs[i] for i in plan.device_ids])
         if state is None:
             state = jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))()
-        pool = SnapshotPool(cfg.snapshot, topo)
+        pool = SnapshotPool(cfg.snapshot, topo, InProcessRuntime(topology=topo))
         pool.configure(state, lay.shardings(mesh), mesh, live)
         pool.take(state, 0)
         pool.complete()
@@ -200,7 +201,7 @@ def snapshot_cost(args):
     plan = planner.initial_plan(topo, cfg)
     exe = compile_plan(cfg, f, plan, devs)
     state = exe.init()
-    pool = SnapshotPool(cfg.snapshot, topo)
+    pool = SnapshotPool(cfg.snapshot, topo, InProcessRuntime(topology=topo))
     pool.configure(state, exe.state_shardings, exe.mesh, set(topo.device_ids))
     data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
     times: dict[str, list[float]] = {"off": [], "overlapped": [], "serial": []}

@@ -20,10 +20,12 @@ from elasjax.mesh import make_mesh
 from elasjax.state import StateFactory, make_optimizer
 from elasjax.transfer import checksum
 from elasjax.transfer.reshard import transition
+from elasjax.runtime.inprocess import InProcessRuntime
 from elasjax.transfer.snapshot import SnapshotPool
 
 DEVS = {d.id: d for d in jax.devices()}
 TOPO = planner.Topology(tuple(range(8)), 2)
+RT = InProcessRuntime(topology=TOPO)  # one process holding every device
 
 
 def test_stage_layout_slots_round_trip():
@@ -157,7 +159,7 @@ def test_zero1_on_a_pipeline_round_trips_and_restores_lost_partitions():
     assert len(same) > len(before) // 2 and any("::layers/" in k for k in same)
     back = jax.device_get(jax.jit(lay.to_canonical)(state))
     assert all(jax.tree.leaves(jax.tree.map(np.array_equal, back, jax.device_get(full))))
-    pool = SnapshotPool(cfg.snapshot, TOPO)
+    pool = SnapshotPool(cfg.snapshot, TOPO, RT)
     pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
     pool.take(state, 0)
     pool.complete()

@@ -14,10 +14,12 @@ from elasjax.state import StateFactory, make_optimizer
 from elasjax.transfer import checksum
 from elasjax.transfer.reshard import TransitionPlanCache, transition
 from elasjax.transfer.shards import UnrecoverableStateError, describe_state
+from elasjax.runtime.inprocess import InProcessRuntime
 from elasjax.transfer.snapshot import SnapshotPool
 
 DEVS = {d.id: d for d in jax.devices()}
 TOPO = planner.Topology(tuple(range(8)), 2)
+RT = InProcessRuntime(topology=TOPO)  # one process holding every device
 
 
 # -- pure layout logic ---------------------------------------------------------------------------
@@ -133,7 +135,7 @@ def _cks(layout, state):
 def _fail_and_recover(cfg, f, plan, state, failed, live, *, dead_hosts=()):
     mesh = _mesh(plan)
     lay = f.layout(plan)
-    pool = SnapshotPool(cfg.snapshot, TOPO)
+    pool = SnapshotPool(cfg.snapshot, TOPO, RT)
     pool.configure(state, lay.shardings(mesh), mesh, live)
     pool.take(state, 0)
     pool.complete()
@@ -224,7 +226,7 @@ def test_corrupted_snapshot_is_refused_and_the_next_rung_used():
     mesh = _mesh(plan)
     lay = f.layout(plan)
     state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))())
-    pool = SnapshotPool(cfg.snapshot, TOPO)
+    pool = SnapshotPool(cfg.snapshot, TOPO, RT)
     pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
     pool.take(state, 5)
     pool.complete()
@@ -299,7 +301,7 @@ def test_plan_prepared_before_a_failure_is_used_and_equals_a_cold_plan():
     plan = planner.initial_plan(TOPO, cfg)
     mesh, lay = _mesh(plan), f.layout(plan)
     state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))())
-    pool = SnapshotPool(cfg.snapshot, TOPO)
+    pool = SnapshotPool(cfg.snapshot, TOPO, RT)
     pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
     pool.take(state, 0)
     pool.complete()
@@ -344,7 +346,7 @@ def test_device_and_its_buddy_fail_together():
     mesh = _mesh(plan)
     lay = f.layout(plan)
     state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))())
-    pool = SnapshotPool(cfg.snapshot, TOPO)
+    pool = SnapshotPool(cfg.snapshot, TOPO, RT)
     pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
     buddy = next(r.buddy for r in pool.records if r.holder == 3)
     assert TOPO.host_of(buddy) != TOPO.host_of(3)
@@ -377,7 +379,7 @@ def test_buddy_without_a_live_host_elsewhere_is_a_logged_refusal():
     mesh = _mesh(plan)
     lay = f.layout(plan)
     state = jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))()
-    pool = SnapshotPool(cfg.snapshot, TOPO)
+    pool = SnapshotPool(cfg.snapshot, TOPO, RT)
     pool.configure(state, lay.shardings(mesh), mesh, {0, 1})
     assert all(r.buddy in (0, 1) for r in pool.records if r.holder not in (0, 1))
     assert all(r.buddy is None for r in pool.records if r.holder in (0, 1))

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from .. import models
 from ..config import Config
 from ..mesh import make_mesh, replicated
 from ..planner import Plan
@@ -341,8 +342,7 @@ class ExecutableCache:
 
     @staticmethod
     def key(cfg: Config, plan: Plan, donate: bool = True, tx_key=None):
-        from .. import models  # a registered model is its spec object, never its name alone
-
+        # a registered model is its spec object, never its name alone
         spec = models.get(cfg.model) if cfg.model.type != "gpt" else None
         return (cfg.model, spec, cfg.train, tx_key, plan.compile_key, donate)
 

@@ -42,6 +42,8 @@ from pathlib import Path
 import jax
 
 from ..runtime.liveness import cpu_s
+from ..state import StateFactory, make_optimizer
+from .executables import compile_plan
 
 # JAX settings that change what a compile produces: the child takes the training process's
 CARRIED_CONFIG = (
@@ -221,8 +223,6 @@ def main() -> int:
     jax.config.update("jax_num_cpu_devices", setup["devices"])
     for name, value in setup["jax_config"].items():
         jax.config.update(name, value)
-    from ..state import StateFactory, make_optimizer
-    from .executables import compile_plan
 
     cfg = setup["cfg"]
     factory = StateFactory(cfg, make_optimizer(cfg.train))

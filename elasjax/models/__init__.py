@@ -1,4 +1,4 @@
-"""Models the loop can train: `model.type` -> a `ModelSpec` (see `spec.py`).
+"""Models the loop can train: `model.type` -> a `ModelSpec` (the contract, `elasjax.modelspec`).
 
 `gpt` is elasjax's own decoder-only GPT, built from the `model` section's dimensions. A user's
 model is registered once (`register`) and selected by its name; the `model` section's GPT
@@ -7,31 +7,18 @@ dimensions do not apply to it.
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import numpy as np
+
+from ..costmodel import ModelProfile
+from ..modelspec import ArraySource, DataSource, LayerStack, ModelSpec, names, register, registered
 from . import gpt
-from .spec import ArraySource, DataSource, LayerStack, ModelSpec
 
-_USER: dict[str, ModelSpec] = {}
-
-__all__ = ["ArraySource", "DataSource", "LayerStack", "ModelSpec", "get", "names", "register"]
-
-
-def register(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
-    """Make `spec` selectable as `model.type: <spec.name>`. A name already taken is an error
-    unless `replace` (the built-in `gpt` cannot be replaced)."""
-    if not isinstance(spec, ModelSpec):
-        raise TypeError(f"register: expected a ModelSpec, got {type(spec).__name__}")
-    if spec.name == "gpt":
-        raise ValueError("register: the name 'gpt' is elasjax's GPT; choose another name")
-    if spec.name in _USER and not replace and _USER[spec.name] is not spec:
-        raise ValueError(
-            f"register: a model named '{spec.name}' is registered already; pass replace=True"
-        )
-    _USER[spec.name] = spec
-    return spec
-
-
-def names() -> list[str]:
-    return ["gpt", *sorted(_USER)]
+__all__ = [
+    "ArraySource", "DataSource", "LayerStack", "ModelSpec", "get", "names", "profile", "register",
+]
 
 
 def get(model) -> ModelSpec:
@@ -41,9 +28,22 @@ def get(model) -> ModelSpec:
         if isinstance(model, str):
             raise ValueError("models.get('gpt') needs the ModelConfig (its dimensions)")
         return gpt.spec(model)
-    if name not in _USER:
-        raise ValueError(
-            f"model.type = {name!r}; allowed values: {', '.join(names())} (register a model "
-            "with elasjax.register_model first)"
-        )
-    return _USER[name]
+    return registered(name)
+
+
+def profile(model) -> ModelProfile:
+    """The cost model's profile of `model.type`'s spec: the GPT's from its dimensions, a user
+    model's its own (`ModelSpec.profile`) or, without one, from its parameter count."""
+    spec = get(model)
+    return spec.profile if spec.profile is not None else _derived_profile(spec)
+
+
+@functools.lru_cache(maxsize=16)
+def _derived_profile(spec) -> ModelProfile:
+    """A registered model's profile from its parameter count (traced once per spec: the planner
+    asks for every candidate)."""
+    n = sum(x.size for x in jax.tree.leaves(jax.eval_shape(spec.init_params, jax.random.key(0))))
+    width = None
+    if spec.layers is not None:
+        width = max(int(np.prod(spec.layers.activation_shape)), 1)
+    return ModelProfile.from_params(n, width, spec.n_layers)

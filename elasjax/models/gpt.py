@@ -22,8 +22,10 @@ import numpy as np
 import optax
 from flax import linen as nn
 
-from ..config import ModelConfig
-from .spec import LayerStack, ModelSpec
+from ..config import ModelConfig, allowed_tensor_degrees
+from ..costmodel import ModelProfile
+from ..modelspec import LayerStack, ModelSpec
+from .text_data import make_source
 
 INIT_STD = 0.02
 EMBED_DROPOUT_LAYER = 0xFFFF  # layer id of the embedding dropout site (no real layer has it)
@@ -230,10 +232,6 @@ def spec(cfg: ModelConfig) -> ModelSpec:
 
 @functools.lru_cache(maxsize=16)
 def _spec(cfg: ModelConfig) -> ModelSpec:
-    from ..config import allowed_tensor_degrees
-    from ..costmodel import ModelProfile
-    from ..data import make_source
-
     def loss(params, batch, keys, weights, deterministic, layer_transform=None):
         tl = token_losses(
             params, cfg, batch["inputs"], batch["targets"], keys, deterministic, layer_transform

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..config import CheckpointConfig
 from ..zero import ZeroLayout
+from .reshard import transition
 from .shards import Shard, ShardStore
 
 
@@ -243,8 +244,6 @@ def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, t
     """Checkpoint `step` on `exe`'s plan: (state, metadata, {"peak_restore_bytes": the most
     bytes one device held of the restored saved form}). Not verified here: the caller compares
     the state's checksums with `metadata["checksums"]`."""
-    from .reshard import transition
-
     meta = ckpt.metadata(step)
     if meta.get("form") is None:  # an older checkpoint: the canonical form
         full, meta = ckpt.restore(step, factory.abstract_on(exe.mesh))

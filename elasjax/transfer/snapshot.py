@@ -96,19 +96,16 @@ def _unique_shards(x, topo: Topology) -> list[tuple[Box, int]]:
 
 class SnapshotPool:
     """See the module docstring. `runtime` moves the copies and says which devices are this
-    process's (`runtime.process_of`, `runtime.me`) and where host copies live. `cfg` as given
+    process's (`runtime.process_of`, `runtime.me`) and where host copies live (one process holding
+every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
     (`null` fields are decided from the topology: `SnapshotConfig.resolved`)."""
 
-    def __init__(self, cfg: SnapshotConfig, topo: Topology, runtime=None, *, donated: bool = True,
+    def __init__(self, cfg: SnapshotConfig, topo: Topology, runtime, *, donated: bool = True,
                  threaded: bool = False):
         """`donated`: the step that follows a snapshot donates the state it reads (its buffers
         are then overwritten): a host copy still under way must read a copy of them.
         `threaded`: take the snapshots on the runtime's snapshot thread (`thread_helps`), beside
         the next step, which then must not donate the state they read."""
-        if runtime is None:  # one process holding every device of `topo`
-            from ..runtime.inprocess import InProcessRuntime
-
-            runtime = InProcessRuntime(topology=topo)
         check_coverable(cfg, topo)
         if threaded and donated:
             raise ValueError("SnapshotPool: threaded=True takes snapshots while the next step "

@@ -25,8 +25,9 @@ The trainer (`elasjax.run`) plans, steps and recovers any model given as a `Mode
   runs data x tensor x ZeRO and gets a clear error if it asks for `parallel.stage > 1`.
 
 Register a spec under its name (`elasjax.register_model(spec)`) and select it with
-`model.type: <name>`; elasjax's GPT is the spec registered as `gpt`, built from the `model`
-section's dimensions.
+`model.type: <name>`; elasjax's GPT is the spec named `gpt`, built from the `model` section's
+dimensions (`elasjax.models`). The registry of user models lives here, below `config`, so that a
+config naming a registered model is checked when it is loaded.
 """
 
 from __future__ import annotations
@@ -143,3 +144,36 @@ class ModelSpec:
                 f"ModelSpec '{self.name}': example names {sorted(reserved)} are the trainer's; "
                 "rename them"
             )
+
+
+# -- the registry of user models ----------------------------------------------------------------
+
+_USER: dict[str, ModelSpec] = {}
+
+def register(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
+    """Make `spec` selectable as `model.type: <spec.name>`. A name already taken is an error
+    unless `replace` (the built-in `gpt` cannot be replaced)."""
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"register: expected a ModelSpec, got {type(spec).__name__}")
+    if spec.name == "gpt":
+        raise ValueError("register: the name 'gpt' is elasjax's GPT; choose another name")
+    if spec.name in _USER and not replace and _USER[spec.name] is not spec:
+        raise ValueError(
+            f"register: a model named '{spec.name}' is registered already; pass replace=True"
+        )
+    _USER[spec.name] = spec
+    return spec
+
+
+def names() -> list[str]:
+    return ["gpt", *sorted(_USER)]
+
+
+def registered(name: str) -> ModelSpec:
+    """The spec registered as `name` (a user model; the GPT is built by `elasjax.models.get`)."""
+    if name not in _USER:
+        raise ValueError(
+            f"model.type = {name!r}; allowed values: {', '.join(names())} (register a model "
+            "with elasjax.register_model first)"
+        )
+    return _USER[name]
