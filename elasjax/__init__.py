@@ -24,17 +24,6 @@ Two ways in:
 See docs/api.md and examples/. Everything not listed in `__all__` is internal.
 """
 
-import jax as _jax
-
-# Synchronous dispatch on the CPU backend (set before its client exists; it changes nothing on
-# other backends). XLA:CPU runs independent executions at once, and two in flight whose
-# collectives span many devices can deadlock its in-process rendezvous, each holding device
-# threads the other waits for (measured, jax 0.10.2: a 7-device train step dispatched twice on
-# one input, 20 times over: "Termination timeout ... only 5 of 7 arrived", the process aborts;
-# with synchronous dispatch it completes). The trainer's executions form one chain almost
-# always; an evaluation or checksum beside the next step does not.
-_jax.config.update("jax_cpu_enable_async_dispatch", False)
-
 from .config import CheckpointConfig, Config, ConfigError, SnapshotConfig
 from .config import load as load_config
 from .elastic import (

@@ -177,8 +177,9 @@ class Recovering:
                 t0 = time.perf_counter()
                 try:
                     self.standby.wait(busy)
-                except Exception:  # noqa: BLE001 - that compile failed: compile it here
-                    pass
+                except Exception as e:  # noqa: BLE001 - any compile error: recorded, then
+                    # compiled here, where an error that recurs is raised
+                    self.standby_errors.append(f"{busy.name}: {type(e).__name__}: {e}")
                 wait_s = time.perf_counter() - t0
                 exe, hit = self.exe_cache.get(
                     self.cfg, self.factory, plan, self.devices, donate=self.donate,
@@ -279,7 +280,7 @@ class Recovering:
             if self.cfg.standby.enabled:
                 try:
                     out.append((replan(survivors, self.topo, self.cfg, plan, self.initial), left))
-                except Exception:  # a failure the planner cannot serve needs no standby
+                except NoPlanError:  # a failure the planner cannot serve needs no standby
                     pass
         return out
 

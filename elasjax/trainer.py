@@ -176,6 +176,7 @@ class Trainer(Recovering):
             Checkpointer(cfg.checkpoint, self.rt.processes()) if cfg.checkpoint.dir is not None else None
         )
         self.dropped_checkpoints: list[int] = []
+        self.standby_errors: list[str] = []  # standby compiles that failed while recovery waited
         self.dead_hosts: set[int] = set()
         self.transfer_logs: list[TransferLog] = []
         self.standby: StandbyCompiler | None = None
@@ -424,6 +425,7 @@ class Trainer(Recovering):
                 "state_digest": checksum.digest(self.good),
                 "transfer_plans_prepared": self.jobs.done if self.jobs else 0,
                 "transfer_plan_errors": self.jobs.errors[:5] if self.jobs else [],
+                "standby_errors": self.standby_errors[:5],
                 "cutover_pending": self.pending_cutover is not None,
                 "notes": notes,
                 "runtime": self.rt.kind,

@@ -16,6 +16,7 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 
 jax.config.update("jax_enable_x64", True)  # for the int64 step counter
 jax.config.update("jax_threefry_partitionable", True)

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 from bench_scale import SIZES, size_config  # noqa: E402
 
 from elasjax.compilation.executables import compile_plan  # noqa: E402

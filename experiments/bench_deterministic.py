@@ -24,6 +24,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 import numpy as np  # noqa: E402
 
 from elasjax import config, planner  # noqa: E402

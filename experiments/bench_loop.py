@@ -33,6 +33,7 @@ os.environ["XLA_FLAGS"] = (
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 
 from elasjax import config, trainer  # noqa: E402
 from elasjax.compilation.executables import ExecutableCache  # noqa: E402

@@ -30,6 +30,7 @@ args = ap.parse_args()
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
 
 import jax  # noqa: E402
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 
 from elasjax import config, trainer, zero  # noqa: E402
 

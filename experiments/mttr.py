@@ -41,6 +41,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 
 from elasjax import config, trainer
 from elasjax.bench import restart  # noqa: E402

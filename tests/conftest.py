@@ -17,6 +17,9 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# what elasjax's runtimes need on XLA:CPU, set before any test touches a device (elasjax sets
+# it itself only where JAX's backends have not started: `elasjax.runtime.dispatch`)
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 # Tests run many short trainings whose cost is compilation: XLA's optimisation passes cost
 # ~30-40% of compile time (measured) and buy nothing at this scale. Every comparison in the
 # suite is between runs of the same process, so the setting is the same on both sides.

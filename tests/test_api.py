@@ -26,6 +26,47 @@ def test_every_public_name_is_documented():
         assert (obj.__doc__ or "").strip(), f"elasjax.{name} has no docstring"
 
 
+_DISPATCH = """
+import json, warnings
+import jax
+import elasjax
+from elasjax.planner import Topology
+from elasjax.runtime.inprocess import InProcessRuntime
+out = {"after_import": jax.config.read("jax_cpu_enable_async_dispatch")}
+if {touch}:
+    jax.devices()
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    rt = InProcessRuntime(topology=Topology((0,), 1))
+out["how"] = rt.cpu_dispatch
+out["async"] = jax.config.read("jax_cpu_enable_async_dispatch")
+out["warned"] = [type(x.message).__name__ for x in w]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("touch", [False, True])
+def test_import_changes_no_jax_setting_and_the_runtime_says_what_it_set(touch):
+    """`import elasjax` leaves JAX's settings alone; the in-process runtime turns CPU async
+    dispatch off when it starts before any device is used (`runtime.dispatch`), and warns when
+    JAX's CPU client started with it on."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    got = subprocess.run(
+        [sys.executable, "-c", _DISPATCH.replace("{touch}", str(touch))], env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=120,
+    )
+    assert got.returncode == 0, got.stderr
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    assert out["after_import"] is True  # JAX's default, untouched by the import
+    if touch:
+        assert out["how"] == "too late" and out["async"] is True
+        assert out["warned"] == ["AsyncDispatchWarning"]
+    else:
+        assert out["how"] == "set" and out["async"] is False and out["warned"] == []
+
+
 def test_plan_mesh_uses_the_most_devices_then_the_preferred_sizes():
     devs = jax.devices()
     mesh, spare = elasjax.plan_mesh(devs, {"data": -1, "model": (2, 1)})

@@ -174,13 +174,20 @@ def test_a_silent_peer_whose_cpu_time_advances_is_working_and_a_stopped_one_is_n
     pids = {1: busy.pid, 2: idle.pid}
     lv = Liveness(KV(), 0, [0, 1, 2, 3], interval=0.05, timeout=0.2,
                   cpu_of=lambda p: cpu_s(pids[p]) if p in pids else None)
+
+    def within(cond, seconds=20.0):  # polled, not slept: 2 loaded cores may starve any child
+        deadline = time.monotonic() + seconds
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.025)  # the watcher samples every 25 ms
+        return cond()
+
     try:
-        time.sleep(1.0)  # the watcher samples every 25 ms
-        assert lv.silent_s(1) > 0.5 and lv.silent_s(2) > 0.5  # both silent past the timeout
-        assert lv.working(1, 0.3) and not lv.working(2, 0.3) and not lv.working(3, 0.3)
+        # both silent past the timeout
+        assert within(lambda: lv.silent_s(1) > 0.5 and lv.silent_s(2) > 0.5)
+        assert within(lambda: lv.working(1, 0.3))  # its CPU time advances once it is scheduled
+        assert not lv.working(2, 0.3) and not lv.working(3, 0.3)
         os.kill(busy.pid, signal.SIGSTOP)
-        time.sleep(0.6)
-        assert not lv.working(1, 0.3)
+        assert within(lambda: not lv.working(1, 0.3))
     finally:
         lv.close()
         for c in (busy, idle):

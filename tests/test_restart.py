@@ -24,7 +24,7 @@ def test_restart_process_restores_and_reproduces_the_step(tmp_path, exe_cache):
         cfg, failed=[3], step=2, env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}, timeout_s=240
     )
     assert list(timing.phases) == list(restart.PHASES)
-    assert all(v >= 0 for v in timing.phases.values())
+    assert all(v > 0 for v in timing.phases.values()), timing.phases  # each phase was timed
     assert timing.phases["compile"] > 0 and timing.phases["restore"] > 0
     # the parent's spawn-to-result time covers every phase the child measured
     assert timing.total_s >= sum(timing.phases.values()) - 1e-3

@@ -184,7 +184,10 @@ def test_identical_seed_identical_output():
         a = simulate(sc, name, STRATEGIES[name], trace, 500.0, 50.0, ref)
         b = simulate(make_scenario(), name, STRATEGIES[name], trace, 500.0, 50.0, ref)
         assert a == b
-        assert all(g <= 1.0 + 1e-9 for g in a.goodput) or name == "elaswave"
+        # elaswave may boost clocks (DVFS) above nominal, up to f_max, so its goodput may pass
+        # 1.0 by that much at most; the others never pass the failure-free rate
+        bound = sc.device.f_max if name == "elaswave" else 1.0
+        assert all(g <= bound + 1e-9 for g in a.goodput), (name, max(a.goodput))
     cfg = simconfig.from_dict({"model": dataclasses.asdict(DIMS), "layout": {
         "devices": 24, "stage": 3, "tensor": 2}, "batch": {"microbatches": 6},
         "post_change": {"failures": [1, 2], "draws": 3}})

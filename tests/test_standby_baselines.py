@@ -266,7 +266,9 @@ def test_a_recovery_ends_a_worker_compile_of_a_program_it_does_not_need():
             time.sleep(0.01)
         waiter = threading.Thread(target=lambda: sb.wait("slow-c", timeout=10))
         waiter.start()
-        time.sleep(0.1)
+        while not sb._waiting.get("slow-c") and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the waiter is registered (`StandbyCompiler._waiting`)
+        assert sb._waiting.get("slow-c") == 1
         sb.drop_queued(keep="x")  # ended, but still waited for: built again
         deadline = time.monotonic() + 10
         while started.count("slow-c") < 2 and time.monotonic() < deadline:

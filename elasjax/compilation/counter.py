@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import threading
 
+import jax
+import jax.monitoring
+
 
 def map_usage() -> float | None:
     """The fraction of this process's memory-mapping limit in use (Linux; None elsewhere)."""
@@ -40,12 +43,8 @@ class CompileCounter:
             self.seconds += duration
 
     def __enter__(self) -> "CompileCounter":
-        from jax._src import monitoring
-
-        monitoring.register_event_duration_secs_listener(self._listener)
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
         return self
 
     def __exit__(self, *exc) -> None:
-        from jax._src import monitoring
-
-        monitoring.unregister_event_duration_listener(self._listener)
+        jax.monitoring.unregister_event_duration_listener(self._listener)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from .. import models
+from .. import jaxcompat, models
 from ..config import Config
 from ..mesh import make_mesh, replicated
 from ..planner import Plan
@@ -66,8 +66,6 @@ class Executables:
 
     def portable(self) -> "Portable":
         """The train and checksum executables serialized (once; `rebind` loads them)."""
-        from jax.experimental import serialize_executable as se
-
         if not self.portable_ok:
             raise ValueError(
                 f"the executables of {self.plan.name} were loaded from JAX's persistent "
@@ -77,8 +75,8 @@ class Executables:
             if self._portable is None:
                 self._portable = Portable(
                     tuple(d.id for d in self.mesh.devices.flat),
-                    se.serialize(self.train),
-                    se.serialize(self.checksum),
+                    jaxcompat.serialize(self.train),
+                    jaxcompat.serialize(self.checksum),
                 )
             return self._portable
 
@@ -190,7 +188,7 @@ def on_devices(exe: Executables, devices: dict[int, jax.Device]) -> Executables 
     cannot be (`Executables.portable_ok`: then compile it, which JAX's persistent cache serves)."""
     if exe.client is devices[exe.plan.device_ids[0]].client:
         return exe
-    return rehome(exe, devices) if exe.portable_ok else None
+    return rehome(exe, devices) if exe.portable_ok and can_load() else None
 
 
 def rehome(exe: Executables, devices: dict[int, jax.Device]) -> Executables:
@@ -208,7 +206,7 @@ def can_rebind(exe: Executables, plan: Plan) -> bool:
     """Can `rebind` put `exe`'s program on `plan`'s devices: the same program (`shape_key`)
     on a backend whose executables take a new device assignment?"""
     return (exe.plan.shape_key == plan.shape_key and exe.client.platform in REBINDABLE
-            and exe.portable_ok)
+            and exe.portable_ok and can_load())
 
 
 def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Executables:
@@ -267,32 +265,17 @@ class Portable:
 
 def _load(serialized: tuple, old_ids: tuple[int, ...], flat: list) -> Any:
     """Load a serialized executable onto `flat` (mesh order), position i of `old_ids` -> flat[i]."""
-    import io
+    load = jaxcompat.executable_loader()
+    if load is None:  # callers ask `can_load` first
+        raise RuntimeError(f"jax {jax.__version__} cannot load executables onto other devices "
+                           "(elasjax.jaxcompat.executable_loader); compile instead")
+    return load(serialized, old_ids, flat)
 
-    from jax._src import compiler
-    from jax.experimental import serialize_executable as se
 
-    payload, in_tree, out_tree = serialized
-    client = flat[0].client
-    by_old_id = dict(zip(old_ids, flat))
-    opts = compiler.get_compile_options(
-        1, len(flat), device_assignment=np.asarray(flat, dtype=object).reshape(1, -1), backend=client
-    )
-
-    class Unpickler(se._JaxPjrtUnpickler):
-        def persistent_load(self, pid):
-            if pid[0] == "device":
-                return by_old_id[pid[1]]
-            if pid[0] == "exec":
-                return self.backend.deserialize_executable(
-                    pid[1], executable_devices=self.execution_devices, compile_options=opts
-                )
-            return super().persistent_load(pid)
-
-    unloaded, args_info, no_kwargs = Unpickler(io.BytesIO(payload), client, flat).load()
-    return jax.stages.Compiled(
-        unloaded.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs
-    )
+def can_load() -> bool:
+    """Can this JAX load a serialized executable onto given devices (`jaxcompat`)? Where not,
+    a plan on other devices, or on a renewed client, is compiled."""
+    return jaxcompat.executable_loader() is not None
 
 
 def warm_up(exe: Executables) -> float:

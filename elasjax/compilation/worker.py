@@ -43,7 +43,7 @@ import jax
 
 from ..runtime.liveness import cpu_s
 from ..state import StateFactory, make_optimizer
-from .executables import compile_plan
+from .executables import can_load, compile_plan
 
 # JAX settings that change what a compile produces: the child takes the training process's
 CARRIED_CONFIG = (
@@ -71,6 +71,9 @@ def unavailable(cfg, custom_optimizer: bool, multi_process: bool) -> str | None:
         return f"model.type '{cfg.model.type}' is registered in this process only"
     if custom_optimizer:
         return "the optimizer passed to `run` exists in this process only"
+    if not can_load():
+        return (f"jax {jax.__version__} cannot load a serialized executable onto this "
+                "process's devices (elasjax.jaxcompat.executable_loader)")
     return None
 
 

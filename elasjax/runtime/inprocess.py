@@ -53,6 +53,7 @@ from ..faults import IN_PROCESS, FaultEvent
 from ..planner import Topology
 from ..transfer.copies import CopyThreads
 from ..transfer.shards import ShardStore
+from .dispatch import require_sync_cpu_dispatch
 
 
 class DeviceFailure(Exception):
@@ -132,6 +133,8 @@ class InProcessRuntime:
     writer = True
 
     def __init__(self, cfg: Config | None = None, *, topology: Topology | None = None):
+        # before the first device is used: "set", "already" or "too late" (`runtime.dispatch`)
+        self.cpu_dispatch = require_sync_cpu_dispatch("InProcessRuntime")
         if topology is None:
             devs = job_devices(cfg)
             topology = Topology(tuple(d.id for d in devs), cfg.parallel.devices_per_host)

@@ -55,6 +55,7 @@ import jax
 import numpy as np
 from jax.errors import JaxRuntimeError
 
+from .. import jaxcompat
 from ..faults import MULTI_CONTROLLER, FaultEvent
 from ..planner import Topology
 from ..transfer.copies import CopyThreads, pack, packed_size, unpack
@@ -66,6 +67,7 @@ from .collectives import (
     renew_cpu_client,
     renewal_reason,
 )
+from .dispatch import SETTING
 from .inprocess import DeviceFailure
 from .liveness import Liveness, ProcessExits, Throttle, arbitrate
 from .p2p import TransferLinks
@@ -221,6 +223,7 @@ def initialize(rc: RuntimeConfig) -> None:
     else:
         os.environ.setdefault("XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE", "1")
     jax.config.update("jax_enable_recoverability", True)
+    jax.config.update(SETTING, False)  # before the CPU client starts (`runtime.dispatch`)
     jax.distributed.initialize(
         coordinator_address=rc.coordinator,
         num_processes=rc.num_processes,
@@ -236,12 +239,7 @@ def initialize(rc: RuntimeConfig) -> None:
 
 def kv_client():
     """The coordination service client (key-value store), or an error if not initialised."""
-    from jax._src import distributed as _dist  # the runtime keeps its client here
-
-    client = _dist.global_state.client
-    if client is None:
-        raise RuntimeError("jax.distributed is not initialised; call initialize first")
-    return client
+    return jaxcompat.distributed_client()
 
 
 def kv_float(client, key: str) -> float | None:

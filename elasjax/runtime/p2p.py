@@ -17,6 +17,8 @@ from typing import Any
 
 import jax
 
+from .. import jaxcompat
+
 
 class TransferLinks:
     """This process's transfer server and its connections to the other processes' servers."""
@@ -30,10 +32,8 @@ class TransferLinks:
 
     def start(self, device: jax.Device) -> None:
         """A new server on `device`'s client; connections to the old servers are dropped."""
-        from jax.experimental import transfer
-
         addr = f"{self.host}:0"
-        self.server = transfer.start_transfer_server(device.client, addr, [addr])
+        self.server = jaxcompat.transfer_module().start_transfer_server(device.client, addr, [addr])
         self.started += 1
         self.client.key_value_set(f"elasjax/xfer/{self.started}/{self.me}", self.server.address())
         self._addr.clear()

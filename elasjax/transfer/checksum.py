@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .. import jaxcompat
 from ..compilation.counter import CompileCounter
 from ..sharding import path_str
 
@@ -455,8 +456,6 @@ def rebind_checksums(old: Mesh, new: Mesh, load) -> int:
     ids)` loads a serialized executable (`jax.experimental.serialize_executable.serialize`) whose
     device references name `ids` onto `new`'s devices, position for position (`executables.rebind`).
     Returns how many it put."""
-    from jax.experimental import serialize_executable as se
-
     with _COMPILED_LOCK:
         kept = [(k, e) for k, e in _COMPILED.items() if k[0] == old and e[1] is not False]
     put = 0
@@ -465,7 +464,7 @@ def rebind_checksums(old: Mesh, new: Mesh, load) -> int:
         with _COMPILED_LOCK:
             if key in _COMPILED:
                 continue
-        source = se.serialize(fn) if source is None else source
+        source = jaxcompat.serialize(fn) if source is None else source
         _keep(key, (load(source, ids), source, ids))
         put += 1
     return put

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import math
 import os
 from collections import defaultdict
@@ -31,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import jaxcompat
 from .shards import Shard
 
 # ---------------------------------------------------------------------------------------------
@@ -271,37 +271,12 @@ def _build_on_device(d: DstShard, devices: dict[int, jax.Device], data: dict, re
 # Global arrays from per-device values.
 
 
-@functools.cache
-def _batched_put():
-    """JAX's one-call construction of a global array from per-device values (what
-    `jax.make_array_from_callback` ends in, without its per-value Python checks; about 3x
-    cheaper per leaf). Private API of the pinned jax: both functions are probed on a tiny array,
-    and None (the public path) is returned if either moved or misbehaves."""
-    try:
-        from jax._src import core as jcore
-        from jax._src.interpreters import pxla
-
-        def put(shape, sharding, values, devices):
-            aval = jcore.update_aval_with_sharding(
-                jcore.ShapedArray(shape, values[0].dtype), sharding
-            )
-            return pxla.batched_device_put(aval, sharding, values, devices)
-
-        dev = jax.local_devices()[0]
-        probe = put((2,), jax.sharding.SingleDeviceSharding(dev), [np.arange(2.0)], [dev])
-        if not np.array_equal(np.asarray(probe), np.arange(2.0)):
-            return None
-        return put
-    except Exception:  # noqa: BLE001 - any change in the private API means: use the public one
-        return None
-
-
 def assemble(shape, sharding, dmap: dict, values: list, dtype=None) -> jax.Array:
     """One global array from this process's per-device values (in the order of `dmap`, the
     sharding's addressable device -> index map): existing single-device arrays are kept, host
     buffers placed (adopted without a copy when aligned). `dtype` is needed where this process
     holds no shard."""
-    put = _batched_put() if values else None
+    put = jaxcompat.batched_put() if values else None
     if put is not None:  # replicated too (JAX then adopts the first value for every device)
         return put(shape, sharding, values, list(dmap))
     if not values or sharding.is_fully_replicated:

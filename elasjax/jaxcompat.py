@@ -1,0 +1,151 @@
+"""Every use of JAX's private or experimental modules, in one place, each probed at first use.
+
+elasjax needs four things JAX does not publish:
+
+- **loading a serialized executable onto other devices** (`executable_loader`): a standby plan
+  rebound to the survivors, or a renewed CPU client's executables reloaded, without a compile
+  (`compilation.executables.rebind`). Fallback: None, and the callers compile instead.
+- **one-call construction of a global array** from per-device values (`batched_put`): about 3x
+  cheaper per leaf than `jax.make_array_from_callback`. Fallback: None, the public path.
+- **whether JAX's backends have started** (`backends_initialized`): a setting read when the CPU
+  client starts can only be made before. Fallback: None (unknown).
+- **the coordination service's key-value client** (`distributed_client`) under `elasjax launch`.
+  No fallback: a clear error naming the JAX versions that have it.
+- **serializing a compiled executable** (`serialize`, `jax.experimental.serialize_executable`) and
+  **point-to-point transfers** (`jax.experimental.transfer`, in `runtime.p2p`): experimental, not
+  private; a missing module is a clear error when the feature is used.
+
+Tested with jax 0.10.2 (the pinned version). Each probe runs once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+TESTED = "0.10.2"
+
+
+def _missing(what: str, err: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"{what} is not available in jax {jax.__version__} ({type(err).__name__}: {err}); "
+        f"elasjax was tested with jax {TESTED}"
+    )
+
+
+@functools.cache
+def executable_loader() -> Callable[[tuple, tuple, list], Any] | None:
+    """`load(serialized, old_ids, flat)`: a serialized executable (`serialize`) loaded with
+    `flat` (devices in mesh order) as its device assignment, position i of `old_ids` -> flat[i];
+    None where this JAX lacks the private pieces (the probe looks them up; it compiles nothing,
+    so that a recovery that must compile nothing can call it). Uses
+    `jax._src.compiler.get_compile_options` and a subclass of the unpickler of
+    `jax.experimental.serialize_executable`; that a loaded executable gives the same bits as a
+    compiled one is tested in tests/test_standby_baselines.py."""
+    try:
+        from jax._src import compiler
+        from jax.experimental import serialize_executable as se
+
+        base = se._JaxPjrtUnpickler
+        get_options = compiler.get_compile_options
+    except (ImportError, AttributeError):
+        return None
+
+    def load(serialized: tuple, old_ids: tuple, flat: list) -> Any:
+        payload, in_tree, out_tree = serialized
+        client = flat[0].client
+        by_old_id = dict(zip(old_ids, flat))
+        opts = get_options(
+            1, len(flat), device_assignment=np.asarray(flat, dtype=object).reshape(1, -1),
+            backend=client,
+        )
+
+        class Unpickler(base):
+            def persistent_load(self, pid):
+                if pid[0] == "device":
+                    return by_old_id[pid[1]]
+                if pid[0] == "exec":
+                    return self.backend.deserialize_executable(
+                        pid[1], executable_devices=self.execution_devices, compile_options=opts
+                    )
+                return super().persistent_load(pid)
+
+        unloaded, args_info, no_kwargs = Unpickler(io.BytesIO(payload), client, flat).load()
+        return jax.stages.Compiled(
+            unloaded.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs
+        )
+
+    return load
+
+
+def serialize(compiled) -> tuple:
+    """`jax.experimental.serialize_executable.serialize(compiled)`: (payload, in_tree, out_tree)."""
+    try:
+        from jax.experimental import serialize_executable as se
+    except ImportError as e:
+        raise _missing("jax.experimental.serialize_executable", e) from None
+    return se.serialize(compiled)
+
+
+@functools.cache
+def batched_put() -> Callable | None:
+    """`put(shape, sharding, values, devices)`: a global array from per-device values in one call
+    (what `jax.make_array_from_callback` ends in, without its per-value Python checks), through
+    `jax._src.core.update_aval_with_sharding` and `jax._src.interpreters.pxla.batched_device_put`.
+    Probed on a tiny array; None (use the public path) if either moved or misbehaves."""
+    try:
+        from jax._src import core as jcore
+        from jax._src.interpreters import pxla
+
+        def put(shape, sharding, values, devices):
+            aval = jcore.update_aval_with_sharding(
+                jcore.ShapedArray(shape, values[0].dtype), sharding
+            )
+            return pxla.batched_device_put(aval, sharding, values, devices)
+
+        dev = jax.local_devices()[0]
+        probe = put((2,), jax.sharding.SingleDeviceSharding(dev), [np.arange(2.0)], [dev])
+        if not np.array_equal(np.asarray(probe), np.arange(2.0)):
+            return None
+        return put
+    except Exception:  # noqa: BLE001 - any change in the private API means: use the public one
+        return None
+
+
+def distributed_client():
+    """The coordination service's client that `jax.distributed.initialize` started (its
+    key-value store carries elasjax's membership protocol); an error if not initialised."""
+    try:
+        from jax._src import distributed as _dist
+
+        client = _dist.global_state.client
+    except (ImportError, AttributeError) as e:
+        raise _missing("jax.distributed's coordination client "
+                       "(jax._src.distributed.global_state.client)", e) from None
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialised; call initialize first")
+    return client
+
+
+def backends_initialized() -> bool | None:
+    """Has JAX started its backends (its CPU client exists)? None where this JAX cannot say
+    (`jax._src.xla_bridge.backends_are_initialized`)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):
+        return None
+
+
+def transfer_module():
+    """`jax.experimental.transfer` (point-to-point pulls between processes, `runtime.p2p`)."""
+    try:
+        from jax.experimental import transfer
+    except ImportError as e:
+        raise _missing("jax.experimental.transfer", e) from None
+    return transfer
