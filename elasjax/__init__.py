@@ -36,6 +36,7 @@ from .elastic import (
     sample_keys,
     state_checksums,
 )
+from .events import Event, StepInfo
 from .models import ArraySource, LayerStack, ModelSpec
 from .models import register as register_model
 from .state import OptimizerMeaningError
@@ -71,4 +72,6 @@ __all__ = [
     "load_config",
     "run",
     "RunSummary",
+    "StepInfo",
+    "Event",
 ]

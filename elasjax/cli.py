@@ -21,12 +21,13 @@ def _ensure_devices(n: int = 8) -> None:
 
 def _train(args) -> int:
     from . import config, trainer
+    from .events import load_hooks
     from .launch import import_modules
 
     import_modules(args.imports)
     standby = STANDBY if args.standby else []
     cfg = config.load(args.config, [*standby, *args.set])
-    trainer.run(cfg, args.out, progress=not args.quiet)
+    trainer.run(cfg, args.out, progress=not args.quiet, hooks=load_hooks(args.hooks))
     return 0
 
 
@@ -116,6 +117,7 @@ def _launch(args) -> int:
             renew_collectives=args.renew_collectives,
             watch_exits=args.watch_exits,
             imports=args.imports,
+            hooks=args.hooks,
             timeout_s=args.timeout,
             quiet=args.quiet,
             spares=spares,
@@ -135,7 +137,7 @@ def _launch(args) -> int:
         watch_exits=args.watch_exits,
     )
     launch.import_modules(args.imports)
-    return launch.run_worker(args.config, args.set, rc, args.out, kills)
+    return launch.run_worker(args.config, args.set, rc, args.out, kills, args.hooks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
     t.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (one that registers a ModelSpec)")
+    t.add_argument("--hook", dest="hooks", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="call FUNCTION with each step's StepInfo and each event (elasjax.events)")
     t.add_argument(
         "--standby", action="store_true",
         help="sub-second recovery: build the plan of every likely failure before step 0 and "

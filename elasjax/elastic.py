@@ -50,7 +50,13 @@ from .runtime.inprocess import InProcessRuntime
 from .sharding import path_str
 from .transfer import checksum, reshard
 from .transfer.checkpoint import Checkpointer
-from .transfer.shards import ShardStore, UnrecoverableStateError, is_key, key_data_sharding
+from .transfer.shards import (
+    ShardStore,
+    StateMismatchError,
+    UnrecoverableStateError,
+    is_key,
+    key_data_sharding,
+)
 from .transfer.snapshot import SnapshotPool
 
 PyTree = Any
@@ -65,10 +71,6 @@ __all__ = [
     "sample_keys",
     "state_checksums",
 ]
-
-
-class StateMismatchError(RuntimeError):
-    """A recovered state's checksums differ from those of the state that was committed."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import jax
 from jax.errors import JaxRuntimeError
 
 from .config import Config, ConfigError, FaultConfig, load
+from .events import load_hooks
 from .faults import MULTI_CONTROLLER, resolve_schedule
 from .metrics import read_jsonl
 from .planner import Topology, initial_plan
@@ -156,14 +157,17 @@ def run_worker(
     rc: RuntimeConfig,
     out: str | Path | None,
     kills: Sequence[KillSpec] = (),
+    hooks: Sequence[str] = (),
 ) -> int:
-    """Join the job described by `rc` and train; returns a process exit code."""
+    """Join the job described by `rc` and train; returns a process exit code. `hooks`:
+    `MODULE:FUNCTION` names (`elasjax.events`), called in this process."""
     cfg = load(config_path, overrides)
+    fns = load_hooks(hooks)
     initialize(rc)
     rt = MultiControllerRuntime(rc)
     cfg = resolve_config(cfg, jax.process_count(), len(jax.local_devices()), kills)
     try:
-        summary = Trainer(cfg, out, runtime=rt).run()
+        summary = Trainer(cfg, out, runtime=rt, hooks=fns).run()
     finally:
         rt.close()
     procs = sorted(rt.processes())
@@ -233,6 +237,7 @@ def launch_local(
     quiet: bool = False,
     imports: Sequence[str] = (),
     spares: int | str | None = None,
+    hooks: Sequence[str] = (),
 ) -> int:
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
     (None: the config's `parallel.spares`), wait for them, reap them.
@@ -246,6 +251,7 @@ def launch_local(
         raise ConfigError("--processes and --devices-per-process must be >= 1")
     # Fail fast, before any process starts: config, kill schedule and initial plan (pure).
     import_modules(imports)
+    load_hooks(hooks)  # a bad name is an error here, not in every worker
     if spares is not None:  # --spares wins over the config's parallel.spares
         overrides = [*overrides, f"parallel.spares={parse_spares(spares)}"]
     base = load(config_path, overrides)
@@ -322,6 +328,8 @@ def launch_local(
                 cmd += ["--kill", str(k)]
             for m in imports:
                 cmd += ["--import", m]
+            for h in hooks:
+                cmd += ["--hook", h]
             log = out / f"worker{i}.log"
             with log.open("wb") as fh:
                 p = subprocess.Popen(
@@ -550,6 +558,9 @@ def add_process_flags(ap: argparse.ArgumentParser) -> None:
                     help="benchmark: make process P FACTOR times slower for STEPS steps")
     ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                     help="import MODULE first in every process (one that registers a ModelSpec)")
+    ap.add_argument("--hook", dest="hooks", action="append", default=[],
+                    metavar="MODULE:FUNCTION", help="call FUNCTION with each step's StepInfo and "
+                    "each event, in every process (elasjax.events)")
 
 
 def worker_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -598,7 +609,7 @@ def worker_main(args: argparse.Namespace) -> int:
     )
     kills = [KillSpec.parse(k) for k in args.kill]
     import_modules(args.imports)
-    return run_worker(args.config, args.set, rc, args.out, kills)
+    return run_worker(args.config, args.set, rc, args.out, kills, args.hooks)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -60,6 +60,7 @@ from .transfer.reshard import transition
 from .transfer.shards import (
     ShardStore,
     Transfer,
+    StateMismatchError,
     TransferLog,
     UnrecoverableStateError,
     box_size,
@@ -69,8 +70,8 @@ from .transfer.shards import (
 )
 
 
-class RecoveryVerificationError(RuntimeError):
-    """The rebuilt state's checksums differ from the last good state's."""
+# the loop's earlier name for the one error of a state that does not verify
+RecoveryVerificationError = StateMismatchError
 
 
 @dataclasses.dataclass

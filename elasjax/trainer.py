@@ -23,6 +23,7 @@ import dataclasses
 import gc
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from .compilation.standby import BackgroundJobs, StandbyCompiler
 from .compilation.worker import CompileWorker, unavailable
 from .config import Config, ConfigError, dump
 from .data import DataPipeline
+from .events import Emitter, Hook
 from .faults import resolve_schedule
 from .metrics import JsonlWriter, RecoveryEvent, StepClock, Timeline, failure_costs
 from .planner import Plan, initial_plan, replan
@@ -132,12 +134,15 @@ class Trainer(Recovering):
         progress: bool = False,
         exe_cache: ExecutableCache | None = None,
         optimizer: optax.GradientTransformation | None = None,
+        hooks: Sequence[Hook] = (),
     ):
         check_backend_config()
         if cfg.standby.cache_dir:
             enable_compilation_cache(cfg.standby.cache_dir)
         self.rt = runtime if runtime is not None else InProcessRuntime(cfg)
         self._owns_rt = runtime is None  # closed (its threads ended) when the run ends
+        self.hooks = list(hooks)
+        self.emit = Emitter(None, hooks=self.hooks, process=self.rt.me)  # `run` gives it a file
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress and self.rt.writer
@@ -238,13 +243,15 @@ class Trainer(Recovering):
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(dump(self.cfg))
         mw = JsonlWriter(out / "metrics.jsonl" if out else None)
-        ew = JsonlWriter(out / "events.jsonl" if out else None)
+        ew = self.emit = Emitter(JsonlWriter(out / "events.jsonl" if out else None), None,
+                                 self.rt.log, self.hooks, self.rt.me)
         try:
             with self.compiles:
                 return self._run(mw, ew)
         except Exception as e:
-            ew.write({"type": "error", "error": type(e).__name__, "message": str(e),
-                      "process": self.rt.me})
+            # to the file only: the error reaches the caller, and a hook may be what raised it
+            ew.writer.write({"type": "error", "error": type(e).__name__, "message": str(e),
+                             "process": self.rt.me})
             raise
         finally:
             self._release_gc()
@@ -264,7 +271,7 @@ class Trainer(Recovering):
             if self._owns_rt:
                 self.rt.close()  # waits for a snapshot under way
 
-    def _run(self, mw: JsonlWriter, ew: JsonlWriter) -> RunSummary:
+    def _run(self, mw: JsonlWriter, ew: Emitter) -> RunSummary:
         T = self.cfg.train.steps
         pos = self._start(ew)
         migrations: list[dict] = []
@@ -276,7 +283,7 @@ class Trainer(Recovering):
         open_event: RecoveryEvent | None = None
         recovered_at = 0.0
         redo_until = -1
-        bar = Progress(T, enabled=self.progress)
+        bar = ew.display = Progress(T, enabled=self.progress)
         with bar:
             while pos.step < T:
                 step = pos.step
@@ -286,29 +293,23 @@ class Trainer(Recovering):
                     pending = [e for e in pending if e not in joining]
                     pos, jev = self._join(pos, joining)
                     joins.append(jev)
-                    ew.write(jev)
-                    bar.log(join_line(jev))
-                    self.rt.log(join_line(jev))
+                    ew.event(jev, join_line(jev))
                 try:
                     if self.pending_cutover is not None:
                         with self.rt.guard("cutover"):
                             due_now, abandoned = self._cutover_due(step)
                         if abandoned is not None:
-                            ew.write(abandoned)
                             self.abandoned_cutovers.append(abandoned)
-                            line = (f"step {step}: cut-over to {abandoned['optimal_plan']} "
-                                    f"abandoned, its compile failed: {abandoned['errors']}")
-                            bar.log(line)
-                            self.rt.log(line)
+                            ew.event(abandoned, (
+                                f"step {step}: cut-over to {abandoned['optimal_plan']} "
+                                f"abandoned, its compile failed: {abandoned['errors']}"))
                         if due_now:
                             self._flush(mw, bar)
                             pos = dataclasses.replace(pos, good=self.good)
                             pos, mig = self._cutover(pos)
                             self.timeline.cutover(pos.plan.name, mig.get("stall_s", 0.0))
                             (growths if mig["type"] == "growth" else migrations).append(mig)
-                            ew.write(mig)
-                            bar.log(migration_line(mig))
-                            self.rt.log(migration_line(mig))
+                            ew.event(mig, migration_line(mig))
                             plans.append(pos.plan.name)
                             cutover_now = True
                     due = [e for e in pending if e.at_step == step and e.phase == "step"
@@ -366,9 +367,7 @@ class Trainer(Recovering):
                     self.timeline.items.insert(self._recovery_at, ("recovery", open_event))
                     if self.rt.writer:
                         open_event.detail.update(self.rt.detection_report(open_event.detail))
-                    ew.write(open_event.to_json())
-                    bar.log(recovery_line(open_event))
-                    self.rt.log(recovery_line(open_event))
+                    ew.event(open_event.to_json(), recovery_line(open_event), open_event)
                     open_event = None
                     self._release_gc()
                 elif self._standby_due is not None:
@@ -538,10 +537,11 @@ class Trainer(Recovering):
         mw.write(rec)
         bar.update(f.step + 1, loss, f.plan)
         self.rt.log(f"step {f.step}: loss {loss:.6f} on {f.plan.name} ({dt:.3f}s)")
+        self.emit.step(rec)
 
     # -- start ----------------------------------------------------------------------------------
 
-    def _start(self, ew: JsonlWriter) -> Position:
+    def _start(self, ew: Emitter) -> Position:
         """The initial position (a fresh start, or a checkpoint resume) on whoever is alive; a
         failure during the start starts again on the survivors."""
         failures = []
@@ -599,7 +599,7 @@ class Trainer(Recovering):
                 warnings.warn(risk, UnprotectedStateWarning, stacklevel=2)
         return pos
 
-    def _wait_standby(self, ew: JsonlWriter, step: int | None) -> None:
+    def _wait_standby(self, ew: Emitter, step: int | None) -> None:
         """Block until the standby of the current plan is built and its transitions planned
         (`standby.wait_at_start` before step 0, `step` None; `standby.wait_after_recovery` after
         a recovery's first good step); warm what was built (one process). Logged and written as
@@ -729,13 +729,16 @@ def run(
     exe_cache: ExecutableCache | None = None,
     runtime=None,
     optimizer: optax.GradientTransformation | None = None,
+    hooks: Sequence[Hook] = (),
 ) -> RunSummary:
     """Train the config's model with failures handled as they come (the loop entry point):
     outputs under `out_dir` (config.yaml, metrics.jsonl, events.jsonl), a summary returned.
     `runtime`: where it runs (default: this process, failures simulated). `optimizer`: any
     optax transformation instead of `train`'s AdamW (with `zero.stage` >= 1 it must keep its
     meaning on ZeRO storage: checked at start, `OptimizerMeaningError` otherwise). Deterministic
-    mode clips gradients itself (`train.grad_clip`), so leave clipping out of `optimizer` there."""
+    mode clips gradients itself (`train.grad_clip`), so leave clipping out of `optimizer` there.
+    `hooks`: callables given each step's `StepInfo` and each event (`elasjax.events`)."""
     return Trainer(
-        cfg, out_dir, progress=progress, exe_cache=exe_cache, runtime=runtime, optimizer=optimizer
+        cfg, out_dir, progress=progress, exe_cache=exe_cache, runtime=runtime, optimizer=optimizer,
+        hooks=hooks,
     ).run()

@@ -245,6 +245,46 @@ def test_a_checkpoint_is_the_last_rung_and_says_what_was_lost(tmp_path):
     es.close()
 
 
+def test_the_loop_and_the_pieces_raise_one_error_for_a_state_that_does_not_verify(
+    tmp_path, exe_cache
+):
+    """A rebuilt state whose checksums differ from the state it must equal raises
+    `StateMismatchError` from `ElasticState.recover` and from the loop (here: resuming a
+    checkpoint whose recorded checksums were altered); the loop's older name is the same class."""
+    import json
+
+    from conftest import tiny_config
+
+    from elasjax import trainer
+
+    assert trainer.RecoveryVerificationError is elasjax.StateMismatchError
+    tx = optax.adam(1e-2)
+    state = _mixed_state(tx, jnp.int32)
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
+    es = elasjax.ElasticState(state, lambda m: _layout(m, state), mesh, devices_per_host=2)
+    es.commit(es.state, 0)
+    good = dict(es.committed_checksums())
+    leaf = sorted(good)[0]
+    es.good = {**good, leaf: "0" * len(good[leaf])}  # as if the committed state were another
+    es.simulate_failure([3])
+    with pytest.raises(elasjax.StateMismatchError, match="differ from the state of step 0"):
+        es.recover()
+    es.close()
+
+    ckpt = tmp_path / "ck"
+    trainer.run(tiny_config("train.steps=2", "faults=[]", f"checkpoint.dir={ckpt}",
+                            "checkpoint.every=1"), exe_cache=exe_cache)
+    metas = [p for p in ckpt.glob("1/meta/*") if p.is_file() and "checksums" in p.read_text()]
+    assert len(metas) == 1, list(ckpt.rglob("*"))
+    meta = json.loads(metas[0].read_text())
+    name = sorted(meta["checksums"])[0]
+    meta["checksums"][name] = "0" * len(meta["checksums"][name])
+    metas[0].write_text(json.dumps(meta))
+    with pytest.raises(elasjax.StateMismatchError, match="checkpoint 1 fails its checksums"):
+        trainer.run(tiny_config("train.steps=3", "faults=[]", f"checkpoint.dir={ckpt}",
+                                "checkpoint.resume_step=1"), exe_cache=exe_cache)
+
+
 def test_commit_refuses_a_state_not_on_its_shardings():
     state = {"w": jnp.zeros((8, 4))}
     mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1})

@@ -3,8 +3,8 @@
 import jax
 import numpy as np
 import pytest
-
 from conftest import TINY
+
 from elasjax import cli, config, trainer
 from elasjax.compare import compare_runs
 
@@ -35,7 +35,13 @@ def test_compare_rejects_non_run_dir(tmp_path, capsys):
 def test_train_and_compare_commands(tmp_path, capsys):
     sets = [a for kv in TINY for a in ("--set", kv)] + ["--set", "train.steps=6"]
     fault = ["--set", "faults=[{at_step: 3, hosts: [1]}]"]
-    assert cli.main(["train", "configs/demo.yaml", *sets, *fault, "--out", str(tmp_path / "a")]) == 0
+    assert cli.main(["train", "configs/demo.yaml", *sets, *fault, "--out", str(tmp_path / "a"),
+                     "--hook", "user_hooks:count"]) == 0
+    # the user's hook (tests/user_hooks.py) saw every step once and the one recovery
+    from user_hooks import COUNTS
+
+    assert COUNTS["steps"] == list(range(6)) and COUNTS["recoveries"] == 1
+    assert COUNTS["events"][0] == "start" and COUNTS["events"][-1] == "end"
     out = capsys.readouterr().out
     assert "Recoveries" in out and "MTTR breakdown" in out and "hosts [1]" in out
     assert cli.main(["train", "configs/demo.yaml", *sets, "--set", "faults=[]", "--quiet",

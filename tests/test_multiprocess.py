@@ -383,14 +383,14 @@ def _kill_workers(out: Path) -> None:
             pass
 
 
-def _launch(out: Path, *args: str, sets=(), timeout: int = 300) -> tuple[int, str]:
+def _launch(out: Path, *args: str, sets=(), timeout: int = 300, env=None) -> tuple[int, str]:
     cmd = [
         sys.executable, "-m", "elasjax.cli", "launch", str(CONFIG), *_sets(*sets),
         "--out", str(out), "--timeout", str(timeout - 30),
         "--collective-timeout", str(COLLECTIVE_TIMEOUT_S),
         "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), *args,
     ]
-    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1", **(env or {}))
     p = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
         start_new_session=True,
@@ -436,9 +436,19 @@ def _ends(out: Path) -> dict:
 @pytest.mark.slow
 def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference, tmp_path):
     out = tmp_path / "mp"
-    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:2")
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    rc, stdout = _launch(
+        out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:2",
+        "--hook", "user_hooks:count",
+        env={"PYTHONPATH": str(ROOT / "tests"), "ELASJAX_TEST_HOOK_OUT": str(hooks)},
+    )
     assert rc == 0, stdout
     assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
+    # the user's hook (tests/user_hooks.py) ran in each survivor: every step once, one recovery
+    seen = [json.loads(p.read_text()) for p in sorted(hooks.glob("hook-*.json"))]
+    assert sorted(s["process"] for s in seen) == [0, 1, 3]
+    assert all(s["steps"] == list(range(STEPS)) and s["recoveries"] == 1 for s in seen), seen
     metrics = read_jsonl(out / "metrics.jsonl")
     _assert_matches(metrics, reference)
     assert [r["n_devices"] for r in metrics] == [8] * 4 + [6] * (STEPS - 4)

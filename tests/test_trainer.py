@@ -11,6 +11,7 @@ import shutil
 import pytest
 from conftest import LOSS_RTOL, assert_params_close, assert_same_computation, tiny_config
 
+import elasjax
 from elasjax import trainer
 from elasjax.config import ConfigError
 from elasjax.faults import FaultEvent
@@ -111,7 +112,7 @@ def test_no_garbage_collection_runs_from_a_failure_to_its_first_good_step(exe_ca
         if when == "start":
             collections[phase[0]] += 1
 
-    orig_recover, orig_line = trainer.Trainer._recover, trainer.recovery_line
+    orig_recover = trainer.Trainer._recover
 
     def recover(self, pos, failure, during):
         phase[0] = "recovery"
@@ -121,16 +122,15 @@ def test_no_garbage_collection_runs_from_a_failure_to_its_first_good_step(exe_ca
             a.append(a)
         return orig_recover(self, pos, failure, during)
 
-    def line(ev):  # the loop logs the event once its first step is good
-        phase[0] = "after"
-        return orig_line(ev)
+    def hook(x):  # the loop emits the recovery event once its first step is good
+        if isinstance(x, elasjax.Event) and x.type == "recovery":
+            phase[0] = "after"
 
     monkeypatch.setattr(trainer.Trainer, "_recover", recover)
-    monkeypatch.setattr(trainer, "recovery_line", line)
     gc.callbacks.append(callback)
     try:
         out = trainer.run(tiny_config("train.steps=8", "faults=[{at_step: 4, devices: [3]}]"),
-                          None, exe_cache=exe_cache)
+                          None, exe_cache=exe_cache, hooks=[hook])
     finally:
         gc.callbacks.remove(callback)
     assert len(out.recoveries) == 1 and enabled_in_recovery == [False] and gc.isenabled()

@@ -43,6 +43,13 @@ class UnrecoverableStateError(RuntimeError):
         )
 
 
+class StateMismatchError(RuntimeError):
+    """A rebuilt state does not verify: its checksums differ from those of the state it must
+    equal (the last committed state after a recovery, the saved one for a checkpoint, the
+    state before a cut-over). Raised by the loop and by `ElasticState` alike; the state is
+    then unusable, never handed back."""
+
+
 def index_to_box(index: tuple, shape: tuple[int, ...]) -> Box:
     out = []
     for sl, n in zip(index, shape):
