@@ -9,11 +9,10 @@ survivor's device thread can be waiting in a collective with *another survivor's
 example its own process's tensor pair), whose thread already left the step on the dead peer's
 socket error: that wait runs into the timeout and closes a communicator whose members all
 survive. The next plan reuses that clique (the same device list: a process's tensor pair keeps
-its devices), and its first collective fails while every process is alive. Measured on 2
-processes + 1 hot spare, SIGKILL in step 3 (20 runs, two at a time on 2 cores): 4 takeovers
-failed, each one where the survivor's step collective failed only at the collective timeout
-(8.02, 8.15, 8.02 s, and 60.01 s with `--collective-timeout 60`); all 16 others failed within
-0.16 s and took over.
+its devices), and its first collective fails while every process is alive: a hot spare's
+takeover, which keeps the mesh's shape, hits this whenever a survivor's step collective failed
+only at the collective timeout (experiments/RESULTS.md, "A closed gloo communicator reused by
+the spare's mesh").
 
 The fix: the survivors drop the CPU client and create a new one (`clear_backends`), whose
 collectives object starts with no communicator. The coordination service still holds the old
@@ -23,21 +22,27 @@ processes' local topologies (a new client's topology exchange expects every proc
 job). Arrays of the old client stay readable and `jax.device_put` copies them to the new
 client's devices. Executables compiled for the old client do not run on the new devices, but
 need no compile either: `executables.rehome` serializes them and loads them onto the new devices
-(measured on the tiny test model: 0.5 s against 4.3 s for its compile, 0 XLA compiles).
-A new client took 0.04-0.12 s on 2 and 3 processes. With the fix (`auto`), 28 of 28 runs of the
-same launch took over, 3 of them after a renewal.
+(a reload is far cheaper than a compile; figures in experiments/RESULTS.md). The takeover path
+runs with renewal forced on every time in
+tests/test_multiprocess.py::test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size;
+the `auto` vote is tested in
+tests/test_multiprocess.py::test_collectives_are_renewed_after_a_wait_that_ran_into_the_collective_timeout.
 
 A renewal after an abort is skipped where it buys nothing (`keep_client`): the abort breaks
 every communicator of the client at once (none is left half-used), and a plan whose collective
 groups (`Plan.collective_groups`) had no communicator on the client creates new ones only. The
-standby's executables then run as built: a launch recovery without the 0.5-0.7 s reload (session
-10: MTTR 0.82 s against 1.39-1.66 s with the renewal, 4 processes x 2 devices).
+standby's executables then run as built, so the recovery saves the reload of every executable
+and keeps its transitions planned ahead
+(tests/test_multiprocess.py::test_a_client_is_kept_only_when_the_next_plan_reaches_no_aborted_communicator;
+a launch that keeps its client end to end:
+tests/test_multiprocess.py::test_sigkill_one_of_four_processes_matches_the_single_process_run).
 
-Two more uses of a renewal (session 8). `abort_collectives`: when the kernel reports a same-host
-peer's exit, a process shuts its gloo sockets down, so that no collective waits for the timeout
-(the multi-controller runtime's exit watcher), and then asks for a renewal. And a step whose
+Two more uses of a renewal. `abort_collectives`: when the kernel reports a same-host peer's
+exit, a process shuts its gloo sockets down, so that no collective waits for the timeout (the
+multi-controller runtime's exit watcher), and then asks for a renewal. And a step whose
 collectives failed while every process was alive (a straggler past the collective timeout) is
-retried on a new client instead of stopping the job (`MultiControllerRuntime.guard`).
+retried on a new client instead of stopping the job (`MultiControllerRuntime.guard`;
+tests/test_multiprocess.py::test_a_collective_that_times_out_among_live_processes_is_retried_on_fresh_collectives).
 """
 
 from __future__ import annotations

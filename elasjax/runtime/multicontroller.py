@@ -204,9 +204,12 @@ def xla_flags(rc: RuntimeConfig, existing: str = "") -> str:
 
 # The coordination service's own heartbeat timeout, at least: it is not the detector (the
 # liveness heartbeat and the exit watch are), and a live process it times out is terminated
-# (SIGABRT, "Unexpected heartbeat request from an already-in-error task"): seen twice on 2 loaded
-# cores with 5 s (session 10; one at start-up beside compiles, one in a recovery of a test that
-# shared the cores with another launch), with elasjax heartbeat silences of 3.3 s around it
+# (SIGABRT, "Unexpected heartbeat request from an already-in-error task") with no chance to
+# recover, so it must stay well above any silence a live process can show: compiles on loaded
+# cores starve heartbeat threads for seconds (a 5 s timeout killed live processes:
+# experiments/RESULTS.md, "Multi-process observations"). The detector's own slow timeout
+# (`--heartbeat-timeout`) decides deaths; a starved process is waited for up to this bound
+# (tests/test_multiprocess.py::test_a_silent_peer_whose_cpu_time_advances_is_working_and_a_stopped_one_is_not).
 COORDINATION_HEARTBEAT_S = 30
 # The longest heartbeat silence waited for while a same-host peer's CPU time advances (a starved
 # process, `Liveness.working`); the coordination service would end it soon after anyway
