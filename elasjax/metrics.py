@@ -237,8 +237,13 @@ class StepClock:
         return t
 
     def close(self) -> None:
+        """End the thread once it has noted the steps queued. Joined: a daemon thread still
+        inside `block_until_ready` when the interpreter exits aborts the process on Python 3.12
+        with JAX 0.12 ("terminate called ... exception not rethrown"; seen with
+        examples/classifier_loop.py, rc 134 in 2 of 4 runs before this join)."""
         if self._thread is not None:
             self._q.put(None)
+            self._thread.join(timeout=60)
             self._thread = None
 
 

@@ -142,7 +142,7 @@ class Trainer(Recovering):
         self.rt = runtime if runtime is not None else InProcessRuntime(cfg)
         self._owns_rt = runtime is None  # closed (its threads ended) when the run ends
         self.hooks = list(hooks)
-        self.emit = Emitter(None, hooks=self.hooks, process=self.rt.me)  # `run` gives it a file
+        self.emit = Emitter(None, hooks=self.hooks)  # `run` gives it its file and process
         self.cfg = cfg
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.progress = progress and self.rt.writer

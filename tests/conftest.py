@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices before JAX initialises, and shared fixtures."""
 
 import os
+from importlib.metadata import version
 
 # `ELASJAX_TEST_XLA_OPT=1` runs the suite with XLA as users run it; otherwise two settings cut
 # compile time, which is most of the suite's time (tiny models, many plans):
@@ -9,9 +10,11 @@ import os
 #   XLA_FLAGS reach the subprocesses (`launch`, the CLI) too;
 # - most of XLA's HLO passes off (below).
 XLA_AS_USERS_RUN_IT = os.environ.get("ELASJAX_TEST_XLA_OPT") == "1"
+# the emitter flag exists in jaxlib 0.10's XLA only (0.12's aborts on an unknown flag)
+_LOOP_EMITTERS = tuple(int(x) for x in version("jaxlib").split(".")[:2]) < (0, 11)
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    + ("" if XLA_AS_USERS_RUN_IT else " --xla_cpu_use_fusion_emitters=false")
+    + ("" if XLA_AS_USERS_RUN_IT or not _LOOP_EMITTERS else " --xla_cpu_use_fusion_emitters=false")
 ).strip()
 
 import jax  # noqa: E402

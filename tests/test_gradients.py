@@ -8,11 +8,12 @@ leaf's scale).
 import jax
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from elasjax import planner, step
 from elasjax.data import DataPipeline
 from elasjax.mesh import make_mesh
+from elasjax.sharding import batch_shardings
 from elasjax.state import StateFactory, make_optimizer
 
 CFG = tiny_config()
@@ -36,7 +37,7 @@ def _grads(setup, plan, *, count_padding=False):
     arrays = dp.batch(STEP, plan).arrays()
     if count_padding:
         arrays["weights"] = np.ones_like(arrays["weights"])
-    bsh = step.batch_shardings(mesh, arrays)
+    bsh = batch_shardings(mesh, arrays)
     batch = {k: jax.device_put(v, bsh[k]) for k, v in arrays.items()}
     fn = jax.jit(step.make_grad_fn(CFG, f.model, mesh, sh), static_argnums=2)
     return jax.device_get(fn(jax.device_put(params, sh.params), batch, STEP))
