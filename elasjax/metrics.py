@@ -219,7 +219,7 @@ class StepClock:
             try:
                 x.block_until_ready()
                 t = time.perf_counter()
-            except Exception:  # its devices failed: the step never finished
+            except RuntimeError:  # its devices failed (a deleted buffer): the step never finished
                 t = None
             with self._cv:
                 self._done[seq] = t

@@ -75,6 +75,35 @@ RecoveryVerificationError = StateMismatchError
 
 
 @dataclasses.dataclass
+class _Attempt:
+    """A recovery attempt that succeeded (`Recovering._recovery_attempt`): the new plan (and the
+    optimal one it may cut over to later), its executables, the rebuilt and verified state, the
+    new snapshot pool, and each phase's time."""
+
+    plan: Plan
+    optimal: Plan
+    keep: Any  # torchft_like: the data replicas kept
+    live: set
+    exe: Executables
+    hit: bool
+    standby_hit: bool
+    wait_s: float
+    state: Any
+    log: TransferLog
+    rung: str
+    resume_at: int
+    actual: dict  # the rebuilt state's checksums
+    pool: Any  # the new plan's SnapshotPool, its first snapshot taken
+    early: dict  # the transition planned before the failure: {"plan_hit", "plan_s"}
+    tinfo: dict  # the transfer's own planning: {"plan_hit", "plan_s"}
+    plan_s: float
+    compile_s: float
+    transfer_s: float
+    verify_s: float
+    snapshot_s: float
+
+
+@dataclasses.dataclass
 class Position:
     """Where training stands: `state` is the state after `step` steps on `plan`, `good` its
     checksums (the last verified ones), `live` the devices alive."""
@@ -383,131 +412,173 @@ class Recovering:
 
     def _recover(self, pos: Position, failure: DeviceFailure, during: list) -> tuple[Position, RecoveryEvent]:
         """Recover from `failure` (raised at step `pos.step`), injecting the scheduled failures
-        `during` into the first attempt's transfer. Returns the new position and its event (its
+        `during` into the first attempt's transfer. A failure during an attempt starts another
+        one with every failed device so far. Returns the new position and its event (its
         `first_step_s` filled in by the loop)."""
         t_first = time.perf_counter()
         compiles_before = self.compiles.count
         if self.jobs is not None:
             self.jobs.replace([])  # plans for the old plan's failures: stop preparing them
         self.pending_cutover = None  # a new failure re-plans from scratch (returned devices too)
-        strategy = self.cfg.recovery.strategy
         failures = [failure]
         dead = set(failure.devices)
-        store = self.rt.capture(pos.state, dead)  # what survives of the last good state
+        # what survives of the last good state (held in a list: an attempt that renews the
+        # collectives moves it onto the new client, for every later attempt too)
+        stores = [self.rt.capture(pos.state, dead)]
         if self.ckpt is not None:
             self.ckpt.reopen(self.rt.processes())
-        attempts, t_attempt = 0, t_first
         t_setup = time.perf_counter() - t_first  # counted in the plan phase
         renewals: list[dict] = []
+        attempts = 0
         while True:
             attempts += 1
             t_attempt = time.perf_counter() if attempts > 1 else t_first + t_setup
             for f in failures:
                 self.dead_hosts |= self._lost_hosts(f.devices)
-            live = set(pos.live) - dead
             refusals_before = len(self.pool.refusals)
             try:
-                with self.rt.guard("recovery/plan"):
-                    t0 = time.perf_counter()
-                    survivors = [d for d in self.topo.device_ids if d in live]
-                    keep = self.torchft_keep
-                    if not dead:  # a retry (collectives failed, nobody died): the same plan
-                        new_plan = optimal = pos.plan
-                    elif strategy == "torchft_like":
-                        optimal = torchft_plan(pos.plan, survivors)
-                        if optimal is None:
-                            raise UnrecoverableStateError(
-                                "params", (), f"torchft_like: no data replica is intact after "
-                                f"devices {sorted(dead)} failed at step {pos.step}"
-                            )
-                        keep = torchft_kept(self.torchft_keep, pos.plan, optimal)
-                        new_plan = optimal
-                    else:
-                        new_plan, optimal = self._recovery_plan(pos.plan, survivors)
-                    renewal = self._renew_collectives(failures[-1], new_plan)
-                    if renewal is not None:
-                        renewals.append(renewal)
-                        store = store.map_data(self.rt.current)
-                    early = self._check_recoverable(pos, store, dead, new_plan, strategy)
-                    plan_s = time.perf_counter() - t0 + (t_setup if attempts == 1 else 0.0)
-                    t0 = time.perf_counter()
-                    if self.standby is not None:  # the cores go to this recovery
-                        key = new_plan.compile_key
-                        self.standby.drop_queued(  # a compile of its program is waited for
-                            keep=key, spare=lambda busy: self.cfg.standby.rebind
-                            and busy.shape_key == key.shape_key)
-                    exe, hit, standby_hit, wait_s = self.executables(new_plan)
-                    compile_s = time.perf_counter() - t0
-                with self.rt.guard("recovery/transfer"):
-                    t0 = time.perf_counter()
-                    if attempts == 1:
-                        self.rt.inject(during, "transfer", [store])
-                    new_state, log, rung, resume_at, expected, tinfo = self._rebuild(
-                        pos, store.without(dead), dead, exe, strategy
-                    )
-                    self.rt.commit(new_state)
-                    transfer_s = time.perf_counter() - t0
-                # a new guard: processes finish their copies at different times, and the
-                # checksums below are a collective that must not wait for a slow one's copies
-                with self.rt.guard("recovery/verify"):
-                    t0 = time.perf_counter()
-                    actual = host_checksums(self.rt, exe.checksum(new_state), exe)
-                    bad = checksum.diff(expected, actual)
-                    if bad:
-                        raise RecoveryVerificationError(
-                            f"recovered state differs from the last good state in {len(bad)} "
-                            f"leaves, e.g. {bad[:3]}; refusing to continue"
-                        )
-                    if any(t.src in dead for t in log.entries):
-                        raise AssertionError("a transfer read a failed device")  # invariant
-                    verify_s = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    # the new plan's pool replaces the old one only once this attempt succeeds:
-                    # a retry still needs the old plan's copies
-                    pool = self.pool.fresh()
-                    pool.configure(new_state, exe.state_shardings, exe.mesh, live)
-                    pool.take(new_state, resume_at)
-                    snapshot_s = time.perf_counter() - t0
+                a = self._recovery_attempt(pos, failures[-1], dead, stores, renewals,
+                                           during if attempts == 1 else [])
                 break
             except DeviceFailure as f:  # a failure during the recovery: start again
                 if self.ckpt is not None:
                     self.ckpt.reopen(self.rt.processes())
                 failures.append(f)
                 dead |= f.devices
-                store = store.without(dead)
-        self.torchft_keep = keep
-        self.pool = pool
-        migration = "async" if new_plan != optimal else "blocking"
-        first = failures[0]
+                stores[0] = stores[0].without(dead)
+        a.plan_s += t_setup if attempts == 1 else 0.0
+        self.torchft_keep = a.keep
+        self.pool = a.pool
+        ev = self._recovery_event(pos, a, failures, dead, renewals, attempts,
+                                  retry_s=t_attempt - t_first - t_setup,
+                                  refused=self.pool.refusals[refusals_before:],
+                                  compiles_before=compiles_before)
+        self.transfer_logs.append(a.log)
+        if ev.migration == "async":
+            self.pending_cutover = PendingCutover(
+                a.optimal, t_first - failures[0].detect_s, pos.step)
+            self.cutover_wait_s = 0.0
+            self.standby.submit([a.optimal.compile_key])  # the only plan that matters now
+            if self.jobs is not None:  # plan the cut-over (nothing lost, no snapshots)
+                self.jobs.replace([functools.partial(
+                    self._prepare_move, describe_state(a.state), set(), a.optimal,
+                    a.exe.layout, None,
+                )])
+        else:
+            # Refresh the standby set after the first step, so that its compiles do not compete
+            # with the step that ends the recovery.
+            self._standby_due = (a.plan, set(a.live))
+        new = Position(a.resume_at, a.plan, a.exe, a.state, a.actual, frozenset(a.live))
+        return new, ev
+
+    def _recovery_attempt(self, pos: Position, failure: DeviceFailure, dead: set[int],
+                          stores: list[ShardStore], renewals: list[dict], during: list) -> _Attempt:
+        """One attempt: plan, executables, transfer, verify, the new plan's snapshot pool, each
+        phase in a guard of its own (a failure in any of them raises `DeviceFailure`). `stores`
+        holds what survives; a renewal of the collectives moves it onto the new client."""
+        strategy = self.cfg.recovery.strategy
+        live = set(pos.live) - dead
+        with self.rt.guard("recovery/plan"):
+            t0 = time.perf_counter()
+            survivors = [d for d in self.topo.device_ids if d in live]
+            keep = self.torchft_keep
+            if not dead:  # a retry (collectives failed, nobody died): the same plan
+                new_plan = optimal = pos.plan
+            elif strategy == "torchft_like":
+                optimal = torchft_plan(pos.plan, survivors)
+                if optimal is None:
+                    raise UnrecoverableStateError(
+                        "params", (), f"torchft_like: no data replica is intact after "
+                        f"devices {sorted(dead)} failed at step {pos.step}"
+                    )
+                keep = torchft_kept(self.torchft_keep, pos.plan, optimal)
+                new_plan = optimal
+            else:
+                new_plan, optimal = self._recovery_plan(pos.plan, survivors)
+            renewal = self._renew_collectives(failure, new_plan)
+            if renewal is not None:
+                renewals.append(renewal)
+                stores[0] = stores[0].map_data(self.rt.current)
+            store = stores[0]
+            early = self._check_recoverable(pos, store, dead, new_plan, strategy)
+            plan_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if self.standby is not None:  # the cores go to this recovery
+                key = new_plan.compile_key
+                self.standby.drop_queued(  # a compile of its program is waited for
+                    keep=key, spare=lambda busy: self.cfg.standby.rebind
+                    and busy.shape_key == key.shape_key)
+            exe, hit, standby_hit, wait_s = self.executables(new_plan)
+            compile_s = time.perf_counter() - t0
+        with self.rt.guard("recovery/transfer"):
+            t0 = time.perf_counter()
+            self.rt.inject(during, "transfer", [store])
+            new_state, log, rung, resume_at, expected, tinfo = self._rebuild(
+                pos, store.without(dead), dead, exe, strategy
+            )
+            self.rt.commit(new_state)
+            transfer_s = time.perf_counter() - t0
+        # a new guard: processes finish their copies at different times, and the checksums
+        # below are a collective that must not wait for a slow one's copies
+        with self.rt.guard("recovery/verify"):
+            t0 = time.perf_counter()
+            actual = host_checksums(self.rt, exe.checksum(new_state), exe)
+            bad = checksum.diff(expected, actual)
+            if bad:
+                raise RecoveryVerificationError(
+                    f"recovered state differs from the last good state in {len(bad)} "
+                    f"leaves, e.g. {bad[:3]}; refusing to continue"
+                )
+            if any(t.src in dead for t in log.entries):
+                raise AssertionError("a transfer read a failed device")  # invariant
+            verify_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            # the new plan's pool replaces the old one only once this attempt succeeds: a retry
+            # still needs the old plan's copies
+            pool = self.pool.fresh()
+            pool.configure(new_state, exe.state_shardings, exe.mesh, live)
+            pool.take(new_state, resume_at)
+            snapshot_s = time.perf_counter() - t0
+        return _Attempt(
+            new_plan, optimal, keep, live, exe, hit, standby_hit, wait_s, new_state, log, rung,
+            resume_at, actual, pool, early, tinfo, plan_s, compile_s, transfer_s, verify_s,
+            snapshot_s,
+        )
+
+    def _recovery_event(self, pos: Position, a: _Attempt, failures: list, dead: set[int],
+                        renewals: list[dict], attempts: int, retry_s: float, refused: list,
+                        compiles_before: int) -> RecoveryEvent:
+        """The `recovery` event of a recovery whose last attempt `a` succeeded."""
+        first, log, new_plan = failures[0], a.log, a.plan
         procs = sorted({p for f in failures for p in f.detail.get("failed_processes", [])})
         detail = {k: v for k, v in first.detail.items() if k not in ("failed_processes", "bytes_lost")}
-        ev = RecoveryEvent(
+        return RecoveryEvent(
             step=pos.step,
             failed_devices=sorted(dead),
             fault="; ".join(f.cause for f in failures if f.cause) or f"devices {sorted(dead)}",
             from_plan=pos.plan.name,
             to_plan=new_plan.name,
-            rung=rung,
+            rung=a.rung,
             bytes_moved=log.bytes_moved,
             transfers=log.transfers,
             max_transfers_per_device=log.max_per_device(),
             bytes_lost=sum(f.detail.get("bytes_lost", 0) for f in failures),
-            steps_lost=pos.step - resume_at,
+            steps_lost=pos.step - a.resume_at,
             detect_s=first.detect_s,
-            retry_s=t_attempt - t_first - t_setup,
-            plan_s=plan_s,
-            compile_s=compile_s,
-            standby_hit=standby_hit,
-            standby_wait_s=wait_s,
-            exe_cache_hit=hit,
-            transfer_s=transfer_s,
-            verify_s=verify_s,
-            snapshot_s=snapshot_s,
+            retry_s=retry_s,
+            plan_s=a.plan_s,
+            compile_s=a.compile_s,
+            standby_hit=a.standby_hit,
+            standby_wait_s=a.wait_s,
+            exe_cache_hit=a.hit,
+            transfer_s=a.transfer_s,
+            verify_s=a.verify_s,
+            snapshot_s=a.snapshot_s,
             runtime=self.rt.kind,
             failure_simulation=self.rt.failure_simulation,
             attempts=attempts,
             verified=True,
-            resumed_at_step=resume_at,
+            resumed_at_step=a.resume_at,
             bytes_kept_in_place=log.kept_bytes,
             bytes_cross_process=log.cross_process_bytes,
             bytes_sent=log.sent,
@@ -515,15 +586,15 @@ class Recovering:
             failed_processes=procs,
             failed_phases=[f.phase for f in failures],
             rungs=sorted(log.rungs()),
-            refused_snapshots=self.pool.refusals[refusals_before:],
-            migration=migration,
-            optimal_plan=optimal.name,
-            strategy=strategy,
+            refused_snapshots=refused,
+            migration="async" if new_plan != a.optimal else "blocking",
+            optimal_plan=a.optimal.name,
+            strategy=self.cfg.recovery.strategy,
             compiles=compiles_before,  # completed after the first step
             # planned before the failure, and the planning time after it (in plan_s, or in
             # transfer_s when the sources differed from the described ones)
-            transfer_plan_hit=early["plan_hit"] and tinfo.get("plan_hit", False),
-            transfer_plan_s=(early["plan_s"] or 0.0) + tinfo.get("plan_s", 0.0),
+            transfer_plan_hit=a.early["plan_hit"] and a.tinfo.get("plan_hit", False),
+            transfer_plan_s=(a.early["plan_s"] or 0.0) + a.tinfo.get("plan_s", 0.0),
             spare_took_over=sorted({
                 self.topo.host_of(d) for d in set(new_plan.device_ids) - set(pos.plan.device_ids)
             }) if self.cfg.parallel.spares and same_shape(pos.plan, new_plan) else [],
@@ -535,22 +606,6 @@ class Recovering:
             client_kept=" | ".join(r["kept_client"] for r in renewals if not r["renewed"]),
             detail=detail,
         )
-        self.transfer_logs.append(log)
-        if migration == "async":
-            self.pending_cutover = PendingCutover(optimal, t_first - first.detect_s, pos.step)
-            self.cutover_wait_s = 0.0
-            self.standby.submit([optimal.compile_key])  # the only plan that matters now
-            if self.jobs is not None:  # plan the cut-over (nothing lost, no snapshots)
-                self.jobs.replace([functools.partial(
-                    self._prepare_move, describe_state(new_state), set(), optimal,
-                    exe.layout, None,
-                )])
-        else:
-            # Refresh the standby set after the first step, so that its compiles do not compete
-            # with the step that ends the recovery.
-            self._standby_due = (new_plan, set(live))
-        new = Position(resume_at, new_plan, exe, new_state, actual, frozenset(live))
-        return new, ev
 
     def _lost_hosts(self, devices) -> set[int]:
         """Hosts all of whose devices are gone (a host failure, as opposed to device ones)."""

@@ -116,6 +116,23 @@ class _InFlight:
     seq: int | None = None  # its number for the step clock (`metrics.StepClock`), if watched
 
 
+@dataclasses.dataclass
+class LoopState:
+    """What the loop threads from step to step (`Trainer._run`): where training stands, the
+    fault events still to fire, and what the run summary reports."""
+
+    pos: Position
+    pending: list  # scheduled fault events not fired yet (`faults.FaultEvent`)
+    plans: list[str]  # every plan the run stood on, in order
+    migrations: list[dict] = dataclasses.field(default_factory=list)
+    growths: list[dict] = dataclasses.field(default_factory=list)
+    joins: list[dict] = dataclasses.field(default_factory=list)
+    recoveries: list[RecoveryEvent] = dataclasses.field(default_factory=list)
+    open_event: RecoveryEvent | None = None  # a recovery whose first good step is not read yet
+    recovered_at: float = 0.0  # when the open recovery resumed (its first step counts from here)
+    redo_until: int = -1  # steps up to this one run again (after a checkpoint restore)
+
+
 class UnprotectedStateWarning(UserWarning):
     """The run opted out of snapshots and its plan holds state that one failure can lose."""
 
@@ -274,114 +291,173 @@ class Trainer(Recovering):
     def _run(self, mw: JsonlWriter, ew: Emitter) -> RunSummary:
         T = self.cfg.train.steps
         pos = self._start(ew)
-        migrations: list[dict] = []
-        growths: list[dict] = []
-        joins: list[dict] = []
-        recoveries: list[RecoveryEvent] = []
-        plans = [pos.plan.name]
-        pending = list(self.schedule)
-        open_event: RecoveryEvent | None = None
-        recovered_at = 0.0
-        redo_until = -1
+        ls = LoopState(pos, list(self.schedule), [pos.plan.name])
         bar = ew.display = Progress(T, enabled=self.progress)
         with bar:
-            while pos.step < T:
-                step = pos.step
-                cutover_now = False
-                joining = [e for e in pending if e.is_join and e.at_step == step]
-                if joining:  # at the boundary, before this step's failures
-                    pending = [e for e in pending if e not in joining]
-                    pos, jev = self._join(pos, joining)
-                    joins.append(jev)
-                    ew.event(jev, join_line(jev))
+            while ls.pos.step < T:
+                step = ls.pos.step
+                self._joins(ls, step, ew)
                 try:
-                    if self.pending_cutover is not None:
-                        with self.rt.guard("cutover"):
-                            due_now, abandoned = self._cutover_due(step)
-                        if abandoned is not None:
-                            self.abandoned_cutovers.append(abandoned)
-                            ew.event(abandoned, (
-                                f"step {step}: cut-over to {abandoned['optimal_plan']} "
-                                f"abandoned, its compile failed: {abandoned['errors']}"))
-                        if due_now:
-                            self._flush(mw, bar)
-                            pos = dataclasses.replace(pos, good=self.good)
-                            pos, mig = self._cutover(pos)
-                            self.timeline.cutover(pos.plan.name, mig.get("stall_s", 0.0))
-                            (growths if mig["type"] == "growth" else migrations).append(mig)
-                            ew.event(mig, migration_line(mig))
-                            plans.append(pos.plan.name)
-                            cutover_now = True
-                    due = [e for e in pending if e.at_step == step and e.phase == "step"
-                           and not e.is_join] + [
-                        e for e in pending if cutover_now and e.phase == "cutover" and e.at_step <= step
-                    ]
-                    if open_event is not None and pos.step == open_event.resumed_at_step:
-                        open_event.first_step_first_run = pos.exe.runs == 0 and not pos.exe.warm_s
-                    with self.rt.guard("step"):
-                        # (the pool's buffers only when a fault is due: reading them waits for
-                        # the snapshot under way, which otherwise runs beside the next step)
-                        self.rt.inject(due, "before_step",
-                                       [pos.state, self.pool.device_buffers()] if due else [])
-                        new_state, flight = self._dispatch(pos, due, redo=step < redo_until)
-                    pending = [e for e in pending if e not in due]
+                    cutover_now = self._cutover_if_due(ls, step, mw, ew)
+                    new_state, flight = self._step(ls, step, cutover_now)
                 except DeviceFailure as failure:
-                    t_failed = time.perf_counter() - failure.detect_s
-                    self._hold_gc()
-                    self.pool.abort(step + 1)  # that step's snapshot, if it was taken
-                    self._flush(mw, bar)  # the checksums of the state recovery rebuilds
-                    pos = dataclasses.replace(pos, good=self.good)
-                    during = [e for e in pending if e.at_step == step and e.phase == "recovery"]
-                    unfinished = open_event  # a recovery whose first step just failed
-                    pos, open_event = self._recover(pos, failure, during)
-                    if unfinished is None:  # its first step's record comes after it
-                        self._recovery_at = len(self.timeline.items)
-                    if unfinished is not None:  # still one recovery: it ends at a good step
-                        open_event = unfinished.continued_by(
-                            open_event, max(0.0, t_failed - recovered_at))
-                    recovered_at = time.perf_counter()  # the first step's time counts from here
-                    # drop the events this recovery consumed (or that can no longer fire);
-                    # later failures of devices that will have returned by then stay
-                    gone = set(self.topo.device_ids) - set(pos.live)
-                    pending = [e for e in pending if e.is_join or e.at_step > step
-                               or not set(e.device_ids) <= gone]
-                    redo_until = max(redo_until, step)
-                    plans.append(pos.plan.name)
+                    self._on_failure(ls, step, failure, mw)
                     continue
-                pos = dataclasses.replace(pos, step=step + 1, state=new_state, good=None)
-                self._inflight.append(flight)
-                while len(self._inflight) > self.READ_BEHIND:  # the oldest has finished by now
-                    self._read(self._inflight.popleft(), mw, bar)
-                sync = self.rt.step_sync or open_event is not None or flight.evals is not None or (
-                    pos.step == T
-                ) or (
-                    self.ckpt is not None and self.ckpt.due(pos.step)
-                )
-                if sync:
-                    self._flush(mw, bar)
-                if open_event is not None:
-                    # its batch and dispatch included: the MTTR ends when the step's result is read
-                    open_event.first_step_s = time.perf_counter() - recovered_at
-                    open_event.compiles = self.compiles.count - open_event.compiles
-                    recoveries.append(open_event)
-                    self.timeline.items.insert(self._recovery_at, ("recovery", open_event))
-                    if self.rt.writer:
-                        open_event.detail.update(self.rt.detection_report(open_event.detail))
-                    ew.event(open_event.to_json(), recovery_line(open_event), open_event)
-                    open_event = None
-                    self._release_gc()
-                elif self._standby_due is not None:
-                    self._refresh_standby(*self._standby_due)
-                    self._prepare_transitions(pos.plan, pos.exe, pos.state, set(pos.live))
-                    self._standby_due = None
-                    if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
-                        self._flush(mw, bar)
-                        self._wait_standby(ew, pos.step)
-                if self.ckpt is not None and self.ckpt.due(pos.step):
-                    with self.rt.guard("checkpoint"):
-                        self.ckpt.save(pos.step, pos.state, self.good, form_of(pos.exe.plan))
-        self._flush(mw, bar)
+                self._after_step(ls, step, new_state, flight, mw, ew)
+        return self._finish(ls, mw, ew)
+
+    def _joins(self, ls: LoopState, step: int, ew: Emitter) -> None:
+        """Devices returning at this step boundary, before the step's failures."""
+        joining = [e for e in ls.pending if e.is_join and e.at_step == step]
+        if joining:
+            ls.pending = [e for e in ls.pending if e not in joining]
+            ls.pos, jev = self._join(ls.pos, joining)
+            ls.joins.append(jev)
+            ew.event(jev, join_line(jev))
+
+    def _cutover_if_due(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> bool:
+        """Cut over to the pending optimal (or bigger) plan if every process has it ready;
+        True if it did. A background compile that failed abandons the cut-over (an event)."""
+        if self.pending_cutover is None:
+            return False
+        with self.rt.guard("cutover"):
+            due_now, abandoned = self._cutover_due(step)
+        if abandoned is not None:
+            self.abandoned_cutovers.append(abandoned)
+            ew.event(abandoned, (
+                f"step {step}: cut-over to {abandoned['optimal_plan']} "
+                f"abandoned, its compile failed: {abandoned['errors']}"))
+        if not due_now:
+            return False
+        self._flush(mw, ew.display)
+        pos = dataclasses.replace(ls.pos, good=self.good)
+        ls.pos, mig = self._cutover(pos)
+        self.timeline.cutover(ls.pos.plan.name, mig.get("stall_s", 0.0))
+        (ls.growths if mig["type"] == "growth" else ls.migrations).append(mig)
+        ew.event(mig, migration_line(mig))
+        ls.plans.append(ls.pos.plan.name)
+        return True
+
+    def _step(self, ls: LoopState, step: int, cutover_now: bool) -> tuple[Any, _InFlight]:
+        """Inject this step's scheduled faults, then dispatch it (inside the step's guard)."""
+        pos = ls.pos
+        due = [e for e in ls.pending if e.at_step == step and e.phase == "step"
+               and not e.is_join] + [
+            e for e in ls.pending if cutover_now and e.phase == "cutover" and e.at_step <= step
+        ]
+        if ls.open_event is not None and pos.step == ls.open_event.resumed_at_step:
+            ls.open_event.first_step_first_run = pos.exe.runs == 0 and not pos.exe.warm_s
+        with self.rt.guard("step"):
+            # (the pool's buffers only when a fault is due: reading them waits for the snapshot
+            # under way, which otherwise runs beside the next step)
+            self.rt.inject(due, "before_step", [pos.state, self.pool.device_buffers()] if due else [])
+            new_state, flight = self._dispatch(pos, due, redo=step < ls.redo_until)
+        ls.pending = [e for e in ls.pending if e not in due]
+        return new_state, flight
+
+    def _on_failure(self, ls: LoopState, step: int, failure: DeviceFailure,
+                    mw: JsonlWriter) -> None:
+        """Recover from a failure in `step` (or in the boundary before it); the step runs again
+        on the new plan. A failure in a recovery's first step continues that recovery's event."""
+        t_failed = time.perf_counter() - failure.detect_s
+        self._hold_gc()
+        self.pool.abort(step + 1)  # that step's snapshot, if it was taken
+        self._flush(mw, self.emit.display)  # the checksums of the state recovery rebuilds
+        pos = dataclasses.replace(ls.pos, good=self.good)
+        during = [e for e in ls.pending if e.at_step == step and e.phase == "recovery"]
+        unfinished = ls.open_event  # a recovery whose first step just failed
+        ls.pos, ls.open_event = self._recover(pos, failure, during)
+        if unfinished is None:  # its first step's record comes after it
+            self._recovery_at = len(self.timeline.items)
+        else:  # still one recovery: it ends at a good step
+            ls.open_event = unfinished.continued_by(
+                ls.open_event, max(0.0, t_failed - ls.recovered_at))
+        ls.recovered_at = time.perf_counter()  # the first step's time counts from here
+        # drop the events this recovery consumed (or that can no longer fire); later failures of
+        # devices that will have returned by then stay
+        gone = set(self.topo.device_ids) - set(ls.pos.live)
+        ls.pending = [e for e in ls.pending if e.is_join or e.at_step > step
+                      or not set(e.device_ids) <= gone]
+        ls.redo_until = max(ls.redo_until, step)
+        ls.plans.append(ls.pos.plan.name)
+
+    def _after_step(self, ls: LoopState, step: int, new_state, flight: _InFlight,
+                    mw: JsonlWriter, ew: Emitter) -> None:
+        """The step was dispatched: read the oldest steps' metrics, close a recovery at its first
+        good step, refresh the standby after one, checkpoint when due."""
+        T = self.cfg.train.steps
+        pos = ls.pos = dataclasses.replace(ls.pos, step=step + 1, state=new_state, good=None)
+        self._inflight.append(flight)
+        while len(self._inflight) > self.READ_BEHIND:  # the oldest has finished by now
+            self._read(self._inflight.popleft(), mw, ew.display)
+        if (self.rt.step_sync or ls.open_event is not None or flight.evals is not None
+                or pos.step == T or (self.ckpt is not None and self.ckpt.due(pos.step))):
+            self._flush(mw, ew.display)
+        if ls.open_event is not None:
+            self._close_recovery(ls, ew)
+        elif self._standby_due is not None:
+            self._refresh_standby(*self._standby_due)
+            self._prepare_transitions(pos.plan, pos.exe, pos.state, set(pos.live))
+            self._standby_due = None
+            if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
+                self._flush(mw, ew.display)
+                self._wait_standby(ew, pos.step)
+        if self.ckpt is not None and self.ckpt.due(pos.step):
+            with self.rt.guard("checkpoint"):
+                self.ckpt.save(pos.step, pos.state, self.good, form_of(pos.exe.plan))
+
+    def _close_recovery(self, ls: LoopState, ew: Emitter) -> None:
+        """The recovery's first step was read: its MTTR ends here (batch and dispatch included)."""
+        ev, ls.open_event = ls.open_event, None
+        ev.first_step_s = time.perf_counter() - ls.recovered_at
+        ev.compiles = self.compiles.count - ev.compiles
+        ls.recoveries.append(ev)
+        self.timeline.items.insert(self._recovery_at, ("recovery", ev))
+        if self.rt.writer:
+            ev.detail.update(self.rt.detection_report(ev.detail))
+        ew.event(ev.to_json(), recovery_line(ev), ev)
+        self._release_gc()
+
+    def _finish(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> RunSummary:
+        """The last reads, the failures' costs, the `end` event, the printed summary."""
+        T, pos = self.cfg.train.steps, ls.pos
+        self._flush(mw, ew.display)
         self.pool.complete()  # the last step's snapshot, taken beside the loop, is filed
+        notes = self._end_notes(ls)
+        costs, goodput = failure_costs(
+            self.timeline, self.initial.name, time.perf_counter() - self._t_run)
+        for c in costs:
+            ew.write({"type": "failure_cost", **c})
+        ew.write({
+            "type": "end",
+            "goodput": goodput,
+            "step": pos.step,
+            "final_loss": self.losses[T - 1],
+            "plan": pos.plan.name,
+            # digest of every leaf's layout-independent checksum: equal digests = bitwise equal
+            # final parameters and optimizer state
+            "state_digest": checksum.digest(self.good),
+            "transfer_plans_prepared": self.jobs.done if self.jobs else 0,
+            "transfer_plan_errors": self.jobs.errors[:5] if self.jobs else [],
+            "standby_errors": self.standby_errors[:5],
+            "cutover_pending": self.pending_cutover is not None,
+            "notes": notes,
+            "runtime": self.rt.kind,
+            "processes": sorted({self.rt.process_of(d) for d in pos.live}),
+        })
+        for note in notes:
+            self.rt.log(note)
+        if self.progress:
+            print_summary(ls.recoveries, self.losses, self.evals, pos.plan, self.out_dir, notes,
+                          ls.growths, costs, goodput)
+        return RunSummary(
+            self.out_dir, self.losses, self.evals, ls.recoveries, ls.plans, pos.plan, self.good,
+            self.digests, pos.state, ls.migrations, self.transfer_logs, notes, ls.joins,
+            ls.growths, costs, goodput,
+        )
+
+    def _end_notes(self, ls: LoopState) -> list[str]:
+        """What the run did not do that it was asked or expected to (the `end` event's notes)."""
         notes = [
             f"the cut-over to {a['optimal_plan']} was abandoned at step {a['step']}: its "
             f"background compile failed ({next(iter(a['errors'].values()))[:200]}); the run "
@@ -391,7 +467,7 @@ class Trainer(Recovering):
         notes += [
             f"the fault '{e.spec}' (phase cutover, from step {e.at_step}) never fired: the run "
             "did not cut over at or after that step"
-            for e in pending if e.phase == "cutover"
+            for e in ls.pending if e.phase == "cutover"
         ]
         if self.standby is not None and self.standby.over_budget:
             notes.append(
@@ -403,44 +479,12 @@ class Trainer(Recovering):
             pc = self.pending_cutover
             since = "the join" if pc.kind == "growth" else "the failure"
             notes.append(
-                f"the run ended on {pos.plan.name}: the "
+                f"the run ended on {ls.pos.plan.name}: the "
                 f"{'bigger' if pc.kind == 'growth' else 'optimal'} plan {pc.plan.name} (pending "
                 f"since {since} at step {pc.step}) was not ready on every process before the "
                 "last step"
             )
-        costs, goodput = failure_costs(
-            self.timeline, self.initial.name, time.perf_counter() - self._t_run)
-        for c in costs:
-            ew.write({"type": "failure_cost", **c})
-        ew.write(
-            {
-                "type": "end",
-                "goodput": goodput,
-                "step": pos.step,
-                "final_loss": self.losses[T - 1],
-                "plan": pos.plan.name,
-                # digest of every leaf's layout-independent checksum: equal digests = bitwise
-                # equal final parameters and optimizer state
-                "state_digest": checksum.digest(self.good),
-                "transfer_plans_prepared": self.jobs.done if self.jobs else 0,
-                "transfer_plan_errors": self.jobs.errors[:5] if self.jobs else [],
-                "standby_errors": self.standby_errors[:5],
-                "cutover_pending": self.pending_cutover is not None,
-                "notes": notes,
-                "runtime": self.rt.kind,
-                "processes": sorted({self.rt.process_of(d) for d in pos.live}),
-            }
-        )
-        for note in notes:
-            self.rt.log(note)
-        if self.progress:
-            print_summary(recoveries, self.losses, self.evals, pos.plan, self.out_dir, notes,
-                          growths, costs, goodput)
-        return RunSummary(
-            self.out_dir, self.losses, self.evals, recoveries, plans, pos.plan, self.good,
-            self.digests, pos.state, migrations, self.transfer_logs, notes, joins, growths,
-            costs, goodput,
-        )
+        return notes
 
     def _hold_gc(self) -> None:
         """No garbage collection from a failure to the recovery's first good step: Python's
