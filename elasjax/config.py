@@ -239,10 +239,11 @@ class FaultConfig:
 class SnapshotConfig:
     """Per-step copies of the state a failure would otherwise lose: shards whose every holder
     sits on one host (ZeRO partitions, tensor slices or pipeline stages with no replica on
-    another host). `buddy`: a device copy on another host; `host`: a copy in host memory (under
-    `elasjax launch`, in another process's memory). `null` (the default) protects by itself:
-    buddy copies when the job has two hosts or more, host copies when it has one (they survive a
-    device failure). Only unique shards are copied, so a plan with none costs nothing. Setting
+    another host). `buddy`: a device copy on another host; `host`: a copy in host memory, taken
+    from the holder independently of any buddy copy, so it survives the buddy's loss (under
+    `elasjax launch`, in the buddy process's memory, which dies with that process). `null` (the
+    default) protects by itself: buddy copies when the job has two hosts or more, host copies
+    when it has one (they survive a device failure). Only unique shards are copied, so a plan with none costs nothing. Setting
     both to `false` opts out: a run whose plan leaves unique state then warns at start."""
 
     buddy: Optional[bool] = None

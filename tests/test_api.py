@@ -207,6 +207,31 @@ def test_key_int64_and_bf16_leaves_survive_a_zero1_recovery_bitwise():
         assert es.state["params"]["w1"].dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("buddy", [True, False])
+def test_a_host_copy_survives_the_loss_of_the_buddy_it_was_sent_to(buddy):
+    """ZeRO-1 over data on data 4 x model 2, two devices per host: device 3 fails, then devices
+    0 and 6 together. A partition whose buddy copy was on device 0 still has its host copy,
+    taken from its holder into the holder's host memory (not from the buddy's copy)."""
+    tx = optax.adam(1e-2)
+    state = _mixed_state(tx, jnp.int32)
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
+    es = elasjax.ElasticState(
+        state, lambda m: _layout(m, state), mesh, devices_per_host=2,
+        snapshot=elasjax.SnapshotConfig(buddy=buddy, host=True),
+    )
+    es.commit(es.state, 0)
+    es.commit(jax.jit(_advance, out_shardings=es.shardings())(es.state), 1)
+    es.simulate_failure([3])
+    assert es.recover().verified
+    new = jax.jit(_advance, out_shardings=es.shardings())(es.state)
+    es.commit(new, 2)
+    before = elasjax.state_checksums(new)
+    es.simulate_failure([0, 6])
+    rec = es.recover()
+    assert rec.verified and rec.step == 2 and elasjax.state_checksums(es.state) == before
+    es.close()
+
+
 def test_unique_state_without_snapshots_is_unrecoverable_and_named():
     tx = optax.adam(1e-2)
     state = _mixed_state(tx, jnp.int32)

@@ -8,8 +8,9 @@ copies each unique shard
 - to a **buddy** device on another host (`snapshot.buddy`), dispatched asynchronously so it
   overlaps the next step; and/or
 - to **host memory** (`snapshot.host`). Where that memory is depends on the runtime: in one
-  process (simulated hosts) it is the holder's host, so the copy survives a device failure but
-  not the loss of its host; under the multi-controller runtime a host is a process, whose memory
+  process (simulated hosts) it is the holder's host, copied from the holder (never from a buddy
+  copy), so the copy survives a device failure and the buddy's loss but not the loss of its
+  host; under the multi-controller runtime a host is a process, whose memory
   dies with it, so the host copy lives in the buddy process's memory;
 
 together with the step id and a per-shard checksum computed on device by the holder. The copies
@@ -64,6 +65,8 @@ class _Generation:
     version: int
     sums: Any
     landed: dict = dataclasses.field(default_factory=dict)  # record index -> copy
+    # record index -> a host copy taken from the holder beside its buddy copy (`_take`)
+    landed_host: dict = dataclasses.field(default_factory=dict)
     moved_sums: dict = dataclasses.field(default_factory=dict)  # (holder, via) -> checksums
     # record index -> its checksum row on the host, read ahead by a threaded take (`_rows`)
     rows: dict | None = None
@@ -313,6 +316,11 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             if not (self._local(r.holder) or self._local(r.via)):
                 continue
             data = held.get((r.leaf, r.holder))
+            if r.host is not None and not self.rt.host_copies_off_host and self._local(r.holder):
+                # the host copy comes from the holder into its host's memory, not from the
+                # buddy's copy: it must survive the buddy's loss
+                # (tests/test_api.py::test_a_host_copy_survives_the_loss_of_the_buddy_it_was_sent_to)
+                gen.landed_host[i] = self._to_host(data)
             shape = tuple(b - a for a, b in r.box)
             moves.append((r.holder, r.via, data, shape, leaves[r.leaf].dtype))
             targets.append(i)
@@ -384,20 +392,26 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             if i not in rows:
                 continue  # neither the holder nor a copy of it lives here
             r.checksum = rows[i]
-            landed = gen.landed.get(i)
-            if isinstance(landed, jax.Array) and landed.is_deleted():
-                # still on its way (a host copy not yet off its device) when that device failed
-                self.refusals.append(
-                    f"the {'host' if r.host is not None else 'buddy'} copy of '{r.path}' "
-                    f"{box_str(r.box)} (step {gen.version}) was lost in flight: its device "
-                    "failed before it landed"
-                )
-                continue
-            if landed is not None:
-                if r.host is not None:  # a numpy copy was made in `take` already
-                    r.host_data = landed if isinstance(landed, np.ndarray) else np.array(landed)
-                if r.buddy is not None:
-                    r.buddy_data = landed
+            landed = self._arrived(gen.landed.get(i), r, gen.version)
+            if r.buddy is not None:
+                r.buddy_data = landed
+            if r.host is not None:
+                host = (self._arrived(gen.landed_host[i], r, gen.version, "host")
+                        if i in gen.landed_host else landed)
+                # (on the CPU backend a numpy copy was made in `take` already)
+                r.host_data = host if host is None or isinstance(host, np.ndarray) else np.array(host)
+
+    def _arrived(self, x, r: Record, version: int, which: str | None = None):
+        """`x`, a copy taken for record `r`, or None (refused) if it was still on its way off a
+        device when that device failed."""
+        if isinstance(x, jax.Array) and x.is_deleted():
+            which = which or ("buddy" if r.buddy is not None else "host")
+            self.refusals.append(
+                f"the {which} copy of '{r.path}' {box_str(r.box)} (step {version}) was lost in "
+                "flight: its device failed before it landed"
+            )
+            return None
+        return x
 
     def sources(
         self, dead_devices: set[int], dead_hosts: set[int], version: int
