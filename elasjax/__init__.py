@@ -27,6 +27,7 @@ See docs/api.md and examples/. Everything not listed in `__all__` is internal.
 from .config import CheckpointConfig, Config, ConfigError, SnapshotConfig
 from .config import load as load_config
 from .elastic import (
+    Coverage,
     ElasticState,
     Recovery,
     StateMismatchError,
@@ -47,6 +48,7 @@ from .transfer.shards import ShardStore, TransferLog, UnrecoverableStateError
 __all__ = [
     # the pieces
     "ElasticState",
+    "Coverage",
     "Recovery",
     "plan_mesh",
     "partition_over",

@@ -54,8 +54,11 @@ from .transfer.shards import (
     ShardStore,
     StateMismatchError,
     UnrecoverableStateError,
+    box_str,
+    describe_state,
     is_key,
     key_data_sharding,
+    uncovered,
 )
 from .transfer.snapshot import SnapshotPool
 
@@ -63,6 +66,7 @@ PyTree = Any
 
 __all__ = [
     "ElasticState",
+    "Coverage",
     "Recovery",
     "StateMismatchError",
     "pad_batch",
@@ -198,6 +202,38 @@ def state_checksums(state: PyTree) -> dict[str, str]:
 
 
 @dataclasses.dataclass
+class Coverage:
+    """Which failures the committed state survives (`ElasticState.coverage`), read from its
+    shardings and the snapshot pool's copies alone: nothing runs. A failure set is survived when
+    every slice of every leaf has a live holder, a buddy copy on a live device or a host copy on
+    a host that still has a live device. `lost` maps each failure set checked (device ids) that
+    is not survived to one slice it loses."""
+
+    devices: list[int]  # the live devices the failure sets are drawn from
+    hosts: dict[int, list[int]]  # host -> its live devices
+    single_devices: bool  # every single device failure is survived
+    single_hosts: bool  # every single host failure is survived
+    device_pairs: bool | None  # every two devices failing together (None: not checked)
+    host_pairs: bool | None  # every two hosts failing together (None: not checked or < 2 hosts)
+    lost: dict[tuple[int, ...], str]
+
+    def __str__(self) -> str:
+        def yn(v):
+            return "not checked" if v is None else ("yes" if v else "no")
+
+        lines = [
+            f"survives: every single device {yn(self.single_devices)}; every single host "
+            f"{yn(self.single_hosts)}; every device pair {yn(self.device_pairs)}; every host pair "
+            f"{yn(self.host_pairs)} ({len(self.devices)} devices, {len(self.hosts)} hosts)"
+        ]
+        for fs, what in list(self.lost.items())[:8]:
+            lines.append(f"  devices {list(fs)} lose {what}")
+        if len(self.lost) > 8:
+            lines.append(f"  ... and {len(self.lost) - 8} more failure sets")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
 class Recovery:
     """What one `recover` did. `rung` is the most expensive source any piece came from
     (`replica`: surviving copies only; `buddy`/`host`: a snapshot; `checkpoint`: the newest
@@ -320,6 +356,78 @@ class ElasticState:
         self.pool.configure(
             _unwrap_keys(self.state), self._raw_shardings(self.mesh), self.mesh, self.live
         )
+
+    def coverage(self, pairs: bool = True) -> Coverage:
+        """Which failures of the live devices the committed state survives, with this pool's
+        snapshot settings: every single device, every single host and, with `pairs`, every two
+        devices and every two hosts together (`Coverage`). From the shardings and the snapshot
+        records alone: nothing is copied or compiled."""
+        live = sorted(self.live)
+        hosts: dict[int, list[int]] = {}
+        for d in live:
+            hosts.setdefault(self.topology.host_of(d), []).append(d)
+        sets = [(d,) for d in live] + [tuple(ds) for ds in hosts.values()]
+        if pairs:
+            sets += list(itertools.combinations(live, 2))
+            sets += [tuple(hosts[a] + hosts[b]) for a, b in itertools.combinations(sorted(hosts), 2)]
+        gone = set(self.devices) - self.live
+        lost: dict[tuple[int, ...], str] = {}
+        for fs in dict.fromkeys(sets):
+            what = self._loses(gone | set(fs))
+            if what is not None:
+                lost[fs] = what
+        return Coverage(
+            live, hosts,
+            single_devices=not any(len(fs) == 1 for fs in lost),
+            single_hosts=not any(fs in lost for fs in map(tuple, hosts.values())),
+            device_pairs=(not any(len(fs) == 2 for fs in lost)) if pairs else None,
+            host_pairs=(not any(
+                tuple(hosts[a] + hosts[b]) in lost for a, b in itertools.combinations(sorted(hosts), 2)
+            )) if pairs and len(hosts) > 1 else None,
+            lost=lost,
+        )
+
+    def _loses(self, dead: set[int]) -> str | None:
+        """One slice a failure of `dead` would lose (described), or None if every slice has a
+        live copy."""
+        dead_hosts = {
+            h for h in {self.topology.host_of(d) for d in dead}
+            if all(d in dead for d in self.topology.host_devices(h))
+        } | self.dead_hosts
+        store = describe_state(self.state, dead)
+        missing = uncovered(store, self.pool.describe_sources(dead, dead_hosts))
+        if not missing:
+            return None
+        path, box = missing[0]
+        return f"'{path}' {box_str(box)}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
+
+    def _explain(self, path: str, box, dead: set[int]) -> str:
+        """Why no copy of `path` `box` survived `dead`: who held it and each copy, and which
+        snapshot setting would have kept one."""
+        store = describe_state(self.state)
+        i = store.paths.index(path) if path in store.paths else None
+        overlaps = lambda b: all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(b, box))  # noqa: E731
+        holders = sorted({s.device for s in store.shards[i] if overlaps(s.box)}) if i is not None else []
+        recs = [r for r in self.pool.records if r.path == path and overlaps(r.box)]
+        buddies = sorted({r.buddy for r in recs if r.buddy is not None})
+        hosts = sorted({r.host for r in recs if r.host is not None})
+        parts = [f"held by devices {holders} (hosts {sorted({self.topology.host_of(d) for d in holders})})"]
+        parts.append(f"buddy copies on devices {buddies}" if buddies else "no buddy copy")
+        parts.append(f"host copies in the memory of hosts {hosts}" if hosts else "no host copy")
+        why = f"{'; '.join(parts)}; devices {sorted(dead)} failed, taking all of them"
+        cfg = self.pool.cfg
+        live_hosts = {self.topology.host_of(d) for d in self.live}
+        fixes = []
+        if not cfg.host and any(self.topology.host_of(d) in live_hosts for d in holders):
+            fixes.append("SnapshotConfig(host=True): a copy in the holder's host memory, whose "
+                         "host still has live devices")
+        if not cfg.buddy and self.topology.n_hosts > 1:
+            fixes.append("SnapshotConfig(buddy=True): a copy on a device of another host")
+        if fixes:
+            return why + "; it would have been kept by " + " or ".join(fixes)
+        return (why + "; no snapshot setting of one copy per shard covers this failure set "
+                "(ElasticState.coverage() lists such sets); a checkpoint (CheckpointConfig) is "
+                "the last rung")
 
     @property
     def unprotected(self) -> list[str]:
@@ -499,7 +607,7 @@ class ElasticState:
             rung, moved, transfers = log.worst_rung(), log.bytes_moved, log.transfers
         except UnrecoverableStateError as e:
             if self.checkpointer is None or self.checkpointer.latest_step() is None:
-                raise
+                raise UnrecoverableStateError(e.leaf, e.box, self._explain(e.leaf, e.box, dead)) from None
             why = str(e)
             new, step, good = self._from_checkpoint(mesh)
             rung, moved, transfers = "checkpoint", 0, 0

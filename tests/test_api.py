@@ -1,5 +1,6 @@
 """The public API (`import elasjax`): the pieces on a user's own state, mesh and optimizer."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -230,6 +231,66 @@ def test_a_host_copy_survives_the_loss_of_the_buddy_it_was_sent_to(buddy):
     rec = es.recover()
     assert rec.verified and rec.step == 2 and elasjax.state_checksums(es.state) == before
     es.close()
+
+
+@pytest.mark.parametrize("snapshot", [{}, {"buddy": False, "host": True}])
+def test_coverage_matches_brute_force_over_single_and_double_failures(snapshot):
+    """`ElasticState.coverage()` says, from shardings and snapshot records alone, which single
+    and double failures lose state; each of its failure sets is then run: simulate the failure,
+    recover, and see whether a slice had no live copy."""
+    tx = optax.adam(1e-2)
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
+    cfg = elasjax.SnapshotConfig(**snapshot)
+
+    def fresh():  # a failure deletes the buffers of the state it was given: a new one each time
+        state = _mixed_state(tx, jnp.int32)
+        es = elasjax.ElasticState(state, lambda m: _layout(m, state), mesh, devices_per_host=2,
+                                  snapshot=cfg)
+        es.commit(es.state, 0)
+        return es
+
+    cov = fresh().coverage()
+    sets = [(d,) for d in range(8)] + list(itertools.combinations(range(8), 2))
+    survived = {}
+    for fs in sets:
+        es = fresh()
+        es.simulate_failure(fs)
+        try:
+            survived[fs] = es.recover().verified
+        except elasjax.UnrecoverableStateError:
+            survived[fs] = False
+        es.close()
+    assert {fs for fs in sets if not survived[fs]} == {fs for fs in cov.lost if fs in survived}
+    buddies = snapshot == {}  # the default on 4 hosts: buddy copies on another host
+    assert cov.single_devices  # buddy or host copies alike
+    # a host copy lives on its holder's host and dies with it; a buddy copy does not
+    assert cov.single_hosts == buddies and ((0, 1) not in cov.lost) == buddies
+    assert str(cov).startswith("survives: every single device yes; every single host "
+                               + ("yes" if buddies else "no"))
+
+
+def test_an_unrecoverable_failure_says_who_held_the_slice_and_what_would_have_kept_it():
+    """The default snapshots (buddy copies) lose a partition when its holder (device 6) and its
+    buddy (device 0) fail together: the error names the holder, the copy, the failed devices
+    and that a host copy would have kept it. With host copies too, losing the holder's whole
+    host and the buddy leaves nothing: the error says no one-copy setting covers that."""
+    tx = optax.adam(1e-2)
+    for cfg, fs, fix in [
+        ({}, (0, 6), "it would have been kept by SnapshotConfig(host=True)"),
+        ({"buddy": True, "host": True}, (0, 6, 7), "no snapshot setting of one copy per shard"),
+    ]:
+        state = _mixed_state(tx, jnp.int32)
+        mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
+        es = elasjax.ElasticState(state, lambda m: _layout(m, state), mesh, devices_per_host=2,
+                                  snapshot=elasjax.SnapshotConfig(**cfg))
+        es.commit(es.state, 0)
+        es.simulate_failure(fs)
+        with pytest.raises(elasjax.UnrecoverableStateError) as e:
+            es.recover()
+        msg = str(e.value)
+        assert "held by devices [6] (hosts [3]); buddy copies on devices [0]" in msg, msg
+        assert f"devices {list(fs)} failed, taking all of them" in msg and fix in msg, msg
+        es.close()
 
 
 def test_unique_state_without_snapshots_is_unrecoverable_and_named():

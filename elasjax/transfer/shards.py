@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -321,3 +322,23 @@ def buffers(store: ShardStore, extra: dict[str, list[Shard]]) -> dict:
             if s.data is not None:
                 data[source_ref(p, s)] = s.data
     return data
+
+
+def uncovered(store: ShardStore, extra: dict[str, list[Shard]] | None = None) -> list[tuple[str, Box]]:
+    """The (leaf, slice) pairs that neither `store`'s shards nor the `extra` sources (snapshot
+    copies) cover: what a transition from them would raise `UnrecoverableStateError` for. Each
+    leaf is cut along every source boundary; a cell no source contains is lost."""
+    extra = extra or {}
+    out = []
+    for path, shape, shards in zip(store.paths, store.shapes, store.shards):
+        sources = [*shards, *extra.get(path, [])]
+        full = tuple((0, n) for n in shape)
+        axes = []
+        for d, (lo, hi) in enumerate(full):
+            cuts = {lo, hi} | {c for s in sources for c in s.box[d] if lo < c < hi}
+            pts = sorted(cuts)
+            axes.append(list(zip(pts[:-1], pts[1:])))
+        for cell in itertools.product(*axes):
+            if not any(contains(s.box, cell) for s in sources):
+                out.append((path, tuple(cell)))
+    return out
