@@ -38,7 +38,7 @@ from .elastic import (
     state_checksums,
 )
 from .events import Event, StepInfo
-from .models import ArraySource, LayerStack, ModelSpec
+from .models import ArraySource, DataSource, LayerStack, ModelSpec
 from .models import register as register_model
 from .state import OptimizerMeaningError
 from .trainer import RunSummary, run
@@ -69,6 +69,7 @@ __all__ = [
     "ModelSpec",
     "LayerStack",
     "ArraySource",
+    "DataSource",
     "register_model",
     "Config",
     "load_config",

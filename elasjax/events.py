@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,12 +110,26 @@ def load_hooks(specs: Sequence[str]) -> list[Hook]:
         if not sep or not mod or not name:
             raise ConfigError(f"--hook {spec!r}: expected MODULE:FUNCTION, e.g. mymodule:on_event")
         try:
-            fn = getattr(importlib.import_module(mod), name)
-        except ImportError as e:
-            raise ConfigError(f"--hook {spec}: {e}") from None
+            fn = getattr(import_user_module(mod, "--hook"), name)
         except AttributeError:
             raise ConfigError(f"--hook {spec}: module {mod!r} has no {name!r}") from None
         if not callable(fn):
             raise ConfigError(f"--hook {spec}: {mod}.{name} is not callable")
         out.append(fn)
     return out
+
+
+def import_user_module(name: str, flag: str = "--import"):
+    """Import a user's module named on the command line (`--import`, `--hook`), looking in the
+    current directory first, as `python -m` does (the `elasjax` command's own directory is on
+    `sys.path`, the user's is not). An error says where it looked."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ConfigError(
+            f"{flag} {name}: {e} (looked in the current directory {cwd} and on sys.path; set "
+            "PYTHONPATH to the module's directory, or run from it)"
+        ) from None

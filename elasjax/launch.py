@@ -36,7 +36,7 @@ import jax
 from jax.errors import JaxRuntimeError
 
 from .config import Config, ConfigError, FaultConfig, load
-from .events import load_hooks
+from .events import import_user_module, load_hooks
 from .faults import MULTI_CONTROLLER, resolve_schedule
 from .metrics import read_jsonl
 from .planner import Topology, initial_plan
@@ -582,14 +582,10 @@ def worker_parser(ap: argparse.ArgumentParser | None = None) -> argparse.Argumen
 def import_modules(names: Sequence[str]) -> None:
     """Import the user's modules (`--import`), e.g. one that registers a model with
     `elasjax.register_model`. They must not create JAX arrays at import: under launch the
-    backend starts only after `jax.distributed` is initialised."""
-    import importlib
-
+    backend starts only after `jax.distributed` is initialised. The current directory is
+    searched first (`events.import_user_module`)."""
     for name in names:
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            raise ConfigError(f"--import {name}: {e}") from None
+        import_user_module(name)
 
 
 def worker_main(args: argparse.Namespace) -> int:

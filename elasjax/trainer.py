@@ -62,8 +62,22 @@ __all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer"
 
 @dataclasses.dataclass
 class RunSummary:
-    """What a run did: losses by step, recoveries and cut-overs, the final plan and the final
-    state's per-leaf checksums."""
+    """What a run did (`elasjax.run` returns it; the files under `out_dir` say the same):
+
+    - `out_dir`: where config.yaml, metrics.jsonl and events.jsonl were written (None: nowhere);
+    - `losses`, `eval_losses`: step -> training loss, and held-out loss at the evaluated steps;
+    - `recoveries`: one `RecoveryEvent` per recovery (its MTTR phases, rung, plans, bytes);
+    - `plans`: every plan the run stood on, in order; `final_plan`: the last one (a `Plan`);
+    - `checksums`: the final state's per-leaf checksums (equal across runs = bitwise equal state);
+    - `sample_digests`: step -> digest of the dataset indices it used (`elasjax compare` checks
+      them against a reference run);
+    - `state`: the final train state (`TrainState`: params, optimizer state, step) on the final
+      plan's mesh, in its storage layout: how to get the trained parameters back;
+    - `migrations`, `growths`, `joins`: the `migration`, `growth` and `join` events;
+    - `transfer_logs`: one `TransferLog` per recovery and per cut-over, in order;
+    - `notes`: what the run did not do that it was asked or expected to (the `end` event's);
+    - `failure_costs`: the time each failure cost until the run was back at pace;
+    - `goodput`: the run's goodput and badput by cause (`metrics.failure_costs`)."""
 
     out_dir: Path | None
     losses: dict[int, float]
@@ -75,13 +89,10 @@ class RunSummary:
     sample_digests: dict[int, str]
     state: Any = None
     migrations: list[dict] = dataclasses.field(default_factory=list)
-    # one per recovery and per cut-over, in order
     transfer_logs: list[TransferLog] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
-    joins: list[dict] = dataclasses.field(default_factory=list)  # `join` events
-    growths: list[dict] = dataclasses.field(default_factory=list)  # growth cut-overs
-    # the time each recovery cost until the run was back at pace, and the run's goodput
-    # (`metrics.failure_costs`)
+    joins: list[dict] = dataclasses.field(default_factory=list)
+    growths: list[dict] = dataclasses.field(default_factory=list)
     failure_costs: list[dict] = dataclasses.field(default_factory=list)
     goodput: dict = dataclasses.field(default_factory=dict)
 

@@ -73,3 +73,23 @@ def test_demo_config_with_and_without_faults(exe_cache, tmp_path):
     assert faulted.losses[39] < faulted.losses[0] - 1.0  # it learns
     r = compare_runs(tmp_path / "demo", tmp_path / "ref")
     assert r["batches_identical"] and r["post_failure"]["max_rel"] <= 1e-5
+
+
+def test_import_finds_a_module_in_the_current_directory(tmp_path, monkeypatch):
+    """`--import MODULE` (and `--hook`) look in the current directory first, as `python -m`
+    does; the `elasjax` command's own directory is what Python put on `sys.path`."""
+    import sys
+
+    from elasjax.config import ConfigError
+    from elasjax.launch import import_modules
+
+    (tmp_path / "my_cwd_model.py").write_text("LOADED = True\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_cwd_model", raising=False)
+    import_modules(["my_cwd_model"])
+    assert sys.modules["my_cwd_model"].LOADED
+    with pytest.raises(ConfigError, match=r"--import no_such_module_here: .*looked in the current "
+                                          r"directory .*set PYTHONPATH"):
+        import_modules(["no_such_module_here"])
+
