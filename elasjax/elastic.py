@@ -371,9 +371,10 @@ class ElasticState:
             sets += list(itertools.combinations(live, 2))
             sets += [tuple(hosts[a] + hosts[b]) for a, b in itertools.combinations(sorted(hosts), 2)]
         gone = set(self.devices) - self.live
+        described = describe_state(self.state)  # read once: each failure set drops its devices
         lost: dict[tuple[int, ...], str] = {}
         for fs in dict.fromkeys(sets):
-            what = self._loses(gone | set(fs))
+            what = self._loses(described, gone | set(fs))
             if what is not None:
                 lost[fs] = what
         return Coverage(
@@ -387,15 +388,19 @@ class ElasticState:
             lost=lost,
         )
 
-    def _loses(self, dead: set[int]) -> str | None:
-        """One slice a failure of `dead` would lose (described), or None if every slice has a
-        live copy."""
-        dead_hosts = {
+    def _hosts_lost(self, dead: set[int]) -> set[int]:
+        """Hosts all of whose devices are in `dead` (their host memory is gone)."""
+        return {
             h for h in {self.topology.host_of(d) for d in dead}
             if all(d in dead for d in self.topology.host_devices(h))
-        } | self.dead_hosts
-        store = describe_state(self.state, dead)
-        missing = uncovered(store, self.pool.describe_sources(dead, dead_hosts))
+        }
+
+    def _loses(self, described: ShardStore, dead: set[int]) -> str | None:
+        """One slice a failure of `dead` would lose (`described`: the state's shards, read from
+        its shardings), or None if every slice has a live copy."""
+        dead_hosts = self._hosts_lost(dead) | self.dead_hosts
+        missing = uncovered(described.without(dead),
+                            self.pool.describe_sources(dead, dead_hosts))
         if not missing:
             return None
         path, box = missing[0]
@@ -573,10 +578,7 @@ class ElasticState:
         self.live -= extra_dead
         self._failed |= extra_dead
         dead = set(self.devices) - self.live
-        hosts = {self.topology.host_of(d) for d in dead}
-        self.dead_hosts |= {
-            h for h in hosts if all(d in dead for d in self.topology.host_devices(h))
-        }
+        self.dead_hosts |= self._hosts_lost(dead)
         if mesh is None:
             mesh, spare = plan_mesh([self.devices[i] for i in self.topology.device_ids
                                      if i in self.live], self.axes)

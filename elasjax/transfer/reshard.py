@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import math
 import threading
 import time
@@ -55,6 +54,7 @@ from .shards import (
     UnrecoverableStateError,
     box_size,
     buffers,
+    cells,
     contains,
     describe,
     index_to_box,
@@ -89,19 +89,6 @@ class _Picker:
         return best
 
 
-def _cells(dst: Box, sources: list[Shard]) -> list[Box]:
-    """Cut `dst` along every source boundary inside it."""
-    axes = []
-    for d, (lo, hi) in enumerate(dst):
-        cuts = {lo, hi}
-        for s in sources:
-            a, b = s.box[d]
-            cuts.update(c for c in (a, b) if lo < c < hi)
-        pts = sorted(cuts)
-        axes.append(list(zip(pts[:-1], pts[1:])))
-    return [tuple(c) for c in itertools.product(*axes)]
-
-
 def _rel(cell: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(c0 - o0, c1 - o0) for (c0, c1), (o0, _) in zip(cell, origin))
 
@@ -119,7 +106,7 @@ def plan_box_leaf(
             Copy(s, _rel(box, s.box), _rel(box, box), box_size(box) * itemsize, False)
         )
         return
-    for cell in _cells(box, sources):
+    for cell in cells(box, sources):
         holders = [s for s in sources if contains(s.box, cell)]
         if not holders:
             raise UnrecoverableStateError(path, cell, "every device holding it has failed")
@@ -165,7 +152,7 @@ def plan_layered_leaf(
                 Copy(h, pre + _rel(drest, h.box), dprefix + _rel(drest, drest), nbytes, False)
             )
             continue
-        for cell in _cells(drest, [h for h, _ in holders]):
+        for cell in cells(drest, [h for h, _ in holders]):
             cands = [(h, pre) for h, pre in holders if contains(h.box, cell)]
             if not cands:
                 raise UnrecoverableStateError(path, ((lid, lid + 1),) + cell, "layer has no live copy")

@@ -324,21 +324,28 @@ def buffers(store: ShardStore, extra: dict[str, list[Shard]]) -> dict:
     return data
 
 
+def cells(dst: Box, sources: list[Shard]) -> list[Box]:
+    """Cut `dst` along every source boundary inside it."""
+    axes = []
+    for d, (lo, hi) in enumerate(dst):
+        cuts = {lo, hi}
+        for s in sources:
+            a, b = s.box[d]
+            cuts.update(c for c in (a, b) if lo < c < hi)
+        pts = sorted(cuts)
+        axes.append(list(zip(pts[:-1], pts[1:])))
+    return [tuple(c) for c in itertools.product(*axes)]
+
+
 def uncovered(store: ShardStore, extra: dict[str, list[Shard]] | None = None) -> list[tuple[str, Box]]:
     """The (leaf, slice) pairs that neither `store`'s shards nor the `extra` sources (snapshot
     copies) cover: what a transition from them would raise `UnrecoverableStateError` for. Each
-    leaf is cut along every source boundary; a cell no source contains is lost."""
+    leaf is cut along every source boundary (`cells`); a cell no source contains is lost."""
     extra = extra or {}
     out = []
     for path, shape, shards in zip(store.paths, store.shapes, store.shards):
         sources = [*shards, *extra.get(path, [])]
-        full = tuple((0, n) for n in shape)
-        axes = []
-        for d, (lo, hi) in enumerate(full):
-            cuts = {lo, hi} | {c for s in sources for c in s.box[d] if lo < c < hi}
-            pts = sorted(cuts)
-            axes.append(list(zip(pts[:-1], pts[1:])))
-        for cell in itertools.product(*axes):
+        for cell in cells(tuple((0, n) for n in shape), sources):
             if not any(contains(s.box, cell) for s in sources):
-                out.append((path, tuple(cell)))
+                out.append((path, cell))
     return out
