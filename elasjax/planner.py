@@ -72,6 +72,15 @@ class Topology:
         k = self.devices_per_host
         return self.device_ids[host * k : (host + 1) * k]
 
+    def hosts_lost(self, devices) -> set[int]:
+        """Hosts all of whose devices are in `devices`: their host memory (and the host copies
+        of snapshots in it) is gone with them, as opposed to device failures within a host."""
+        dead = set(devices)
+        return {
+            h for h in {self.host_of(d) for d in dead}
+            if all(d in dead for d in self.host_devices(h))
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:

@@ -20,12 +20,9 @@ good state's surviving shards and the snapshots); `retry_s` is the time the fail
 A recovery that cannot be verified raises; a slice with no live copy and no checkpoint raises
 `UnrecoverableStateError`. The run never continues with re-initialised or partly stale state.
 
-Growth is the other direction: devices return (a schedule's `join`), empty. The planner's best
-plan over the bigger live set (`planner.growth_plan`, no growth unless it is predicted at least
-`recovery.grow_min_gain` faster) becomes a pending cut-over, exactly like the optimal plan after
-an async recovery: training goes on on the current plan while the bigger plan compiles in the
-background, and the cut-over at a step boundary fills the returned devices from the current
-plan's (live) shards, verified by checksum. Its `growth` event reports the stall.
+The recovery's collaborators are given, not shared: an `ExecutableSource` (executables),
+`Contingencies` (plans), a `TransitionPlanner` (transfers planned ahead) and the checkpointer.
+It returns what it did (`Recovered`); the loop owns the position and the snapshot pool.
 """
 
 from __future__ import annotations
@@ -33,34 +30,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import warnings
 from typing import Any
 
 import jax
 
-from .compilation.executables import Executables, on_devices
-from .compilation.standby import StandbyCoverageWarning
+from .compilation.executables import Executables
+from .compilation.source import ExecutableSource
+from .compilation.standby import BackgroundJobs
+from .config import Config
+from .contingencies import Contingencies
 from .mesh import make_mesh
 from .metrics import RecoveryEvent
-from .planner import (
-    NoPlanError,
-    Plan,
-    fast_path_plan,
-    growth_plan,
-    replan,
-    same_shape,
-    substitute_spares,
-    torchft_kept,
-    torchft_plan,
-)
+from .planner import Plan, Topology, same_shape, torchft_kept, torchft_plan
 from .runtime.inprocess import DeviceFailure, host_values
 from .sharding import path_str
+from .state import StateFactory
 from .transfer import checksum
-from .transfer.reshard import transition
+from .transfer.checkpoint import restore_onto
+from .transfer.reshard import TransitionPlanCache, transition
 from .transfer.shards import (
     ShardStore,
-    Transfer,
     StateMismatchError,
+    Transfer,
     TransferLog,
     UnrecoverableStateError,
     box_size,
@@ -76,7 +67,7 @@ RecoveryVerificationError = StateMismatchError
 
 @dataclasses.dataclass
 class _Attempt:
-    """A recovery attempt that succeeded (`Recovering._recovery_attempt`): the new plan (and the
+    """A recovery attempt that succeeded (`Recovery._attempt`): the new plan (and the
     optimal one it may cut over to later), its executables, the rebuilt and verified state, the
     new snapshot pool, and each phase's time."""
 
@@ -106,7 +97,9 @@ class _Attempt:
 @dataclasses.dataclass
 class Position:
     """Where training stands: `state` is the state after `step` steps on `plan`, `good` its
-    checksums (the last verified ones), `live` the devices alive."""
+    checksums (the last verified ones), `live` the devices alive, `lost_hosts` the hosts whose
+    memory is gone (every device failed, none returned), `kept` the initial data replicas still
+    training (`recovery.strategy: torchft_like`; None otherwise)."""
 
     step: int
     plan: Plan
@@ -114,6 +107,8 @@ class Position:
     state: Any
     good: dict[str, str] | None
     live: frozenset[int]
+    lost_hosts: frozenset[int] = frozenset()
+    kept: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -151,277 +146,134 @@ def checkpoint_log(state) -> TransferLog:
     return log
 
 
-class Recovering:
-    """The trainer's recovery and cut-over (a mixin of `trainer.Trainer`, which owns the
-    runtime, planner inputs, executables, snapshot pool, checkpoints and background work)."""
+def restore_verified(ckpt, step: int, factory, exe: Executables, rt):
+    """(state, metadata) of checkpoint `step` (stored in the form of the plan that saved it)
+    restored onto `exe`'s plan and verified against the checksums it was saved with."""
+    state, meta, _ = restore_onto(
+        ckpt, step, factory, exe, devices=rt.devices, transport=rt, threads=rt.threads,
+    )
+    got = host_checksums(rt, exe.checksum(state), exe)
+    bad = checksum.diff(meta["checksums"], got)
+    if bad:
+        raise StateMismatchError(f"checkpoint {step} fails its checksums: {bad[:3]}")
+    return state, meta
 
-    # -- executables ----------------------------------------------------------------------------
 
-    # a queued needed plan waits for the compile under way unless that has more than this
-    # fraction of a mean compile left; beyond it, a cold compile now is sooner
-    WAIT_BEHIND = 0.25
-    # a needed plan (or its program) compiling in the worker is waited for only once the worker
-    # has spent this fraction of a compile's CPU time on it; before, it is ended and the plan
-    # compiled here with every core, sooner than the rest of a compile at low priority plus the
-    # load (a child niced beside training may have barely started)
-    WORKER_WAIT_PROGRESS = 0.25
+class TransitionPlanner:
+    """Plans transitions before they are needed, on a background thread, from shard
+    descriptions: recovery and cut-over then find them in `cache` and only execute copies
+    (`reshard.transition`). Without `recovery.prepare_transfers` nothing runs ahead and each
+    transition is planned when it runs."""
 
-    def executables(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
-        """See `_executables`; a compile worker's compile runs at normal priority meanwhile
-        (what it compiles now is needed: `drop_queued` ended any other)."""
-        if self.worker is None or self.standby.ready(plan.compile_key):
-            return self._executables(plan)
-        self.worker.renice(0)
-        try:
-            return self._executables(plan)
-        finally:
-            self.worker.renice(self.worker.nice)
-
-    def _executables(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
-        """(executables, already compiled in this process, standby hit, seconds waited for a
-        background compile). A standby hit means the executable was ready when asked for. A
-        needed plan never waits in line: a queued one jumps to the front, or is built here when
-        the build under way would take longer than `WAIT_BEHIND` of building it here; with
-        `standby.rebind`, when the compile under way is of its program (for other devices), that
-        compile is waited for and the plan loaded from it (`executables.rebind`). Either compile, when
-        it runs in the compile worker and has not got far (`WORKER_WAIT_PROGRESS`), is ended
-        instead and the plan compiled here."""
-        if self.standby is not None:
-            key = plan.compile_key
-            exe = self.standby.get(key)
-            if exe is not None:
-                return self._current(exe, key), True, True, 0.0
-            where = self.standby.expedite(key)
-            busy = self.standby.busy()
-            if busy is not None and (
-                busy == key or (self.cfg.standby.rebind and busy.shape_key == key.shape_key)
-            ) and self._worker_early():
-                took = where == "front" and self.standby.take(key)  # first: never built twice
-                if self.standby.cancel_busy(busy) or took:
-                    busy, where = None, "absent"  # built here
-            if (
-                self.cfg.standby.rebind and busy is not None and busy != key
-                and busy.shape_key == key.shape_key and not self._rebindable(key)
-                and (where != "front" or self.standby.take(key))
-            ):  # its program is compiling now for other devices: wait for that, then load it
-                t0 = time.perf_counter()
-                try:
-                    self.standby.wait(busy)
-                except Exception as e:  # noqa: BLE001 - any compile error: recorded, then
-                    # compiled here, where an error that recurs is raised
-                    self.standby_errors.append(f"{busy.name}: {type(e).__name__}: {e}")
-                wait_s = time.perf_counter() - t0
-                exe, hit = self.exe_cache.get(
-                    self.cfg, self.factory, plan, self.devices, donate=self.donate,
-                    reuse_programs=self.cfg.standby.rebind,
-                )
-                return exe, hit, False, wait_s
-            left = self.standby.busy_left_s()
-            # building it here: a rebind where its program is compiled, else a compile
-            here_s = self.standby.mean_rebind_s if self._rebindable(key) else self.standby.mean_compile_s
-            long_wait = left is not None and left > self.WAIT_BEHIND * here_s
-            # `take` fails if the thread started it meanwhile: then it is waited for, never
-            # compiled twice
-            # (with a compile worker, whose compile of another program `drop_queued` ended,
-            # a queued plan is built here at once: the worker would start afresh, niced)
-            cold = where == "absent" or (
-                where == "front" and (long_wait or self.worker is not None) and self.standby.take(key)
-            )
-            if not cold:
-                t0 = time.perf_counter()
-                exe = self._current(self.standby.wait(key), key)
-                return exe, False, False, time.perf_counter() - t0
-        exe, hit = self.exe_cache.get(
-            self.cfg, self.factory, plan, self.devices, donate=self.donate,
-            reuse_programs=self.cfg.standby.rebind,
+    def __init__(self, cfg: Config, factory: StateFactory, devices, contingencies: Contingencies,
+                 where):
+        self.cfg, self.factory, self.devices, self.contingencies = cfg, factory, devices, contingencies
+        self.cache = TransitionPlanCache(where=where)
+        self.jobs = (
+            BackgroundJobs("elasjax-transfer-plans") if cfg.recovery.prepare_transfers else None
         )
-        return exe, hit, False, 0.0
 
-    def _worker_early(self) -> bool:
-        """Has the compile worker spent less than `WORKER_WAIT_PROGRESS` of a compile's CPU
-        time (its finished compiles' mean, else this process's first compile) on the compile
-        under way? False when nothing says."""
-        progress = self.worker.progress() if self.worker is not None else None
-        if progress is None:
-            return False
-        spent, full = progress
-        full = full or self.first_compile_cpu_s
-        return full > 0 and spent < self.WORKER_WAIT_PROGRESS * full
-
-    def _rebindable(self, plan: Plan) -> bool:
-        """Can `plan` be built without compiling (its program is compiled for other devices)?"""
-        return self.cfg.standby.rebind and self.exe_cache.program(
-            self.cfg, plan, self.donate, self.factory.tx_key) is not None
-
-    def failure_candidates(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
-        """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single
-        device (where the runtime can lose one alone) and every single host."""
-        fails = [({d}, set()) for d in plan.device_ids] if self.rt.device_failures else []
-        fails += [
-            (set(self.topo.host_devices(h)) & live, {h})
-            for h in range(self.topo.n_hosts)
-            if set(self.topo.host_devices(h)) & set(plan.device_ids)
-        ]
-        return fails
-
-    def standby_candidates(self, plan: Plan, live: set[int]) -> list[Plan]:
-        """Plans recovery would need after the likeliest next failures of `plan`
-        (`failure_candidates`): their optimal plans with `standby.enabled`; the no-movement fast
-        paths with `recovery.migration: async`; and with `recovery.grow_standby`, the plan of
-        the likeliest growth (every down device returns). With `standby.depth: 2`, also one plan
-        of each new program (`Plan.shape_key`) needed after a second failure of each of those:
-        after a recovery, the standby set of the new plan then needs no compile, only loads
-        (`executables.rebind`). One per program, not every device set: a loaded CPU executable holds
-        hundreds of memory mappings, and a process has a bounded number (`standby.map_budget`)."""
-        first = self._next_plans(plan, live)
-        out = [p for p, _ in first]
-        if self.cfg.standby.enabled and self.cfg.standby.depth == 2:
-            programs = {p.shape_key for p in out}
-            for nxt, survivors in first:
-                for p, _ in self._next_plans(nxt, survivors):
-                    if p.shape_key not in programs:
-                        programs.add(p.shape_key)
-                        out.append(p)
-        if self.cfg.recovery.grow_standby and hasattr(self.rt, "join"):
-            grown = self._growth_candidate(plan, live)
-            if grown is not None:
-                out.append(grown)
-        return list(dict.fromkeys(p.compile_key for p in out))
-
-    def _next_plans(self, plan: Plan, live: set[int]) -> list[tuple[Plan, set[int]]]:
-        """(plan, its live devices) after each of `plan`'s likeliest next failures."""
-        out: list[tuple[Plan, set[int]]] = []
-        for gone, _ in self.failure_candidates(plan, live):
-            survivors = [d for d in self.topo.device_ids if d in live - gone]
-            if not survivors:
-                continue
-            left = set(survivors)
-            if self.cfg.parallel.spares and (
-                self.cfg.standby.enabled or self.cfg.recovery.migration == "async"
-            ):  # a spare would take over: recovery resumes on that plan, async or not
-                kept = substitute_spares(plan, survivors, self.topo)
-                if kept is not None:
-                    out.append((kept, left))
-                    continue
-            if self.cfg.recovery.migration == "async":
-                fast = fast_path_plan(plan, survivors, self.cfg)
-                if fast is not None:
-                    out.append((fast, left))
-            if self.cfg.standby.enabled:
-                try:
-                    out.append((replan(survivors, self.topo, self.cfg, plan, self.initial), left))
-                except NoPlanError:  # a failure the planner cannot serve needs no standby
-                    pass
-        return out
-
-    def _growth_candidate(self, plan: Plan, live: set[int]) -> Plan | None:
-        """The plan growth would move to from `plan` if every down device of the job returned
-        (`recovery.grow_standby`); None when none is down or it would not grow."""
-        if set(self.topo.device_ids) <= set(live):
-            return None
-        try:
-            g = growth_plan(list(self.topo.device_ids), self.topo, self.cfg, plan, self.initial)
-        except NoPlanError:  # nothing to compile ahead for a set the planner cannot serve
-            return None
-        return g.best if g.grow else None
-
-    def _renew_collectives(self, failure: DeviceFailure, plan: Plan) -> dict | None:
-        """Fresh collectives where the failure may have broken some that `plan`, the plan to
-        resume on, could use (`collectives`; every live process decides together). After a
-        renewal, transitions planned for the old client's devices are dropped and executables
-        are reloaded onto the new ones when used (`_current`)."""
-        renewal = self.rt.renew_collectives(failure, plan.collective_groups)
-        if renewal is not None and renewal["renewed"]:
-            self.transition_plans.clear()
-        return renewal
-
-    def _current(self, exe: Executables, key) -> Executables:
-        """A standby executable on the current client: reloaded (`executables.rehome`, no compile) when
-        the CPU client was renewed after it was built, and kept so (built again where it cannot
-        be reloaded: one that JAX's persistent cache loaded, which serves it again)."""
-        current = on_devices(exe, self.devices)
-        if current is None:
-            current = self.exe_cache.get(
-                self.cfg, self.factory, exe.plan, self.devices, donate=self.donate,
-                reuse_programs=self.cfg.standby.rebind,
-            )[0]
-        if current is not exe:
-            self.standby.put(key, current)
-        return current
-
-    def _recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
-        """(plan to resume on, optimal plan) after a failure that leaves `survivors`."""
-        optimal = replan(survivors, self.topo, self.cfg, plan, self.initial)
-        if self.cfg.parallel.spares and same_shape(plan, optimal):
-            return optimal, optimal  # a hot spare took over: nothing faster to resume on
-        if self.cfg.recovery.migration == "async" and self.cfg.recovery.strategy == "elastic":
-            fast = fast_path_plan(plan, survivors, self.cfg)
-            if fast is not None and fast != optimal:
-                return fast, optimal
-        return optimal, optimal
-
-    # -- background work ------------------------------------------------------------------------
-
-    def _prepare_transitions(self, plan: Plan, exe: Executables, state, live: set[int]) -> None:
-        """Plan, in the background, the transitions recovery would run after each likely next
-        failure of `plan` (`failure_candidates`), from shard descriptions: `transition` then
-        finds them in `transition_plans` and only executes copies. Elastic strategy only."""
+    def for_failures(self, pos: Position, pool) -> None:
+        """Plan the transitions recovery would run after each likely next failure of
+        `pos.plan` (`Contingencies.failures`), with `pool`'s snapshots as sources. Elastic
+        strategy only."""
         if self.jobs is None or self.cfg.recovery.strategy != "elastic":
             return
-        full = describe_state(state)  # metadata of the buffers only, read on this thread
+        full = describe_state(pos.state)  # metadata of the buffers only, read on this thread
+        plan, live = pos.plan, set(pos.live)
         held = set(plan.device_ids) | set(plan.spare_ids)
         jobs = []
-        for gone, hosts in self.failure_candidates(plan, live):
-            survivors = [d for d in self.topo.device_ids if d in live - gone]
+        for gone, hosts in self.contingencies.failures(plan, live):
+            survivors = self.contingencies.survivors(live - gone)
             if survivors:
                 jobs.append(functools.partial(
-                    self._prepare_one, full, plan, exe.layout, gone & held, survivors,
-                    self.dead_hosts | hosts,
+                    self._for_failure, full, plan, pos.exe.layout, gone & held, survivors,
+                    set(pos.lost_hosts) | hosts, pool,
                 ))
         self.jobs.replace(jobs)
 
-    def _prepare_one(self, full, plan, old_layout, dead, survivors, dead_hosts) -> None:
-        target, _ = self._recovery_plan(plan, survivors)
-        self._prepare_move(
-            full, dead, target, old_layout, self.pool.describe_sources(dead, dead_hosts)
-        )
+    def _for_failure(self, full, plan, old_layout, dead, survivors, lost_hosts, pool) -> None:
+        target, _ = self.contingencies.recovery_plan(plan, survivors)
+        self.move(full, dead, target, old_layout, pool.describe_sources(dead, lost_hosts))
 
-    def _prepare_move(self, full, dead, target: Plan, old_layout, extra, info=None) -> None:
+    def for_cutover(self, pos: Position, target: Plan) -> None:
+        """Plan the move of `pos`'s state to `target` (nothing lost, no snapshots), instead of
+        any failure's."""
+        if self.jobs is not None:
+            self.jobs.replace([functools.partial(
+                self.move, describe_state(pos.state), set(), target, pos.exe.layout, None,
+            )])
+
+    def move(self, full: ShardStore, dead, target: Plan, old_layout, extra, info=None) -> None:
+        """Plan (into `cache`) the transition of the described state `full`, less `dead`'s
+        shards, onto `target`, with `extra` sources; raises `UnrecoverableStateError` when a
+        slice has no source."""
         layout = self.factory.layout(target)
         mesh = make_mesh(target.mesh_shape, [self.devices[i] for i in target.device_ids])
-        self.transition_plans.prepare(
+        self.cache.prepare(
             full.without(dead), layout.shardings(mesh), extra, old_layout=old_layout,
             new_layout=layout, info=info,
         )
 
-    def _refresh_standby(self, plan: Plan, live: set[int]) -> None:
-        if self.standby is not None:
-            keys = self.standby_candidates(plan, live)
-            self.standby.submit(keys)
-            if self.standby.dropped:
-                msg = (
-                    f"standby.max_plans={self.standby.max_plans} covers "
-                    f"{len(keys) - self.standby.dropped} of the {len(keys)} plans of {plan.name}'s "
-                    "likely failures (every single device and host); the others compile when "
-                    "they are needed (unset max_plans to cover all)"
-                )
-                self.rt.log(msg)
-                warnings.warn(msg, StandbyCoverageWarning, stacklevel=2)
+    def stop(self) -> None:
+        """Drop what is queued (plans for a plan that is no longer the current one)."""
+        if self.jobs is not None:
+            self.jobs.replace([])
 
-    # -- recovery -------------------------------------------------------------------------------
+    def wait_idle(self) -> None:
+        if self.jobs is not None:
+            self.jobs.wait_idle()
 
-    def _recover(self, pos: Position, failure: DeviceFailure, during: list) -> tuple[Position, RecoveryEvent]:
-        """Recover from `failure` (raised at step `pos.step`), injecting the scheduled failures
-        `during` into the first attempt's transfer. A failure during an attempt starts another
-        one with every failed device so far. Returns the new position and its event (its
-        `first_step_s` filled in by the loop)."""
+    def close(self) -> None:
+        if self.jobs is not None:
+            self.jobs.close()
+
+    @property
+    def done(self) -> int:
+        return self.jobs.done if self.jobs is not None else 0
+
+    @property
+    def errors(self) -> list[str]:
+        return self.jobs.errors if self.jobs is not None else []
+
+
+@dataclasses.dataclass
+class Recovered:
+    """What a recovery returns (`Recovery.recover`): where training resumes, the `recovery`
+    event (its `first_step_s` filled in by the loop), the new plan's snapshot pool (its first
+    snapshot taken), the transfers it ran, and, after an async recovery, the cut-over to the
+    optimal plan it leaves pending."""
+
+    pos: Position
+    event: RecoveryEvent
+    pool: Any
+    log: TransferLog
+    cutover: PendingCutover | None
+
+
+class Recovery:
+    """Recovery from failures, for the loop (`trainer.Trainer`) on either runtime. `source`
+    gives executables, `contingencies` the plans, `transitions` the transfers planned ahead;
+    `ckpt` (a `Checkpointer` or None) is the last rung; `compiles` counts XLA compiles."""
+
+    def __init__(self, cfg: Config, rt, topo: Topology, factory: StateFactory,
+                 source: ExecutableSource, contingencies: Contingencies,
+                 transitions: TransitionPlanner, ckpt, compiles):
+        self.cfg, self.rt, self.topo, self.factory = cfg, rt, topo, factory
+        self.source, self.contingencies, self.transitions = source, contingencies, transitions
+        self.ckpt, self.compiles = ckpt, compiles
+
+    def recover(self, pos: Position, pool, failure: DeviceFailure, during: list) -> Recovered:
+        """Recover from `failure` (raised at step `pos.step`, `pool` holding the snapshots of
+        `pos.state`), injecting the scheduled failures `during` into the first attempt's
+        transfer. A failure during an attempt starts another one with every failed device so
+        far."""
         t_first = time.perf_counter()
         compiles_before = self.compiles.count
-        if self.jobs is not None:
-            self.jobs.replace([])  # plans for the old plan's failures: stop preparing them
-        self.pending_cutover = None  # a new failure re-plans from scratch (returned devices too)
+        self.transitions.stop()  # plans for the old plan's failures: stop preparing them
         failures = [failure]
         dead = set(failure.devices)
+        lost_hosts = set(pos.lost_hosts)
         # what survives of the last good state (held in a list: an attempt that renews the
         # collectives moves it onto the new client, for every later attempt too)
         stores = [self.rt.capture(pos.state, dead)]
@@ -434,11 +286,11 @@ class Recovering:
             attempts += 1
             t_attempt = time.perf_counter() if attempts > 1 else t_first + t_setup
             for f in failures:
-                self.dead_hosts |= self._lost_hosts(f.devices)
-            refusals_before = len(self.pool.refusals)
+                lost_hosts |= self.topo.hosts_lost(f.devices)
+            refusals_before = len(pool.refusals)  # (the new plan's pool shares the list)
             try:
-                a = self._recovery_attempt(pos, failures[-1], dead, stores, renewals,
-                                           during if attempts == 1 else [])
+                a = self._attempt(pos, pool, failures[-1], dead, lost_hosts, stores, renewals,
+                                  during if attempts == 1 else [])
                 break
             except DeviceFailure as f:  # a failure during the recovery: start again
                 if self.ckpt is not None:
@@ -447,32 +299,20 @@ class Recovering:
                 dead |= f.devices
                 stores[0] = stores[0].without(dead)
         a.plan_s += t_setup if attempts == 1 else 0.0
-        self.torchft_keep = a.keep
-        self.pool = a.pool
-        ev = self._recovery_event(pos, a, failures, dead, renewals, attempts,
-                                  retry_s=t_attempt - t_first - t_setup,
-                                  refused=self.pool.refusals[refusals_before:],
-                                  compiles_before=compiles_before)
-        self.transfer_logs.append(a.log)
+        ev = self._event(pos, a, failures, dead, renewals, attempts,
+                         retry_s=t_attempt - t_first - t_setup,
+                         refused=a.pool.refusals[refusals_before:],
+                         compiles_before=compiles_before)
+        cutover = None
         if ev.migration == "async":
-            self.pending_cutover = PendingCutover(
-                a.optimal, t_first - failures[0].detect_s, pos.step)
-            self.cutover_wait_s = 0.0
-            self.standby.submit([a.optimal.compile_key])  # the only plan that matters now
-            if self.jobs is not None:  # plan the cut-over (nothing lost, no snapshots)
-                self.jobs.replace([functools.partial(
-                    self._prepare_move, describe_state(a.state), set(), a.optimal,
-                    a.exe.layout, None,
-                )])
-        else:
-            # Refresh the standby set after the first step, so that its compiles do not compete
-            # with the step that ends the recovery.
-            self._standby_due = (a.plan, set(a.live))
-        new = Position(a.resume_at, a.plan, a.exe, a.state, a.actual, frozenset(a.live))
-        return new, ev
+            cutover = PendingCutover(a.optimal, t_first - failures[0].detect_s, pos.step)
+        new = Position(a.resume_at, a.plan, a.exe, a.state, a.actual, frozenset(a.live),
+                       frozenset(lost_hosts), a.keep)
+        return Recovered(new, ev, a.pool, a.log, cutover)
 
-    def _recovery_attempt(self, pos: Position, failure: DeviceFailure, dead: set[int],
-                          stores: list[ShardStore], renewals: list[dict], during: list) -> _Attempt:
+    def _attempt(self, pos: Position, pool, failure: DeviceFailure, dead: set[int],
+                 lost_hosts: set[int], stores: list[ShardStore], renewals: list[dict],
+                 during: list) -> _Attempt:
         """One attempt: plan, executables, transfer, verify, the new plan's snapshot pool, each
         phase in a guard of its own (a failure in any of them raises `DeviceFailure`). `stores`
         holds what survives; a renewal of the collectives moves it onto the new client."""
@@ -480,8 +320,8 @@ class Recovering:
         live = set(pos.live) - dead
         with self.rt.guard("recovery/plan"):
             t0 = time.perf_counter()
-            survivors = [d for d in self.topo.device_ids if d in live]
-            keep = self.torchft_keep
+            survivors = self.contingencies.survivors(live)
+            keep = pos.kept
             if not dead:  # a retry (collectives failed, nobody died): the same plan
                 new_plan = optimal = pos.plan
             elif strategy == "torchft_like":
@@ -491,30 +331,31 @@ class Recovering:
                         "params", (), f"torchft_like: no data replica is intact after "
                         f"devices {sorted(dead)} failed at step {pos.step}"
                     )
-                keep = torchft_kept(self.torchft_keep, pos.plan, optimal)
+                keep = torchft_kept(pos.kept, pos.plan, optimal)
                 new_plan = optimal
             else:
-                new_plan, optimal = self._recovery_plan(pos.plan, survivors)
+                new_plan, optimal = self.contingencies.recovery_plan(pos.plan, survivors)
             renewal = self._renew_collectives(failure, new_plan)
             if renewal is not None:
                 renewals.append(renewal)
                 stores[0] = stores[0].map_data(self.rt.current)
             store = stores[0]
-            early = self._check_recoverable(pos, store, dead, new_plan, strategy)
+            early = self._check_recoverable(pos, pool, store, dead, lost_hosts, new_plan, strategy)
             plan_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            if self.standby is not None:  # the cores go to this recovery
+            standby = self.source.standby
+            if standby is not None:  # the cores go to this recovery
                 key = new_plan.compile_key
-                self.standby.drop_queued(  # a compile of its program is waited for
+                standby.drop_queued(  # a compile of its program is waited for
                     keep=key, spare=lambda busy: self.cfg.standby.rebind
                     and busy.shape_key == key.shape_key)
-            exe, hit, standby_hit, wait_s = self.executables(new_plan)
+            exe, hit, standby_hit, wait_s = self.source.get(new_plan)
             compile_s = time.perf_counter() - t0
         with self.rt.guard("recovery/transfer"):
             t0 = time.perf_counter()
             self.rt.inject(during, "transfer", [store])
             new_state, log, rung, resume_at, expected, tinfo = self._rebuild(
-                pos, store.without(dead), dead, exe, strategy
+                pos, pool, store.without(dead), dead, lost_hosts, exe, strategy
             )
             self.rt.commit(new_state)
             transfer_s = time.perf_counter() - t0
@@ -525,7 +366,7 @@ class Recovering:
             actual = host_checksums(self.rt, exe.checksum(new_state), exe)
             bad = checksum.diff(expected, actual)
             if bad:
-                raise RecoveryVerificationError(
+                raise StateMismatchError(
                     f"recovered state differs from the last good state in {len(bad)} "
                     f"leaves, e.g. {bad[:3]}; refusing to continue"
                 )
@@ -535,19 +376,19 @@ class Recovering:
             t0 = time.perf_counter()
             # the new plan's pool replaces the old one only once this attempt succeeds: a retry
             # still needs the old plan's copies
-            pool = self.pool.fresh()
-            pool.configure(new_state, exe.state_shardings, exe.mesh, live)
-            pool.take(new_state, resume_at)
+            new_pool = pool.fresh()
+            new_pool.configure(new_state, exe.state_shardings, exe.mesh, live)
+            new_pool.take(new_state, resume_at)
             snapshot_s = time.perf_counter() - t0
         return _Attempt(
             new_plan, optimal, keep, live, exe, hit, standby_hit, wait_s, new_state, log, rung,
-            resume_at, actual, pool, early, tinfo, plan_s, compile_s, transfer_s, verify_s,
+            resume_at, actual, new_pool, early, tinfo, plan_s, compile_s, transfer_s, verify_s,
             snapshot_s,
         )
 
-    def _recovery_event(self, pos: Position, a: _Attempt, failures: list, dead: set[int],
-                        renewals: list[dict], attempts: int, retry_s: float, refused: list,
-                        compiles_before: int) -> RecoveryEvent:
+    def _event(self, pos: Position, a: _Attempt, failures: list, dead: set[int],
+               renewals: list[dict], attempts: int, retry_s: float, refused: list,
+               compiles_before: int) -> RecoveryEvent:
         """The `recovery` event of a recovery whose last attempt `a` succeeded."""
         first, log, new_plan = failures[0], a.log, a.plan
         procs = sorted({p for f in failures for p in f.detail.get("failed_processes", [])})
@@ -607,14 +448,18 @@ class Recovering:
             detail=detail,
         )
 
-    def _lost_hosts(self, devices) -> set[int]:
-        """Hosts all of whose devices are gone (a host failure, as opposed to device ones)."""
-        dead = set(devices)
-        return {
-            h for h in range(self.topo.n_hosts) if set(self.topo.host_devices(h)) <= dead
-        }
+    def _renew_collectives(self, failure: DeviceFailure, plan: Plan) -> dict | None:
+        """Fresh collectives where the failure may have broken some that `plan`, the plan to
+        resume on, could use (`collectives`; every live process decides together). After a
+        renewal, transitions planned for the old client's devices are dropped and executables
+        are reloaded onto the new ones when used (`ExecutableSource.current`)."""
+        renewal = self.rt.renew_collectives(failure, plan.collective_groups)
+        if renewal is not None and renewal["renewed"]:
+            self.transitions.cache.clear()
+        return renewal
 
-    def _check_recoverable(self, pos, store, dead, plan: Plan, strategy: str) -> dict:
+    def _check_recoverable(self, pos: Position, pool, store, dead, lost_hosts, plan: Plan,
+                           strategy: str) -> dict:
         """Plan the transition now, from descriptions (the plan lands in the plan cache, so the
         transfer phase only executes it): a slice that no source can provide, and no checkpoint
         to fall back on, stops the recovery here instead of after compiling the new plan.
@@ -623,9 +468,8 @@ class Recovering:
         if strategy != "elastic":
             return info
         try:
-            self._prepare_move(
-                store, dead, plan, pos.exe.layout,
-                self.pool.describe_sources(dead, self.dead_hosts), info,
+            self.transitions.move(
+                store, dead, plan, pos.exe.layout, pool.describe_sources(dead, lost_hosts), info,
             )
         except UnrecoverableStateError as err:
             if self.ckpt is None:
@@ -635,24 +479,25 @@ class Recovering:
                 ) from err
         return info
 
-    def _rebuild(self, pos: Position, store: ShardStore, dead: set[int], exe, strategy: str):
+    def _rebuild(self, pos: Position, pool, store: ShardStore, dead: set[int], lost_hosts,
+                 exe, strategy: str):
         """(state, log, rung, resumed step, expected checksums, transition info): from live
         sources, else from the newest checkpoint (losing the steps since)."""
         tinfo: dict = {}
         try:
             if strategy == "checkpoint_restart":
                 raise UnrecoverableStateError("state", (), "checkpoint_restart restores from disk")
-            snaps = self.pool.sources(dead, self.dead_hosts, version=pos.step)
+            snaps = pool.sources(dead, lost_hosts, version=pos.step)
             # device snapshots of an old CPU client (renewed at this failure), on the new one
             snaps = {k: map_shard_data(v, self.rt.current) for k, v in snaps.items()}
             new_state, log = transition(
                 store,
                 exe.state_shardings,
-                devices=self.devices,
+                devices=self.rt.devices,
                 extra_sources=snaps,
                 old_layout=pos.exe.layout,
                 new_layout=exe.layout,
-                plans=self.transition_plans,
+                plans=self.transitions.cache,
                 info=tinfo,
                 transport=self.rt,
                 threads=self.rt.threads,
@@ -667,140 +512,6 @@ class Recovering:
             ck_step = self.ckpt.latest_step()
             if ck_step is None:
                 raise
-            new_state, meta = self._restore(ck_step, exe)
+            new_state, meta = restore_verified(self.ckpt, ck_step, self.factory, exe, self.rt)
             self.ckpt.drop_after(ck_step)
             return new_state, checkpoint_log(new_state), "checkpoint", ck_step, meta["checksums"], tinfo
-
-    # -- growth ---------------------------------------------------------------------------------
-
-    def _join(self, pos: Position, joins: list) -> tuple[Position, dict]:
-        """Devices return at the boundary before step `pos.step`: they join the live set, empty.
-        When the planner finds a plan over the bigger set worth growing to, it becomes the
-        pending cut-over (compiled in the background while training goes on); otherwise the
-        devices stay spare. Returns the new position and the `join` event."""
-        t0 = time.perf_counter()
-        ids = sorted({d for e in joins for d in e.device_ids})
-        self.rt.join(ids)
-        live = frozenset(pos.live | set(ids))
-        self.dead_hosts -= {self.topo.host_of(d) for d in live}  # their memory is usable again
-        survivors = [d for d in self.topo.device_ids if d in live]
-        g = growth_plan(survivors, self.topo, self.cfg, pos.plan, self.initial)
-        ev = {
-            "type": "join", "step": pos.step, "devices": ids,
-            "spec": "; ".join(e.spec for e in joins), "n_live": len(live), "plan": pos.plan.name,
-            "best_plan": g.best.name, "predicted_step_s": g.current_s,
-            "best_predicted_step_s": g.best_s, "predicted_gain": g.gain, "grow": g.grow,
-            "reason": g.reason,
-        }
-        if g.grow:
-            ev["replaces_pending"] = (
-                self.pending_cutover.plan.name if self.pending_cutover is not None else None)
-            self.pending_cutover = PendingCutover(
-                g.best, t0, pos.step, "growth", tuple(ids), g.gain)
-            self.cutover_wait_s = 0.0
-            self.standby.submit([g.best.compile_key])  # the only plan that matters now
-            if self.jobs is not None:  # plan the cut-over's copies in the background too
-                self.jobs.replace([functools.partial(
-                    self._prepare_move, describe_state(pos.state), set(), g.best,
-                    pos.exe.layout, None,
-                )])
-        elif self.pending_cutover is None:
-            self._standby_due = (pos.plan, set(live))  # the likely failures' plans changed
-        ev["plan_s"] = time.perf_counter() - t0
-        return dataclasses.replace(pos, live=live), ev
-
-    # -- cut-over -------------------------------------------------------------------------------
-
-    def _cutover_due(self, step: int) -> tuple[bool, dict | None]:
-        """(cut over now?, an `cutover_abandoned` event). Cut over when the optimal plan is
-        compiled on every process, or wait for it once the run has spent
-        `recovery.max_fast_path_steps` steps on the fast path. If its background compile failed
-        on any process, the run stays on the fast path (which trains the same computation) and
-        the error is returned as an event, never raised."""
-        pc = self.pending_cutover
-        optimal, fail_step = pc.plan, pc.step
-        key = optimal.compile_key
-        limit = self.cfg.recovery.max_fast_path_steps
-        try:
-            if limit and step - fail_step >= limit and not self.standby.ready(key):
-                t0 = time.perf_counter()
-                self.standby.wait(key)
-                self.cutover_wait_s += time.perf_counter() - t0
-            err = self.standby.error(key)
-        except Exception as e:  # the compile failed while we waited (`wait` raises its error)
-            err = e
-        # each process's [state, error message]: lists survive the runtime's agreement
-        status = ["ready" if self.standby.ready(key) else "compiling", ""]
-        if err is not None:
-            status = ["error", f"{type(err).__name__}: {err}"[:500]]
-        votes = self.rt.agree(status)
-        errors = {str(p): msg for p, (state, msg) in votes.items() if state == "error"}
-        if errors:
-            self.pending_cutover = None
-            return False, {
-                "type": "cutover_abandoned", "kind": pc.kind, "step": step,
-                "optimal_plan": optimal.name, "errors": errors,
-                "stays_on": "the current plan (the same computation; fewer devices used)",
-            }
-        return all(state == "ready" for state, _ in votes.values()), None
-
-    def _cutover(self, pos: Position) -> tuple[Position, dict]:
-        """Move to the optimal plan (compiled in the background) at a step boundary. Each part
-        is its own guard (a failure leaves `pos` as it was: the old state is intact)."""
-        pc = self.pending_cutover
-        optimal, t_fail, fail_step = pc.plan, pc.t_start, pc.step
-        new_exe = self._current(self.standby.get(optimal.compile_key), optimal.compile_key)
-        with self.rt.guard("cutover/transfer"):
-            t0 = time.perf_counter()
-            tinfo: dict = {}
-            new_state, log = transition(
-                ShardStore.capture(pos.state), new_exe.state_shardings, devices=self.devices,
-                old_layout=pos.exe.layout, new_layout=new_exe.layout, plans=self.transition_plans,
-                info=tinfo, transport=self.rt, threads=self.rt.threads,
-            )
-            self.rt.commit(new_state)
-            transfer_s = time.perf_counter() - t0
-        if not log.sources() <= set(pos.plan.device_ids):  # invariant: returned devices are empty
-            raise AssertionError(f"a cut-over read {log.sources() - set(pos.plan.device_ids)}, "
-                                 f"outside {pos.plan.name}")
-        with self.rt.guard("cutover/verify"):
-            t0 = time.perf_counter()
-            actual = host_checksums(self.rt, new_exe.checksum(new_state), new_exe)
-            bad = checksum.diff(pos.good, actual)
-            if bad:
-                raise RecoveryVerificationError(f"cut-over changed {len(bad)} leaves, e.g. {bad[:3]}")
-            verify_s = time.perf_counter() - t0
-            pool = self.pool.fresh()
-            pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, set(pos.live))
-            pool.take(new_state, pos.step)
-        self.pool = pool
-        self.pending_cutover = None
-        self.transfer_logs.append(log)
-        self._refresh_standby(optimal, set(pos.live))
-        self._prepare_transitions(optimal, new_exe, new_state, set(pos.live))
-        mig = {
-            "type": pc.kind,
-            "step": pos.step,
-            ("join_step" if pc.kind == "growth" else "failure_step"): fail_step,
-            "from_plan": pos.plan.name,
-            "to_plan": optimal.name,
-            "bytes_moved": log.bytes_moved,
-            "bytes_cross_process": log.cross_process_bytes,
-            "transfers": log.transfers,
-            "transfer_s": transfer_s,
-            "verify_s": verify_s,
-            # waited for the optimal plan's compile (after `recovery.max_fast_path_steps`)
-            "compile_wait_s": self.cutover_wait_s,
-            "stall_s": self.cutover_wait_s + transfer_s + verify_s,
-            "transfer_plan_hit": tinfo["plan_hit"],
-            "transfer_plan_s": tinfo["plan_s"],
-            "steps_on_fast_path": pos.step - fail_step,
-            "time_to_optimal_s": time.perf_counter() - t_fail,
-            "verified": True,
-        }
-        if pc.kind == "growth":
-            mig.update(joined_devices=list(pc.joined), n_devices=optimal.n_devices,
-                       from_n_devices=pos.plan.n_devices, predicted_gain=pc.predicted_gain,
-                       sources=sorted(log.sources()))
-        new = Position(pos.step, optimal, new_exe, new_state, actual, pos.live)
-        return new, mig

@@ -6,7 +6,12 @@ process that dies. Each step runs in a runtime `guard`; a failure inside it rais
 `DeviceFailure` on every survivor, and the loop hands it to the one recovery path
 (`elasjax.recovery`), then runs the step again on the new plan with the same samples and keys.
 Devices that return (a schedule's `join`) join at a step boundary; the run grows onto them with
-a background compile and a cut-over (`Recovering._join`).
+a background compile and a cut-over (`elasjax.cutover`).
+
+The loop owns where training stands (a `recovery.Position` in a `LoopState`) and the snapshot
+pool; its collaborators are given what they need and return what they did: `ExecutableSource`
+(executables, the standby set), `Contingencies` (the plans after the likely next failures),
+`TransitionPlanner` (transfers planned ahead), `Recovery`, `Cutovers` (growth and cut-over).
 
 The host never waits for the step it has just dispatched: a step's metrics (loss, gradient norm,
 and the checksums of the state it produced) are read `READ_BEHIND` steps late, after the next
@@ -32,10 +37,13 @@ import numpy as np
 import optax
 
 from .compilation.counter import CompileCounter
-from .compilation.executables import ExecutableCache, Executables, from_portable, warm_up
-from .compilation.standby import BackgroundJobs, StandbyCompiler
-from .compilation.worker import CompileWorker, unavailable
+from .compilation.executables import ExecutableCache, Executables
+from .compilation.source import ExecutableSource
+from .compilation.standby import StandbyCompiler
+from .compilation.worker import CompileWorker
 from .config import Config, ConfigError, dump
+from .contingencies import Contingencies
+from .cutover import Cutovers
 from .data import DataPipeline
 from .events import Emitter, Hook
 from .faults import resolve_schedule
@@ -43,17 +51,18 @@ from .metrics import JsonlWriter, RecoveryEvent, StepClock, Timeline, failure_co
 from .planner import Plan, initial_plan, replan
 from .recovery import (
     Position,
-    Recovering,
+    Recovery,
     RecoveryVerificationError,
+    TransitionPlanner,
     host_checksums,
+    restore_verified,
 )
 from .report import Progress, join_line, migration_line, print_summary, recovery_line
 from .rng import check_backend_config
 from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
 from .state import StateFactory, check_elementwise, make_optimizer
 from .transfer import checksum
-from .transfer.checkpoint import Checkpointer, form_of, restore_onto
-from .transfer.reshard import TransitionPlanCache
+from .transfer.checkpoint import Checkpointer, form_of
 from .transfer.shards import TransferLog
 from .transfer.snapshot import SnapshotPool
 
@@ -110,6 +119,21 @@ def enable_compilation_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+def donation(cfg: Config, rt) -> tuple[bool, bool]:
+    """(does the train step donate its input state, are snapshots taken on the runtime's
+    snapshot thread). Executables loaded from serialized form (`standby.rebind`, the persistent
+    compilation cache) never donate: a train step deserialized onto XLA:CPU that donates
+    deadlocks its in-process collective rendezvous within a few steps ("only 6 of 7 arrived"),
+    while the same program without donation runs on (experiments/probe_loaded_donation.py
+    reproduces both). Snapshots taken beside the next step (`SnapshotPool.thread_helps`: the
+    CPU backend) read the state while that step runs: the step must not donate it either.
+    Donation only saves memory; the values are the same."""
+    snap = cfg.snapshot.resolved(rt.topology.n_hosts)
+    threaded = bool((snap.buddy or snap.host) and SnapshotPool.thread_helps(rt))
+    donate = rt.donate and not (cfg.standby.rebind or cfg.standby.cache_dir or threaded)
+    return donate, threaded
+
+
 @dataclasses.dataclass
 class _InFlight:
     """A dispatched step whose metrics have not been read yet."""
@@ -142,13 +166,16 @@ class LoopState:
     open_event: RecoveryEvent | None = None  # a recovery whose first good step is not read yet
     recovered_at: float = 0.0  # when the open recovery resumed (its first step counts from here)
     redo_until: int = -1  # steps up to this one run again (after a checkpoint restore)
+    # the standby and the prepared transitions follow the plan after the next good step (after
+    # a recovery or a join; not sooner: their compiles would compete with that step)
+    protect_due: bool = False
 
 
 class UnprotectedStateWarning(UserWarning):
     """The run opted out of snapshots and its plan holds state that one failure can lose."""
 
 
-class Trainer(Recovering):
+class Trainer:
     """Trains `cfg` on `runtime` (default: this process's devices, simulated failures)."""
 
     READ_BEHIND = 2  # steps the host may dispatch before it reads the oldest one's metrics
@@ -190,60 +217,32 @@ class Trainer(Recovering):
             check_elementwise(self.factory, self.initial)
         self.data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
-        # Executables loaded from serialized form (`standby.rebind`, the persistent compilation
-        # cache) never donate their input state: a train step deserialized onto XLA:CPU that
-        # donates deadlocks its in-process collective rendezvous within a few steps ("only 6 of
-        # 7 arrived"; measured, jax 0.10.2, tiny config: 5 of 5 runs, reloaded onto its own
-        # devices or rebound onto others, experiments/probe_loaded_donation.py), while the same
-        # program without donation ran 200 steps, loaded or compiled. Donation only saves
-        # memory; the values are the same.
-        # Snapshots taken beside the next step (`SnapshotPool.thread_helps`: the CPU backend)
-        # read the state while that step runs: the step must not donate it.
-        snap = cfg.snapshot.resolved(self.topo.n_hosts)
-        threaded = (snap.buddy or snap.host) and SnapshotPool.thread_helps(self.rt)
-        self.donate = self.rt.donate and not (
-            cfg.standby.rebind or cfg.standby.cache_dir or threaded)
+        self.donate, threaded = donation(cfg, self.rt)
         self.pool = SnapshotPool(cfg.snapshot, self.topo, self.rt, donated=self.donate,
-                                 threaded=bool(threaded))
+                                 threaded=threaded)
         self.ckpt = (
             Checkpointer(cfg.checkpoint, self.rt.processes()) if cfg.checkpoint.dir is not None else None
         )
         self.dropped_checkpoints: list[int] = []
-        self.standby_errors: list[str] = []  # standby compiles that failed while recovery waited
-        self.dead_hosts: set[int] = set()
         self.transfer_logs: list[TransferLog] = []
-        self.standby: StandbyCompiler | None = None
-        grows = any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
-        self.worker: CompileWorker | None = None
-        self.first_compile_cpu_s = 0.0  # CPU seconds of the start's compile (0: none here)
-        if cfg.standby.enabled or cfg.recovery.migration == "async" or grows:
-            why = None
-            if cfg.standby.compiler != "thread":
-                why = unavailable(cfg, optimizer is not None, jax.process_count() > 1)
-                if why is None:
-                    self.worker = CompileWorker(cfg)
-                elif cfg.standby.compiler == "process":
-                    raise ConfigError(
-                        f"config 'standby.compiler' = process: {why}; allowed values here: "
-                        "thread, auto"
-                    )
-            self.standby = StandbyCompiler(
-                self._standby_build,
-                max_plans=cfg.standby.max_plans,
-                cheap=self._rebindable,
-                map_budget=cfg.standby.map_budget,
-                cancel=self.worker.kill if self.worker is not None else None,
-            )
-        self.pending_cutover = None  # a `recovery.PendingCutover`
-        self.cutover_wait_s = 0.0  # the pending cut-over's wait for its compile
-        self.abandoned_cutovers: list[dict] = []
-        self.torchft_keep: tuple[int, ...] | None = None  # initial replicas still training
         self.compiles = CompileCounter()
-        self._standby_due: tuple[Plan, set[int]] | None = None
-        self.transition_plans = TransitionPlanCache(where=self.rt.process_of)
-        self.jobs = (
-            BackgroundJobs("elasjax-transfer-plans") if cfg.recovery.prepare_transfers else None
+        grows = any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
+        self.source = ExecutableSource(
+            cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
+            background=cfg.standby.enabled or cfg.recovery.migration == "async" or grows,
+            custom_tx=optimizer is not None, log=self.rt.log,
+            # the snapshot checksums of each standby plan's pool, compiled with it
+            prepare=lambda exe: self.pool.prepare(exe.layout.abstract, exe.state_shardings, exe.mesh),
         )
+        self.contingencies = Contingencies(cfg, self.topo, self.initial,
+                                           device_failures=self.rt.device_failures,
+                                           can_grow=hasattr(self.rt, "join"))
+        self.transitions = TransitionPlanner(cfg, self.factory, self.devices, self.contingencies,
+                                             where=self.rt.process_of)
+        self.recovery = Recovery(cfg, self.rt, self.topo, self.factory, self.source,
+                                 self.contingencies, self.transitions, self.ckpt, self.compiles)
+        self.cutovers = Cutovers(cfg, self.rt, self.topo, self.initial, self.source,
+                                 self.transitions)
         # what the loop has seen
         self.losses: dict[int, float] = {}
         self.evals: dict[int, float] = {}
@@ -256,6 +255,14 @@ class Trainer(Recovering):
         self.clock = StepClock()  # when each step finished (read later)
         self._seq = 0
         self._gc_held = False  # the collector is off for a recovery (`_hold_gc`)
+
+    @property
+    def standby(self) -> StandbyCompiler | None:
+        return self.source.standby
+
+    @property
+    def worker(self) -> CompileWorker | None:
+        return self.source.worker
 
     @property
     def loop_s(self) -> float:
@@ -287,14 +294,8 @@ class Trainer(Recovering):
             ew.close()
             if self.ckpt is not None:
                 self.ckpt.close()
-            if self.standby is not None:
-                if self.worker is not None:
-                    self.worker.kill()  # a compile under way ends now, not at its end
-                self.standby.close()
-            if self.worker is not None:
-                self.worker.close()
-            if self.jobs is not None:
-                self.jobs.close()
+            self.source.close()
+            self.transitions.close()
             self.clock.close()
             if self._owns_rt:
                 self.rt.close()  # waits for a snapshot under way
@@ -322,27 +323,30 @@ class Trainer(Recovering):
         joining = [e for e in ls.pending if e.is_join and e.at_step == step]
         if joining:
             ls.pending = [e for e in ls.pending if e not in joining]
-            ls.pos, jev = self._join(ls.pos, joining)
+            ls.pos, jev = self.cutovers.join(ls.pos, joining)
+            if not jev["grow"] and self.cutovers.pending is None:
+                ls.protect_due = True  # the likely failures' plans changed
             ls.joins.append(jev)
             ew.event(jev, join_line(jev))
 
     def _cutover_if_due(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> bool:
         """Cut over to the pending optimal (or bigger) plan if every process has it ready;
         True if it did. A background compile that failed abandons the cut-over (an event)."""
-        if self.pending_cutover is None:
+        if self.cutovers.pending is None:
             return False
         with self.rt.guard("cutover"):
-            due_now, abandoned = self._cutover_due(step)
+            due_now, abandoned = self.cutovers.due(step)
         if abandoned is not None:
-            self.abandoned_cutovers.append(abandoned)
             ew.event(abandoned, (
                 f"step {step}: cut-over to {abandoned['optimal_plan']} "
                 f"abandoned, its compile failed: {abandoned['errors']}"))
         if not due_now:
             return False
         self._flush(mw, ew.display)
-        pos = dataclasses.replace(ls.pos, good=self.good)
-        ls.pos, mig = self._cutover(pos)
+        done = self.cutovers.cutover(dataclasses.replace(ls.pos, good=self.good), self.pool)
+        ls.pos, self.pool, mig = done.pos, done.pool, done.event
+        self.transfer_logs.append(done.log)
+        self._protect(ls.pos)
         self.timeline.cutover(ls.pos.plan.name, mig.get("stall_s", 0.0))
         (ls.growths if mig["type"] == "growth" else ls.migrations).append(mig)
         ew.event(mig, migration_line(mig))
@@ -377,7 +381,14 @@ class Trainer(Recovering):
         pos = dataclasses.replace(ls.pos, good=self.good)
         during = [e for e in ls.pending if e.at_step == step and e.phase == "recovery"]
         unfinished = ls.open_event  # a recovery whose first step just failed
-        ls.pos, ls.open_event = self._recover(pos, failure, during)
+        self.cutovers.pending = None  # a new failure re-plans from scratch (returned devices too)
+        r = self.recovery.recover(pos, self.pool, failure, during)
+        ls.pos, ls.open_event, self.pool = r.pos, r.event, r.pool
+        self.transfer_logs.append(r.log)
+        if r.cutover is not None:
+            self.cutovers.pend(r.cutover, r.pos)
+        else:
+            ls.protect_due = True
         if unfinished is None:  # its first step's record comes after it
             self._recovery_at = len(self.timeline.items)
         else:  # still one recovery: it ends at a good step
@@ -406,10 +417,9 @@ class Trainer(Recovering):
             self._flush(mw, ew.display)
         if ls.open_event is not None:
             self._close_recovery(ls, ew)
-        elif self._standby_due is not None:
-            self._refresh_standby(*self._standby_due)
-            self._prepare_transitions(pos.plan, pos.exe, pos.state, set(pos.live))
-            self._standby_due = None
+        elif ls.protect_due:
+            self._protect(pos)
+            ls.protect_due = False
             if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
                 self._flush(mw, ew.display)
                 self._wait_standby(ew, pos.step)
@@ -448,10 +458,10 @@ class Trainer(Recovering):
             # digest of every leaf's layout-independent checksum: equal digests = bitwise equal
             # final parameters and optimizer state
             "state_digest": checksum.digest(self.good),
-            "transfer_plans_prepared": self.jobs.done if self.jobs else 0,
-            "transfer_plan_errors": self.jobs.errors[:5] if self.jobs else [],
-            "standby_errors": self.standby_errors[:5],
-            "cutover_pending": self.pending_cutover is not None,
+            "transfer_plans_prepared": self.transitions.done,
+            "transfer_plan_errors": self.transitions.errors[:5],
+            "standby_errors": self.source.errors[:5],
+            "cutover_pending": self.cutovers.pending is not None,
             "notes": notes,
             "runtime": self.rt.kind,
             "processes": sorted({self.rt.process_of(d) for d in pos.live}),
@@ -473,7 +483,7 @@ class Trainer(Recovering):
             f"the cut-over to {a['optimal_plan']} was abandoned at step {a['step']}: its "
             f"background compile failed ({next(iter(a['errors'].values()))[:200]}); the run "
             f"stayed on {'its plan' if a.get('kind') == 'growth' else 'its fast path'}"
-            for a in self.abandoned_cutovers
+            for a in self.cutovers.abandoned
         ]
         notes += [
             f"the fault '{e.spec}' (phase cutover, from step {e.at_step}) never fired: the run "
@@ -486,8 +496,8 @@ class Trainer(Recovering):
                 f"reached standby.map_budget = {self.cfg.standby.map_budget} of its memory-mapping "
                 "limit (vm.max_map_count); recoveries to them compile"
             )
-        if self.pending_cutover is not None:
-            pc = self.pending_cutover
+        if self.cutovers.pending is not None:
+            pc = self.cutovers.pending
             since = "the join" if pc.kind == "growth" else "the failure"
             notes.append(
                 f"the run ended on {ls.pos.plan.name}: the "
@@ -516,7 +526,7 @@ class Trainer(Recovering):
         """Run one step on `pos` (inside the step's guard): batch, train, snapshot, evaluation."""
         step, plan, exe = pos.step, pos.plan, pos.exe
         _, idx = self.data.step_ids(step)
-        host_batch = self._batch(step, plan)
+        host_batch = self._batch(step, plan, pos.kept)
         t0 = time.perf_counter()
         if not self.timeline.startup_s:
             self.timeline.startup_s = t0 - self._t_run
@@ -535,7 +545,7 @@ class Trainer(Recovering):
         evals = None
         every = self.cfg.train.eval_every
         if every and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps):
-            evals = self._eval(exe, plan, new_state)
+            evals = self._eval(exe, plan, pos.kept, new_state)
         # a runtime whose steps complete in their guard waits for the snapshot's copies too; the
         # others leave them running beside the next step
         self.rt.commit((new_state, met, evals, self.pool.in_flight() if self.rt.step_sync else ()))
@@ -608,10 +618,7 @@ class Trainer(Recovering):
                     if live != set(self.topo.device_ids):
                         survivors = [d for d in self.topo.device_ids if d in live]
                         plan = replan(survivors, self.topo, self.cfg, self.initial, self.initial)
-                    cpu0 = time.process_time()
-                    exe, hit, _, _ = self.executables(plan)
-                    if not hit:  # what a compile costs here, before any background one
-                        self.first_compile_cpu_s = time.process_time() - cpu0
+                    exe = self.source.start(plan)
                 with self.rt.guard("start/init"):
                     step, state, good = self._init_state(exe)
                     self.rt.commit(state)
@@ -620,8 +627,9 @@ class Trainer(Recovering):
                 failures.append(f)
         self.good = good
         pos = Position(step, plan, exe, state, good, frozenset(live))
-        self._refresh_standby(plan, set(live) | set(plan.spare_ids))
-        self._prepare_transitions(plan, exe, state, set(live))
+        self.source.refresh(
+            plan, self.contingencies.standby_plans(plan, set(live) | set(plan.spare_ids)))
+        self.transitions.for_failures(pos, self.pool)
         if self.cfg.standby.wait_at_start:
             self._wait_standby(ew, None)
         for f in failures:
@@ -662,16 +670,7 @@ class Trainer(Recovering):
         recovery, a pause the failure's time lost counts)."""
         t_all = time.perf_counter()
         if self.standby is not None:
-            t0 = time.perf_counter()
-            self.standby.wait_all()
-            compile_s = time.perf_counter() - t0
-            warm_s = 0.0
-            if self.cfg.standby.warm and jax.process_count() == 1:
-                # on the training thread, between steps: nothing else runs on the devices
-                for exe in self.standby.ready_values():
-                    if exe.warm_s == 0.0:
-                        exe.warm_s = warm_up(exe)
-                        warm_s += exe.warm_s
+            compile_s, warm_s = self.source.wait_all(self.cfg.standby.warm)
             sb = self.standby
             ew.write({"type": "standby_ready", "step": step, "plans": sb.compiled + sb.rebound,
                       "compiled": sb.compiled, "rebound": sb.rebound,
@@ -686,35 +685,15 @@ class Trainer(Recovering):
             self.rt.log(line)
             if self.progress:
                 print(line)
-        if self.jobs is not None:
-            self.jobs.wait_idle()  # the likely transitions are planned too
+        self.transitions.wait_idle()  # the likely transitions are planned too
         if step is not None:
             self.timeline.pause(time.perf_counter() - t_all)
 
-    def _standby_build(self, plan: Plan) -> Executables:
-        """A standby plan's executables (the standby thread): compiled, or rebound from its
-        program. Where they may be loaded again (`standby.rebind`, or a renewed CPU client under
-        `launch`), they are serialized here too (`Executables.portable`, once per program), so
-        that a rebind or reload at recovery does not pay for it. The checksums its snapshot pool
-        takes are compiled too (`SnapshotPool.prepare`), so that a hit's first snapshot does not
-        compile."""
-        if self.worker is not None and not (
-            self._rebindable(plan)
-            or self.exe_cache.has(self.cfg, plan, self.donate, self.factory.tx_key)
-        ):  # a compile: in the worker, which a recovery can stop
-            src, compile_s = self.worker.compile(plan, self.donate)
-            exe = from_portable(self.cfg, self.factory, plan, self.devices, src, compile_s)
-            self.exe_cache.put(self.cfg, plan, exe, self.donate, self.factory.tx_key)
-        else:
-            exe = self.exe_cache.get(
-                self.cfg, self.factory, plan, self.devices, donate=self.donate,
-                reuse_programs=self.cfg.standby.rebind,
-            )[0]
-            if (self.cfg.standby.rebind or jax.process_count() > 1) and exe.portable_ok:
-                exe.portable()
-        # the snapshot checksums of the plan's pool too (a small compile, here)
-        self.pool.prepare(exe.layout.abstract, exe.state_shardings, exe.mesh)
-        return exe
+    def _protect(self, pos: Position) -> None:
+        """Prepare for `pos`'s likely next failures: their plans built in the background
+        (standby) and their transitions planned."""
+        self.source.refresh(pos.plan, self.contingencies.standby_plans(pos.plan, set(pos.live)))
+        self.transitions.for_failures(pos, self.pool)
 
     def _init_state(self, exe: Executables):
         """(step, state, checksums) of a fresh start or a checkpoint resume."""
@@ -725,7 +704,7 @@ class Trainer(Recovering):
             step = self.ckpt.latest_step() if rs == -1 else rs
             if step is None:
                 raise FileNotFoundError(f"checkpoint.resume_step: no checkpoint in {self.ckpt.dir}")
-            state, meta = self._restore(step, exe)
+            state, meta = restore_verified(self.ckpt, step, self.factory, exe, self.rt)
             self.dropped_checkpoints = self.ckpt.drop_after(step)
         else:
             step, state = 0, exe.init()
@@ -737,43 +716,28 @@ class Trainer(Recovering):
         self.pool.take(state, step)  # the initial state is protected too
         return step, state, good
 
-    def _restore(self, step: int, exe: Executables):
-        """Restore checkpoint `step` (stored in the form of the plan that saved it) onto `exe`'s
-        plan, verified."""
-        state, meta, _ = restore_onto(
-            self.ckpt, step, self.factory, exe, devices=self.devices, transport=self.rt,
-            threads=self.rt.threads,
-        )
-        got = host_checksums(self.rt, exe.checksum(state), exe)
-        bad = checksum.diff(meta["checksums"], got)
-        if bad:
-            raise RecoveryVerificationError(f"checkpoint {step} fails its checksums: {bad[:3]}")
-        return state, meta
-
-    def _eval(self, exe: Executables, plan: Plan, state) -> list:
+    def _eval(self, exe: Executables, plan: Plan, kept, state) -> list:
         """Held-out loss of `state`: the per-batch (sum, count) arrays, read later."""
         out = []
         for i in range(self.cfg.train.eval_batches):
-            hb = self._subset(self.data.eval_batch(i, self._layout_plan(plan)))
+            hb = self._subset(self.data.eval_batch(i, self._layout_plan(plan, kept)), kept)
             out.append(exe.eval(state.params, exe.put_batch(hb.arrays())))
         return out
 
     # -- batches (torchft_like processes only the surviving replicas' share) ---------------------
 
-    def _layout_plan(self, plan: Plan) -> Plan:
-        return self.initial if self.torchft_keep is not None else plan
+    def _layout_plan(self, plan: Plan, kept) -> Plan:
+        return self.initial if kept is not None else plan
 
-    def _subset(self, hb):
-        """Keep the columns of the kept replicas of the initial layout (torchft_like)."""
-        if self.torchft_keep is None:
+    def _subset(self, hb, kept):
+        """Keep the columns of the `kept` replicas of the initial layout (torchft_like)."""
+        if kept is None:
             return hb
         b = self.initial.micro_batch
-        return hb.columns(
-            np.concatenate([np.arange(r * b, (r + 1) * b) for r in self.torchft_keep])
-        )
+        return hb.columns(np.concatenate([np.arange(r * b, (r + 1) * b) for r in kept]))
 
-    def _batch(self, step: int, plan: Plan):
-        return self._subset(self.data.batch(step, self._layout_plan(plan)))
+    def _batch(self, step: int, plan: Plan, kept):
+        return self._subset(self.data.batch(step, self._layout_plan(plan, kept)), kept)
 
 
 def run(

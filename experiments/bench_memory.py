@@ -44,22 +44,31 @@ def rss_mb() -> float:
 
 
 class Measured(trainer.Trainer):
+    """The trainer, printing its memory after each recovery (`on_recovery`)."""
+
     rows: list = []
 
-    def _recover(self, pos, failure, during):
-        out = super()._recover(pos, failure, during)
-        new_pos = out[0]
-        plan = new_pos.plan
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        recover = self.recovery.recover
+
+        def measured(pos, pool, failure, during):
+            out = recover(pos, pool, failure, during)
+            self.on_recovery(pos.step, out.pos.plan)
+            return out
+
+        self.recovery.recover = measured
+
+    def on_recovery(self, step, plan):
         ratio = zero.storage_ratio(plan.zero) if plan.zero is not None else float("nan")
         self.rows.append((
-            pos.step, plan.name.split(".")[0], rss_mb(), len(self.exe_cache._d),
-            len(self.factory._layouts), len(self.transition_plans), ratio,
+            step, plan.name.split(".")[0], rss_mb(), len(self.exe_cache._d),
+            len(self.factory._layouts), len(self.transitions.cache), ratio,
         ))
         r = self.rows[-1]
         print(f"step {r[0]:3d} -> {r[1]:<12} RSS {r[2]:8.1f} MB  executables {r[3]:2d}  "
               f"forms {r[4]:2d}  transition plans {r[5]:2d}  ZeRO storage ratio {r[6]:.4f}",
               flush=True)
-        return out
 
 
 def main():

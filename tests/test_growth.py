@@ -165,8 +165,8 @@ def test_grow_standby_queues_the_every_device_plan_while_devices_are_down():
         init = t.initial
         five = planner.replan([2, 4, 5, 6, 7], TOPO, cfg, init, init)
         want = planner.growth_plan(list(range(8)), TOPO, cfg, five, init).best.compile_key
-        assert t.standby_candidates(five, {2, 4, 5, 6, 7}) == [want]
-        assert t.standby_candidates(init, set(range(8))) == []
+        assert t.contingencies.standby_plans(five, {2, 4, 5, 6, 7}) == [want]
+        assert t.contingencies.standby_plans(init, set(range(8))) == []
     finally:
         t.standby.close()
         t.rt.close()

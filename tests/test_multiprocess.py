@@ -136,7 +136,7 @@ def test_standby_compiles_the_spare_substituted_plan_of_each_single_host_failure
         try:
             init = t.initial
             assert init.device_ids == tuple(range(6)) and init.spare_ids == (6, 7)
-            got = t.standby_candidates(init, set(range(8)))
+            got = t.contingencies.standby_plans(init, set(range(8)))
             want = []
             for h in range(3):
                 ids = list(init.device_ids)

@@ -283,21 +283,21 @@ def test_a_recovery_ends_a_worker_compile_of_a_program_it_does_not_need():
 def test_a_needed_compile_the_worker_has_barely_begun_is_ended_and_built_here():
     """A recovery waits for the worker's compile of the plan it needs (or of its program) only
     once the worker has spent `WORKER_WAIT_PROGRESS` of a compile's CPU time on it
-    (`Recovering._worker_early`: its finished compiles' mean, else this process's first
+    (`ExecutableSource._worker_early`: its finished compiles' mean, else this process's first
     compile); before, `cancel_busy` ends that compile, and only it. A child still starting has
     made no progress. Counted, not timed."""
     import os
     from types import SimpleNamespace
 
     from elasjax.compilation.worker import CompileWorker
-    from elasjax.recovery import Recovering
+    from elasjax.compilation.source import ExecutableSource
     from elasjax.runtime.liveness import cpu_s
 
-    f = Recovering.WORKER_WAIT_PROGRESS
+    f = ExecutableSource.WORKER_WAIT_PROGRESS
 
     def early(progress, first=0.0):
         worker = SimpleNamespace(progress=lambda: progress)
-        return Recovering._worker_early(SimpleNamespace(
+        return ExecutableSource._worker_early(SimpleNamespace(
             worker=worker, first_compile_cpu_s=first, WORKER_WAIT_PROGRESS=f))
 
     assert early((0.0, 10.0)) and early((10 * f - 0.1, 10.0))
@@ -463,7 +463,7 @@ def test_standby_covers_every_likely_failure_unless_capped():
 
     t = Trainer(tiny_config("standby.enabled=true"))
     try:
-        keys = t.standby_candidates(t.initial, set(t.topo.device_ids))
+        keys = t.contingencies.standby_plans(t.initial, set(t.topo.device_ids))
         assert len(keys) == 12 and len({k.device_ids for k in keys}) == 12
         assert [k.n_devices for k in keys] == [7] * 8 + [6] * 4
         t.standby.submit([])  # nothing compiles here
@@ -472,7 +472,7 @@ def test_standby_covers_every_likely_failure_unless_capped():
     deep = Trainer(tiny_config("standby.enabled=true", "standby.depth=2"))
     try:
         deep.standby.close()
-        keys2 = deep.standby_candidates(deep.initial, set(deep.topo.device_ids))
+        keys2 = deep.contingencies.standby_plans(deep.initial, set(deep.topo.device_ids))
         extra = keys2[12:]
         assert keys2[:12] == keys and extra
         programs = [k.shape_key for k in extra]
@@ -484,7 +484,9 @@ def test_standby_covers_every_likely_failure_unless_capped():
     try:
         capped.standby.close()  # its thread stops: submit only records the queue
         with pytest.warns(StandbyCoverageWarning, match="covers 5 of the 12 plans"):
-            capped._refresh_standby(capped.initial, set(capped.topo.device_ids))
+            live = set(capped.topo.device_ids)
+            capped.source.refresh(capped.initial,
+                                  capped.contingencies.standby_plans(capped.initial, live))
         assert capped.standby.dropped == 7
     finally:
         capped.standby.close()

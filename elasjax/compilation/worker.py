@@ -26,7 +26,7 @@ has imported and set up; each later one a request `(plan, donate)`, answered
 
 How far a compile has got (`progress`) is the child's CPU time since the request (Linux
 `/proc`), against the CPU time of its finished compiles: a recovery that needs what the child
-compiles waits for it only when it is far enough along (`Recovering.WORKER_WAIT_PROGRESS`).
+compiles waits for it only when it is far enough along (`ExecutableSource.WORKER_WAIT_PROGRESS`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,241 @@
+"""Where a plan's executables come from: the standby set (built ahead on a thread, or in a
+compile worker process), a background compile already under way, the executable cache, or a
+compile now. A needed plan never waits in line behind one that is not needed (`get`)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+
+import jax
+
+from ..config import Config, ConfigError
+from ..planner import Plan
+from ..state import StateFactory
+from .executables import ExecutableCache, Executables, from_portable, on_devices, warm_up
+from .standby import StandbyCompiler, StandbyCoverageWarning
+from .worker import CompileWorker, unavailable
+
+
+class ExecutableSource:
+    """A run's executables. `background`: keep a standby compiler (standby plans, async
+    migration's optimal plan, growth); `custom_tx`: the optimizer is the user's (a compile
+    worker process cannot rebuild it); `prepare`: called with each standby-built executable
+    (the snapshot pool compiles its checksums for that plan); `log`: the runtime's log."""
+
+    # a queued needed plan waits for the compile under way unless that has more than this
+    # fraction of a mean compile left; beyond it, a cold compile now is sooner
+    WAIT_BEHIND = 0.25
+    # a needed plan (or its program) compiling in the worker is waited for only once the worker
+    # has spent this fraction of a compile's CPU time on it; before, it is ended and the plan
+    # compiled here with every core, sooner than the rest of a compile at low priority plus the
+    # load (a child niced beside training may have barely started)
+    WORKER_WAIT_PROGRESS = 0.25
+
+    def __init__(self, cfg: Config, factory: StateFactory, devices, exe_cache: ExecutableCache,
+                 *, donate: bool, background: bool, custom_tx: bool,
+                 prepare: Callable[[Executables], None], log: Callable[[str], None]):
+        self.cfg, self.factory, self.devices, self.exe_cache = cfg, factory, devices, exe_cache
+        self.donate, self._prepare, self._log = donate, prepare, log
+        self.errors: list[str] = []  # standby compiles that failed while a recovery waited
+        self.first_compile_cpu_s = 0.0  # CPU seconds of the start's compile (0: none here)
+        self.worker: CompileWorker | None = None
+        self.standby: StandbyCompiler | None = None
+        if not background:
+            return
+        if cfg.standby.compiler != "thread":
+            why = unavailable(cfg, custom_tx, jax.process_count() > 1)
+            if why is None:
+                self.worker = CompileWorker(cfg)
+            elif cfg.standby.compiler == "process":
+                raise ConfigError(
+                    f"config 'standby.compiler' = process: {why}; allowed values here: thread, auto"
+                )
+        self.standby = StandbyCompiler(
+            self._standby_build,
+            max_plans=cfg.standby.max_plans,
+            cheap=self.rebindable,
+            map_budget=cfg.standby.map_budget,
+            cancel=self.worker.kill if self.worker is not None else None,
+        )
+
+    # -- getting a plan's executables -----------------------------------------------------------
+
+    def start(self, plan: Plan) -> Executables:
+        """The start plan's executables; what a cold compile of it cost in CPU time is what
+        `_worker_early` measures a worker's compile against when the worker has finished none."""
+        cpu0 = time.process_time()
+        exe, hit, _, _ = self.get(plan)
+        if not hit:
+            self.first_compile_cpu_s = time.process_time() - cpu0
+        return exe
+
+    def get(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
+        """See `_get`; a compile worker's compile runs at normal priority meanwhile (what it
+        compiles now is needed: `StandbyCompiler.drop_queued` ended any other)."""
+        if self.worker is None or self.standby.ready(plan.compile_key):
+            return self._get(plan)
+        self.worker.renice(0)
+        try:
+            return self._get(plan)
+        finally:
+            self.worker.renice(self.worker.nice)
+
+    def _get(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
+        """(executables, already compiled in this process, standby hit, seconds waited for a
+        background compile). A standby hit means the executable was ready when asked for. A
+        needed plan never waits in line: a queued one jumps to the front, or is built here when
+        the build under way would take longer than `WAIT_BEHIND` of building it here; with
+        `standby.rebind`, when the compile under way is of its program (for other devices),
+        that compile is waited for and the plan loaded from it (`executables.rebind`). Either
+        compile, when it runs in the compile worker and has not got far
+        (`WORKER_WAIT_PROGRESS`), is ended instead and the plan compiled here."""
+        sb, rebind = self.standby, self.cfg.standby.rebind
+        if sb is not None:
+            key = plan.compile_key
+            exe = sb.get(key)
+            if exe is not None:
+                return self.current(exe, key), True, True, 0.0
+            where = sb.expedite(key)
+            busy = sb.busy()
+            if busy is not None and (
+                busy == key or (rebind and busy.shape_key == key.shape_key)
+            ) and self._worker_early():
+                took = where == "front" and sb.take(key)  # first: never built twice
+                if sb.cancel_busy(busy) or took:
+                    busy, where = None, "absent"  # built here
+            if (
+                rebind and busy is not None and busy != key
+                and busy.shape_key == key.shape_key and not self.rebindable(key)
+                and (where != "front" or sb.take(key))
+            ):  # its program is compiling now for other devices: wait for that, then load it
+                t0 = time.perf_counter()
+                try:
+                    sb.wait(busy)
+                except Exception as e:  # noqa: BLE001 - any compile error: recorded, then
+                    # compiled here, where an error that recurs is raised
+                    self.errors.append(f"{busy.name}: {type(e).__name__}: {e}")
+                wait_s = time.perf_counter() - t0
+                exe, hit = self._cached(plan)
+                return exe, hit, False, wait_s
+            left = sb.busy_left_s()
+            # building it here: a rebind where its program is compiled, else a compile
+            here_s = sb.mean_rebind_s if self.rebindable(key) else sb.mean_compile_s
+            long_wait = left is not None and left > self.WAIT_BEHIND * here_s
+            # `take` fails if the thread started it meanwhile: then it is waited for, never
+            # compiled twice (with a compile worker, whose compile of another program
+            # `drop_queued` ended, a queued plan is built here at once: the worker would start
+            # afresh, niced)
+            cold = where == "absent" or (
+                where == "front" and (long_wait or self.worker is not None) and sb.take(key)
+            )
+            if not cold:
+                t0 = time.perf_counter()
+                exe = self.current(sb.wait(key), key)
+                return exe, False, False, time.perf_counter() - t0
+        exe, hit = self._cached(plan)
+        return exe, hit, False, 0.0
+
+    def _cached(self, plan: Plan) -> tuple[Executables, bool]:
+        return self.exe_cache.get(
+            self.cfg, self.factory, plan, self.devices, donate=self.donate,
+            reuse_programs=self.cfg.standby.rebind,
+        )
+
+    def _worker_early(self) -> bool:
+        """Has the compile worker spent less than `WORKER_WAIT_PROGRESS` of a compile's CPU
+        time (its finished compiles' mean, else this process's first compile) on the compile
+        under way? False when nothing says."""
+        progress = self.worker.progress() if self.worker is not None else None
+        if progress is None:
+            return False
+        spent, full = progress
+        full = full or self.first_compile_cpu_s
+        return full > 0 and spent < self.WORKER_WAIT_PROGRESS * full
+
+    def rebindable(self, plan: Plan) -> bool:
+        """Can `plan` be built without compiling (its program is compiled for other devices)?"""
+        return self.cfg.standby.rebind and self.exe_cache.program(
+            self.cfg, plan, self.donate, self.factory.tx_key) is not None
+
+    def current(self, exe: Executables, key) -> Executables:
+        """A standby executable on the current client: reloaded (`executables.rehome`, no
+        compile) when the CPU client was renewed after it was built, and kept so (built again
+        where it cannot be reloaded: one that JAX's persistent cache loaded, which serves it
+        again)."""
+        now = on_devices(exe, self.devices)
+        if now is None:
+            now = self._cached(exe.plan)[0]
+        if now is not exe:
+            self.standby.put(key, now)
+        return now
+
+    def ready(self, plan: Plan) -> Executables:
+        """A plan the standby reports ready, on the current client."""
+        return self.current(self.standby.get(plan.compile_key), plan.compile_key)
+
+    # -- the standby set ------------------------------------------------------------------------
+
+    def refresh(self, plan: Plan, keys: list) -> None:
+        """Build `keys` (the plans `plan`'s likely failures need) in the background, dropping
+        what was queued for the plan before; warns when `standby.max_plans` leaves some out."""
+        sb = self.standby
+        if sb is None:
+            return
+        sb.submit(keys)
+        if sb.dropped:
+            msg = (
+                f"standby.max_plans={sb.max_plans} covers {len(keys) - sb.dropped} of the "
+                f"{len(keys)} plans of {plan.name}'s likely failures (every single device and "
+                "host); the others compile when they are needed (unset max_plans to cover all)"
+            )
+            self._log(msg)
+            warnings.warn(msg, StandbyCoverageWarning, stacklevel=3)
+
+    def only(self, plan: Plan) -> None:
+        """`plan` is the only one that matters now (a pending cut-over's): build nothing else."""
+        self.standby.submit([plan.compile_key])
+
+    def wait_all(self, warm: bool) -> tuple[float, float]:
+        """Block until every queued standby plan is built; with `warm`, run each built one once
+        (one process only; on the calling thread, between steps: nothing else runs on the
+        devices). Returns (seconds waited for builds, seconds warming)."""
+        t0 = time.perf_counter()
+        self.standby.wait_all()
+        compile_s = time.perf_counter() - t0
+        warm_s = 0.0
+        if warm and jax.process_count() == 1:
+            for exe in self.standby.ready_values():
+                if exe.warm_s == 0.0:
+                    exe.warm_s = warm_up(exe)
+                    warm_s += exe.warm_s
+        return compile_s, warm_s
+
+    def _standby_build(self, plan: Plan) -> Executables:
+        """A standby plan's executables (the standby thread): compiled, or rebound from its
+        program. Where they may be loaded again (`standby.rebind`, or a renewed CPU client under
+        `launch`), they are serialized here too (`Executables.portable`, once per program), so
+        that a rebind or reload at recovery does not pay for it. `prepare` runs on it too (the
+        snapshot checksums of its plan), so that a hit's first snapshot does not compile."""
+        if self.worker is not None and not (
+            self.rebindable(plan)
+            or self.exe_cache.has(self.cfg, plan, self.donate, self.factory.tx_key)
+        ):  # a compile: in the worker, which a recovery can stop
+            src, compile_s = self.worker.compile(plan, self.donate)
+            exe = from_portable(self.cfg, self.factory, plan, self.devices, src, compile_s)
+            self.exe_cache.put(self.cfg, plan, exe, self.donate, self.factory.tx_key)
+        else:
+            exe = self._cached(plan)[0]
+            if (self.cfg.standby.rebind or jax.process_count() > 1) and exe.portable_ok:
+                exe.portable()
+        self._prepare(exe)
+        return exe
+
+    def close(self) -> None:
+        if self.standby is not None:
+            if self.worker is not None:
+                self.worker.kill()  # a compile under way ends now, not at its end
+            self.standby.close()
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,121 @@
+"""What the run prepares for: the likeliest next failures of a plan, and the plans recovery
+would move to after each (or after every down device returned). Pure planning, no JAX: the
+standby compiles these plans ahead (`compilation.source`), and the transitions to them are
+planned in the background (`recovery.TransitionPlanner`)."""
+
+from __future__ import annotations
+
+from .config import Config
+from .planner import (
+    NoPlanError,
+    Plan,
+    Topology,
+    fast_path_plan,
+    growth_plan,
+    replan,
+    same_shape,
+    substitute_spares,
+)
+
+
+class Contingencies:
+    """The next failures and plans of a job on `topo` started on `initial`. `device_failures`:
+    can one device fail alone (the in-process runtime), or only a whole process's devices;
+    `can_grow`: can devices return (the runtime has `join`)."""
+
+    def __init__(self, cfg: Config, topo: Topology, initial: Plan, *, device_failures: bool,
+                 can_grow: bool):
+        self.cfg, self.topo, self.initial = cfg, topo, initial
+        self.device_failures, self.can_grow = device_failures, can_grow
+
+    def failures(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
+        """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single
+        device (where one can fail alone) and every single host."""
+        topo = self.topo
+        fails = [({d}, set()) for d in plan.device_ids] if self.device_failures else []
+        fails += [
+            (set(topo.host_devices(h)) & live, {h})
+            for h in range(topo.n_hosts)
+            if set(topo.host_devices(h)) & set(plan.device_ids)
+        ]
+        return fails
+
+    def survivors(self, live: set[int]) -> list[int]:
+        """`live` in the job's device order (the order every plan lists its devices in)."""
+        return [d for d in self.topo.device_ids if d in live]
+
+    def recovery_plan(self, plan: Plan, survivors: list[int]) -> tuple[Plan, Plan]:
+        """(plan to resume on, optimal plan) after a failure of `plan` that leaves `survivors`:
+        the optimal plan, or with `recovery.migration: async` a no-movement fast path first."""
+        cfg = self.cfg
+        optimal = replan(survivors, self.topo, cfg, plan, self.initial)
+        if cfg.parallel.spares and same_shape(plan, optimal):
+            return optimal, optimal  # a hot spare took over: nothing faster to resume on
+        if cfg.recovery.migration == "async" and cfg.recovery.strategy == "elastic":
+            fast = fast_path_plan(plan, survivors, cfg)
+            if fast is not None and fast != optimal:
+                return fast, optimal
+        return optimal, optimal
+
+    def standby_plans(self, plan: Plan, live: set[int]) -> list:
+        """The compile keys of the plans recovery would need after the likeliest next failures
+        of `plan` (`failures`): their optimal plans with `standby.enabled`; the no-movement
+        fast paths with `recovery.migration: async`; and with `recovery.grow_standby`, the plan
+        of the likeliest growth (every down device returns). With `standby.depth: 2`, also one
+        plan of each new program (`Plan.shape_key`) needed after a second failure of each of
+        those: after a recovery, the standby set of the new plan then needs no compile, only
+        loads (`executables.rebind`). One per program, not every device set: a loaded CPU
+        executable holds hundreds of memory mappings, and a process has a bounded number
+        (`standby.map_budget`)."""
+        sb = self.cfg.standby
+        first = self._next_plans(plan, live)
+        out = [p for p, _ in first]
+        if sb.enabled and sb.depth == 2:
+            programs = {p.shape_key for p in out}
+            for nxt, survivors in first:
+                for p, _ in self._next_plans(nxt, survivors):
+                    if p.shape_key not in programs:
+                        programs.add(p.shape_key)
+                        out.append(p)
+        if self.cfg.recovery.grow_standby and self.can_grow:
+            grown = self.growth_candidate(plan, live)
+            if grown is not None:
+                out.append(grown)
+        return list(dict.fromkeys(p.compile_key for p in out))
+
+    def _next_plans(self, plan: Plan, live: set[int]) -> list[tuple[Plan, set[int]]]:
+        """(plan, its live devices) after each of `plan`'s likeliest next failures."""
+        cfg = self.cfg
+        out: list[tuple[Plan, set[int]]] = []
+        for gone, _ in self.failures(plan, live):
+            survivors = self.survivors(live - gone)
+            if not survivors:
+                continue
+            left = set(survivors)
+            if cfg.parallel.spares and (cfg.standby.enabled or cfg.recovery.migration == "async"):
+                # a spare would take over: recovery resumes on that plan, async or not
+                kept = substitute_spares(plan, survivors, self.topo)
+                if kept is not None:
+                    out.append((kept, left))
+                    continue
+            if cfg.recovery.migration == "async":
+                fast = fast_path_plan(plan, survivors, cfg)
+                if fast is not None:
+                    out.append((fast, left))
+            if cfg.standby.enabled:
+                try:
+                    out.append((replan(survivors, self.topo, cfg, plan, self.initial), left))
+                except NoPlanError:  # a failure the planner cannot serve needs no standby
+                    pass
+        return out
+
+    def growth_candidate(self, plan: Plan, live: set[int]) -> Plan | None:
+        """The plan growth would move to from `plan` if every down device of the job returned
+        (`recovery.grow_standby`); None when none is down or it would not grow."""
+        if set(self.topo.device_ids) <= set(live):
+            return None
+        try:
+            g = growth_plan(list(self.topo.device_ids), self.topo, self.cfg, plan, self.initial)
+        except NoPlanError:  # nothing to compile ahead for a set the planner cannot serve
+            return None
+        return g.best if g.grow else None

@@ -1,0 +1,176 @@
+"""Growth when devices return, and the cut-over to a pending plan at a step boundary.
+
+Devices that return (a schedule's `join`) join the live set, empty. The planner's best plan over
+the bigger set (`planner.growth_plan`, no growth unless it is predicted at least
+`recovery.grow_min_gain` faster) becomes a pending cut-over, exactly like the optimal plan after
+an async recovery: training goes on on the current plan while the pending plan compiles in the
+background, and the cut-over at a step boundary moves the state onto it from the current plan's
+(live) shards, verified by checksum. Its `migration` or `growth` event reports the stall.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from .compilation.source import ExecutableSource
+from .config import Config
+from .planner import Plan, Topology, growth_plan
+from .recovery import PendingCutover, Position, TransitionPlanner, host_checksums
+from .transfer import checksum
+from .transfer.reshard import transition
+from .transfer.shards import ShardStore, StateMismatchError, TransferLog
+
+
+@dataclasses.dataclass
+class CutoverDone:
+    """A cut-over that happened (`Cutovers.cutover`): the new position, the new plan's snapshot
+    pool (its first snapshot taken), the transfers, and the `migration` or `growth` event."""
+
+    pos: Position
+    pool: object
+    log: TransferLog
+    event: dict
+
+
+class Cutovers:
+    """The pending cut-over of a run (`pending`: a `recovery.PendingCutover` or None), its
+    wait for the compile, and the cut-overs abandoned because that compile failed."""
+
+    def __init__(self, cfg: Config, rt, topo: Topology, initial: Plan, source: ExecutableSource,
+                 transitions: TransitionPlanner):
+        self.cfg, self.rt, self.topo, self.initial = cfg, rt, topo, initial
+        self.source, self.transitions = source, transitions
+        self.pending: PendingCutover | None = None
+        self.wait_s = 0.0  # the pending cut-over's wait for its compile
+        self.abandoned: list[dict] = []
+
+    def pend(self, pc: PendingCutover, pos: Position) -> None:
+        """Make `pc` the pending cut-over from `pos`: its plan is the only one the standby
+        builds now, and the move to it is planned in the background."""
+        self.pending, self.wait_s = pc, 0.0
+        self.source.only(pc.plan)
+        self.transitions.for_cutover(pos, pc.plan)
+
+    def join(self, pos: Position, joins: list) -> tuple[Position, dict]:
+        """Devices return at the boundary before step `pos.step`: they join the live set, empty.
+        When the planner finds a plan over the bigger set worth growing to, it becomes the
+        pending cut-over; otherwise the devices stay spare. Returns the new position and the
+        `join` event."""
+        t0 = time.perf_counter()
+        ids = sorted({d for e in joins for d in e.device_ids})
+        self.rt.join(ids)
+        live = frozenset(pos.live | set(ids))
+        # the returned hosts' memory is usable again
+        lost = pos.lost_hosts - {self.topo.host_of(d) for d in live}
+        survivors = [d for d in self.topo.device_ids if d in live]
+        g = growth_plan(survivors, self.topo, self.cfg, pos.plan, self.initial)
+        ev = {
+            "type": "join", "step": pos.step, "devices": ids,
+            "spec": "; ".join(e.spec for e in joins), "n_live": len(live), "plan": pos.plan.name,
+            "best_plan": g.best.name, "predicted_step_s": g.current_s,
+            "best_predicted_step_s": g.best_s, "predicted_gain": g.gain, "grow": g.grow,
+            "reason": g.reason,
+        }
+        new = dataclasses.replace(pos, live=live, lost_hosts=frozenset(lost))
+        if g.grow:
+            ev["replaces_pending"] = self.pending.plan.name if self.pending is not None else None
+            self.pend(PendingCutover(g.best, t0, pos.step, "growth", tuple(ids), g.gain), new)
+        ev["plan_s"] = time.perf_counter() - t0
+        return new, ev
+
+    def due(self, step: int) -> tuple[bool, dict | None]:
+        """(cut over now?, a `cutover_abandoned` event). Now when the pending plan is compiled
+        on every process, or after waiting for it once the run has spent
+        `recovery.max_fast_path_steps` steps on the fast path. If its background compile failed
+        on any process, the cut-over is abandoned (the event, also kept in `abandoned`) and the
+        run stays on its plan (which trains the same computation); never raised."""
+        pc = self.pending
+        sb = self.source.standby
+        key = pc.plan.compile_key
+        limit = self.cfg.recovery.max_fast_path_steps
+        try:
+            if limit and step - pc.step >= limit and not sb.ready(key):
+                t0 = time.perf_counter()
+                sb.wait(key)
+                self.wait_s += time.perf_counter() - t0
+            err = sb.error(key)
+        except Exception as e:  # noqa: BLE001 - the compile failed while we waited (`wait`
+            # raises its error): agreed below and reported as the abandoned cut-over's event
+            err = e
+        # each process's [state, error message]: lists survive the runtime's agreement
+        status = ["ready" if sb.ready(key) else "compiling", ""]
+        if err is not None:
+            status = ["error", f"{type(err).__name__}: {err}"[:500]]
+        votes = self.rt.agree(status)
+        errors = {str(p): msg for p, (state, msg) in votes.items() if state == "error"}
+        if errors:
+            self.pending = None
+            ev = {
+                "type": "cutover_abandoned", "kind": pc.kind, "step": step,
+                "optimal_plan": pc.plan.name, "errors": errors,
+                "stays_on": "the current plan (the same computation; fewer devices used)",
+            }
+            self.abandoned.append(ev)
+            return False, ev
+        return all(state == "ready" for state, _ in votes.values()), None
+
+    def cutover(self, pos: Position, pool) -> CutoverDone:
+        """Move to the pending plan (compiled in the background) at a step boundary. Each part
+        is its own guard (a failure leaves `pos` as it was: the old state is intact); `pool`
+        is the current plan's snapshot pool."""
+        pc = self.pending
+        target = pc.plan
+        new_exe = self.source.ready(target)
+        devices = self.rt.devices
+        with self.rt.guard("cutover/transfer"):
+            t0 = time.perf_counter()
+            tinfo: dict = {}
+            new_state, log = transition(
+                ShardStore.capture(pos.state), new_exe.state_shardings, devices=devices,
+                old_layout=pos.exe.layout, new_layout=new_exe.layout,
+                plans=self.transitions.cache, info=tinfo, transport=self.rt,
+                threads=self.rt.threads,
+            )
+            self.rt.commit(new_state)
+            transfer_s = time.perf_counter() - t0
+        if not log.sources() <= set(pos.plan.device_ids):  # invariant: returned devices are empty
+            raise AssertionError(f"a cut-over read {log.sources() - set(pos.plan.device_ids)}, "
+                                 f"outside {pos.plan.name}")
+        with self.rt.guard("cutover/verify"):
+            t0 = time.perf_counter()
+            actual = host_checksums(self.rt, new_exe.checksum(new_state), new_exe)
+            bad = checksum.diff(pos.good, actual)
+            if bad:
+                raise StateMismatchError(f"cut-over changed {len(bad)} leaves, e.g. {bad[:3]}")
+            verify_s = time.perf_counter() - t0
+            new_pool = pool.fresh()
+            new_pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, set(pos.live))
+            new_pool.take(new_state, pos.step)
+        self.pending = None
+        mig = {
+            "type": pc.kind,
+            "step": pos.step,
+            ("join_step" if pc.kind == "growth" else "failure_step"): pc.step,
+            "from_plan": pos.plan.name,
+            "to_plan": target.name,
+            "bytes_moved": log.bytes_moved,
+            "bytes_cross_process": log.cross_process_bytes,
+            "transfers": log.transfers,
+            "transfer_s": transfer_s,
+            "verify_s": verify_s,
+            # waited for the optimal plan's compile (after `recovery.max_fast_path_steps`)
+            "compile_wait_s": self.wait_s,
+            "stall_s": self.wait_s + transfer_s + verify_s,
+            "transfer_plan_hit": tinfo["plan_hit"],
+            "transfer_plan_s": tinfo["plan_s"],
+            "steps_on_fast_path": pos.step - pc.step,
+            "time_to_optimal_s": time.perf_counter() - pc.t_start,
+            "verified": True,
+        }
+        if pc.kind == "growth":
+            mig.update(joined_devices=list(pc.joined), n_devices=target.n_devices,
+                       from_n_devices=pos.plan.n_devices, predicted_gain=pc.predicted_gain,
+                       sources=sorted(log.sources()))
+        new = dataclasses.replace(pos, plan=target, exe=new_exe, state=new_state, good=actual)
+        return CutoverDone(new, new_pool, log, mig)
