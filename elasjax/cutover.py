@@ -15,6 +15,7 @@ import time
 
 from .compilation.source import ExecutableSource
 from .config import Config
+from .events import CutoverAbandoned, CutoverEvent, JoinEvent
 from .planner import Plan, Topology, growth_plan
 from .recovery import PendingCutover, Position, TransitionPlanner, host_checksums
 from .transfer import checksum
@@ -30,7 +31,7 @@ class CutoverDone:
     pos: Position
     pool: object
     log: TransferLog
-    event: dict
+    event: CutoverEvent
 
 
 class Cutovers:
@@ -43,7 +44,7 @@ class Cutovers:
         self.source, self.transitions = source, transitions
         self.pending: PendingCutover | None = None
         self.wait_s = 0.0  # the pending cut-over's wait for its compile
-        self.abandoned: list[dict] = []
+        self.abandoned: list[CutoverAbandoned] = []
 
     def pend(self, pc: PendingCutover, pos: Position) -> None:
         """Make `pc` the pending cut-over from `pos`: its plan is the only one the standby
@@ -52,7 +53,7 @@ class Cutovers:
         self.source.only(pc.plan)
         self.transitions.for_cutover(pos, pc.plan)
 
-    def join(self, pos: Position, joins: list) -> tuple[Position, dict]:
+    def join(self, pos: Position, joins: list) -> tuple[Position, JoinEvent]:
         """Devices return at the boundary before step `pos.step`: they join the live set, empty.
         When the planner finds a plan over the bigger set worth growing to, it becomes the
         pending cut-over; otherwise the devices stay spare. Returns the new position and the
@@ -65,21 +66,19 @@ class Cutovers:
         lost = pos.lost_hosts - {self.topo.host_of(d) for d in live}
         survivors = [d for d in self.topo.device_ids if d in live]
         g = growth_plan(survivors, self.topo, self.cfg, pos.plan, self.initial)
-        ev = {
-            "type": "join", "step": pos.step, "devices": ids,
-            "spec": "; ".join(e.spec for e in joins), "n_live": len(live), "plan": pos.plan.name,
-            "best_plan": g.best.name, "predicted_step_s": g.current_s,
-            "best_predicted_step_s": g.best_s, "predicted_gain": g.gain, "grow": g.grow,
-            "reason": g.reason,
-        }
+        ev = JoinEvent(
+            step=pos.step, devices=ids, spec="; ".join(e.spec for e in joins), n_live=len(live),
+            plan=pos.plan.name, best_plan=g.best.name, predicted_step_s=g.current_s,
+            best_predicted_step_s=g.best_s, predicted_gain=g.gain, grow=g.grow, reason=g.reason,
+        )
         new = dataclasses.replace(pos, live=live, lost_hosts=frozenset(lost))
         if g.grow:
-            ev["replaces_pending"] = self.pending.plan.name if self.pending is not None else None
+            ev.replaces_pending = self.pending.plan.name if self.pending is not None else None
             self.pend(PendingCutover(g.best, t0, pos.step, "growth", tuple(ids), g.gain), new)
-        ev["plan_s"] = time.perf_counter() - t0
+        ev.plan_s = time.perf_counter() - t0
         return new, ev
 
-    def due(self, step: int) -> tuple[bool, dict | None]:
+    def due(self, step: int) -> tuple[bool, CutoverAbandoned | None]:
         """(cut over now?, a `cutover_abandoned` event). Now when the pending plan is compiled
         on every process, or after waiting for it once the run has spent
         `recovery.max_fast_path_steps` steps on the fast path. If its background compile failed
@@ -106,11 +105,10 @@ class Cutovers:
         errors = {str(p): msg for p, (state, msg) in votes.items() if state == "error"}
         if errors:
             self.pending = None
-            ev = {
-                "type": "cutover_abandoned", "kind": pc.kind, "step": step,
-                "optimal_plan": pc.plan.name, "errors": errors,
-                "stays_on": "the current plan (the same computation; fewer devices used)",
-            }
+            ev = CutoverAbandoned(
+                kind=pc.kind, step=step, optimal_plan=pc.plan.name, errors=errors,
+                stays_on="the current plan (the same computation; fewer devices used)",
+            )
             self.abandoned.append(ev)
             return False, ev
         return all(state == "ready" for state, _ in votes.values()), None
@@ -148,29 +146,30 @@ class Cutovers:
             new_pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, set(pos.live))
             new_pool.take(new_state, pos.step)
         self.pending = None
-        mig = {
-            "type": pc.kind,
-            "step": pos.step,
-            ("join_step" if pc.kind == "growth" else "failure_step"): pc.step,
-            "from_plan": pos.plan.name,
-            "to_plan": target.name,
-            "bytes_moved": log.bytes_moved,
-            "bytes_cross_process": log.cross_process_bytes,
-            "transfers": log.transfers,
-            "transfer_s": transfer_s,
-            "verify_s": verify_s,
-            # waited for the optimal plan's compile (after `recovery.max_fast_path_steps`)
-            "compile_wait_s": self.wait_s,
-            "stall_s": self.wait_s + transfer_s + verify_s,
-            "transfer_plan_hit": tinfo["plan_hit"],
-            "transfer_plan_s": tinfo["plan_s"],
-            "steps_on_fast_path": pos.step - pc.step,
-            "time_to_optimal_s": time.perf_counter() - pc.t_start,
-            "verified": True,
-        }
-        if pc.kind == "growth":
-            mig.update(joined_devices=list(pc.joined), n_devices=target.n_devices,
-                       from_n_devices=pos.plan.n_devices, predicted_gain=pc.predicted_gain,
-                       sources=sorted(log.sources()))
+        growth = pc.kind == "growth"
+        mig = CutoverEvent(
+            kind=pc.kind,
+            step=pos.step,
+            failure_step=None if growth else pc.step,
+            join_step=pc.step if growth else None,
+            from_plan=pos.plan.name,
+            to_plan=target.name,
+            bytes_moved=log.bytes_moved,
+            bytes_cross_process=log.cross_process_bytes,
+            transfers=log.transfers,
+            transfer_s=transfer_s,
+            verify_s=verify_s,
+            compile_wait_s=self.wait_s,
+            stall_s=self.wait_s + transfer_s + verify_s,
+            transfer_plan_hit=tinfo["plan_hit"],
+            transfer_plan_s=tinfo["plan_s"],
+            steps_on_fast_path=pos.step - pc.step,
+            time_to_optimal_s=time.perf_counter() - pc.t_start,
+            verified=True,
+        )
+        if growth:
+            mig.joined_devices, mig.n_devices = list(pc.joined), target.n_devices
+            mig.from_n_devices, mig.predicted_gain = pos.plan.n_devices, pc.predicted_gain
+            mig.sources = sorted(log.sources())
         new = dataclasses.replace(pos, plan=target, exe=new_exe, state=new_state, good=actual)
         return CutoverDone(new, new_pool, log, mig)

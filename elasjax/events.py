@@ -7,8 +7,10 @@ with it. A hook is any callable taking one argument; it is called, in this proce
 - a `StepInfo` after each step's metrics are read (in step order; a step redone after a
   checkpoint restore comes again, with `redo` true), and
 - an `Event` for each record of `events.jsonl` (`start`, `recovery`, `join`, `migration`,
-  `growth`, `cutover_abandoned`, `standby_ready`, `failure_cost`, `end`): its `type`, its
-  fields as written, and the typed record where the loop has one (`RecoveryEvent`).
+  `growth`, `cutover_abandoned`, `standby_ready`, `failure_cost`, `warning`, `end`): its
+  `type`, its fields as written, and its typed record (`StartEvent`, `RecoveryEvent`,
+  `JoinEvent`, `CutoverEvent`, ...: dataclasses, each also readable as a mapping of its
+  written fields).
 
 Under `elasjax launch` every process calls its own hooks (`StepInfo.process`; events are those
 its process writes or would write). A hook that raises stops the run with that error.
@@ -25,8 +27,8 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
 from .config import ConfigError
 
@@ -48,8 +50,8 @@ class StepInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One record of `events.jsonl`: `type`, the `fields` as written (`type` included) and the
-    typed record where there is one (a `RecoveryEvent` for `recovery`)."""
+    """One record of `events.jsonl`, as a hook gets it: `type`, the `fields` as written (`type`
+    included) and the typed `record` (e.g. a `RecoveryEvent` for `recovery`)."""
 
     type: str
     fields: dict
@@ -57,6 +59,217 @@ class Event:
 
 
 Hook = Callable[[Any], None]
+
+# field metadata: left out of the written record when None / merged into it (a dict)
+OMIT_NONE = {"omit_none": True}
+FLATTEN = {"flatten": True}
+
+
+class Record(Mapping):
+    """Base of the loop's typed events: a dataclass whose fields are what `events.jsonl` records
+    (`to_json`), also readable as a mapping of those fields (`ev["step"]`)."""
+
+    type: ClassVar[str] = ""
+
+    def to_json(self) -> dict:
+        out: dict = {"type": self.type}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.metadata.get("flatten"):
+                out.update(v)
+            elif not (v is None and f.metadata.get("omit_none")) and not f.metadata.get("hidden"):
+                out[f.name] = v
+        return out
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_json()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_json())
+
+    def __len__(self) -> int:
+        return len(self.to_json())
+
+
+@dataclasses.dataclass(eq=False)
+class StartEvent(Record):
+    """The run started (or resumed from a checkpoint) on `plan`."""
+
+    type: ClassVar[str] = "start"
+    step: int
+    plan: str
+    plan_detail: dict
+    devices: list[int]
+    devices_per_host: int
+    runtime: str
+    processes: list[int]
+    compile_s: float
+    n_params: int
+    snapshot_bytes_per_step: int
+    snapshot: dict  # the snapshot copies taken: {"buddy", "host", "auto"}
+    resumed_from_checkpoint: int | None
+    dropped_newer_checkpoints: list[int]
+    faults: list[str]
+
+
+@dataclasses.dataclass(eq=False)
+class FailureBeforeStart(Record):
+    """Devices failed while the run started; it started on the survivors."""
+
+    type: ClassVar[str] = "failure_before_start"
+    devices: list[int]
+    phase: str
+    cause: str
+    detail: dict = dataclasses.field(default_factory=dict, metadata=FLATTEN)
+
+
+@dataclasses.dataclass(eq=False)
+class WarningEvent(Record):
+    """Something about the run's settings a user should know (`field`: the config field)."""
+
+    type: ClassVar[str] = "warning"
+    field: str
+    message: str
+
+
+@dataclasses.dataclass(eq=False)
+class StandbyReady(Record):
+    """The standby set was built (`standby.wait_at_start`: `step` None; after a recovery with
+    `standby.wait_after_recovery`: the step it paused at, for `wait_s`)."""
+
+    type: ClassVar[str] = "standby_ready"
+    step: int | None
+    plans: int
+    compiled: int
+    rebound: int
+    wait_s: float
+    compile_s: float
+    rebind_s: float
+    warm_s: float
+
+
+@dataclasses.dataclass(eq=False)
+class JoinEvent(Record):
+    """Devices returned at the boundary before `step`; `grow`: the planner's best plan over the
+    bigger set (`best_plan`) is worth moving to (a pending cut-over), else they stay spare."""
+
+    type: ClassVar[str] = "join"
+    step: int
+    devices: list[int]
+    spec: str
+    n_live: int
+    plan: str
+    best_plan: str
+    predicted_step_s: float
+    best_predicted_step_s: float
+    predicted_gain: float
+    grow: bool
+    reason: str
+    replaces_pending: str | None = None  # a pending cut-over's plan this growth replaces
+    plan_s: float = 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class CutoverEvent(Record):
+    """A cut-over at a step boundary: to the optimal plan after an async recovery
+    (`kind` "migration", written as type `migration`) or to a bigger plan after devices
+    returned ("growth"). `stall_s`: the training time it took."""
+
+    kind: str = dataclasses.field(metadata={"hidden": True})
+    step: int
+    from_plan: str
+    to_plan: str
+    bytes_moved: int
+    bytes_cross_process: int
+    transfers: int
+    transfer_s: float
+    verify_s: float
+    compile_wait_s: float  # waited for the plan's compile (`recovery.max_fast_path_steps`)
+    stall_s: float
+    transfer_plan_hit: bool
+    transfer_plan_s: float
+    steps_on_fast_path: int
+    time_to_optimal_s: float
+    verified: bool
+    failure_step: int | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+    # growth only
+    join_step: int | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+    joined_devices: list[int] | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+    n_devices: int | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+    from_n_devices: int | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+    predicted_gain: float | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+    sources: list[int] | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+
+    @property
+    def type(self) -> str:  # type: ignore[override]
+        return self.kind
+
+
+@dataclasses.dataclass(eq=False)
+class CutoverAbandoned(Record):
+    """A pending cut-over's background compile failed (`errors`: process -> message): the run
+    stays on its plan."""
+
+    type: ClassVar[str] = "cutover_abandoned"
+    kind: str
+    step: int
+    optimal_plan: str
+    errors: dict
+    stays_on: str
+
+
+@dataclasses.dataclass(eq=False)
+class FailureCost(Record):
+    """The time one failure cost until the run was back at pace (`metrics.failure_costs`)."""
+
+    type: ClassVar[str] = "failure_cost"
+    step: int
+    failed_devices: list[int]
+    to_plan: str
+    first_step_first_run: bool
+    target_plan: str
+    phases_s: float
+    slow_steps_s: float
+    fast_path_s: float
+    pauses_s: float
+    redone_s: float
+    steps_to_pace: int
+    time_lost_s: float
+    first_step_x: float | None
+    first_step_why: str | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+    note: str | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+
+
+@dataclasses.dataclass(eq=False)
+class EndEvent(Record):
+    """The run ended: its last step, final loss and plan, the final state's digest (equal
+    digests: bitwise equal parameters and optimizer state), goodput, and `notes` on what it
+    did not do that it was asked or expected to."""
+
+    type: ClassVar[str] = "end"
+    goodput: dict
+    step: int
+    final_loss: float
+    plan: str
+    state_digest: str
+    transfer_plans_prepared: int
+    transfer_plan_errors: list[str]
+    standby_errors: list[str]
+    cutover_pending: bool
+    notes: list[str]
+    runtime: str
+    processes: list[int]
+
+
+@dataclasses.dataclass(eq=False)
+class ErrorEvent(Record):
+    """The run stopped with an error (written to the events file only: the error reaches the
+    caller, and a hook may be what raised it)."""
+
+    type: ClassVar[str] = "error"
+    error: str
+    message: str
+    process: int
 
 
 class Emitter:
@@ -67,8 +280,10 @@ class Emitter:
         self.writer, self.display, self._log = writer, display, log
         self.hooks, self.process = list(hooks), process
 
-    def event(self, fields: dict, line: str | None = None, record: Any = None) -> None:
-        """Write `fields` (a dict with `type`), show and log `line`, call the hooks."""
+    def emit(self, record, line: str | None = None) -> None:
+        """Write `record` (a typed event: `type`, `to_json()`), show and log `line`, call the
+        hooks."""
+        fields = record.to_json()
         if self.writer is not None:
             self.writer.write(fields)
         if line is not None:
@@ -77,13 +292,9 @@ class Emitter:
             if self._log is not None:
                 self._log(line)
         if self.hooks:
-            ev = Event(fields["type"], fields, record)
+            ev = Event(record.type, fields, record)
             for h in self.hooks:
                 h(ev)
-
-    def write(self, fields: dict) -> None:
-        """An event with no line for the display (the writer's interface)."""
-        self.event(fields)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 # The phases whose sum is a recovery's `mttr_s`, under every runtime.
 MTTR_PHASES = (
@@ -32,6 +32,10 @@ MTTR_PHASES = (
 
 @dataclasses.dataclass
 class RecoveryEvent:
+    """One recovery: its failure, plans, rung, bytes and each MTTR phase (`events.jsonl`'s
+    `recovery` record, `to_json`)."""
+
+    type: ClassVar[str] = "recovery"
     step: int
     failed_devices: list[int]
     fault: str

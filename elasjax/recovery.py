@@ -1,5 +1,4 @@
-"""Recovery as a plan transition, growth when devices return, and the cut-over to the optimal
-plan.
+"""Recovery as a plan transition (growth and cut-over: `elasjax.cutover`).
 
 One recovery path for both runtimes (the trainer is given a runtime, `elasjax.runtime`). A
 recovery is the timeline of DESIGN section 4, each phase timed:
@@ -67,7 +66,7 @@ RecoveryVerificationError = StateMismatchError
 
 @dataclasses.dataclass
 class _Attempt:
-    """A recovery attempt that succeeded (`Recovery._attempt`): the new plan (and the
+    """A recovery attempt that succeeded (`Recoverer._attempt`): the new plan (and the
     optimal one it may cut over to later), its executables, the rebuilt and verified state, the
     new snapshot pool, and each phase's time."""
 
@@ -239,7 +238,7 @@ class TransitionPlanner:
 
 @dataclasses.dataclass
 class Recovered:
-    """What a recovery returns (`Recovery.recover`): where training resumes, the `recovery`
+    """What a recovery returns (`Recoverer.recover`): where training resumes, the `recovery`
     event (its `first_step_s` filled in by the loop), the new plan's snapshot pool (its first
     snapshot taken), the transfers it ran, and, after an async recovery, the cut-over to the
     optimal plan it leaves pending."""
@@ -251,7 +250,7 @@ class Recovered:
     cutover: PendingCutover | None
 
 
-class Recovery:
+class Recoverer:
     """Recovery from failures, for the loop (`trainer.Trainer`) on either runtime. `source`
     gives executables, `contingencies` the plans, `transitions` the transfers planned ahead;
     `ckpt` (a `Checkpointer` or None) is the last rung; `compiles` counts XLA compiles."""

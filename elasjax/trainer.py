@@ -11,7 +11,7 @@ a background compile and a cut-over (`elasjax.cutover`).
 The loop owns where training stands (a `recovery.Position` in a `LoopState`) and the snapshot
 pool; its collaborators are given what they need and return what they did: `ExecutableSource`
 (executables, the standby set), `Contingencies` (the plans after the likely next failures),
-`TransitionPlanner` (transfers planned ahead), `Recovery`, `Cutovers` (growth and cut-over).
+`TransitionPlanner` (transfers planned ahead), `Recoverer`, `Cutovers` (growth and cut-over).
 
 The host never waits for the step it has just dispatched: a step's metrics (loss, gradient norm,
 and the checksums of the state it produced) are read `READ_BEHIND` steps late, after the next
@@ -45,13 +45,25 @@ from .config import Config, ConfigError, dump
 from .contingencies import Contingencies
 from .cutover import Cutovers
 from .data import DataPipeline
-from .events import Emitter, Hook
+from .events import (
+    CutoverEvent,
+    EndEvent,
+    Emitter,
+    ErrorEvent,
+    FailureBeforeStart,
+    FailureCost,
+    Hook,
+    JoinEvent,
+    StandbyReady,
+    StartEvent,
+    WarningEvent,
+)
 from .faults import resolve_schedule
 from .metrics import JsonlWriter, RecoveryEvent, StepClock, Timeline, failure_costs
 from .planner import Plan, initial_plan, replan
 from .recovery import (
     Position,
-    Recovery,
+    Recoverer,
     RecoveryVerificationError,
     TransitionPlanner,
     host_checksums,
@@ -82,10 +94,12 @@ class RunSummary:
       them against a reference run);
     - `state`: the final train state (`TrainState`: params, optimizer state, step) on the final
       plan's mesh, in its storage layout: how to get the trained parameters back;
-    - `migrations`, `growths`, `joins`: the `migration`, `growth` and `join` events;
+    - `migrations`, `growths`, `joins`: the `migration`, `growth` and `join` events
+      (`events.CutoverEvent`, `events.JoinEvent`: dataclasses, readable as mappings too);
     - `transfer_logs`: one `TransferLog` per recovery and per cut-over, in order;
     - `notes`: what the run did not do that it was asked or expected to (the `end` event's);
-    - `failure_costs`: the time each failure cost until the run was back at pace;
+    - `failure_costs`: the time each failure cost until the run was back at pace
+      (`events.FailureCost`);
     - `goodput`: the run's goodput and badput by cause (`metrics.failure_costs`)."""
 
     out_dir: Path | None
@@ -97,12 +111,12 @@ class RunSummary:
     checksums: dict[str, str]
     sample_digests: dict[int, str]
     state: Any = None
-    migrations: list[dict] = dataclasses.field(default_factory=list)
+    migrations: list[CutoverEvent] = dataclasses.field(default_factory=list)
     transfer_logs: list[TransferLog] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
-    joins: list[dict] = dataclasses.field(default_factory=list)
-    growths: list[dict] = dataclasses.field(default_factory=list)
-    failure_costs: list[dict] = dataclasses.field(default_factory=list)
+    joins: list[JoinEvent] = dataclasses.field(default_factory=list)
+    growths: list[CutoverEvent] = dataclasses.field(default_factory=list)
+    failure_costs: list[FailureCost] = dataclasses.field(default_factory=list)
     goodput: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -159,9 +173,9 @@ class LoopState:
     pos: Position
     pending: list  # scheduled fault events not fired yet (`faults.FaultEvent`)
     plans: list[str]  # every plan the run stood on, in order
-    migrations: list[dict] = dataclasses.field(default_factory=list)
-    growths: list[dict] = dataclasses.field(default_factory=list)
-    joins: list[dict] = dataclasses.field(default_factory=list)
+    migrations: list[CutoverEvent] = dataclasses.field(default_factory=list)
+    growths: list[CutoverEvent] = dataclasses.field(default_factory=list)
+    joins: list[JoinEvent] = dataclasses.field(default_factory=list)
     recoveries: list[RecoveryEvent] = dataclasses.field(default_factory=list)
     open_event: RecoveryEvent | None = None  # a recovery whose first good step is not read yet
     recovered_at: float = 0.0  # when the open recovery resumed (its first step counts from here)
@@ -239,7 +253,7 @@ class Trainer:
                                            can_grow=hasattr(self.rt, "join"))
         self.transitions = TransitionPlanner(cfg, self.factory, self.devices, self.contingencies,
                                              where=self.rt.process_of)
-        self.recovery = Recovery(cfg, self.rt, self.topo, self.factory, self.source,
+        self.recovery = Recoverer(cfg, self.rt, self.topo, self.factory, self.source,
                                  self.contingencies, self.transitions, self.ckpt, self.compiles)
         self.cutovers = Cutovers(cfg, self.rt, self.topo, self.initial, self.source,
                                  self.transitions)
@@ -285,8 +299,7 @@ class Trainer:
                 return self._run(mw, ew)
         except Exception as e:
             # to the file only: the error reaches the caller, and a hook may be what raised it
-            ew.writer.write({"type": "error", "error": type(e).__name__, "message": str(e),
-                             "process": self.rt.me})
+            ew.writer.write(ErrorEvent(type(e).__name__, str(e), self.rt.me).to_json())
             raise
         finally:
             self._release_gc()
@@ -327,7 +340,7 @@ class Trainer:
             if not jev["grow"] and self.cutovers.pending is None:
                 ls.protect_due = True  # the likely failures' plans changed
             ls.joins.append(jev)
-            ew.event(jev, join_line(jev))
+            ew.emit(jev, join_line(jev))
 
     def _cutover_if_due(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> bool:
         """Cut over to the pending optimal (or bigger) plan if every process has it ready;
@@ -337,9 +350,9 @@ class Trainer:
         with self.rt.guard("cutover"):
             due_now, abandoned = self.cutovers.due(step)
         if abandoned is not None:
-            ew.event(abandoned, (
-                f"step {step}: cut-over to {abandoned['optimal_plan']} "
-                f"abandoned, its compile failed: {abandoned['errors']}"))
+            ew.emit(abandoned, (
+                f"step {step}: cut-over to {abandoned.optimal_plan} "
+                f"abandoned, its compile failed: {abandoned.errors}"))
         if not due_now:
             return False
         self._flush(mw, ew.display)
@@ -347,9 +360,9 @@ class Trainer:
         ls.pos, self.pool, mig = done.pos, done.pool, done.event
         self.transfer_logs.append(done.log)
         self._protect(ls.pos)
-        self.timeline.cutover(ls.pos.plan.name, mig.get("stall_s", 0.0))
-        (ls.growths if mig["type"] == "growth" else ls.migrations).append(mig)
-        ew.event(mig, migration_line(mig))
+        self.timeline.cutover(ls.pos.plan.name, mig.stall_s)
+        (ls.growths if mig.kind == "growth" else ls.migrations).append(mig)
+        ew.emit(mig, migration_line(mig))
         ls.plans.append(ls.pos.plan.name)
         return True
 
@@ -436,7 +449,7 @@ class Trainer:
         self.timeline.items.insert(self._recovery_at, ("recovery", ev))
         if self.rt.writer:
             ev.detail.update(self.rt.detection_report(ev.detail))
-        ew.event(ev.to_json(), recovery_line(ev), ev)
+        ew.emit(ev, recovery_line(ev))
         self._release_gc()
 
     def _finish(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> RunSummary:
@@ -447,25 +460,25 @@ class Trainer:
         notes = self._end_notes(ls)
         costs, goodput = failure_costs(
             self.timeline, self.initial.name, time.perf_counter() - self._t_run)
+        costs = [FailureCost(**c) for c in costs]
         for c in costs:
-            ew.write({"type": "failure_cost", **c})
-        ew.write({
-            "type": "end",
-            "goodput": goodput,
-            "step": pos.step,
-            "final_loss": self.losses[T - 1],
-            "plan": pos.plan.name,
+            ew.emit(c)
+        ew.emit(EndEvent(
+            goodput=goodput,
+            step=pos.step,
+            final_loss=self.losses[T - 1],
+            plan=pos.plan.name,
             # digest of every leaf's layout-independent checksum: equal digests = bitwise equal
             # final parameters and optimizer state
-            "state_digest": checksum.digest(self.good),
-            "transfer_plans_prepared": self.transitions.done,
-            "transfer_plan_errors": self.transitions.errors[:5],
-            "standby_errors": self.source.errors[:5],
-            "cutover_pending": self.cutovers.pending is not None,
-            "notes": notes,
-            "runtime": self.rt.kind,
-            "processes": sorted({self.rt.process_of(d) for d in pos.live}),
-        })
+            state_digest=checksum.digest(self.good),
+            transfer_plans_prepared=self.transitions.done,
+            transfer_plan_errors=self.transitions.errors[:5],
+            standby_errors=self.source.errors[:5],
+            cutover_pending=self.cutovers.pending is not None,
+            notes=notes,
+            runtime=self.rt.kind,
+            processes=sorted({self.rt.process_of(d) for d in pos.live}),
+        ))
         for note in notes:
             self.rt.log(note)
         if self.progress:
@@ -480,9 +493,9 @@ class Trainer:
     def _end_notes(self, ls: LoopState) -> list[str]:
         """What the run did not do that it was asked or expected to (the `end` event's notes)."""
         notes = [
-            f"the cut-over to {a['optimal_plan']} was abandoned at step {a['step']}: its "
-            f"background compile failed ({next(iter(a['errors'].values()))[:200]}); the run "
-            f"stayed on {'its plan' if a.get('kind') == 'growth' else 'its fast path'}"
+            f"the cut-over to {a.optimal_plan} was abandoned at step {a.step}: its "
+            f"background compile failed ({next(iter(a.errors.values()))[:200]}); the run "
+            f"stayed on {'its plan' if a.kind == 'growth' else 'its fast path'}"
             for a in self.cutovers.abandoned
         ]
         notes += [
@@ -633,31 +646,27 @@ class Trainer:
         if self.cfg.standby.wait_at_start:
             self._wait_standby(ew, None)
         for f in failures:
-            ew.write({"type": "failure_before_start", "devices": sorted(f.devices),
-                      "phase": f.phase, "cause": f.cause, **f.detail})
-        ew.write(
-            {
-                "type": "start",
-                "step": step,
-                "plan": plan.name,
-                "plan_detail": plan.describe(),
-                "devices": sorted(live),
-                "devices_per_host": self.topo.devices_per_host,
-                "runtime": self.rt.kind,
-                "processes": sorted({self.rt.process_of(d) for d in live}),
-                "compile_s": exe.compile_s,
-                "n_params": self.factory.n_params,
-                "snapshot_bytes_per_step": self.pool.bytes_per_step,
-                "snapshot": {"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
-                             "auto": self.pool.given.auto},
-                "resumed_from_checkpoint": step if self.cfg.checkpoint.resume_step is not None else None,
-                "dropped_newer_checkpoints": self.dropped_checkpoints,
-                "faults": [f"step {e.at_step}: {e.spec}" for e in self.schedule],
-            }
-        )
+            ew.emit(FailureBeforeStart(sorted(f.devices), f.phase, f.cause, dict(f.detail)))
+        ew.emit(StartEvent(
+            step=step,
+            plan=plan.name,
+            plan_detail=plan.describe(),
+            devices=sorted(live),
+            devices_per_host=self.topo.devices_per_host,
+            runtime=self.rt.kind,
+            processes=sorted({self.rt.process_of(d) for d in live}),
+            compile_s=exe.compile_s,
+            n_params=self.factory.n_params,
+            snapshot_bytes_per_step=self.pool.bytes_per_step,
+            snapshot={"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
+                      "auto": self.pool.given.auto},
+            resumed_from_checkpoint=step if self.cfg.checkpoint.resume_step is not None else None,
+            dropped_newer_checkpoints=self.dropped_checkpoints,
+            faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],
+        ))
         risk = self.pool.risk()
         if risk is not None:
-            ew.write({"type": "warning", "field": "snapshot", "message": risk})
+            ew.emit(WarningEvent("snapshot", risk))
             if self.rt.writer:
                 warnings.warn(risk, UnprotectedStateWarning, stacklevel=2)
         return pos
@@ -672,10 +681,8 @@ class Trainer:
         if self.standby is not None:
             compile_s, warm_s = self.source.wait_all(self.cfg.standby.warm)
             sb = self.standby
-            ew.write({"type": "standby_ready", "step": step, "plans": sb.compiled + sb.rebound,
-                      "compiled": sb.compiled, "rebound": sb.rebound,
-                      "wait_s": compile_s + warm_s, "compile_s": sb.compile_s,
-                      "rebind_s": sb.rebind_s, "warm_s": warm_s})
+            ew.emit(StandbyReady(step, sb.compiled + sb.rebound, sb.compiled, sb.rebound,
+                                 compile_s + warm_s, sb.compile_s, sb.rebind_s, warm_s))
             head = (f"standby ready in {compile_s + warm_s:.1f}s" if step is None else
                     f"step {step}: training paused {compile_s + warm_s:.1f}s until the standby "
                     "of the new plan was ready")
