@@ -50,7 +50,7 @@ from .recovery import (
 from .report import Progress, join_line, migration_line, print_summary, recovery_line
 from .rng import check_backend_config
 from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
-from .state import StateFactory, check_elementwise, make_optimizer
+from .state import StateFactory, check_elementwise, choose_optimizer
 from .transfer import checksum
 from .transfer.checkpoint import Checkpointer, form_of, restore_onto
 from .transfer.reshard import TransitionPlanCache
@@ -183,10 +183,11 @@ class Trainer(Recovering):
                 f"the {self.rt.kind} runtime has none yet; allowed values here: false"
             )
         self.initial = initial_plan(self.topo, cfg)
-        self.factory = StateFactory(
-            cfg, optimizer or make_optimizer(cfg.train), custom_tx=optimizer is not None
-        )
-        if optimizer is not None and cfg.zero.stage > 0:
+        tx, self.optimizer_name, self.optimizer_source = choose_optimizer(cfg, optimizer)
+        # a `train.optimizer` is keyed by name in `cfg.train`; an object passed here by itself
+        self.factory = StateFactory(cfg, tx, custom_tx=self.optimizer_source == "python")
+        custom = self.optimizer_source != "builtin"
+        if custom and cfg.zero.stage > 0:
             check_elementwise(self.factory, self.initial)
         self.data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
@@ -219,7 +220,7 @@ class Trainer(Recovering):
         if cfg.standby.enabled or cfg.recovery.migration == "async" or grows:
             why = None
             if cfg.standby.compiler != "thread":
-                why = unavailable(cfg, optimizer is not None, jax.process_count() > 1)
+                why = unavailable(cfg, custom, jax.process_count() > 1)
                 if why is None:
                     self.worker = CompileWorker(cfg)
                 elif cfg.standby.compiler == "process":
@@ -269,7 +270,8 @@ class Trainer(Recovering):
         out = self.out_dir if self.rt.writer else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(dump(self.cfg))
+            python_tx = self.optimizer_name if self.optimizer_source == "python" else None
+            (out / "config.yaml").write_text(dump(self.cfg, python_tx))
         mw = JsonlWriter(out / "metrics.jsonl" if out else None)
         ew = self.emit = Emitter(JsonlWriter(out / "events.jsonl" if out else None), None,
                                  self.rt.log, self.hooks, self.rt.me)
@@ -639,6 +641,7 @@ class Trainer(Recovering):
                 "processes": sorted({self.rt.process_of(d) for d in live}),
                 "compile_s": exe.compile_s,
                 "n_params": self.factory.n_params,
+                "optimizer": self.optimizer_name,
                 "snapshot_bytes_per_step": self.pool.bytes_per_step,
                 "snapshot": {"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
                              "auto": self.pool.given.auto},
