@@ -793,8 +793,11 @@ def run(
     outputs under `out_dir` (config.yaml, metrics.jsonl, events.jsonl), a summary returned.
     `runtime`: where it runs (default: this process, failures simulated). `optimizer`: any
     optax transformation instead of `train`'s AdamW (with `zero.stage` >= 1 it must keep its
-    meaning on ZeRO storage: checked at start, `OptimizerMeaningError` otherwise). Deterministic
-    mode clips gradients itself (`train.grad_clip`), so leave clipping out of `optimizer` there.
+    meaning on ZeRO storage: checked at start, `OptimizerMeaningError` otherwise); the config
+    may name one instead (`train.optimizer`), not both. With either, `train.lr`, `warmup_steps`,
+    `weight_decay` and (outside deterministic mode) `grad_clip` must keep their defaults
+    (`ConfigError` otherwise). Deterministic mode clips gradients itself (`train.grad_clip`), so
+    leave clipping out of `optimizer` there.
     `hooks`: callables given each step's `StepInfo` and each event (`elasjax.events`)."""
     return Trainer(
         cfg, out_dir, progress=progress, exe_cache=exe_cache, runtime=runtime, optimizer=optimizer,
