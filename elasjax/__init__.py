@@ -10,7 +10,9 @@ Two ways in:
   `plan_mesh` picks a mesh over the live devices; `ElasticState` keeps any pytree state
   (PRNG keys, integer, 64-bit and bf16 leaves included) elastic: `commit(state, step)` after each
   good step snapshots what a failure would lose, `recover()` rebuilds and verifies it on the new
-  mesh; `partition_over` shards optimizer state over the data axis (ZeRO-1 as a sharding edit);
+  mesh; `opt_state_shardings` gives an optax state its parameters' shardings (any chain,
+  Adafactor's factored statistics included); `partition_over` shards optimizer state over the
+  data axis (ZeRO-1 as a sharding edit);
   `pad_batch` and `sample_keys` keep the batch, the loss normalisation and the random numbers
   those of the fault-free run. Below them: `ShardStore` + `transition` (move what survives of
   any state onto new shardings) and `state_checksums`.
@@ -40,6 +42,7 @@ from .elastic import (
 from .events import Event, StepInfo
 from .models import ArraySource, DataSource, LayerStack, ModelSpec
 from .models import register as register_model
+from .sharding import opt_state_shardings
 from .state import OptimizerMeaningError
 from .trainer import RunSummary, run
 from .transfer.reshard import transition
@@ -52,6 +55,7 @@ __all__ = [
     "Recovery",
     "plan_mesh",
     "partition_over",
+    "opt_state_shardings",
     "pad_batch",
     "sample_keys",
     "state_checksums",

@@ -4,12 +4,20 @@ library."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 # `train --standby` and `launch --standby`: every likely failure's plan built before step 0,
 # and again after each recovery (`config.StandbyConfig`)
 STANDBY = ["standby.enabled=true", "standby.wait_at_start=true", "standby.wait_after_recovery=true"]
+
+OPTIMIZER_HELP = (
+    "train with this optax optimizer instead of the built-in AdamW (= --set "
+    "train.optimizer=MODULE:ATTR): ATTR is a GradientTransformation or a zero-argument callable "
+    "returning one; MODULE is imported as with --import. train.lr, warmup_steps, weight_decay "
+    "and (outside deterministic mode) grad_clip must then keep their defaults"
+)
 
 
 def _ensure_devices(n: int = 8) -> None:
@@ -19,6 +27,15 @@ def _ensure_devices(n: int = 8) -> None:
         os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={n}").strip()
 
 
+def _optimizer_override(args) -> list[str]:
+    """`--optimizer MODULE:ATTR` is `--set train.optimizer=MODULE:ATTR` (after the other
+    overrides, so it wins): the config then names the optimizer, and under `launch` every
+    worker builds it from the config it is given."""
+    if args.optimizer is None:
+        return []
+    return [f"train.optimizer={json.dumps(args.optimizer)}"]
+
+
 def _train(args) -> int:
     from . import config, trainer
     from .events import load_hooks
@@ -26,7 +43,7 @@ def _train(args) -> int:
 
     import_modules(args.imports)
     standby = STANDBY if args.standby else []
-    cfg = config.load(args.config, [*standby, *args.set])
+    cfg = config.load(args.config, [*standby, *args.set, *_optimizer_override(args)])
     trainer.run(cfg, args.out, progress=not args.quiet, hooks=load_hooks(args.hooks))
     return 0
 
@@ -96,6 +113,7 @@ def _launch(args) -> int:
     kills = [launch.KillSpec.parse(k) for k in args.kill]
     if args.standby:
         args.set = [*STANDBY, *args.set]
+    args.set = [*args.set, *_optimizer_override(args)]
     spares = None if args.spares is None else launch.parse_spares(args.spares)
     if args.coordinator is None:  # start the processes here, on loopback
         if args.num_processes is not None or args.process_id is not None:
@@ -152,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="import MODULE first (one that registers a ModelSpec)")
     t.add_argument("--hook", dest="hooks", action="append", default=[], metavar="MODULE:FUNCTION",
                    help="call FUNCTION with each step's StepInfo and each event (elasjax.events)")
+    t.add_argument("--optimizer", default=None, metavar="MODULE:ATTR", help=OPTIMIZER_HELP)
     t.add_argument(
         "--standby", action="store_true",
         help="sub-second recovery: build the plan of every likely failure before step 0 and "
@@ -190,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--num-processes", type=int, default=None)
     m.add_argument("--process-id", type=int, default=None)
     m.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    m.add_argument("--optimizer", default=None, metavar="MODULE:ATTR",
+                   help=OPTIMIZER_HELP + "; every process builds it")
     from .launch import add_process_flags
 
     add_process_flags(m)

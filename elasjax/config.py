@@ -72,6 +72,20 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """The run's length, batch, optimizer and evaluation.
+
+    `optimizer`: empty for the built-in optimizer (AdamW with linear warmup and cosine decay to
+    `lr / 10`, after global-norm clipping at `grad_clip`: `state.make_optimizer`), or
+    `MODULE:ATTR` naming a user's optax optimizer (`state.load_optimizer`; `elasjax train|launch
+    --optimizer MODULE:ATTR` sets it). `lr`, `warmup_steps` and `weight_decay` configure the
+    built-in optimizer only, so with any other optimizer (this field, or `elasjax.run(...,
+    optimizer=tx)`) they must keep their defaults: a value of theirs that would be silently
+    unused is an error (`BUILTIN_OPTIMIZER_FIELDS`). `grad_clip` too, except in deterministic
+    mode, where the step itself clips gradients by `grad_clip` with a layout-independent norm
+    before any optimizer runs (0 turns that off); there, clip with `grad_clip` and not inside
+    your optimizer, whose global norm would reduce in a layout-dependent order.
+    """
+
     steps: int = 40
     global_batch: int = 32
     microbatches: int = 1  # micro-batches per data replica in the initial plan
@@ -85,6 +99,50 @@ class TrainConfig:
     eval_batches: int = 2
     deterministic: bool = False  # bitwise-reproducible across plans (see `step`)
     canonical_micro_batch: int = 0  # deterministic mode: samples per canonical micro-batch
+    optimizer: str = ""  # "" = built-in AdamW; MODULE:ATTR = a user's optax optimizer
+
+
+# the TrainConfig fields that configure the built-in optimizer (`state.make_optimizer`) only
+BUILTIN_OPTIMIZER_FIELDS = ("lr", "warmup_steps", "weight_decay", "grad_clip")
+
+
+def unused_optimizer_fields(t: TrainConfig) -> list[str]:
+    """The built-in optimizer's fields that a custom optimizer would leave unused although they
+    differ from their defaults (`grad_clip` is used in deterministic mode: the step clips)."""
+    defaults = TrainConfig()
+    return [
+        f"train.{name}" for name in BUILTIN_OPTIMIZER_FIELDS
+        if getattr(t, name) != getattr(defaults, name)
+        and not (name == "grad_clip" and t.deterministic)
+    ]
+
+
+def check_custom_optimizer(t: TrainConfig, optimizer: str) -> None:
+    """ConfigError if `t` sets a field that `optimizer` (a custom one, by name) would not use."""
+    unused = unused_optimizer_fields(t)
+    if not unused:
+        return
+    clip = (
+        "" if "train.grad_clip" not in unused else
+        " For clipping, put optax.clip_by_global_norm in your optimizer (or use "
+        "train.deterministic = true, where the step clips by train.grad_clip before any "
+        "optimizer)."
+    )
+    raise ConfigError(
+        f"config {', '.join(f'{u!r} = {getattr(t, u[6:])!r}' for u in unused)}: "
+        f"{'these configure' if len(unused) > 1 else 'this configures'} the built-in AdamW, "
+        f"which does not run: the optimizer is {optimizer}. Allowed values with a custom "
+        f"optimizer: their defaults (remove them from the config and give your optimizer its "
+        f"own learning rate, schedule and weight decay).{clip}"
+    )
+
+
+def optimizer_spec_ok(spec: str) -> bool:
+    """`MODULE:ATTR` with a dotted module path and an attribute name."""
+    mod, sep, attr = spec.partition(":")
+    return bool(sep) and all(
+        part.isidentifier() for part in [*mod.split("."), attr]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -521,8 +579,19 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
     return from_dict(raw)
 
 
-def dump(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+def dump(cfg: Config, optimizer: str | None = None) -> str:
+    """YAML of `cfg`, as the run's `config.yaml`. With a custom optimizer (`train.optimizer`, or
+    `optimizer`: the label of one passed to `run` in Python, written as `train.optimizer`) the
+    built-in optimizer's fields it leaves unused are left out, so the file says only what ran;
+    a label that is not MODULE:ATTR makes the file refuse to load, rather than train AdamW."""
+    d = to_dict(cfg)
+    if optimizer is not None:
+        d["train"]["optimizer"] = optimizer
+    if d["train"]["optimizer"]:
+        for name in BUILTIN_OPTIMIZER_FIELDS:
+            if not (name == "grad_clip" and cfg.train.deterministic):
+                del d["train"][name]
+    return yaml.safe_dump(d, sort_keys=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,6 +674,13 @@ def validate(cfg: Config) -> None:
     _require(t.microbatches >= 1, "train.microbatches", "must be >= 1")
     _require(t.max_micro_batch >= 0, "train.max_micro_batch", "must be >= 0 (0 = initial size)")
     _require(t.lr > 0, "train.lr", "must be > 0")
+    if t.optimizer:
+        _require(
+            optimizer_spec_ok(t.optimizer), "train.optimizer",
+            f"= {t.optimizer!r}; allowed values: '' (the built-in AdamW) or MODULE:ATTR, ATTR "
+            "an optax GradientTransformation or a zero-argument callable returning one",
+        )
+        check_custom_optimizer(t, f"'{t.optimizer}' (train.optimizer)")
     _require(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
     _require(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = never)")
     _require(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")

@@ -105,6 +105,7 @@ class StartEvent(Record):
     processes: list[int]
     compile_s: float
     n_params: int
+    optimizer: str  # "builtin adamw", "MODULE:ATTR" (train.optimizer), or the object passed
     snapshot_bytes_per_step: int
     snapshot: dict  # the snapshot copies taken: {"buddy", "host", "auto"}
     resumed_from_checkpoint: int | None

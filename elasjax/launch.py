@@ -49,6 +49,7 @@ from .runtime.multicontroller import (
     kv_client,
     xla_flags,
 )
+from .state import load_optimizer
 from .trainer import Trainer
 from .transfer.snapshot import check_coverable
 
@@ -255,6 +256,8 @@ def launch_local(
     if spares is not None:  # --spares wins over the config's parallel.spares
         overrides = [*overrides, f"parallel.spares={parse_spares(spares)}"]
     base = load(config_path, overrides)
+    if base.train.optimizer:  # a bad name is an error here too, not in every worker
+        load_optimizer(base.train.optimizer)
     processes += base.parallel.spares  # the spares run as processes of their own, last
     cfg = resolve_config(base, processes, devices_per_process, kills)
     topo = Topology(tuple(range(processes * devices_per_process)), devices_per_process)

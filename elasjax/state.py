@@ -26,7 +26,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import models
-from .config import Config, TrainConfig
+from .config import (
+    Config,
+    ConfigError,
+    TrainConfig,
+    check_custom_optimizer,
+    optimizer_spec_ok,
+)
+from .events import import_user_module
 from .mesh import DATA, STAGE, TENSOR
 from .pipeline import StageLayout, from_slots, slot_logical, to_slots
 from .rng import root_key
@@ -52,8 +59,14 @@ class TrainState:
     opt_state: PyTree
 
 
+BUILTIN_OPTIMIZER = "builtin adamw"  # how the start event and reports name the default
+
+
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay, after global-norm clipping."""
+    """The run's optimizer by config: the user's `train.optimizer` (`load_optimizer`) if set,
+    else the built-in AdamW with linear warmup and cosine decay, after global-norm clipping."""
+    if t.optimizer:
+        return load_optimizer(t.optimizer)
     sched = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=t.lr,
@@ -69,6 +82,78 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
         parts.append(clip)
     parts.append(optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=t.weight_decay))
     return optax.chain(*parts)
+
+
+def load_optimizer(spec: str) -> optax.GradientTransformation:
+    """`MODULE:ATTR` (`train.optimizer`, `--optimizer`) -> the optimizer. The module is imported
+    as `--import` does (the current directory first); ATTR is an optax `GradientTransformation`
+    or a zero-argument callable returning one. The callable takes no config on purpose: the
+    module holds all of its optimizer's settings, so `train.optimizer` names the whole optimizer
+    and the built-in optimizer's config fields cannot half-apply to it. Under `elasjax launch`
+    every process calls this itself, so the module must not create JAX arrays at import."""
+    flag = f"train.optimizer = {spec!r}:"
+    if not optimizer_spec_ok(spec):
+        raise ConfigError(f"config {flag} allowed values: '' (the built-in AdamW) or MODULE:ATTR")
+    mod, _, attr = spec.partition(":")
+    obj = getattr(import_user_module(mod, "config 'train.optimizer':"), attr, None)
+    if obj is None:
+        raise ConfigError(f"config {flag} module {mod!r} has no attribute {attr!r}")
+    if not isinstance(obj, optax.GradientTransformation):
+        if not callable(obj):
+            raise ConfigError(
+                f"config {flag} {mod}.{attr} is a {type(obj).__name__}; allowed: an optax "
+                "GradientTransformation or a zero-argument callable returning one"
+            )
+        try:
+            obj = obj()
+        except TypeError as e:
+            raise ConfigError(
+                f"config {flag} calling {mod}.{attr}() failed ({e}); allowed: an optax "
+                "GradientTransformation or a zero-argument callable returning one (wrap "
+                f"optax's factories: {attr} = optax.lamb(1e-3))"
+            ) from None
+        if not isinstance(obj, optax.GradientTransformation):
+            raise ConfigError(
+                f"config {flag} {mod}.{attr}() returned a {type(obj).__name__}; allowed: an "
+                "optax GradientTransformation"
+            )
+    return obj
+
+
+def optimizer_label(tx: optax.GradientTransformation) -> str:
+    """How a run names an optimizer object passed to it in Python (a transformation has no name
+    of its own: its `init`'s qualified name says which factory built it)."""
+    init = getattr(tx, "init", None)
+    where = f"{getattr(init, '__module__', '?')}.{getattr(init, '__qualname__', '?')}"
+    return f"python object {type(tx).__name__} (init {where})"
+
+
+def choose_optimizer(
+    cfg: Config, optimizer: optax.GradientTransformation | None = None
+) -> tuple[optax.GradientTransformation, str, str]:
+    """The run's optimizer: (transformation, label, source). `source` is `builtin` (AdamW by
+    `train`), `config` (`train.optimizer`, label MODULE:ATTR) or `python` (`optimizer`, passed
+    to `run`; label `optimizer_label`). A custom optimizer with `train` fields it would leave
+    unused is a `ConfigError` naming them (`config.check_custom_optimizer`)."""
+    t = cfg.train
+    if optimizer is not None:
+        if t.optimizer:
+            raise ConfigError(
+                f"config 'train.optimizer' = {t.optimizer!r} and an optimizer passed to run() "
+                "both name the optimizer; allowed: one of them (train.optimizer = '' with "
+                "optimizer=, or no optimizer= argument)"
+            )
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(
+                f"optimizer= is a {type(optimizer).__name__}; allowed: an optax "
+                "GradientTransformation (or None for the config's optimizer)"
+            )
+        label = optimizer_label(optimizer)
+        check_custom_optimizer(t, f"{label} (passed to run)")
+        return optimizer, label, "python"
+    if t.optimizer:
+        return load_optimizer(t.optimizer), t.optimizer, "config"
+    return make_optimizer(t), BUILTIN_OPTIMIZER, "builtin"
 
 
 def _is_tag(x) -> bool:

@@ -72,7 +72,7 @@ from .recovery import (
 from .report import Progress, join_line, migration_line, print_summary, recovery_line
 from .rng import check_backend_config
 from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
-from .state import StateFactory, check_elementwise, make_optimizer
+from .state import StateFactory, check_elementwise, choose_optimizer
 from .transfer import checksum
 from .transfer.checkpoint import Checkpointer, form_of
 from .transfer.shards import TransferLog
@@ -224,10 +224,11 @@ class Trainer:
                 f"the {self.rt.kind} runtime has none yet; allowed values here: false"
             )
         self.initial = initial_plan(self.topo, cfg)
-        self.factory = StateFactory(
-            cfg, optimizer or make_optimizer(cfg.train), custom_tx=optimizer is not None
-        )
-        if optimizer is not None and cfg.zero.stage > 0:
+        tx, self.optimizer_name, self.optimizer_source = choose_optimizer(cfg, optimizer)
+        # a `train.optimizer` is keyed by name in `cfg.train`; an object passed here by itself
+        self.factory = StateFactory(cfg, tx, custom_tx=self.optimizer_source == "python")
+        custom = self.optimizer_source != "builtin"
+        if custom and cfg.zero.stage > 0:
             check_elementwise(self.factory, self.initial)
         self.data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
@@ -244,7 +245,7 @@ class Trainer:
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
             background=cfg.standby.enabled or cfg.recovery.migration == "async" or grows,
-            custom_tx=optimizer is not None, log=self.rt.log,
+            custom_tx=custom, log=self.rt.log,
             # the snapshot checksums of each standby plan's pool, compiled with it
             prepare=lambda exe: self.pool.prepare(exe.layout.abstract, exe.state_shardings, exe.mesh),
         )
@@ -290,7 +291,8 @@ class Trainer:
         out = self.out_dir if self.rt.writer else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(dump(self.cfg))
+            python_tx = self.optimizer_name if self.optimizer_source == "python" else None
+            (out / "config.yaml").write_text(dump(self.cfg, python_tx))
         mw = JsonlWriter(out / "metrics.jsonl" if out else None)
         ew = self.emit = Emitter(JsonlWriter(out / "events.jsonl" if out else None), None,
                                  self.rt.log, self.hooks, self.rt.me)
@@ -657,6 +659,7 @@ class Trainer:
             processes=sorted({self.rt.process_of(d) for d in live}),
             compile_s=exe.compile_s,
             n_params=self.factory.n_params,
+            optimizer=self.optimizer_name,
             snapshot_bytes_per_step=self.pool.bytes_per_step,
             snapshot={"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
                       "auto": self.pool.given.auto},
@@ -761,8 +764,11 @@ def run(
     outputs under `out_dir` (config.yaml, metrics.jsonl, events.jsonl), a summary returned.
     `runtime`: where it runs (default: this process, failures simulated). `optimizer`: any
     optax transformation instead of `train`'s AdamW (with `zero.stage` >= 1 it must keep its
-    meaning on ZeRO storage: checked at start, `OptimizerMeaningError` otherwise). Deterministic
-    mode clips gradients itself (`train.grad_clip`), so leave clipping out of `optimizer` there.
+    meaning on ZeRO storage: checked at start, `OptimizerMeaningError` otherwise); the config
+    may name one instead (`train.optimizer`), not both. With either, `train.lr`, `warmup_steps`,
+    `weight_decay` and (outside deterministic mode) `grad_clip` must keep their defaults
+    (`ConfigError` otherwise). Deterministic mode clips gradients itself (`train.grad_clip`), so
+    leave clipping out of `optimizer` there.
     `hooks`: callables given each step's `StepInfo` and each event (`elasjax.events`)."""
     return Trainer(
         cfg, out_dir, progress=progress, exe_cache=exe_cache, runtime=runtime, optimizer=optimizer,

@@ -1,8 +1,9 @@
 """Mixed precision, a factored optimizer and an awkward state, made elastic with the pieces.
 
 The state holds bf16 parameters (what inference would use), their f32 master copy (what
-Adafactor updates; the forward pass runs in bf16), Adafactor's factored statistics (sharded over `data` as well: ZeRO-1 as a
-sharding edit, so the optimizer keeps its meaning), an int64 step counter and a PRNG key that
+Adafactor updates; the forward pass runs in bf16), Adafactor's factored statistics (laid out
+like the parameter dimensions they keep by `elasjax.opt_state_shardings`, and over `data` as
+well: ZeRO-1 as a sharding edit, so the optimizer keeps its meaning), an int64 step counter and a PRNG key that
 drives input noise. 8 fake CPU devices in 4 hosts of 2; host 1 (devices 2, 3) fails at step 6.
 The run is then repeated without the failure; the script prints the largest relative loss
 deviation (the contract: within 1e-5) and checks that the recovered state was bitwise the
@@ -48,17 +49,19 @@ def init():
                 "key": jax.random.key(42)}
 
 
-def shardings(mesh, state):
+def shardings(mesh, state, tx):
     rep = NamedSharding(mesh, P())
     p = {"w1": NamedSharding(mesh, P(None, "model")), "w2": NamedSharding(mesh, P("model", None))}
-    opt, _ = elasjax.partition_over(jax.tree.map(lambda _: rep, state["opt"]), state["opt"], "data")
+    # Adafactor's row and column statistics keep the parameter dimensions they keep
+    opt = elasjax.opt_state_shardings(tx, state["opt"], state["master"], p)
+    opt, _ = elasjax.partition_over(opt, state["opt"], "data")
     return {"master": p, "params": p, "opt": opt, "step": rep, "key": rep}
 
 
 def train(fail):
     tx, state = init()
     mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
-    es = elasjax.ElasticState(state, lambda m: shardings(m, state), mesh, devices_per_host=2)
+    es = elasjax.ElasticState(state, lambda m: shardings(m, state, tx), mesh, devices_per_host=2)
 
     def loss_fn(master, b, noise_key):
         # a bf16 forward pass; the gradient reaches the f32 master weights through the cast

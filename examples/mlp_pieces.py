@@ -46,15 +46,15 @@ def data(step):
     return {"x": x, "y": y.astype(np.int32), "id": ids.astype(np.int32)}
 
 
-def shardings(mesh, state):
-    """The layout on any (data, model) mesh: hidden units over `model`, Adam moments over
-    `data` too, everything else replicated."""
+def shardings(mesh, state, tx):
+    """The layout on any (data, model) mesh: hidden units over `model`, Adam moments like their
+    parameters and over `data` too, everything else replicated."""
     rep = NamedSharding(mesh, P())
     kernel = {"Dense_0": {"kernel": P(None, "model"), "bias": P("model")},
               "Dense_1": {"kernel": P("model", None), "bias": P()}}
     params = jax.tree.map(lambda s: NamedSharding(mesh, s), {"params": kernel})
-    opt = jax.tree.map(lambda _: rep, state["opt"])
-    opt = (opt[0]._replace(mu=params, nu=params), *opt[1:])
+    # the moments get their parameters' shardings, the step count is replicated
+    opt = elasjax.opt_state_shardings(tx, state["opt"], state["params"], params)
     opt, left = elasjax.partition_over(opt, state["opt"], "data")  # ZeRO-1
     LEFT[tuple(mesh.shape.items())] = left  # arrays ZeRO-1 could not split here
     return {"params": params, "opt": opt, "step": rep}
@@ -67,7 +67,7 @@ def train(failures):
     state = {"params": params, "opt": tx.init(params), "step": jnp.int32(0)}
     axes = {"data": -1, "model": (2, 1)}  # prefer model 2; model 1 when it uses more devices
     mesh, _ = elasjax.plan_mesh(jax.devices(), axes)
-    es = elasjax.ElasticState(state, lambda m: shardings(m, state), mesh, axes=axes,
+    es = elasjax.ElasticState(state, lambda m: shardings(m, state, tx), mesh, axes=axes,
                               devices_per_host=2)
 
     def loss_fn(params, b, keys):

@@ -476,6 +476,35 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
 
 
 @pytest.mark.slow
+def test_a_users_lamb_survives_a_sigkill_with_its_fault_free_computation(exe_cache, tmp_path):
+    """`elasjax launch --optimizer user_optim:lamb`: every process builds the user's LAMB from
+    the config it is given (`train.optimizer`); process 2 is SIGKILLed at step 4 and each loss
+    stays within relative 1e-5 of the single-process fault-free run with that LAMB passed to
+    `run` in Python."""
+    import user_optim
+
+    ref = trainer.run(tiny_config(f"train.steps={STEPS}", "faults=[]"), None,
+                      optimizer=user_optim.lamb, exe_cache=exe_cache)
+    out = tmp_path / "lamb"
+    rc, stdout = _launch(
+        out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:2",
+        "--optimizer", "user_optim:lamb", env={"PYTHONPATH": str(ROOT / "tests")},
+    )
+    assert rc == 0, stdout
+    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
+    metrics = read_jsonl(out / "metrics.jsonl")
+    _assert_matches(metrics, ref)
+    rel = max(abs(r["loss"] - ref.losses[r["step"]]) / ref.losses[r["step"]] for r in metrics)
+    print(f"LAMB under launch, SIGKILL 4:2: max rel loss deviation {rel:.2e} over {STEPS} steps")
+    events = read_jsonl(out / "events.jsonl")
+    (start,) = [e for e in events if e["type"] == "start"]
+    assert start["optimizer"] == "user_optim:lamb"
+    (ev,) = [e for e in events if e["type"] == "recovery"]
+    assert ev["step"] == 4 and ev["failed_processes"] == [2] and ev["verified"]
+    assert [r["n_devices"] for r in metrics] == [8] * 4 + [6] * (STEPS - 4)
+
+
+@pytest.mark.slow
 def test_a_collective_that_times_out_among_live_processes_is_retried_on_fresh_collectives(
     reference, tmp_path
 ):
