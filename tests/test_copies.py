@@ -184,3 +184,47 @@ def test_the_loop_with_two_copies_survives_two_hosts_failing_together(exe_cache,
         assert abs(s.losses[step] - ref.losses[step]) <= 1e-5 * ref.losses[step], step
     start = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "start"]
     assert start[0]["snapshot"]["copies"] == 2
+    # what `elasjax plan --coverage` says of this plan agrees with the two runs
+    hosts_1_2 = (2, 3, 4, 5)
+    assert hosts_1_2 in _loop_coverage(tiny_config(*LOOP))[0].lost
+    assert hosts_1_2 not in _loop_coverage(tiny_config(*LOOP, "snapshot.copies=2"))[0].lost
+
+
+def _loop_coverage(cfg):
+    from elasjax.planner import initial_plan
+    from elasjax.transfer.coverage import plan_coverage
+
+    topo = Topology(tuple(range(8)), cfg.parallel.devices_per_host)
+    return plan_coverage(cfg, initial_plan(topo, cfg), topo, set(range(8)),
+                         {d.id: d for d in jax.devices()})
+
+
+def test_plan_coverage_prints_the_loop_plans_coverage(capsys):
+    """`elasjax plan CONFIG --coverage`: the coverage of the start plan and of the plan after
+    each failure of the schedule, in `Coverage`'s words, with the snapshot settings as the loop
+    resolves them. The demo (tensor slices replicated over data replicas on other hosts) holds no
+    unique shard; ZeRO-1 with one buddy copy loses a partition when its holder's host and its
+    buddy's host fail together, and two copies survive every host pair."""
+    from elasjax import cli
+
+    assert cli.main(["plan", "configs/demo.yaml", "--coverage"]) == 0
+    out = capsys.readouterr().out
+    demo = config.load("configs/demo.yaml")
+    cov, pool = _loop_coverage(demo)
+    assert str(cov).splitlines()[0] in out and pool.cost_line(demo.hardware) in out
+    assert "(snapshot: buddy true, host false, copies 1, automatic; 2 devices per host)" in out
+    # the start plan and one coverage per failure of the schedule
+    assert out.count("survives: every single device yes; every single host yes; every device "
+                     "pair yes; every host pair yes") == 1 + len(demo.faults)
+    assert "step 10: devices [3] fail (7 live)" in out and "step 20: hosts [0] fail (5 live)" in out
+
+    zero = ["--set", "faults=[]", "--set", "snapshot.host=false"]
+    for copies, pairs in [(1, "no"), (2, "yes")]:
+        assert cli.main(["plan", "configs/demo_zero.yaml", "--coverage", *zero,
+                         "--set", f"snapshot.copies={copies}"]) == 0
+        out = capsys.readouterr().out
+        assert f"every single host yes; every device pair {pairs}; every host pair {pairs}" in out
+        assert f"buddy copies x{copies}" in out and "an estimate at hardware" in out
+    assert cli.main(["plan", "configs/demo_zero.yaml", "--coverage", *zero,
+                     "--set", "snapshot.copies=4"]) == 2
+    assert "'snapshot.copies' = 4 needs 4 hosts" in capsys.readouterr().err

@@ -250,16 +250,15 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             return "snapshots: off (snapshot.buddy and snapshot.host are false)"
         if not self.records:
             return "snapshots: this plan holds no unique shard, so nothing is copied per step"
-        sent: dict[int, int] = defaultdict(int)
-        got: dict[int, int] = defaultdict(int)
-        msgs: dict[int, int] = defaultdict(int)
+        # (device, direction) -> bytes and copies: a link sends and receives at once
+        load: dict[tuple[int, str], int] = defaultdict(int)
+        msgs: dict[tuple[int, str], int] = defaultdict(int)
         for r in self.records:
             if r.buddy is not None:
-                sent[r.holder] += r.nbytes
-                got[r.buddy] += r.nbytes
-                msgs[r.holder] += 1
-                msgs[r.buddy] += 1
-        buddy_b = sum(sent.values())
+                for end in ((r.holder, "out"), (r.buddy, "in")):
+                    load[end] += r.nbytes
+                    msgs[end] += 1
+        buddy_b = sum(b for (_, way), b in load.items() if way == "out")
         host_b = self.bytes_per_step - buddy_b
         shards = len({(r.path, r.box) for r in self.records})
         parts = []
@@ -268,7 +267,7 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
                 from ..costmodel import Hardware
 
                 hw = Hardware()
-            busiest = max([*sent.values(), *got.values()])
+            busiest = max(load.values())
             est = busiest / hw.link_bw + max(msgs.values()) * hw.link_latency_s
             parts.append(
                 f"buddy copies x{self.cfg.copies} {_mb(buddy_b)} (busiest device "
