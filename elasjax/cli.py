@@ -135,9 +135,10 @@ def _print_coverage(cfg, plan, topo, live: set[int]) -> None:
         )
     cov, pool = plan_coverage(cfg, plan, topo, live, {d.id: d for d in cpus})
     snap = pool.cfg
+    auto = ", automatic" if pool.given.auto else ""
     print(f"  coverage of {plan.name} (snapshot: buddy {str(snap.buddy).lower()}, host "
-          f"{str(snap.host).lower()}, copies {snap.copies}{', automatic' if pool.given.auto else ''}"
-          f"; {topo.devices_per_host} devices per host):")
+          f"{str(snap.host).lower()}, copies {snap.copies}{auto}; {topo.devices_per_host} "
+          "devices per host):")
     print("    " + str(cov).replace("\n", "\n    "))
     print("    " + pool.cost_line(cfg.hardware))
 
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="print the plan for N devices and after failures")
     p.add_argument("config")
     p.add_argument("--devices", type=int, default=None,
-                   help="devices of the job (default: the config's parallel.devices, spares included)")
+                   help="devices of the job (default: the config's parallel.devices, spares "
+                   "included)")
     p.add_argument("--fail", default="", help="comma-separated device ids")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--top", type=int, default=8, help="candidates to list")

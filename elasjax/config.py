@@ -244,15 +244,17 @@ class SnapshotConfig:
     buddy's loss. Under `elasjax launch` a host is a process whose memory dies with it, so the
     host copy is kept in another process's memory instead: the buddy's (with `buddy: false`, the
     process a buddy would be on), read from the copy sent to that process's device. It then
-    survives what a buddy copy survives (the holder's process dying), not that process's death. `null` (the default) protects by itself: buddy copies when the job
-    has two hosts or more, host copies when it has one (they survive a device failure). Only
-    unique shards are copied, so a plan with none costs nothing. Setting both to `false` opts
-    out: a run whose plan leaves unique state then warns at start.
+    survives what a buddy copy survives (the holder's process dying), not that process's death.
+    `null` (the default) protects by itself: buddy copies when the job has two hosts or more,
+    host copies when it has one (they survive a device failure). Only unique shards are copied,
+    so a plan with none costs nothing. Setting both to `false` opts out: a run whose plan leaves
+    unique state then warns at start.
 
     `copies`: how many buddy copies of each unique shard, each on a different host other than
     the holder's, so that any `copies` hosts failing together leave one (default 1). Each copy
     adds the unique bytes once more to every step's traffic. Allowed: 1 .. hosts - 1 with buddy
-    copies; more than 1 turns buddy copies on (`buddy: null`) and is an error with `buddy: false`."""
+    copies; more than 1 turns buddy copies on (`buddy: null`) and is an error with
+    `buddy: false`."""
 
     buddy: Optional[bool] = None
     host: Optional[bool] = None

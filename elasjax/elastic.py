@@ -249,7 +249,8 @@ class ElasticState:
         a host fails. Buddy snapshots go to another host.
       devices: every device of the job, in host order (default: the mesh's, sorted by id).
       snapshot: which copies of unique shards to keep (`SnapshotConfig`; default: buddy copies
-        with two hosts or more, host-memory copies with one).
+        with two hosts or more, host-memory copies with one; `copies=k`: k buddy copies on k
+        other hosts, so that any k hosts failing together leave one).
       checkpoint: Orbax checkpoints (`CheckpointConfig(dir, every, keep)`), the last rung: when
         no live copy or snapshot holds a slice, `recover` restores the newest checkpoint onto
         the new mesh (and reports the steps lost).

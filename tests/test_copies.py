@@ -141,10 +141,13 @@ def test_coverage_with_two_copies_names_triple_host_losses_it_does_not_survive()
 
 @pytest.mark.parametrize("cfg, n_hosts, match", [
     (SnapshotConfig(copies=0), 4, r"'snapshot.copies' = 0; allowed values: an integer >= 1"),
-    (SnapshotConfig(buddy=True, copies=4), 4, r"'snapshot.copies' = 4 .* allowed values here: 1 \.\. 3"),
-    (SnapshotConfig(copies=2), 1, r"'snapshot.copies' = 2 .* 1 host\(s\); allowed values here: 1 \.\. 1"),
+    (SnapshotConfig(buddy=True, copies=4), 4,
+     r"'snapshot.copies' = 4 .* allowed values here: 1 \.\. 3"),
+    (SnapshotConfig(copies=2), 1,
+     r"'snapshot.copies' = 2 .* 1 host\(s\); allowed values here: 1 \.\. 1"),
     (SnapshotConfig(buddy=False, host=True, copies=2), 4,
-     r"'snapshot.copies' = 2 .* 'snapshot.buddy' is false; allowed values with buddy: false: copies = 1"),
+     r"'snapshot.copies' = 2 .* 'snapshot.buddy' is false; allowed values with buddy: false: "
+     r"copies = 1"),
 ])
 def test_copies_out_of_range_is_an_error_naming_the_field_and_range(cfg, n_hosts, match):
     topo = Topology(tuple(range(8)), 8 // n_hosts)

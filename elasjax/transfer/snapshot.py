@@ -216,8 +216,9 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
                     short.append(f"'{path_str(path)}' {list(box)} from device {h}")
                 for c, via in enumerate(vias or [None]):
                     host = None
-                    if c == 0 and self.cfg.host and not (self.rt.host_copies_off_host and via is None):
-                        host = self.topo.host_of(via if self.rt.host_copies_off_host else h)
+                    off = self.rt.host_copies_off_host
+                    if c == 0 and self.cfg.host and not (off and via is None):
+                        host = self.topo.host_of(via if off else h)
                     self.records.append(
                         Record(
                             li, path_str(path), box, h, via if self.cfg.buddy else None,
