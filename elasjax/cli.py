@@ -54,7 +54,14 @@ def _plan(args) -> int:
 
     cfg = config.load(args.config, args.set)
     n = args.devices
+    if n is None:  # the config's own device count, as the loop takes it (hot spares on top)
+        if cfg.parallel.devices == -1:
+            raise config.ConfigError("plan: the config has parallel.devices = -1 (all visible "
+                                     "devices); give --devices N")
+        n = cfg.parallel.devices + cfg.parallel.spares * cfg.parallel.devices_per_host
     topo = Topology(tuple(range(n)), cfg.parallel.devices_per_host)
+    if args.coverage:  # the layout needs a device per id: fake CPU ones, before JAX starts
+        _ensure_devices(n)
     fail = {int(x) for x in args.fail.split(",")} if args.fail else set()
     bad = sorted(fail - set(topo.device_ids))
     if bad:
@@ -62,6 +69,10 @@ def _plan(args) -> int:
     init = initial_plan(topo, cfg)
     print(f"initial plan on {n} devices: {init.describe()}")
     print(f"  predicted step {init.predicted_step_s * 1e3:.3f} ms ({cfg.hardware.name} cost model)")
+    if args.coverage:
+        _print_coverage(cfg, init, topo, set(topo.device_ids))
+        if not fail:
+            _schedule_coverage(cfg, init, topo)
     if fail:
         live = [d for d in topo.device_ids if d not in fail]
         from . import config as c
@@ -78,6 +89,10 @@ def _plan(args) -> int:
             print(f"no plan fits the {len(live)} survivors")
             return 1
         print(f"after failing {sorted(fail)} ({len(live)} live): {ranked[0][0].describe()}")
+        if args.coverage:  # the plan the loop moves to (`replan`), with its snapshots
+            from .planner import replan
+
+            _print_coverage(cfg, replan(live, topo, cfg, init, init), topo, set(live))
         if cfg.parallel.spares:
             from .planner import substitute_spares
 
@@ -92,6 +107,57 @@ def _plan(args) -> int:
                 f"{c_.tensor_comm_s * 1e3:>10.3f}{c_.data_comm_s * 1e3:>10.3f}{c_.overhead_s * 1e3:>10.3f}"
             )
     return 0
+
+
+def _schedule_coverage(cfg, init, topo) -> None:
+    """The coverage of the plan the loop moves to after each failure of the config's fault
+    schedule (in-process runtime), up to the first event whose outcome is decided at run time
+    (devices returning: the loop grows only if it pays, `recovery.grow_min_gain`)."""
+    from .faults import resolve_schedule
+    from .planner import NoPlanError, replan
+
+    live, plan = list(topo.device_ids), init
+    for ev in resolve_schedule(cfg.faults, topo, cfg.train.steps):
+        if ev.kind == "stall":
+            continue
+        if ev.is_join:
+            print(f"step {ev.at_step}: {ev.spec} return; the loop decides at run time whether "
+                  "to grow, so the coverage of later plans is not predicted here")
+            return
+        live = [d for d in live if d not in ev.device_ids]
+        try:
+            plan = replan(live, topo, cfg, plan, init)
+        except NoPlanError as e:
+            print(f"step {ev.at_step}: {ev.spec} fail: {e}")
+            return
+        print(f"step {ev.at_step}: {ev.spec} fail ({len(live)} live): {plan.describe()}")
+        _print_coverage(cfg, plan, topo, set(live))
+
+
+def _print_coverage(cfg, plan, topo, live: set[int]) -> None:
+    """Which single and double failures the loop's committed state survives on `plan`, with the
+    config's snapshot settings (`transfer.coverage.plan_coverage`; shapes and shardings only)."""
+    import jax
+
+    from .transfer.coverage import plan_coverage
+
+    cpus = jax.devices("cpu")
+    if len(cpus) < len(topo.device_ids):
+        from .config import ConfigError
+
+        raise ConfigError(
+            f"--coverage lays the state out on {len(topo.device_ids)} CPU devices and JAX has "
+            f"{len(cpus)}; set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{len(topo.device_ids)} before JAX starts"
+        )
+    cov, pool = plan_coverage(cfg, plan, topo, live, {d.id: d for d in cpus})
+    snap = pool.cfg
+    auto = ", automatic" if pool.given.auto else ""
+    print(f"  coverage of {plan.name} (snapshot: buddy {str(snap.buddy).lower()}, host "
+          f"{str(snap.host).lower()}, copies {snap.copies}{auto}; {topo.devices_per_host} "
+          "devices per host):")
+    print("    " + str(cov).replace("\n", "\n    "))
+    print("    " + pool.cost_line(cfg.hardware))
 
 
 def _compare(args) -> int:
@@ -180,10 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p = sub.add_parser("plan", help="print the plan for N devices and after failures")
     p.add_argument("config")
-    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices of the job (default: the config's parallel.devices, spares "
+                   "included)")
     p.add_argument("--fail", default="", help="comma-separated device ids")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--top", type=int, default=8, help="candidates to list")
+    p.add_argument("--coverage", action="store_true",
+                   help="which single and double device and host failures the committed state "
+                   "survives on the plan (and on the plan after --fail), with the config's "
+                   "snapshot settings; from shapes and shardings, nothing is compiled")
     c = sub.add_parser("compare", help="loss deviation of a run against a reference run")
     c.add_argument("run")
     c.add_argument("reference")

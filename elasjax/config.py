@@ -298,14 +298,25 @@ class SnapshotConfig:
     """Per-step copies of the state a failure would otherwise lose: shards whose every holder
     sits on one host (ZeRO partitions, tensor slices or pipeline stages with no replica on
     another host). `buddy`: a device copy on another host; `host`: a copy in host memory, taken
-    from the holder independently of any buddy copy, so it survives the buddy's loss (under
-    `elasjax launch`, in the buddy process's memory, which dies with that process). `null` (the
-    default) protects by itself: buddy copies when the job has two hosts or more, host copies
-    when it has one (they survive a device failure). Only unique shards are copied, so a plan with none costs nothing. Setting
-    both to `false` opts out: a run whose plan leaves unique state then warns at start."""
+    from the holder into its host's memory independently of any buddy copy, so it survives the
+    buddy's loss. Under `elasjax launch` a host is a process whose memory dies with it, so the
+    host copy is kept in another process's memory instead: the buddy's (with `buddy: false`, the
+    process a buddy would be on), read from the copy sent to that process's device. It then
+    survives what a buddy copy survives (the holder's process dying), not that process's death.
+    `null` (the default) protects by itself: buddy copies when the job has two hosts or more,
+    host copies when it has one (they survive a device failure). Only unique shards are copied,
+    so a plan with none costs nothing. Setting both to `false` opts out: a run whose plan leaves
+    unique state then warns at start.
+
+    `copies`: how many buddy copies of each unique shard, each on a different host other than
+    the holder's, so that any `copies` hosts failing together leave one (default 1). Each copy
+    adds the unique bytes once more to every step's traffic. Allowed: 1 .. hosts - 1 with buddy
+    copies; more than 1 turns buddy copies on (`buddy: null`) and is an error with
+    `buddy: false`."""
 
     buddy: Optional[bool] = None
     host: Optional[bool] = None
+    copies: int = 1
 
     @property
     def auto(self) -> bool:
@@ -315,8 +326,29 @@ class SnapshotConfig:
     def resolved(self, n_hosts: int) -> "SnapshotConfig":
         """The copies to take on a job of `n_hosts` hosts (`null` decided)."""
         if self.auto:
-            return SnapshotConfig(buddy=n_hosts >= 2, host=n_hosts < 2)
-        return SnapshotConfig(buddy=bool(self.buddy), host=bool(self.host))
+            return SnapshotConfig(buddy=n_hosts >= 2, host=n_hosts < 2, copies=self.copies)
+        buddy = self.copies > 1 if self.buddy is None else self.buddy
+        return SnapshotConfig(buddy=bool(buddy), host=bool(self.host), copies=self.copies)
+
+    def check(self, n_hosts: int, key: str = "snapshot") -> None:
+        """Refuse a `copies` that cannot be placed on a job of `n_hosts` hosts (`ConfigError`
+        naming `key.copies` and the allowed values)."""
+        k = self.copies
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"config '{key}.copies' = {k!r}; allowed values: an integer >= 1 "
+                              "(buddy copies of each unique shard, each on another host)")
+        if k == 1:
+            return
+        if self.buddy is False:
+            raise ConfigError(
+                f"config '{key}.copies' = {k} asks for {k} buddy copies and '{key}.buddy' is "
+                f"false; allowed values with buddy: false: copies = 1 (or set buddy: true)"
+            )
+        if k > n_hosts - 1:
+            raise ConfigError(
+                f"config '{key}.copies' = {k} needs {k} hosts besides each holder's, and this "
+                f"job has {n_hosts} host(s); allowed values here: 1 .. {max(1, n_hosts - 1)}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -751,6 +783,13 @@ def validate(cfg: Config) -> None:
             f"= '{cfg.zero.layout}' with pipelines is not available; allowed values with "
             "pipelines: 'interleaved' (each layer partitioned on its own)",
         )
+    # the bounds that need no topology (`copies` against the host count: `SnapshotPool`)
+    _require(cfg.snapshot.copies >= 1, "snapshot.copies",
+             f"= {cfg.snapshot.copies}; allowed values: an integer >= 1 (buddy copies of each "
+             "unique shard, each on another host)")
+    _require(cfg.snapshot.copies == 1 or cfg.snapshot.buddy is not False, "snapshot.copies",
+             f"= {cfg.snapshot.copies} asks for buddy copies and 'snapshot.buddy' is false; "
+             "allowed values with buddy: false: 1 (or set buddy: true)")
     if cfg.checkpoint.dir is not None:
         _require(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
         _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")

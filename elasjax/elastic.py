@@ -50,15 +50,14 @@ from .runtime.inprocess import InProcessRuntime
 from .sharding import path_str
 from .transfer import checksum, reshard
 from .transfer.checkpoint import Checkpointer
+from .transfer.coverage import Coverage, coverage, hosts_lost
 from .transfer.shards import (
     ShardStore,
     StateMismatchError,
     UnrecoverableStateError,
-    box_str,
     describe_state,
     is_key,
     key_data_sharding,
-    uncovered,
 )
 from .transfer.snapshot import SnapshotPool
 
@@ -202,38 +201,6 @@ def state_checksums(state: PyTree) -> dict[str, str]:
 
 
 @dataclasses.dataclass
-class Coverage:
-    """Which failures the committed state survives (`ElasticState.coverage`), read from its
-    shardings and the snapshot pool's copies alone: nothing runs. A failure set is survived when
-    every slice of every leaf has a live holder, a buddy copy on a live device or a host copy on
-    a host that still has a live device. `lost` maps each failure set checked (device ids) that
-    is not survived to one slice it loses."""
-
-    devices: list[int]  # the live devices the failure sets are drawn from
-    hosts: dict[int, list[int]]  # host -> its live devices
-    single_devices: bool  # every single device failure is survived
-    single_hosts: bool  # every single host failure is survived
-    device_pairs: bool | None  # every two devices failing together (None: not checked)
-    host_pairs: bool | None  # every two hosts failing together (None: not checked or < 2 hosts)
-    lost: dict[tuple[int, ...], str]
-
-    def __str__(self) -> str:
-        def yn(v):
-            return "not checked" if v is None else ("yes" if v else "no")
-
-        lines = [
-            f"survives: every single device {yn(self.single_devices)}; every single host "
-            f"{yn(self.single_hosts)}; every device pair {yn(self.device_pairs)}; every host pair "
-            f"{yn(self.host_pairs)} ({len(self.devices)} devices, {len(self.hosts)} hosts)"
-        ]
-        for fs, what in list(self.lost.items())[:8]:
-            lines.append(f"  devices {list(fs)} lose {what}")
-        if len(self.lost) > 8:
-            lines.append(f"  ... and {len(self.lost) - 8} more failure sets")
-        return "\n".join(lines)
-
-
-@dataclasses.dataclass
 class Recovery:
     """What one `recover` did. `rung` is the most expensive source any piece came from
     (`replica`: surviving copies only; `buddy`/`host`: a snapshot; `checkpoint`: the newest
@@ -282,7 +249,8 @@ class ElasticState:
         a host fails. Buddy snapshots go to another host.
       devices: every device of the job, in host order (default: the mesh's, sorted by id).
       snapshot: which copies of unique shards to keep (`SnapshotConfig`; default: buddy copies
-        with two hosts or more, host-memory copies with one).
+        with two hosts or more, host-memory copies with one; `copies=k`: k buddy copies on k
+        other hosts, so that any k hosts failing together leave one).
       checkpoint: Orbax checkpoints (`CheckpointConfig(dir, every, keep)`), the last rung: when
         no live copy or snapshot holds a slice, `recover` restores the newest checkpoint onto
         the new mesh (and reports the steps lost).
@@ -362,49 +330,12 @@ class ElasticState:
         snapshot settings: every single device, every single host and, with `pairs`, every two
         devices and every two hosts together (`Coverage`). From the shardings and the snapshot
         records alone: nothing is copied or compiled."""
-        live = sorted(self.live)
-        hosts: dict[int, list[int]] = {}
-        for d in live:
-            hosts.setdefault(self.topology.host_of(d), []).append(d)
-        sets = [(d,) for d in live] + [tuple(ds) for ds in hosts.values()]
-        if pairs:
-            sets += list(itertools.combinations(live, 2))
-            sets += [tuple(hosts[a] + hosts[b]) for a, b in itertools.combinations(sorted(hosts), 2)]
-        gone = set(self.devices) - self.live
-        described = describe_state(self.state)  # read once: each failure set drops its devices
-        lost: dict[tuple[int, ...], str] = {}
-        for fs in dict.fromkeys(sets):
-            what = self._loses(described, gone | set(fs))
-            if what is not None:
-                lost[fs] = what
-        return Coverage(
-            live, hosts,
-            single_devices=not any(len(fs) == 1 for fs in lost),
-            single_hosts=not any(fs in lost for fs in map(tuple, hosts.values())),
-            device_pairs=(not any(len(fs) == 2 for fs in lost)) if pairs else None,
-            host_pairs=(not any(
-                tuple(hosts[a] + hosts[b]) in lost for a, b in itertools.combinations(sorted(hosts), 2)
-            )) if pairs and len(hosts) > 1 else None,
-            lost=lost,
-        )
+        return coverage(describe_state(self.state), self.pool, self.topology, self.live,
+                        dead_hosts=self.dead_hosts, pairs=pairs)
 
     def _hosts_lost(self, dead: set[int]) -> set[int]:
         """Hosts all of whose devices are in `dead` (their host memory is gone)."""
-        return {
-            h for h in {self.topology.host_of(d) for d in dead}
-            if all(d in dead for d in self.topology.host_devices(h))
-        }
-
-    def _loses(self, described: ShardStore, dead: set[int]) -> str | None:
-        """One slice a failure of `dead` would lose (`described`: the state's shards, read from
-        its shardings), or None if every slice has a live copy."""
-        dead_hosts = self._hosts_lost(dead) | self.dead_hosts
-        missing = uncovered(described.without(dead),
-                            self.pool.describe_sources(dead, dead_hosts))
-        if not missing:
-            return None
-        path, box = missing[0]
-        return f"'{path}' {box_str(box)}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
+        return hosts_lost(self.topology, dead)
 
     def _explain(self, path: str, box, dead: set[int]) -> str:
         """Why no copy of `path` `box` survived `dead`: who held it and each copy, and which
@@ -428,11 +359,22 @@ class ElasticState:
                          "host still has live devices")
         if not cfg.buddy and self.topology.n_hosts > 1:
             fixes.append("SnapshotConfig(buddy=True): a copy on a device of another host")
+        # buddy copies on more hosts than this failure reached (besides the holders'), placed
+        # over the hosts that were live when the copies were taken (since the last recovery)
+        holder_hosts = {self.topology.host_of(d) for d in holders}
+        reached = {self.topology.host_of(d) for d in self._failed} - holder_hosts
+        placeable = {self.topology.host_of(d) for d in self.live | self._failed} - holder_hosts
+        k = len(reached) + 1
+        more = None
+        if k > cfg.copies and k <= len(placeable):
+            more = (f"SnapshotConfig(buddy=True, copies={k}): buddy copies on {k} different "
+                    f"hosts, more than the {len(reached)} other host(s) this failure reached")
         if fixes:
-            return why + "; it would have been kept by " + " or ".join(fixes)
+            return why + "; it would have been kept by " + " or ".join(fixes + [more] * bool(more))
         return (why + "; no snapshot setting of one copy per shard covers this failure set "
-                "(ElasticState.coverage() lists such sets); a checkpoint (CheckpointConfig) is "
-                "the last rung")
+                "(ElasticState.coverage() lists such sets); "
+                + (f"it would have been kept by {more}; " if more else "")
+                + "a checkpoint (CheckpointConfig) is the last rung")
 
     @property
     def unprotected(self) -> list[str]:

@@ -107,7 +107,7 @@ class StartEvent(Record):
     n_params: int
     optimizer: str  # "builtin adamw", "MODULE:ATTR" (train.optimizer), or the object passed
     snapshot_bytes_per_step: int
-    snapshot: dict  # the snapshot copies taken: {"buddy", "host", "auto"}
+    snapshot: dict  # the snapshot copies taken: {"buddy", "host", "copies", "auto", "cost"}
     resumed_from_checkpoint: int | None
     dropped_newer_checkpoints: list[int]
     faults: list[str]

@@ -662,11 +662,14 @@ class Trainer:
             optimizer=self.optimizer_name,
             snapshot_bytes_per_step=self.pool.bytes_per_step,
             snapshot={"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
-                      "auto": self.pool.given.auto},
+                      "copies": self.pool.cfg.copies, "auto": self.pool.given.auto,
+                      "cost": self.pool.cost_line(self.cfg.hardware)},
             resumed_from_checkpoint=step if self.cfg.checkpoint.resume_step is not None else None,
             dropped_newer_checkpoints=self.dropped_checkpoints,
             faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],
         ))
+        if self.progress:
+            print(self.pool.cost_line(self.cfg.hardware))
         risk = self.pool.risk()
         if risk is not None:
             ew.emit(WarningEvent("snapshot", risk))

@@ -6,12 +6,14 @@ slices held in one host, pipeline stages without a replica elsewhere. After ever
 copies each unique shard
 
 - to a **buddy** device on another host (`snapshot.buddy`), dispatched asynchronously so it
-  overlaps the next step; and/or
+  overlaps the next step; with `snapshot.copies: k`, to k buddies on k different hosts, none the
+  holder's, so that any k hosts failing together leave a copy; and/or
 - to **host memory** (`snapshot.host`). Where that memory is depends on the runtime: in one
   process (simulated hosts) it is the holder's host, copied from the holder (never from a buddy
   copy), so the copy survives a device failure and the buddy's loss but not the loss of its
-  host; under the multi-controller runtime a host is a process, whose memory
-  dies with it, so the host copy lives in the buddy process's memory;
+  host; under the multi-controller runtime a host is a process, whose memory dies with it, so
+  the host copy lives in the memory of the process the (first) buddy copy is sent to, read from
+  that copy: it survives what the buddy copy survives;
 
 together with the step id and a per-shard checksum computed on device by the holder. The copies
 travel through the runtime (`Runtime.move`): `jax.device_put` in one process, a point-to-point
@@ -52,6 +54,9 @@ class Record:
     via: int  # the device the copy lands on first (the buddy, or the holder itself)
     host: int | None  # the host whose memory keeps a host copy (`snapshot.host`)
     nbytes: int
+    # which of the shard's `snapshot.copies` buddy copies (0 .. k-1); each is its own record,
+    # on its own host, and only copy 0 carries the host copy
+    copy: int = 0
     step: int = -1
     checksum: np.ndarray | None = None
     buddy_data: Any = None
@@ -74,7 +79,9 @@ class _Generation:
 
 
 def check_coverable(cfg: SnapshotConfig, topo: Topology) -> None:
-    """A buddy must sit on another host: refuse a buddy request on a job of one host."""
+    """A buddy must sit on another host: refuse a buddy request on a job of one host, and more
+    buddy copies than there are other hosts (`SnapshotConfig.check`)."""
+    cfg.check(topo.n_hosts)
     if cfg.buddy and topo.n_hosts < 2:
         raise ConfigError(
             f"config 'snapshot.buddy' = true needs a buddy device on another host, and this job "
@@ -95,6 +102,10 @@ def _unique_shards(x, topo: Topology) -> list[tuple[Box, int]]:
         for box, devs in holders.items()
         if len({topo.host_of(d) for d in devs}) == 1
     ]
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.3g} MB"
 
 
 class SnapshotPool:
@@ -155,51 +166,11 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         """Choose what to snapshot on this plan and where (buddies on other hosts, balanced).
         Every process makes the same choice (from the shardings alone)."""
         self._settle()
-        self.records = []
-        self.unprotected = []
         self._fn = None
         self._pending = None
         self._landing = None
-        if not self.enabled:
-            self.unprotected = [
-                f"'{path_str(p)}' {list(box)} on device {h}"
-                for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
-                for box, h in _unique_shards(x, self.topo)
-            ]
-            return
-        load: dict[int, int] = defaultdict(int)
-        leaf_ids = []
-        # a copy must leave the holder's host when host memory dies with the holder (a process)
-        off_host = self.cfg.buddy or self.rt.host_copies_off_host
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
-        homeless: list[str] = []
-        for li, (path, x) in enumerate(flat):
-            unique = _unique_shards(x, self.topo)
-            if not unique:
-                continue
-            leaf_ids.append(li)
-            for box, h in unique:
-                size = box_size(box) * x.dtype.itemsize
-                via = self._buddy(h, live, load, size) if off_host else None
-                if off_host and via is None:
-                    homeless.append(f"'{path_str(path)}' {list(box)} from device {h}")
-                host = None
-                if self.cfg.host and not (self.rt.host_copies_off_host and via is None):
-                    host = self.topo.host_of(via if self.rt.host_copies_off_host else h)
-                self.records.append(
-                    Record(
-                        li, path_str(path), box, h, via if self.cfg.buddy else None,
-                        h if via is None else via, host, size,
-                    )
-                )
-        if homeless:  # every other host is gone: these shards have no off-host copy
-            self.refusals.append(
-                f"no live device on another host: {len(homeless)} buddy copies not taken, "
-                f"e.g. {homeless[0]}"
-            )
-        self.bytes_per_step = sum(r.nbytes for r in self.records) * (
-            int(self.cfg.buddy) + int(self.cfg.host)
-        )
+        leaf_ids = self.place(state, live)
         if leaf_ids:
             self._leaf_ids = leaf_ids
             self._pos_in = {li: i for i, li in enumerate(leaf_ids)}
@@ -207,6 +178,107 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             self._mesh_ndim = len(mesh.axis_names)
             if self.threaded:
                 self._landing = self._landing_buffers([x for _, x in flat])
+
+    def place(self, state, live: set[int]) -> list[int]:
+        """The records of a plan's snapshots (`self.records`: which shard goes where), from the
+        layout of `state` alone: its leaves may be abstract (`jax.ShapeDtypeStruct`s with
+        shardings), as for `elasjax plan --coverage`. Returns the indices of the leaves with
+        unique shards. Nothing is copied or compiled."""
+        self.records = []
+        self.unprotected = []
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        if not self.enabled:
+            self.unprotected = [
+                f"'{path_str(p)}' {list(box)} on device {h}"
+                for p, x in flat
+                for box, h in _unique_shards(x, self.topo)
+            ]
+            self.bytes_per_step = 0
+            return []
+        load: dict[int, int] = defaultdict(int)
+        leaf_ids = []
+        # a copy must leave the holder's host when host memory dies with the holder (a process)
+        off_host = self.cfg.buddy or self.rt.host_copies_off_host
+        k = self.cfg.copies if self.cfg.buddy else 1
+        homeless: list[str] = []
+        short: list[str] = []
+        for li, (path, x) in enumerate(flat):
+            unique = _unique_shards(x, self.topo)
+            if not unique:
+                continue
+            leaf_ids.append(li)
+            for box, h in unique:
+                size = box_size(box) * x.dtype.itemsize
+                vias = self._buddies(h, live, load, size, k) if off_host else []
+                if off_host and not vias:
+                    homeless.append(f"'{path_str(path)}' {list(box)} from device {h}")
+                elif len(vias) < k:
+                    short.append(f"'{path_str(path)}' {list(box)} from device {h}")
+                for c, via in enumerate(vias or [None]):
+                    host = None
+                    off = self.rt.host_copies_off_host
+                    if c == 0 and self.cfg.host and not (off and via is None):
+                        host = self.topo.host_of(via if off else h)
+                    self.records.append(
+                        Record(
+                            li, path_str(path), box, h, via if self.cfg.buddy else None,
+                            h if via is None else via, host, size, copy=c,
+                        )
+                    )
+        if homeless:  # every other host is gone: these shards have no off-host copy
+            self.refusals.append(
+                f"no live device on another host: {len(homeless)} buddy copies not taken, "
+                f"e.g. {homeless[0]}"
+            )
+        if short:  # fewer live hosts than snapshot.copies asks for
+            self.refusals.append(
+                f"snapshot.copies = {k} but fewer other hosts have live devices: {len(short)} "
+                f"shards get fewer buddy copies, e.g. {short[0]}"
+            )
+        # each buddy copy once, each host copy once (with copies = 1: every record carries both)
+        self.bytes_per_step = sum(
+            r.nbytes * (int(self.cfg.buddy) + int(self.cfg.host and r.copy == 0))
+            for r in self.records
+        )
+        return leaf_ids
+
+    def cost_line(self, hw=None) -> str:
+        """What this plan's snapshots cost per step, in words: the bytes copied, and an estimate
+        of the time the busiest device spends sending or receiving its buddy copies at the cost
+        model's link bandwidth (`hw`: a `config.HardwareConfig` or `costmodel.Hardware`; the
+        nominal one if None). Host copies cross no link the cost model knows: bytes only."""
+        if not self.enabled:
+            return "snapshots: off (snapshot.buddy and snapshot.host are false)"
+        if not self.records:
+            return "snapshots: this plan holds no unique shard, so nothing is copied per step"
+        # (device, direction) -> bytes and copies: a link sends and receives at once
+        load: dict[tuple[int, str], int] = defaultdict(int)
+        msgs: dict[tuple[int, str], int] = defaultdict(int)
+        for r in self.records:
+            if r.buddy is not None:
+                for end in ((r.holder, "out"), (r.buddy, "in")):
+                    load[end] += r.nbytes
+                    msgs[end] += 1
+        buddy_b = sum(b for (_, way), b in load.items() if way == "out")
+        host_b = self.bytes_per_step - buddy_b
+        shards = len({(r.path, r.box) for r in self.records})
+        parts = []
+        if buddy_b:
+            if hw is None:
+                from ..costmodel import Hardware
+
+                hw = Hardware()
+            busiest = max(load.values())
+            est = busiest / hw.link_bw + max(msgs.values()) * hw.link_latency_s
+            parts.append(
+                f"buddy copies x{self.cfg.copies} {_mb(buddy_b)} (busiest device "
+                f"{_mb(busiest)}: about {est * 1e3:.3g} ms per step, an estimate at "
+                f"hardware '{hw.name}' link_bw {hw.link_bw / 1e9:g} GB/s)"
+            )
+        if host_b:
+            parts.append(f"host copies {_mb(host_b)} (device to host memory)")
+        return (f"snapshots: {shards} unique shards, {_mb(self.bytes_per_step)} per step: "
+                + "; ".join(parts))
 
     def _landing_buffers(self, leaves: list) -> tuple[dict, dict]:
         """Two sets of host buffers, allocated once per plan, for a threaded pool's copies:
@@ -253,17 +325,21 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             "loses them, and recovery then needs a checkpoint or raises UnrecoverableStateError"
         )
 
-    def _buddy(self, holder: int, live: set[int], load: dict, size: int) -> int | None:
-        """A live device on another host, nearest host first (cyclically), least loaded."""
+    def _buddies(self, holder: int, live: set[int], load: dict, size: int, k: int) -> list[int]:
+        """Up to `k` live devices, each on a different host other than the holder's: nearest
+        hosts first (cyclically), the least loaded device of each."""
         H = self.topo.n_hosts
         h0 = self.topo.host_of(holder)
+        out = []
         for step in range(1, H):
+            if len(out) == k:
+                break
             cands = [d for d in self.topo.host_devices((h0 + step) % H) if d in live]
             if cands:
                 best = min(cands, key=lambda d: (load[d], d))
                 load[best] += size
-                return best
-        return None
+                out.append(best)
+        return out
 
     def take(self, state, version: int) -> None:
         """Start snapshotting `state` (whose step counter is `version`) right after the step

@@ -1,0 +1,150 @@
+"""Which failures a committed state survives, read from its layout and its snapshot records.
+
+A failure set (device ids failing together) is survived when every slice of every leaf still has
+a copy: a holder that lives, a buddy copy on a live device, or a host copy in the memory of a
+host that still has a live device (a host whose devices all failed takes its memory with it).
+That is the rule recovery applies (`SnapshotPool.sources`, `shards.uncovered`), evaluated on
+descriptions only: no buffer is read, nothing is copied or compiled, so the same answer is
+available for a running `ElasticState` and for a loop's plan that has not started
+(`elasjax plan --coverage`).
+
+Only single and double failures are enumerated (every device, every host, every pair of each):
+their number grows as n^2, and they are what the snapshot settings are chosen against
+(`snapshot.copies: k` is stated for k hosts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable
+
+from ..planner import Topology
+from .shards import ShardStore, box_str, uncovered
+
+
+@dataclasses.dataclass
+class Coverage:
+    """Which failures the committed state survives (`ElasticState.coverage`), read from its
+    shardings and the snapshot pool's copies alone: nothing runs. A failure set is survived when
+    every slice of every leaf has a live holder, a buddy copy on a live device or a host copy on
+    a host that still has a live device. `lost` maps each failure set checked (device ids) that
+    is not survived to one slice it loses."""
+
+    devices: list[int]  # the live devices the failure sets are drawn from
+    hosts: dict[int, list[int]]  # host -> its live devices
+    single_devices: bool  # every single device failure is survived
+    single_hosts: bool  # every single host failure is survived
+    device_pairs: bool | None  # every two devices failing together (None: not checked)
+    host_pairs: bool | None  # every two hosts failing together (None: not checked or < 2 hosts)
+    lost: dict[tuple[int, ...], str]
+
+    def __str__(self) -> str:
+        def yn(v):
+            return "not checked" if v is None else ("yes" if v else "no")
+
+        lines = [
+            f"survives: every single device {yn(self.single_devices)}; every single host "
+            f"{yn(self.single_hosts)}; every device pair {yn(self.device_pairs)}; every host pair "
+            f"{yn(self.host_pairs)} ({len(self.devices)} devices, {len(self.hosts)} hosts)"
+        ]
+        for fs, what in list(self.lost.items())[:8]:
+            lines.append(f"  devices {list(fs)} lose {what}")
+        if len(self.lost) > 8:
+            lines.append(f"  ... and {len(self.lost) - 8} more failure sets")
+        return "\n".join(lines)
+
+
+def hosts_lost(topo: Topology, dead: Iterable[int]) -> set[int]:
+    """Hosts all of whose devices are in `dead` (their host memory is gone)."""
+    dead = set(dead)
+    return {
+        h for h in {topo.host_of(d) for d in dead}
+        if all(d in dead for d in topo.host_devices(h))
+    }
+
+
+def loses(described: ShardStore, pool, topo: Topology, dead: set[int],
+          dead_hosts: Iterable[int] = ()) -> str | None:
+    """One slice a failure of `dead` would lose (`described`: the state's shards, read from its
+    shardings; `pool`: the `SnapshotPool` placed for it; `dead_hosts`: hosts lost before), or
+    None if every slice has a live copy."""
+    gone_hosts = hosts_lost(topo, dead) | set(dead_hosts)
+    missing = uncovered(described.without(dead), pool.describe_sources(dead, gone_hosts))
+    if not missing:
+        return None
+    path, box = missing[0]
+    return f"'{path}' {box_str(box)}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
+
+
+def coverage(described: ShardStore, pool, topo: Topology, live: Iterable[int], *,
+             dead_hosts: Iterable[int] = (), pairs: bool = True) -> Coverage:
+    """Which failures of the `live` devices a state laid out as `described` survives with the
+    copies `pool` places (`SnapshotPool.place` or `configure`): every single device, every
+    single host and, with `pairs`, every two devices and every two hosts together. Devices of
+    the topology that are not live have failed already (as have `dead_hosts`)."""
+    live = sorted(live)
+    hosts: dict[int, list[int]] = {}
+    for d in live:
+        hosts.setdefault(topo.host_of(d), []).append(d)
+    sets = [(d,) for d in live] + [tuple(ds) for ds in hosts.values()]
+    if pairs:
+        sets += list(itertools.combinations(live, 2))
+        sets += [tuple(hosts[a] + hosts[b]) for a, b in itertools.combinations(sorted(hosts), 2)]
+    gone = set(topo.device_ids) - set(live)
+    lost: dict[tuple[int, ...], str] = {}
+    for fs in dict.fromkeys(sets):
+        what = loses(described, pool, topo, gone | set(fs), dead_hosts)
+        if what is not None:
+            lost[fs] = what
+    return Coverage(
+        live, hosts,
+        single_devices=not any(len(fs) == 1 for fs in lost),
+        single_hosts=not any(fs in lost for fs in map(tuple, hosts.values())),
+        device_pairs=(not any(len(fs) == 2 for fs in lost)) if pairs else None,
+        host_pairs=(not any(
+            tuple(hosts[a] + hosts[b]) in lost for a, b in itertools.combinations(sorted(hosts), 2)
+        )) if pairs and len(hosts) > 1 else None,
+        lost=lost,
+    )
+
+
+class _Layout:
+    """The runtime a pool needs to place copies (`SnapshotPool.place`) for the in-process loop:
+    one process, host copies in the holder's host memory. Nothing is moved through it."""
+
+    me = 0
+    host_copies_off_host = False
+    snapshot_jobs = None
+
+    @staticmethod
+    def process_of(device) -> int:
+        return 0
+
+
+def plan_coverage(cfg, plan, topo: Topology, live: Iterable[int], devices, *,
+                  pairs: bool = True):
+    """(coverage, snapshot pool) of the loop's state on `plan` with `cfg.snapshot` (resolved
+    as the loop resolves it, `SnapshotConfig.resolved(topo.n_hosts)`), for the in-process
+    runtime: from the state's shapes (`jax.eval_shape`) and the plan's shardings alone, with no
+    training step and no compile. `devices`: device id -> a `jax.Device` to lay the mesh on
+    (any backend; only the layout is read). `live`: the topology's live devices (the rest have
+    failed, their whole hosts' memory with them)."""
+    from ..mesh import make_mesh
+    from ..state import StateFactory, make_optimizer
+    from .shards import describe_state
+    from .snapshot import SnapshotPool
+
+    live = set(live)
+    factory = StateFactory(cfg, make_optimizer(cfg.train))
+    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
+    abstract = factory.layout(plan).abstract_on(mesh)
+    pool = SnapshotPool(cfg.snapshot, topo, _Layout(), donated=False)
+    # the loop places copies over the plan's devices and its spares (`Trainer._init_state`)
+    # at start, over every live device after a recovery
+    pool.place(abstract, live if live != set(topo.device_ids)
+               else set(plan.device_ids) | set(plan.spare_ids))
+    dead = set(topo.device_ids) - live
+    cov = coverage(describe_state(abstract), pool, topo, live,
+                   dead_hosts=hosts_lost(topo, dead), pairs=pairs)
+    return cov, pool
