@@ -50,7 +50,7 @@ from .runtime.inprocess import InProcessRuntime
 from .sharding import path_str
 from .transfer import checksum, reshard
 from .transfer.checkpoint import Checkpointer
-from .transfer.coverage import Coverage, coverage, hosts_lost
+from .transfer.coverage import Coverage, coverage, explain
 from .transfer.shards import (
     ShardStore,
     StateMismatchError,
@@ -222,8 +222,9 @@ class Recovery:
     refused_snapshots: list[str] = dataclasses.field(default_factory=list)
     steps_lost: int = 0
     unrecoverable: str = ""  # why the snapshot rungs failed, when a checkpoint was used
-    # with `standby`: the step's executable for the new mesh. `standby_hit`: it was compiled
-    # when the failure was known; otherwise `compile_s` is the wait for it (or a cold compile)
+    # `standby_hit` (with `standby`): the step's executable for the new mesh was compiled when
+    # the failure was known. `compile_s`: the wait for that executable (a cold compile when it
+    # was not ready), or without standby the compile of the new mesh's checksums
     standby_hit: bool | None = None
     compile_s: float = 0.0
 
@@ -335,46 +336,12 @@ class ElasticState:
 
     def _hosts_lost(self, dead: set[int]) -> set[int]:
         """Hosts all of whose devices are in `dead` (their host memory is gone)."""
-        return hosts_lost(self.topology, dead)
+        return self.topology.hosts_lost(dead)
 
     def _explain(self, path: str, box, dead: set[int]) -> str:
-        """Why no copy of `path` `box` survived `dead`: who held it and each copy, and which
-        snapshot setting would have kept one."""
-        store = describe_state(self.state)
-        i = store.paths.index(path) if path in store.paths else None
-        overlaps = lambda b: all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(b, box))  # noqa: E731
-        holders = sorted({s.device for s in store.shards[i] if overlaps(s.box)}) if i is not None else []
-        recs = [r for r in self.pool.records if r.path == path and overlaps(r.box)]
-        buddies = sorted({r.buddy for r in recs if r.buddy is not None})
-        hosts = sorted({r.host for r in recs if r.host is not None})
-        parts = [f"held by devices {holders} (hosts {sorted({self.topology.host_of(d) for d in holders})})"]
-        parts.append(f"buddy copies on devices {buddies}" if buddies else "no buddy copy")
-        parts.append(f"host copies in the memory of hosts {hosts}" if hosts else "no host copy")
-        why = f"{'; '.join(parts)}; devices {sorted(dead)} failed, taking all of them"
-        cfg = self.pool.cfg
-        live_hosts = {self.topology.host_of(d) for d in self.live}
-        fixes = []
-        if not cfg.host and any(self.topology.host_of(d) in live_hosts for d in holders):
-            fixes.append("SnapshotConfig(host=True): a copy in the holder's host memory, whose "
-                         "host still has live devices")
-        if not cfg.buddy and self.topology.n_hosts > 1:
-            fixes.append("SnapshotConfig(buddy=True): a copy on a device of another host")
-        # buddy copies on more hosts than this failure reached (besides the holders'), placed
-        # over the hosts that were live when the copies were taken (since the last recovery)
-        holder_hosts = {self.topology.host_of(d) for d in holders}
-        reached = {self.topology.host_of(d) for d in self._failed} - holder_hosts
-        placeable = {self.topology.host_of(d) for d in self.live | self._failed} - holder_hosts
-        k = len(reached) + 1
-        more = None
-        if k > cfg.copies and k <= len(placeable):
-            more = (f"SnapshotConfig(buddy=True, copies={k}): buddy copies on {k} different "
-                    f"hosts, more than the {len(reached)} other host(s) this failure reached")
-        if fixes:
-            return why + "; it would have been kept by " + " or ".join(fixes + [more] * bool(more))
-        return (why + "; no snapshot setting of one copy per shard covers this failure set "
-                "(ElasticState.coverage() lists such sets); "
-                + (f"it would have been kept by {more}; " if more else "")
-                + "a checkpoint (CheckpointConfig) is the last rung")
+        """Why no copy of `path` `box` survived: `transfer.coverage.explain`."""
+        return explain(path, box, describe_state(self.state), self.pool, self.topology,
+                       self.live, self._failed, dead)
 
     @property
     def unprotected(self) -> list[str]:
@@ -453,15 +420,22 @@ class ElasticState:
                 out.setdefault(mesh, None)
         return list(out)
 
-    def _compile(self, mesh: Mesh):
-        """(your step, the checksum function) compiled for the state on `mesh`."""
-        abstract = jax.tree.map(
+    def _abstract(self, mesh: Mesh):
+        return jax.tree.map(
             lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
             self.state, self.shardings(mesh),
         )
-        step = self._make_step(mesh).lower(abstract, self._batch_fn(mesh)).compile()
+
+    def _compile(self, mesh: Mesh):
+        """(your step, the checksum function) compiled for the state on `mesh`."""
+        step = self._make_step(mesh).lower(self._abstract(mesh), self._batch_fn(mesh)).compile()
+        return step, self._compile_checksums(mesh)
+
+    def _compile_checksums(self, mesh: Mesh):
+        """The state's checksums on `mesh`, one compiled program (what `recover` verifies
+        with; compiled in its compile phase, so that `verify_s` is the verification alone)."""
         sums = jax.jit(functools.partial(checksum.tree_checksums, shardings=self.shardings(mesh)))
-        return step, sums.lower(abstract).compile()
+        return sums.lower(self._abstract(mesh)).compile()
 
     def executable(self):
         """Your step compiled for the current mesh (after `standby`)."""
@@ -537,6 +511,10 @@ class ElasticState:
             # at once on a hit; a queued mesh jumps the line
             exe, sums_fn = self._standby.wait(mesh)
             compile_s = time.perf_counter() - tc
+        else:
+            tc = time.perf_counter()
+            sums_fn = self._compile_checksums(mesh)
+            compile_s = time.perf_counter() - tc
         store = self._survivors if self._survivors is not None else ShardStore.capture(self.state)
         store = store.without(dead)
         refusals_before = len(self.pool.refusals)
@@ -557,8 +535,10 @@ class ElasticState:
             rung, moved, transfers = "checkpoint", 0, 0
         jax.block_until_ready(new)
         t2 = time.perf_counter()
-        ready = self._standby is not None and rung != "checkpoint"  # compiled for this layout
-        got = checksum.to_host((sums_fn if ready else _checksums)(new))
+        # (compiled for the shardings of `mesh`, which a checkpoint restore may not give)
+        same = all(x.sharding.is_equivalent_to(sh, x.ndim) for x, sh in zip(
+            jax.tree.leaves(new), jax.tree.leaves(self.shardings(mesh))))
+        got = checksum.to_host((sums_fn if same else _checksums)(new))
         bad = checksum.diff(good, got)
         t3 = time.perf_counter()
         if bad:

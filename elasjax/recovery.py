@@ -46,6 +46,7 @@ from .sharding import path_str
 from .state import StateFactory
 from .transfer import checksum
 from .transfer.checkpoint import restore_onto
+from .transfer.coverage import LOOP, explain
 from .transfer.reshard import TransitionPlanCache, transition
 from .transfer.shards import (
     ShardStore,
@@ -54,9 +55,11 @@ from .transfer.shards import (
     TransferLog,
     UnrecoverableStateError,
     box_size,
+    box_str,
     describe_state,
     index_to_box,
     map_shard_data,
+    uncovered,
 )
 
 
@@ -472,11 +475,28 @@ class Recoverer:
             )
         except UnrecoverableStateError as err:
             if self.ckpt is None:
-                raise UnrecoverableStateError(
-                    err.leaf, err.box, f"devices {sorted(dead)} failed at step {pos.step}; no "
-                    "surviving copy, no snapshot, and no checkpoint (checkpoint.dir)"
-                ) from err
+                raise self._unrecoverable(err, pos, pool, dead, lost_hosts) from err
         return info
+
+    def _unrecoverable(self, err: UnrecoverableStateError, pos: Position, pool,
+                       dead: set[int], lost_hosts: set[int]) -> UnrecoverableStateError:
+        """`err` (a slice with no source) explained, at step `pos.step` with no checkpoint: who
+        held a lost slice of the stored state and each of its copies, the failure that took
+        them all, and the snapshot settings that would have kept one
+        (`transfer.coverage.explain`). The explained slice is one of the state as stored (a
+        ZeRO partition's storage, where `err` may name a piece of it)."""
+        live = set(pos.live) - dead
+        described = describe_state(pos.state)
+        missing = uncovered(described.without(dead), pool.describe_sources(dead, lost_hosts))
+        why = f"devices {sorted(dead)} failed"
+        if missing:
+            path, box = missing[0]
+            why = explain(path, box, described, pool, self.topo, live, dead,
+                          set(self.topo.device_ids) - live, LOOP)
+            if (path, box) != (err.leaf, err.box):
+                why = f"stored as '{path}' {box_str(box)}: {why}"
+        return UnrecoverableStateError(
+            err.leaf, err.box, f"at step {pos.step}: {why}; no checkpoint is configured")
 
     def _rebuild(self, pos: Position, pool, store: ShardStore, dead: set[int], lost_hosts,
                  exe, strategy: str):
@@ -504,10 +524,7 @@ class Recoverer:
             return new_state, log, log.worst_rung(), pos.step, pos.good, tinfo
         except UnrecoverableStateError as err:
             if self.ckpt is None or strategy == "torchft_like":
-                raise UnrecoverableStateError(
-                    err.leaf, err.box, f"devices {sorted(dead)} failed at step {pos.step}; no "
-                    "surviving copy, no verified snapshot, and no checkpoint (checkpoint.dir)"
-                ) from err
+                raise self._unrecoverable(err, pos, pool, dead, lost_hosts) from err
             ck_step = self.ckpt.latest_step()
             if ck_step is None:
                 raise

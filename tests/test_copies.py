@@ -174,9 +174,13 @@ def test_the_loop_with_two_copies_survives_two_hosts_failing_together(exe_cache,
     """ZeRO-1 over data 8 (every device holds a partition no one else has), hosts 1 and 2 fail
     together at step 3. With one copy, host 1's partitions had theirs on host 2: the run stops
     with UnrecoverableStateError. With `snapshot.copies: 2` they also have one on host 3, and
-    the run matches the fault-free one."""
+    the run matches the fault-free one. The error explains itself: the holders, the copies,
+    the failure that took them, the setting that would have kept the slice."""
     double = "faults=[{at_step: 3, hosts: [1, 2]}]"
-    with pytest.raises(elasjax.UnrecoverableStateError):
+    explained = (r"held by devices \[2, 3\] \(hosts \[1\]\); buddy copies on devices \[4, 5\]; "
+                 r"no host copy; devices \[2, 3, 4, 5\] failed, taking all of them.*"
+                 r"kept by snapshot.buddy=true, snapshot.copies=2")
+    with pytest.raises(elasjax.UnrecoverableStateError, match=explained):
         trainer.run(tiny_config(*LOOP, double), exe_cache=exe_cache)
     ref = trainer.run(tiny_config(*LOOP, "snapshot.copies=2", "faults=[]"), exe_cache=exe_cache)
     s = trainer.run(tiny_config(*LOOP, "snapshot.copies=2", double), tmp_path,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ..planner import Topology
 from .shards import ShardStore, box_str, uncovered
@@ -55,21 +55,12 @@ class Coverage:
         return "\n".join(lines)
 
 
-def hosts_lost(topo: Topology, dead: Iterable[int]) -> set[int]:
-    """Hosts all of whose devices are in `dead` (their host memory is gone)."""
-    dead = set(dead)
-    return {
-        h for h in {topo.host_of(d) for d in dead}
-        if all(d in dead for d in topo.host_devices(h))
-    }
-
-
 def loses(described: ShardStore, pool, topo: Topology, dead: set[int],
           dead_hosts: Iterable[int] = ()) -> str | None:
     """One slice a failure of `dead` would lose (`described`: the state's shards, read from its
     shardings; `pool`: the `SnapshotPool` placed for it; `dead_hosts`: hosts lost before), or
     None if every slice has a live copy."""
-    gone_hosts = hosts_lost(topo, dead) | set(dead_hosts)
+    gone_hosts = topo.hosts_lost(dead) | set(dead_hosts)
     missing = uncovered(described.without(dead), pool.describe_sources(dead, gone_hosts))
     if not missing:
         return None
@@ -146,5 +137,73 @@ def plan_coverage(cfg, plan, topo: Topology, live: Iterable[int], devices, *,
                else set(plan.device_ids) | set(plan.spare_ids))
     dead = set(topo.device_ids) - live
     cov = coverage(describe_state(abstract), pool, topo, live,
-                   dead_hosts=hosts_lost(topo, dead), pairs=pairs)
+                   dead_hosts=topo.hosts_lost(dead), pairs=pairs)
     return cov, pool
+
+
+@dataclasses.dataclass(frozen=True)
+class Spelling:
+    """How an explanation names what the user can change: the pieces API's
+    `SnapshotConfig(host=True)` and `ElasticState.coverage()`, or a config's
+    `snapshot.host=true` and `elasjax plan --coverage`."""
+
+    setting: Callable[..., str]
+    coverage: str
+    last_resort: str
+
+
+PIECES = Spelling(
+    lambda **f: "SnapshotConfig(" + ", ".join(f"{k}={v!r}" for k, v in f.items()) + ")",
+    "ElasticState.coverage()", "a checkpoint (CheckpointConfig) is the last rung",
+)
+LOOP = Spelling(
+    lambda **f: ", ".join(f"snapshot.{k}={str(v).lower()}" for k, v in f.items()),
+    "elasjax plan CONFIG --coverage", "a checkpoint (checkpoint.dir) is the last rung",
+)
+
+
+def explain(path: str, box, described: ShardStore, pool, topo: Topology, live: Iterable[int],
+            failed: Iterable[int], dead: Iterable[int], spelling: Spelling = PIECES) -> str:
+    """Why no copy of leaf `path`'s slice `box` survived: which devices held it and each copy
+    (from `described`, the committed state's shards, and `pool`'s records), that `dead` (every
+    device down) took all of them, and which snapshot setting would have kept one. `failed`:
+    the devices failed since the copies were placed; `live`: those still alive."""
+    failed, live, setting = set(failed), set(live), spelling.setting
+    i = described.paths.index(path) if path in described.paths else None
+    overlaps = lambda b: all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(b, box))  # noqa: E731
+    holders = sorted({s.device for s in described.shards[i] if overlaps(s.box)}) if i is not None else []
+    recs = [r for r in pool.records if r.path == path and overlaps(r.box)]
+    buddies = sorted({r.buddy for r in recs if r.buddy is not None})
+    hosts = sorted({r.host for r in recs if r.host is not None})
+    parts = [f"held by devices {holders} (hosts {sorted({topo.host_of(d) for d in holders})})"]
+    parts.append(f"buddy copies on devices {buddies}" if buddies else "no buddy copy")
+    parts.append(f"host copies in the memory of hosts {hosts}" if hosts else "no host copy")
+    why = f"{'; '.join(parts)}; devices {sorted(set(dead))} failed, taking all of them"
+    holder_hosts = {topo.host_of(d) for d in holders}
+    if len(holder_hosts) > 1:  # not a unique shard: no snapshot copies it
+        return (why + f"; its holders are on {len(holder_hosts)} hosts, and snapshots copy only "
+                "shards whose every holder is on one host (a failure that takes a holder on "
+                f"each host is not covered by any snapshot setting); {spelling.last_resort}")
+    cfg = pool.cfg
+    live_hosts = {topo.host_of(d) for d in live}
+    fixes = []
+    if not cfg.host and any(topo.host_of(d) in live_hosts for d in holders):
+        fixes.append(f"{setting(host=True)}: a copy in the holder's host memory, whose host "
+                     "still has live devices")
+    if not cfg.buddy and topo.n_hosts > 1:
+        fixes.append(f"{setting(buddy=True)}: a copy on a device of another host")
+    # buddy copies on more hosts than this failure reached (besides the holders'), placed over
+    # the hosts that were live when the copies were taken
+    reached = {topo.host_of(d) for d in failed} - holder_hosts
+    placeable = {topo.host_of(d) for d in live | failed} - holder_hosts
+    k = len(reached) + 1
+    more = None
+    if k > cfg.copies and k <= len(placeable):
+        more = (f"{setting(buddy=True, copies=k)}: buddy copies on {k} different hosts, more "
+                f"than the {len(reached)} other host(s) this failure reached")
+    if fixes:
+        return why + "; it would have been kept by " + " or ".join(fixes + [more] * bool(more))
+    return (why + "; no snapshot setting of one copy per shard covers this failure set "
+            f"({spelling.coverage} lists such sets); "
+            + (f"it would have been kept by {more}; " if more else "")
+            + spelling.last_resort)

@@ -41,7 +41,7 @@ from ..config import ConfigError, SnapshotConfig
 from ..planner import Topology
 from ..sharding import path_str
 from . import checksum, copies
-from .shards import Box, Shard, box_size, box_str, described, index_to_box
+from .shards import Box, Shard, box_size, described, index_to_box
 
 
 @dataclasses.dataclass
@@ -61,6 +61,9 @@ class Record:
     checksum: np.ndarray | None = None
     buddy_data: Any = None
     host_data: np.ndarray | None = None
+    # why a copy of the filed step is missing ("buddy"/"host" -> reason): reported only if a
+    # recovery needs that copy (`sources`), not for every copy a failure happened to catch
+    lost: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -465,6 +468,7 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         for i, r in enumerate(self.records):
             r.step, r.checksum = gen.version, None
             r.buddy_data = r.host_data = None
+            r.lost = {}
             if i not in rows:
                 continue  # neither the holder nor a copy of it lives here
             r.checksum = rows[i]
@@ -482,10 +486,8 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         device when that device failed."""
         if isinstance(x, jax.Array) and x.is_deleted():
             which = which or ("buddy" if r.buddy is not None else "host")
-            self.refusals.append(
-                f"the {which} copy of '{r.path}' {box_str(r.box)} (step {version}) was lost in "
-                "flight: its device failed before it landed"
-            )
+            r.lost[which] = (f"the copy of step {version} was lost in flight: its device failed "
+                             "before it landed")
             return None
         return x
 
@@ -541,7 +543,7 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
     def _verify(self, r: Record, data, rung: str, version: int) -> bool:
         where = f"{rung} copy of '{r.path}' {list(r.box)} from device {r.holder}"
         if data is None:
-            self.refusals.append(f"{where}: no copy was taken, refused")
+            self.refusals.append(f"{where}: {r.lost.get(rung, 'no copy was taken')}, refused")
             return False
         if r.step != version:
             self.refusals.append(f"{where}: step {r.step} != {version}, refused")
