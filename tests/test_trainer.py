@@ -112,21 +112,23 @@ def test_no_garbage_collection_runs_from_a_failure_to_its_first_good_step(exe_ca
         if when == "start":
             collections[phase[0]] += 1
 
-    orig_recover = trainer.Trainer._recover
+    from elasjax.recovery import Recoverer
 
-    def recover(self, pos, failure, during):
+    orig_recover = Recoverer.recover
+
+    def recover(self, pos, pool, failure, during):
         phase[0] = "recovery"
         enabled_in_recovery.append(gc.isenabled())
         for _ in range(20_000):  # garbage that would trigger the collector
             a = []
             a.append(a)
-        return orig_recover(self, pos, failure, during)
+        return orig_recover(self, pos, pool, failure, during)
 
     def hook(x):  # the loop emits the recovery event once its first step is good
         if isinstance(x, elasjax.Event) and x.type == "recovery":
             phase[0] = "after"
 
-    monkeypatch.setattr(trainer.Trainer, "_recover", recover)
+    monkeypatch.setattr(Recoverer, "recover", recover)
     gc.callbacks.append(callback)
     try:
         out = trainer.run(tiny_config("train.steps=8", "faults=[{at_step: 4, devices: [3]}]"),
