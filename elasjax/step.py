@@ -144,7 +144,7 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
     on how many replicas there are or which one ran which micro-batch: runs on different meshes
     are bitwise equal (the tensor degree is kept fixed by the planner). Extra memory: at most
     ceil(log2 K) + 3 gradient-sized registers per device for K canonical micro-batches,
-    whatever the replica count (tests/test_deterministic_zero.py measures it)."""
+    whatever the replica count (tests/test_deterministic_memory.py measures it)."""
     loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout)
     seed = cfg.train.seed
     D = mesh.shape[DATA]
