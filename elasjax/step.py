@@ -22,13 +22,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import rng
+from . import rng, treesum
 from .config import Config
 from .mesh import DATA, LOGICAL_RULES, replicated
 from .microbatch import accumulate
 from .pipeline import pipeline_loss, pipeline_slot_losses
 from .planner import Plan
 from .state import StateLayout, TrainState
+from .treesum import TreeSum
 
 PyTree = Any
 
@@ -137,19 +138,26 @@ def fixed_order_sum(x: jax.Array, order: np.ndarray, sharding) -> jax.Array:
 def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout):
     """Deterministic mode: every canonical micro-batch's summed loss and gradient is computed by
     one replica on its own (a `vmap` over the data axis, so nothing is reduced across
-    replicas), all of them are gathered, and they are added in canonical order. The result does
-    not depend on how many replicas there are or which one ran which micro-batch: runs on
-    different meshes are bitwise equal (the tensor degree is kept fixed by the planner)."""
+    replicas), and they are added in one fixed binary tree over the canonical indices
+    (`treesum`): each replica adds the subtrees it holds whole as its micro-batches come, and
+    only the partial sums at its range's boundaries cross replicas. The result does not depend
+    on how many replicas there are or which one ran which micro-batch: runs on different meshes
+    are bitwise equal (the tensor degree is kept fixed by the planner). Extra memory: at most
+    ceil(log2 K) + 3 gradient-sized registers per device for K canonical micro-batches,
+    whatever the replica count (tests/test_deterministic_memory.py measures it)."""
     loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout)
     seed = cfg.train.seed
     D = mesh.shape[DATA]
     per_rep = NamedSharding(mesh, PartitionSpec(DATA))
-    rep = replicated(mesh)
+    specs = {"loss": PartitionSpec(), "grads": jax.tree.map(lambda sh: sh.spec, state_sh.params)}
 
     def grad_fn(params, batch, step, plan: Plan):
         key = rng.step_key(rng.root_key(seed), step)
+        tree = TreeSum(treesum.schedule(plan.canonical_slots()), mesh, specs)
+        like = {"loss": jnp.zeros((), jnp.float32), "grads": params}
 
-        def micro(carry, mb):
+        def micro(regs, kmb):
+            k, mb = kmb
             mb = jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(
                     x.reshape((D, x.shape[0] // D) + x.shape[1:]), per_rep
@@ -159,14 +167,14 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
             losses, grads = jax.vmap(
                 jax.value_and_grad(lambda p, m: loss_fn(p, m, key)), in_axes=(None, 0)
             )(params, mb)
-            return carry, (losses, grads)
+            vals = tree.constrain({"loss": losses, "grads": grads})
+            return tree.step(regs, vals, k), None
 
-        _, (losses, grads) = jax.lax.scan(micro, None, batch)  # [m, D], [m, D, ...]
-        order = canonical_order(plan)
-        loss_sum = fixed_order_sum(losses, order, rep)
-        grads = jax.tree.map(lambda g: fixed_order_sum(g, order, rep), grads)
+        m = batch["weights"].shape[0]
+        regs, _ = jax.lax.scan(micro, tree.init(like), (jnp.arange(m, dtype=jnp.int32), batch))
+        total = tree.finish(regs)
         n_tokens = normaliser(batch)
-        return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
+        return total["loss"] / n_tokens, jax.tree.map(lambda g: g / n_tokens, total["grads"])
 
     return grad_fn
 

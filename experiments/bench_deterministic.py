@@ -5,14 +5,15 @@
 Compiles a config's initial plan (default configs/demo.yaml: data 4 x tensor 2) twice, in the normal
 mode and with `train.deterministic: true`, and times train steps of both alternately in one run
 (same batches). Deterministic mode computes each canonical micro-batch's gradient on one replica
-without cross-replica reduction, gathers all of them and adds them in a fixed order: the
-printed ratio is what bitwise reproducibility across meshes costs here. Wall-clock on 8 fake
-CPU devices sharing 2 cores.
+without cross-replica reduction and adds them in one fixed binary tree over the canonical
+indices (`elasjax.treesum`): the printed ratio is what bitwise reproducibility across meshes
+costs here. Wall-clock on 8 fake CPU devices sharing 2 cores.
 
-Memory: the gathered stack is m x D full gradients on every device (m micro-batches per
-replica, D replicas; `m * D` = the plan's slots, at least the number of canonical micro-batches),
-plus one running sum. The script prints XLA's `memory_analysis()` of both train executables
-(temporary bytes per device) next to that bound, `(m * D + 1) * P * 4` bytes for P parameters.
+Memory: the tree keeps at most ceil(log2 K) + 3 gradient-sized registers per device for K
+canonical micro-batches (whatever the replica count), and the step adds the broadcast sum and
+its normalised copy. The script prints XLA's `memory_analysis()` of both train executables
+(temporary bytes per device) next to that bound, `(ceil(log2 K) + 5) * P * 4` bytes for P
+parameters.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax  # noqa: E402
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 import numpy as np  # noqa: E402
 
-from elasjax import config, planner  # noqa: E402
+from elasjax import config, planner, treesum  # noqa: E402
 from elasjax.compilation.executables import compile_plan  # noqa: E402
 from elasjax.data import DataPipeline  # noqa: E402
 from elasjax.state import StateFactory, make_optimizer  # noqa: E402
@@ -73,11 +74,13 @@ def main():
     plan, state = runs[True][1], runs[True][3]
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     temp = {m: r[2].train.memory_analysis().temp_size_in_bytes for m, r in runs.items()}
-    bound = (plan.microbatches * plan.data + 1) * n_params * 4
+    K = plan.n_canonical
+    regs = treesum.register_bound(K) + 2
+    bound = regs * n_params * 4
     print(f"temporary memory per device (XLA memory_analysis): normal {temp[False] / 1e6:.2f} MB, "
           f"deterministic {temp[True] / 1e6:.2f} MB; extra {(temp[True] - temp[False]) / 1e6:.2f} MB "
-          f"vs the stated bound (m*D + 1) x params x 4 B = ({plan.microbatches}*{plan.data} + 1) "
-          f"x {n_params} x 4 B = {bound / 1e6:.2f} MB")
+          f"vs the stated bound (ceil(log2 K) + 5) x params x 4 B = {regs} x {n_params} x 4 B "
+          f"= {bound / 1e6:.2f} MB (K = {K})")
 
 
 if __name__ == "__main__":

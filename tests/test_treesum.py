@@ -1,0 +1,63 @@
+"""The fixed-order tree sum of deterministic mode (`elasjax.treesum`), as numpy programs.
+
+Every layout the planner deals (each replica count 1..K+2 over K canonical micro-batches, ranges
+from `Plan.canonical_slots`) must give the tree's sum bit for bit, with at most
+`register_bound(K)` registers: the memory bound does not depend on the replica count."""
+
+import numpy as np
+import pytest
+
+from elasjax import treesum
+from elasjax.planner import Plan
+
+
+def slots(K: int, D: int) -> np.ndarray:
+    """The planner's dealing of K canonical micro-batches (of one sample) over D replicas."""
+    m = -(-K // D)
+    plan = Plan(tuple(range(D)), D, 1, m, 1, K, canonical_micro=1)
+    return plan.canonical_slots()
+
+
+def values(K: int, seed: int) -> np.ndarray:
+    # magnitudes spread over 12 decades, so that any change of the addition order shows in the bits
+    rng = np.random.default_rng(seed)
+    scale = np.float32(10.0) ** rng.integers(-6, 6, (K, 1)).astype(np.float32)
+    return rng.standard_normal((K, 4)).astype(np.float32) * scale
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 5, 8, 13, 16, 31, 49, 64])
+def test_every_dealing_gives_the_trees_bits_within_the_register_bound(K):
+    x = values(K, K)
+    ref = treesum.reference_sum(x)
+    for D in range(1, K + 3):
+        s = slots(K, D)
+        sched = treesum.schedule(s)
+        got = treesum.simulate(sched, s, x)
+        assert got.view(np.uint32).tolist() == ref.view(np.uint32).tolist(), f"D={D}"
+        assert sched.n_regs <= treesum.register_bound(K), f"D={D}: {sched.n_regs} registers"
+        for rd in sched.rounds:  # one send and one receive per replica per round at most
+            src, dst = zip(*rd.perm) if rd.perm else ((), ())
+            assert len(set(src)) == len(src) and len(set(dst)) == len(dst)
+        assert len([r for r in sched.rounds if r.perm]) <= treesum.tree_levels(K)
+
+
+def test_the_tree_is_not_a_left_fold():
+    # the reference is a balanced tree: with these values a left fold loses the small terms
+    x = np.array([[1e8], [1.0], [-1e8], [1.0]], np.float32)
+    assert treesum.reference_sum(x)[0] == np.float32(0.0)  # (1e8 + 1) + (-1e8 + 1) rounds to 0
+    assert ((x[0] + x[1]) + x[2]) + x[3] == np.float32(1.0)
+
+
+def test_padding_is_never_added():
+    # `simulate` writes NaN for padding slots: a schedule that read one would return NaN
+    K, D = 7, 3  # ranges 3, 2, 2: two padding slots
+    s = slots(K, D)
+    assert (s < 0).sum() == 2
+    assert np.isfinite(treesum.simulate(treesum.schedule(s), s, values(K, 0))).all()
+
+
+def test_bad_dealings_are_refused():
+    with pytest.raises(ValueError, match="not one contiguous run"):
+        treesum.schedule(np.array([[0, 1], [2, 3]]))  # rank 0 holds 0 and 2
+    with pytest.raises(ValueError, match="out of 0..1 or dealt twice"):
+        treesum.schedule(np.array([[0, 0]]))
