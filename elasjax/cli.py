@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         "--standby", action="store_true",
         help="sub-second recovery: build the plan of every likely failure before step 0 and "
         "again after each recovery, training paused meanwhile (= --set standby.enabled=true "
-        "--set standby.wait_at_start=true --set standby.wait_after_recovery=true); "
-        "configs/demo.yaml on 2 cores: about 22 s before step 0, 14-25 s after each recovery",
+        "--set standby.wait_at_start=true --set standby.wait_after_recovery=true); each pause "
+        "lasts as long as building those plans (figures for configs/demo.yaml: "
+        "experiments/RESULTS.md)",
     )
     p = sub.add_parser("plan", help="print the plan for N devices and after failures")
     p.add_argument("config")

@@ -689,18 +689,45 @@ def _validate_model(m: ModelConfig) -> int:
 
 
 def validate(cfg: Config) -> None:
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    n_layers = _validate_model(m)
-    if m.type != "gpt":  # a registered model brings its own data: only the sampler's seed applies
-        set_data = [
-            f.name for f in dataclasses.fields(DataConfig)
-            if f.name != "seed" and getattr(cfg.data, f.name) != f.default
-        ]
-        _require(
-            not set_data, f"data.{set_data[0] if set_data else ''}",
-            f"is the GPT's token data and model.type = '{m.type}' brings its own data "
-            "(ModelSpec.data); allowed in the data section: seed",
-        )
+    """Check `cfg` section by section; raise a `ConfigError` naming the first bad field.
+
+    The order of the sections below is the order of the checks, so a config with several
+    errors always reports the same one first."""
+    n_layers = _validate_model(cfg.model)
+    _validate_model_data(cfg)
+    _validate_train(cfg.train)
+    _validate_data(cfg.data)
+    _validate_parallel(cfg, n_layers)
+    _validate_pipeline(cfg)
+    _validate_snapshot(cfg.snapshot)
+    _validate_checkpoint(cfg.checkpoint, cfg.train.steps)
+    _validate_hardware(cfg.hardware)
+    _validate_recovery(cfg)
+    _validate_standby(cfg.standby)
+    _validate_deterministic(cfg)
+    _validate_faults(cfg)
+
+
+def _validate_model_data(cfg: Config) -> None:
+    """A registered model brings its own data: of the data section only the sampler's seed
+    applies."""
+    m = cfg.model
+    if m.type == "gpt":
+        return
+    set_data = [
+        f.name for f in dataclasses.fields(DataConfig)
+        if f.name != "seed" and getattr(cfg.data, f.name) != f.default
+    ]
+    _require(
+        not set_data, f"data.{set_data[0] if set_data else ''}",
+        f"is the GPT's token data and model.type = '{m.type}' brings its own data "
+        "(ModelSpec.data); allowed in the data section: seed",
+    )
+
+
+def _validate_train(t: TrainConfig) -> None:
+    """The train section's bounds and its optimizer (`train.deterministic` and
+    `train.canonical_micro_batch`: `_validate_deterministic`)."""
     _require(t.steps >= 1, "train.steps", "must be >= 1")
     _require(t.global_batch >= 1, "train.global_batch", "must be >= 1")
     _require(t.microbatches >= 1, "train.microbatches", "must be >= 1")
@@ -716,9 +743,18 @@ def validate(cfg: Config) -> None:
     _require(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
     _require(t.eval_every >= 0, "train.eval_every", "must be >= 0 (0 = never)")
     _require(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
+
+
+def _validate_data(d: DataConfig) -> None:
     _require(
-        0.0 < cfg.data.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)"
+        0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)"
     )
+
+
+def _validate_parallel(cfg: Config, n_layers: int) -> None:
+    """Device counts, spares, the tensor degree against the model, and the stage bounds
+    against its `n_layers` layers."""
+    m, p = cfg.model, cfg.parallel
     _require(p.devices == -1 or p.devices >= 1, "parallel.devices", "must be -1 (all) or >= 1")
     _require(p.devices_per_host >= 1, "parallel.devices_per_host", "must be >= 1")
     _require(p.spares >= 0, "parallel.spares", f"= {p.spares}; allowed values: an integer >= 0 "
@@ -769,59 +805,89 @@ def validate(cfg: Config) -> None:
         f"= {p.min_stage}; allowed values: 1 .. {max(p.max_stage or p.stage, p.stage)} "
         "(parallel.max_stage)",
     )
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """The pipeline section, and what ZeRO supports once plans may be pipelined."""
+    p, z = cfg.parallel, cfg.zero
     _require(cfg.pipeline.microbatches >= 0, "pipeline.microbatches", "must be >= 0")
-    if cfg.zero.stage > 0 and (p.stage > 1 or p.max_stage > 1):
+    if z.stage > 0 and (p.stage > 1 or p.max_stage > 1):
         _require(
-            cfg.zero.stage == 1,
+            z.stage == 1,
             "zero.stage",
-            f"= {cfg.zero.stage} with pipelines (parallel.stage = {p.stage}, parallel.max_stage = "
+            f"= {z.stage} with pipelines (parallel.stage = {p.stage}, parallel.max_stage = "
             f"{p.max_stage}) is not available yet; allowed values with pipelines: 0, 1",
         )
         _require(
-            cfg.zero.layout == "interleaved",
+            z.layout == "interleaved",
             "zero.layout",
-            f"= '{cfg.zero.layout}' with pipelines is not available; allowed values with "
+            f"= '{z.layout}' with pipelines is not available; allowed values with "
             "pipelines: 'interleaved' (each layer partitioned on its own)",
         )
-    # the bounds that need no topology (`copies` against the host count: `SnapshotPool`)
-    _require(cfg.snapshot.copies >= 1, "snapshot.copies",
-             f"= {cfg.snapshot.copies}; allowed values: an integer >= 1 (buddy copies of each "
+
+
+def _validate_snapshot(s: SnapshotConfig) -> None:
+    """The bounds that need no topology (`copies` against the host count: `SnapshotPool`)."""
+    _require(s.copies >= 1, "snapshot.copies",
+             f"= {s.copies}; allowed values: an integer >= 1 (buddy copies of each "
              "unique shard, each on another host)")
-    _require(cfg.snapshot.copies == 1 or cfg.snapshot.buddy is not False, "snapshot.copies",
-             f"= {cfg.snapshot.copies} asks for buddy copies and 'snapshot.buddy' is false; "
+    _require(s.copies == 1 or s.buddy is not False, "snapshot.copies",
+             f"= {s.copies} asks for buddy copies and 'snapshot.buddy' is false; "
              "allowed values with buddy: false: 1 (or set buddy: true)")
-    if cfg.checkpoint.dir is not None:
-        _require(cfg.checkpoint.every >= 1, "checkpoint.every", "must be >= 1")
-        _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1")
-    if cfg.checkpoint.resume_step is not None:
-        _require(cfg.checkpoint.dir is not None, "checkpoint.resume_step", "needs checkpoint.dir")
+
+
+def _validate_checkpoint(c: CheckpointConfig, steps: int) -> None:
+    """`steps`: the run's `train.steps` (the last step a resume may name is `steps - 1`)."""
+    if c.dir is not None:
+        _require(c.every >= 1, "checkpoint.every", "must be >= 1")
+        _require(c.keep >= 1, "checkpoint.keep", "must be >= 1")
+    if c.resume_step is not None:
+        _require(c.dir is not None, "checkpoint.resume_step", "needs checkpoint.dir")
         _require(
-            cfg.checkpoint.resume_step == -1 or 0 <= cfg.checkpoint.resume_step < t.steps,
+            c.resume_step == -1 or 0 <= c.resume_step < steps,
             "checkpoint.resume_step",
-            f"= {cfg.checkpoint.resume_step}; allowed values: null, -1 (newest), 0 .. {t.steps - 1}",
+            f"= {c.resume_step}; allowed values: null, -1 (newest), 0 .. {steps - 1}",
         )
+
+
+def _validate_hardware(h: HardwareConfig) -> None:
     for name in ("flops", "link_bw"):
-        _require(getattr(cfg.hardware, name) > 0, f"hardware.{name}", "must be > 0")
-    _require(cfg.hardware.memory_gb >= 0, "hardware.memory_gb", "must be >= 0 (0 = unlimited)")
-    if cfg.recovery.strategy == "checkpoint_restart":
+        _require(getattr(h, name) > 0, f"hardware.{name}", "must be > 0")
+    _require(h.memory_gb >= 0, "hardware.memory_gb", "must be >= 0 (0 = unlimited)")
+
+
+def _validate_recovery(cfg: Config) -> None:
+    """The recovery strategy against the checkpoint, parallel, ZeRO and train sections, and
+    the recovery section's bounds."""
+    r, p, t = cfg.recovery, cfg.parallel, cfg.train
+    if r.strategy == "checkpoint_restart":
         _require(cfg.checkpoint.dir is not None, "recovery.strategy",
                  "= 'checkpoint_restart' needs checkpoint.dir")
-    if cfg.recovery.strategy == "torchft_like":
+    if r.strategy == "torchft_like":
         _require(p.stage == 1 and cfg.zero.stage == 0 and not t.deterministic, "recovery.strategy",
                  "= 'torchft_like' is implemented for data x tensor plans with zero.stage = 0 and "
                  "train.deterministic = false")
-    _require(cfg.recovery.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
-    _require(0.0 <= cfg.recovery.grow_min_gain < 1.0, "recovery.grow_min_gain",
-             f"= {cfg.recovery.grow_min_gain}; allowed values: 0 <= grow_min_gain < 1 (a "
+    _require(r.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
+    _require(0.0 <= r.grow_min_gain < 1.0, "recovery.grow_min_gain",
+             f"= {r.grow_min_gain}; allowed values: 0 <= grow_min_gain < 1 (a "
              "relative step-time gain; 0 grows whenever the bigger plan is predicted faster)")
-    _require(cfg.standby.max_plans is None or cfg.standby.max_plans >= 1, "standby.max_plans",
+
+
+def _validate_standby(s: StandbyConfig) -> None:
+    _require(s.max_plans is None or s.max_plans >= 1, "standby.max_plans",
              "must be null (every likely failure's plan) or >= 1")
-    _require(0.0 < cfg.standby.map_budget <= 0.9, "standby.map_budget",
-             f"= {cfg.standby.map_budget}; allowed values: 0 < map_budget <= 0.9 (a fraction of "
+    _require(0.0 < s.map_budget <= 0.9, "standby.map_budget",
+             f"= {s.map_budget}; allowed values: 0 < map_budget <= 0.9 (a fraction of "
              "the process's memory-mapping limit)")
-    _require(cfg.standby.depth in (1, 2), "standby.depth",
-             f"= {cfg.standby.depth}; allowed values: 1 (the plans after one more failure), "
+    _require(s.depth in (1, 2), "standby.depth",
+             f"= {s.depth}; allowed values: 1 (the plans after one more failure), "
              "2 (and after a second one)")
+
+
+def _validate_deterministic(cfg: Config) -> None:
+    """The bitwise deterministic mode (`train.deterministic`, `train.canonical_micro_batch`)
+    against ZeRO and the stage bounds."""
+    t, p = cfg.train, cfg.parallel
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
     if t.deterministic:
         _require(
@@ -840,44 +906,53 @@ def validate(cfg: Config) -> None:
             "parallel.stage >= 2 and parallel.min_stage >= 2, or parallel.stage = 1 and "
             "parallel.max_stage <= 1",
         )
+
+
+def _validate_faults(cfg: Config) -> None:
+    """Each fault entry on its own (kind, step, join and `mtbf` fields), then their order."""
     for i, f in enumerate(cfg.faults):
-        key = f"faults[{i}]"
-        kinds = [bool(f.devices), bool(f.hosts), f.count > 0, f.kill_process >= 0,
-                 f.join is not None, f.mtbf is not None, f.stall_process >= 0]
-        if sum(kinds) != 1:
-            raise ConfigError(
-                f"config '{key}' must name exactly one of 'devices', 'hosts', 'count' (+ 'seed') "
-                "or 'kill_process' (a failure), or 'join' (devices that return), or 'mtbf' (a "
-                "seeded failure-and-repair process), or 'stall_process' (+ 'stall_s': a straggler)"
-            )
-        _require((f.stall_process >= 0) == (f.stall_s > 0), f"{key}.stall_s",
-                 f"= {f.stall_s}: 'stall_process' needs 'stall_s' > 0 (seconds) and 'stall_s' "
-                 "needs 'stall_process'")
-        if f.mtbf is not None:
-            _validate_mtbf(f, key, cfg)
-        if f.join is not None:
-            if bool(f.join.devices) == bool(f.join.hosts):
-                raise ConfigError(
-                    f"config '{key}.join' must name exactly one of 'devices' (device ids) or "
-                    "'hosts' (host indices)"
-                )
-            _require(f.phase == "step", f"{key}.phase",
-                     f"= '{f.phase}' with 'join': devices return at a step boundary; allowed "
-                     "values: 'step'")
-            _require(cfg.recovery.strategy == "elastic", f"{key}.join",
-                     f"needs recovery.strategy = 'elastic' (growing back is not implemented for "
-                     f"'{cfg.recovery.strategy}'); allowed values of recovery.strategy with "
-                     "joins: 'elastic'")
-        _require(f.kill_process >= -1, f"{key}.kill_process", "must be a process index >= 0")
-        _require(
-            0 <= f.at_step < t.steps,
-            f"{key}.at_step",
-            f"= {f.at_step} is outside the run; allowed values: 0 .. {t.steps - 1} "
-            f"(train.steps = {t.steps})",
-        )
-        _require(f.count >= 0, f"{key}.count", "must be >= 0")
+        _validate_fault(f, f"faults[{i}]", cfg)
     steps = [f.at_step for f in cfg.faults]
     _require(steps == sorted(steps), "faults", "must be ordered by at_step")
+
+
+def _validate_fault(f: FaultConfig, key: str, cfg: Config) -> None:
+    """One fault entry, `key` its place in the config (`faults[i]`)."""
+    t = cfg.train
+    kinds = [bool(f.devices), bool(f.hosts), f.count > 0, f.kill_process >= 0,
+             f.join is not None, f.mtbf is not None, f.stall_process >= 0]
+    if sum(kinds) != 1:
+        raise ConfigError(
+            f"config '{key}' must name exactly one of 'devices', 'hosts', 'count' (+ 'seed') "
+            "or 'kill_process' (a failure), or 'join' (devices that return), or 'mtbf' (a "
+            "seeded failure-and-repair process), or 'stall_process' (+ 'stall_s': a straggler)"
+        )
+    _require((f.stall_process >= 0) == (f.stall_s > 0), f"{key}.stall_s",
+             f"= {f.stall_s}: 'stall_process' needs 'stall_s' > 0 (seconds) and 'stall_s' "
+             "needs 'stall_process'")
+    if f.mtbf is not None:
+        _validate_mtbf(f, key, cfg)
+    if f.join is not None:
+        if bool(f.join.devices) == bool(f.join.hosts):
+            raise ConfigError(
+                f"config '{key}.join' must name exactly one of 'devices' (device ids) or "
+                "'hosts' (host indices)"
+            )
+        _require(f.phase == "step", f"{key}.phase",
+                 f"= '{f.phase}' with 'join': devices return at a step boundary; allowed "
+                 "values: 'step'")
+        _require(cfg.recovery.strategy == "elastic", f"{key}.join",
+                 f"needs recovery.strategy = 'elastic' (growing back is not implemented for "
+                 f"'{cfg.recovery.strategy}'); allowed values of recovery.strategy with "
+                 "joins: 'elastic'")
+    _require(f.kill_process >= -1, f"{key}.kill_process", "must be a process index >= 0")
+    _require(
+        0 <= f.at_step < t.steps,
+        f"{key}.at_step",
+        f"= {f.at_step} is outside the run; allowed values: 0 .. {t.steps - 1} "
+        f"(train.steps = {t.steps})",
+    )
+    _require(f.count >= 0, f"{key}.count", "must be >= 0")
 
 
 def _validate_mtbf(f: FaultConfig, key: str, cfg: Config) -> None:

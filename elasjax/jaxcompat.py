@@ -5,8 +5,9 @@ elasjax needs four things JAX does not publish:
 - **loading a serialized executable onto other devices** (`executable_loader`): a standby plan
   rebound to the survivors, or a renewed CPU client's executables reloaded, without a compile
   (`compilation.executables.rebind`). Fallback: None, and the callers compile instead.
-- **one-call construction of a global array** from per-device values (`batched_put`): about 3x
-  cheaper per leaf than `jax.make_array_from_callback`. Fallback: None, the public path.
+- **one-call construction of a global array** from per-device values (`batched_put`): several times
+  cheaper per leaf than `jax.make_array_from_callback` (experiments/RESULTS.md, "Figures moved
+  from code comments"). Fallback: None, the public path.
 - **whether JAX's backends have started** (`backends_initialized`): a setting read when the CPU
   client starts can only be made before. Fallback: None (unknown).
 - **the coordination service's key-value client** (`distributed_client`) under `elasjax launch`.

@@ -199,9 +199,9 @@ class StepClock:
     """When each dispatched step finished: a thread waits, in dispatch order, for one small
     output of each (`watch`) and notes the time. The loop reads a step's metrics steps later
     (`Trainer.READ_BEHIND`), and dispatch itself can wait for the step before (XLA:CPU runs one
-    execution of a multi-device program at a time and returns before it ends: measured, a
-    25.5M-parameter step's call returns after 15-40 ms, the next call when that step is done),
-    so neither the read nor the call says when a step ended."""
+    execution of a multi-device program at a time: a step's call returns before the step ends,
+    the next call only once that step is done), so neither the read nor the call says when a
+    step ended."""
 
     def __init__(self):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -243,8 +243,8 @@ class StepClock:
     def close(self) -> None:
         """End the thread once it has noted the steps queued. Joined: a daemon thread still
         inside `block_until_ready` when the interpreter exits aborts the process on Python 3.12
-        with JAX 0.12 ("terminate called ... exception not rethrown"; seen with
-        examples/classifier_loop.py, rc 134 in 2 of 4 runs before this join)."""
+        with JAX 0.12 ("terminate called ... exception not rethrown"; examples/classifier_loop.py
+        showed it, experiments/RESULTS.md, "The newest JAX")."""
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(timeout=60)

@@ -524,9 +524,9 @@ class Trainer:
 
     def _hold_gc(self) -> None:
         """No garbage collection from a failure to the recovery's first good step: Python's
-        cyclic collector stops the loop while it scans: in a run of the demo under `--standby`
-        here, full collections took 84-143 ms and a generation-1 one 21 ms (a step after a
-        recovery), as long as a whole standby hit. The garbage is collected after the first good
+        cyclic collector stops the loop while it scans, and in the demo a full collection took
+        about as long as a whole standby hit (experiments/RESULTS.md, "`--standby` on the
+        demo"). The garbage is collected after the first good
         step (`_release_gc`). A process that turned the collector off keeps it off."""
         if gc.isenabled():
             gc.disable()

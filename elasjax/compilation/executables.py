@@ -217,10 +217,10 @@ def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Exec
 
     The program does not depend on device ids: XLA partitions it over mesh positions, and the
     device assignment is a compile option. The executables are serialized once (kept on `exe`)
-    and loaded with the new plan's devices as their assignment, position for position (this
-    machine, the demo's 7-device plan: load 0.3-0.6 s against a 7 s compile; a step on the
-    rebound executable gives the same bits as one compiled for those devices,
-    tests/test_standby_baselines.py). The snapshot checksums compiled for `exe`'s mesh are
+    and loaded with the new plan's devices as their assignment, position for position. A load
+    costs a small fraction of a compile (experiments/RESULTS.md, "`--standby` on the demo"), and a
+    step on the rebound executable gives the same bits as one compiled for those devices
+    (tests/test_standby_baselines.py). The snapshot checksums compiled for `exe`'s mesh are
     loaded onto the new one too (`checksum.rebind_checksums`). The eval function is re-made (it
     compiles on first use)."""
     if plan.shape_key != exe.plan.shape_key:
@@ -280,9 +280,9 @@ def can_load() -> bool:
 
 def warm_up(exe: Executables) -> float:
     """Run `exe`'s checksum and train executables once on placeholder zeros, so that the first
-    real step after a recovery does not pay the executable's first-run cost (measured here: a
-    first step 0.25-0.33 s, later ones 0.10-0.13 s). Needs one more copy of the state on the
-    devices while it runs. Returns its seconds."""
+    real step after a recovery does not pay the executable's first-run cost (a first run is
+    slower than the later ones: experiments/RESULTS.md, "`--standby` on the demo"). Needs one
+    more copy of the state on the devices while it runs. Returns its seconds."""
     t0 = time.perf_counter()
 
     def zeros(a: jax.ShapeDtypeStruct, sh) -> jax.Array:
@@ -307,11 +307,10 @@ class ExecutableCache:
     shared one to reuse executables across runs in one process (tests, experiment sweeps).
 
     `map_budget`: past this fraction of the process's memory-mapping limit (`vm.max_map_count`;
-    a loaded CPU executable holds ~800 mappings here), the oldest entries are dropped too, so
+    a loaded CPU executable holds hundreds of mappings), the oldest entries are dropped too, so
     that a long-lived process never runs out of mappings: XLA's JIT then fails mid-compile
-    (`LLVM ERROR: Unable to allocate section memory`, seen with 66 loaded plans; most likely
-    also the segmentation fault of a test worker that had run many files with 64 entries).
-    None: no bound."""
+    (`LLVM ERROR: Unable to allocate section memory`; the counts are in experiments/RESULTS.md,
+    "`--standby` on the demo"). None: no bound."""
 
     def __init__(self, max_entries: int = 16, max_programs: int = 8, map_budget: float | None = 0.5):
         self.max_entries, self.max_programs = max_entries, max_programs

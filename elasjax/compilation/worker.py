@@ -2,11 +2,12 @@
 
 XLA compiles on its own thread pool, so a background compile in the training process shares
 every core with a recovery's own compile and cannot be cancelled: a recovery that needs a plan
-nobody compiled yet would take up to twice a compile (measured here: 6.9 s alone, 12.8 s beside
-another compile; a lower thread priority did not help, the pool's threads keep theirs). A
-`CompileWorker` runs the standby's compiles in a child process started at a lower CPU priority
-(its XLA threads inherit it, so training steps come first), and `kill` ends it the moment a
-recovery needs the cores for another program. The next background compile starts a new child.
+nobody compiled yet can take up to twice a compile (experiments/RESULTS.md, "`--standby` on the
+demo"; `experiments/bench_standby.py` compares the thread with the child process). A lower thread
+priority does not help: the pool's threads keep their own. A `CompileWorker` runs the standby's
+compiles in a child process started at a lower CPU priority (its XLA threads inherit it, so
+training steps come first), and `kill` ends it the moment a recovery needs the cores for another
+program. The next background compile starts a new child.
 
 The child builds exactly what `executables.compile_plan` builds (the same config, optimizer, plan and
 device ids: fake CPU devices exist in any process) and sends the pair back serialized

@@ -2,10 +2,11 @@
 
 XLA:CPU runs independent executions at once, and two in flight whose collectives span many
 devices can deadlock its in-process rendezvous, each holding device threads the other waits for
-(measured, jax 0.10.2: a 7-device train step dispatched twice on one input, 20 times over:
-"Termination timeout ... only 5 of 7 arrived", the process aborts; with synchronous dispatch it
-completes). The trainer's executions form one chain almost always; an evaluation or checksum
-beside the next step does not. The setting (`jax_cpu_enable_async_dispatch = False`) is read
+(XLA:CPU reports "Termination timeout ... only 5 of 7 arrived" and the process aborts; a
+7-device train step dispatched twice on one input shows it, and with synchronous dispatch the
+same program completes: experiments/RESULTS.md, "Figures moved from code comments"). The
+trainer's executions form one chain almost always; an evaluation or checksum beside the next
+step does not. The setting (`jax_cpu_enable_async_dispatch = False`) is read
 when JAX's CPU client starts and changes nothing on other backends.
 
 Importing elasjax changes no JAX setting. A runtime sets this one when it starts, if JAX's

@@ -27,11 +27,11 @@ class Liveness:
     peer whose heartbeat is silent while its CPU time advances (`cpu_of`, `working`) is starved,
     not dead: the arbiter waits for it too (up to `multicontroller.STARVED_MAX_S`).
 
-    Measured on the 2-core machine (jax 0.10.2, gloo, 4 processes): a SIGKILLed process was seen
-    silent for 0.5 s about 0.51-0.55 s after the kill, on every survivor; gloo surfaces the death
-    only at the collective timeout (its socket errors 'Connection closed/reset by peer' are
-    reported when the timed-out receive returns), and `live_devices`' own membership check
-    (the coordination service's heartbeat) answered 0.6-1.7 s after that.
+    Why a heartbeat of its own: gloo surfaces a death only at the collective timeout (its socket
+    errors 'Connection closed/reset by peer' are reported when the timed-out receive returns),
+    and `live_devices`' membership check waits for the coordination service's slower heartbeat,
+    while every survivor sees a killed process silent about `timeout` after the kill (the
+    candidates side by side: experiments/RESULTS.md, "Detecting a death").
     """
 
     def __init__(self, client, me: int, peers, interval: float, timeout: float, cpu_of=None):
@@ -133,8 +133,9 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
     every one has posted or is dead. A peer is dead when it exited (`exits`), or when its
     heartbeat has been silent past the limit (`fast` once some post reports an error, the
     evidence of a failure; else `slow`) and it is not a same-host peer whose CPU time advanced
-    within that limit (`Liveness.working`: starved, waited for up to `starved_max` of silence; a
-    start-up compile of 4 processes on 2 cores silenced a live one for 7.25 s here).
+    within that limit (`Liveness.working`: starved, waited for up to `starved_max` of silence;
+    a start-up compile on loaded cores can silence a live process for seconds:
+    experiments/RESULTS.md, "bench_detection").
     Returns (statuses, failed {p: silence}, exited, starved {p: silence}, the limit applied)."""
     statuses = dict(statuses)
     failed: dict[int, float] = {}

@@ -19,7 +19,8 @@ engine's own primitives do the fault tolerance; this module wires them up:
   silent for `liveness_timeout_s` (a step's exit) or `heartbeat_timeout_s`; every process reads its verdict, so all survivors raise `DeviceFailure`
   with the same devices and plan the same next layout (the planner is pure). A slow process
   keeps beating and is waited for. (This replaces `multihost_utils.live_devices`, whose
-  membership check waits for the coordination service's own heartbeat: 0.6-1.7 s more.)
+  membership check waits for the coordination service's own, slower heartbeat:
+  experiments/RESULTS.md, "Detecting a death".)
 - Cross-process copies (a transition's pieces, snapshot copies) go point to point through
   `jax.experimental.transfer` (`p2p.TransferLinks`): only the planned bytes travel, and a pull
   from a dead process fails at once. (Cross-process `jax.device_put` onto a different device set
@@ -468,8 +469,9 @@ class MultiControllerRuntime:
         """The silence that makes a process absent from a barrier dead: the fast
         `liveness_timeout_s` at a step's exit (a death inside the step); at every entry barrier
         and the other phases' exits (start-up, recovery, cut-over, checkpoint: XLA compiles run
-        in them or beside them and starve the heartbeat thread, measured up to 1.33 s of silence
-        from live processes) the slower `heartbeat_timeout_s`."""
+        in them or beside them and starve the heartbeat thread for over a second in live
+        processes: experiments/RESULTS.md, "Multi-process observations") the slower
+        `heartbeat_timeout_s`."""
         if phase == "step" and at_exit:
             return self.rc.liveness_timeout_s
         return max(self.rc.liveness_timeout_s, float(self.rc.heartbeat_timeout_s))
@@ -503,8 +505,9 @@ class MultiControllerRuntime:
                     continue
         # the fast timeout needs evidence of a failure: a block that failed on a process that
         # got here. A peer absent while every block succeeded took part in all their
-        # collectives, so it is late, not dead: it gets the slow timeout (measured: a live
-        # process's heartbeat stalled 1.02 s during a step beside a background compile).
+        # collectives, so it is late, not dead: it gets the slow timeout (a live process's
+        # heartbeat can stall for a second in a step beside a background compile:
+        # experiments/RESULTS.md, "Multi-process observations").
         slow = max(timeout, float(self.rc.heartbeat_timeout_s))
         statuses, failed, exited, starved, used = arbitrate(
             self.client, key, {self.me: status}, [p for p in live if p != self.me],

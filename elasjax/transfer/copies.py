@@ -100,7 +100,8 @@ def aligned_empty(shape: tuple[int, ...], dtype, zero: bool = False) -> np.ndarr
 
 # Below this many distinct bytes (replicas counted once) per thread, one thread copies faster:
 # the copies of a small state are short numpy calls whose Python between them holds the GIL
-# (the demo's d4t2 -> d7t1 recovery, 2 cores: 6-7 ms on one thread, 13-16 ms on two).
+# (the demo's copies took about twice as long on two threads: experiments/RESULTS.md, "Figures
+# moved from code comments").
 THREAD_MIN_BYTES = 4 << 20
 
 
