@@ -381,7 +381,11 @@ class RecoveryConfig:
     spare and the `join` event says why. `grow_standby` compiles, in the background while some
     devices are down, the plan growth would pick if every device of the job returned (the
     likeliest growth: the repaired devices come back), so that a join finds it compiled and the
-    cut-over does not wait for a compile (one extra background compile per plan change)."""
+    cut-over does not wait for a compile (one extra background compile per plan change).
+    `grow_interim`: when the best plan is not compiled on every process at the join, but the
+    returned devices make possible a plan the run has stood on before (the start plan, one it
+    left at a failure) that is predicted at least `grow_min_gain` faster, cut over to that one
+    at once and to the best plan once it is compiled (`elasjax.cutover`)."""
 
     strategy: Literal["elastic", "checkpoint_restart", "torchft_like"] = "elastic"
     migration: Literal["blocking", "async"] = "blocking"
@@ -389,6 +393,7 @@ class RecoveryConfig:
     prepare_transfers: bool = True
     grow_min_gain: float = 0.05  # joins: the least predicted relative step-time gain to grow
     grow_standby: bool = False  # compile the every-device plan in the background while some are down
+    grow_interim: bool = True  # joins: a compiled earlier plan at once, the best one when compiled
 
 
 @dataclasses.dataclass(frozen=True)

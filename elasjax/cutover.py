@@ -6,6 +6,13 @@ the bigger set (`planner.growth_plan`, no growth unless it is predicted at least
 an async recovery: training goes on on the current plan while the pending plan compiles in the
 background, and the cut-over at a step boundary moves the state onto it from the current plan's
 (live) shards, verified by checksum. Its `migration` or `growth` event reports the stall.
+
+Growth does not wait for a compile where it need not: when the returned devices make possible a
+plan the run has stood on before (the start plan, a plan it left at a failure), whose
+executables are compiled, and that plan is predicted faster than the current one, the run cuts
+over to it at once and moves to the best plan once that is compiled (a second cut-over). The
+choice depends only on the run's history, never on what happens to be compiled on one process,
+so every process of a `launch` job makes the same one.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import time
 from .compilation.source import ExecutableSource
 from .config import Config
 from .events import CutoverAbandoned, CutoverEvent, JoinEvent
-from .planner import Plan, Topology, growth_plan
+from .planner import Plan, Topology, growth_plan, predict_step_s
 from .recovery import PendingCutover, Position, TransitionPlanner, host_checksums
 from .transfer import checksum
 from .transfer.reshard import transition
@@ -43,8 +50,42 @@ class Cutovers:
         self.cfg, self.rt, self.topo, self.initial = cfg, rt, topo, initial
         self.source, self.transitions = source, transitions
         self.pending: PendingCutover | None = None
+        self.after: PendingCutover | None = None  # growth's best plan, after an interim one
         self.wait_s = 0.0  # the pending cut-over's wait for its compile
         self.abandoned: list[CutoverAbandoned] = []
+        self.history: dict = {}  # compile key -> every plan the run has stood on (`note`)
+
+    def note(self, plan: Plan) -> None:
+        """The run stands on `plan` now (start, recovery, cut-over)."""
+        self.history.setdefault(plan.compile_key, plan)
+
+    def clear(self) -> None:
+        """A failure re-plans from scratch (returned devices too): nothing stays pending."""
+        self.pending = self.after = None
+
+    def _ready_everywhere(self, plan: Plan) -> bool:
+        """Is `plan` compiled on every live process (they agree, so all decide alike)?"""
+        sb = self.source.standby
+        ready = sb is not None and sb.ready(plan.compile_key)
+        return all(v[0] for v in self.rt.agree([bool(ready)]).values())
+
+    def _interim(self, current: Plan, best: Plan, live: frozenset[int]) -> Plan | None:
+        """The fastest plan the run has stood on before that the live devices can run, other
+        than `best` and `current`, predicted at least `recovery.grow_min_gain` faster than
+        `current` (its executables were compiled then: a cut-over to it needs no compile)."""
+        cfg = self.cfg
+        need = max(cfg.recovery.grow_min_gain, 0.0)
+        now = predict_step_s(current, cfg)
+        options = []
+        for key, p in self.history.items():
+            if key in (best.compile_key, current.compile_key):
+                continue
+            if not set(p.device_ids) | set(p.spare_ids) <= live:
+                continue
+            s = predict_step_s(p, cfg)
+            if now > 0 and (now - s) / now > need:
+                options.append((s, len(options), p))
+        return min(options)[2] if options else None
 
     def pend(self, pc: PendingCutover, pos: Position) -> None:
         """Make `pc` the pending cut-over from `pos`: its plan is the only one the standby
@@ -74,7 +115,19 @@ class Cutovers:
         new = dataclasses.replace(pos, live=live, lost_hosts=frozenset(lost))
         if g.grow:
             ev.replaces_pending = self.pending.plan.name if self.pending is not None else None
-            self.pend(PendingCutover(g.best, t0, pos.step, "growth", tuple(ids), g.gain), new)
+            best = PendingCutover(g.best, t0, pos.step, "growth", tuple(ids), g.gain)
+            interim = None
+            if self.cfg.recovery.grow_interim and not self._ready_everywhere(g.best):
+                interim = self._interim(pos.plan, g.best, live)
+            self.after = None
+            if interim is not None:
+                now = predict_step_s(pos.plan, self.cfg)
+                gain = (now - predict_step_s(interim, self.cfg)) / now
+                self.pend(PendingCutover(interim, t0, pos.step, "growth", tuple(ids), gain), new)
+                self.after = best
+                ev.interim_plan = interim.name
+            else:
+                self.pend(best, new)
         ev.plan_s = time.perf_counter() - t0
         return new, ev
 
@@ -104,7 +157,7 @@ class Cutovers:
         votes = self.rt.agree(status)
         errors = {str(p): msg for p, (state, msg) in votes.items() if state == "error"}
         if errors:
-            self.pending = None
+            self.pending = self.after = None
             ev = CutoverAbandoned(
                 kind=pc.kind, step=step, optimal_plan=pc.plan.name, errors=errors,
                 stays_on="the current plan (the same computation; fewer devices used)",
@@ -172,4 +225,8 @@ class Cutovers:
             mig.from_n_devices, mig.predicted_gain = pos.plan.n_devices, pc.predicted_gain
             mig.sources = sorted(log.sources())
         new = dataclasses.replace(pos, plan=target, exe=new_exe, state=new_state, good=actual)
+        self.note(target)
+        if self.after is not None:  # on an interim plan: the best one is compiled next
+            nxt, self.after = self.after, None
+            self.pend(nxt, new)
         return CutoverDone(new, new_pool, log, mig)

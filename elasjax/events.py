@@ -168,6 +168,8 @@ class JoinEvent(Record):
     reason: str
     replaces_pending: str | None = None  # a pending cut-over's plan this growth replaces
     plan_s: float = 0.0
+    # a plan the run stood on before, compiled, cut over to at once before the best one
+    interim_plan: str | None = dataclasses.field(default=None, metadata=OMIT_NONE)
 
 
 @dataclasses.dataclass(eq=False)

@@ -319,6 +319,7 @@ class Trainer:
         T = self.cfg.train.steps
         pos = self._start(ew)
         ls = LoopState(pos, list(self.schedule), [pos.plan.name])
+        self.cutovers.note(pos.plan)
         bar = ew.display = Progress(T, enabled=self.progress)
         with bar:
             while ls.pos.step < T:
@@ -361,7 +362,8 @@ class Trainer:
         done = self.cutovers.cutover(dataclasses.replace(ls.pos, good=self.good), self.pool)
         ls.pos, self.pool, mig = done.pos, done.pool, done.event
         self.transfer_logs.append(done.log)
-        self._protect(ls.pos)
+        if self.cutovers.pending is None:  # (else the next cut-over's plan is all that matters)
+            self._protect(ls.pos)
         self.timeline.cutover(ls.pos.plan.name, mig.stall_s)
         (ls.growths if mig.kind == "growth" else ls.migrations).append(mig)
         ew.emit(mig, migration_line(mig))
@@ -396,9 +398,10 @@ class Trainer:
         pos = dataclasses.replace(ls.pos, good=self.good)
         during = [e for e in ls.pending if e.at_step == step and e.phase == "recovery"]
         unfinished = ls.open_event  # a recovery whose first step just failed
-        self.cutovers.pending = None  # a new failure re-plans from scratch (returned devices too)
+        self.cutovers.clear()  # a new failure re-plans from scratch (returned devices too)
         r = self.recovery.recover(pos, self.pool, failure, during)
         ls.pos, ls.open_event, self.pool = r.pos, r.event, r.pool
+        self.cutovers.note(r.pos.plan)
         self.transfer_logs.append(r.log)
         if r.cutover is not None:
             self.cutovers.pend(r.cutover, r.pos)

@@ -185,11 +185,12 @@ def test_grow_standby_queues_the_every_device_plan_while_devices_are_down():
 @pytest.mark.slow
 def test_down_and_back_ends_on_the_eight_device_plan_within_tolerance(exe_cache, tmp_path):
     """8 -> device 3 fails -> host 0 fails (5 live) -> both return at step 6 -> the run keeps
-    training on its 5-device plan while the 8-device plan compiles, cuts over by step 8
+    training on its 5-device plan while the 8-device plan compiles (no interim cut-over to the
+    start plan: `recovery.grow_interim: false`; see the test below), cuts over by step 8
     (`max_fast_path_steps=2`), then device 3 fails again at step 10 (a returned device is an
     ordinary live one). Losses within 1e-5 of the fault-free run at every step; the growth's
     copies read only the 5-device plan's devices, and the returned devices receive state."""
-    steps = ["train.steps=12", "recovery.max_fast_path_steps=2"]
+    steps = ["train.steps=12", "recovery.max_fast_path_steps=2", "recovery.grow_interim=false"]
     ref = trainer.run(tiny_config(*steps, "faults=[]"), exe_cache=exe_cache)
     cfg = tiny_config(*steps, DOWN_AND_BACK + ", {at_step: 10, devices: [3]}]")
     run = trainer.run(cfg, tmp_path, exe_cache=exe_cache)
@@ -229,6 +230,32 @@ def test_down_and_back_ends_on_the_eight_device_plan_within_tolerance(exe_cache,
     assert [e["type"] for e in events if e["type"] in ("join", "growth")] == ["join", "growth"]
     (end,) = [e for e in events if e["type"] == "end"]
     assert not end["cutover_pending"] and end["notes"] == []
+
+
+def test_growth_cuts_over_at_once_to_a_compiled_earlier_plan_then_to_the_best(exe_cache, tmp_path):
+    """The returned devices make the start plan possible again (compiled at step 0) while the
+    best plan over them is not compiled: the run cuts over to the start plan at the join, with
+    no compile wait, and to the best plan once that is compiled (by step 8 here,
+    `max_fast_path_steps=2`). Losses within 1e-5 of the fault-free run."""
+    steps = ["train.steps=12", "recovery.max_fast_path_steps=2"]
+    ref = trainer.run(tiny_config(*steps, "faults=[]"), exe_cache=exe_cache)
+    cfg = tiny_config(*steps, DOWN_AND_BACK + "]")
+    run = trainer.run(cfg, tmp_path, exe_cache=exe_cache)
+    assert_same_computation(run, ref)
+    init = planner.initial_plan(TOPO, cfg)
+    eight = planner.replan(list(range(8)), TOPO, cfg, init, init)
+    assert eight.name != init.name  # the best plan is another one, compiled after the join
+    (join,) = run.joins
+    assert join["grow"] and join["best_plan"] == eight.name and join["interim_plan"] == init.name
+    first, second = run.growths
+    assert (first["step"], first["from_n_devices"], first["to_plan"]) == (6, 5, init.name)
+    assert first["compile_wait_s"] == 0.0 and first["verified"]
+    assert second["from_plan"] == init.name and second["to_plan"] == eight.name
+    assert 6 < second["step"] <= 8 and second["verified"]
+    assert not {0, 1, 3} & set(first["sources"])  # the returned devices held nothing
+    m = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["n_devices"] for r in m][6:] == [8] * 6
+    assert run.final_plan.name == eight.name
 
 
 @pytest.mark.slow

@@ -161,7 +161,8 @@ def test_a_generated_failure_and_return_train_like_the_fault_free_run(exe_cache,
     """Seed 1 fails host 3 at step 2 and returns it at step 5 (8 -> 6 -> 8 devices); the run
     grows back (cut-over within `max_fast_path_steps=1`); every loss within 1e-5 of the
     fault-free run's; the start event lists what the process generated, with its steps."""
-    common = ["train.steps=9", "recovery.max_fast_path_steps=1"]
+    # (one growth: no interim cut-over to the start plan first, `recovery.grow_interim`)
+    common = ["train.steps=9", "recovery.max_fast_path_steps=1", "recovery.grow_interim=false"]
     sched = ("faults=[{at_step: 1, mtbf: {mtbf_steps: 16, repair_steps: 3, unit: host, seed: 1, "
              "stop: 4}}]")
     cfg = tiny_config(*common, sched)

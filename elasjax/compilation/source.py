@@ -194,8 +194,16 @@ class ExecutableSource:
             warnings.warn(msg, StandbyCoverageWarning, stacklevel=3)
 
     def only(self, plan: Plan) -> None:
-        """`plan` is the only one that matters now (a pending cut-over's): build nothing else."""
-        self.standby.submit([plan.compile_key])
+        """`plan` is the only one that matters now (a pending cut-over's): build nothing else.
+        Executables already in the cache (a plan the run stood on before) are ready at once,
+        not queued behind a build under way."""
+        key = plan.compile_key
+        self.standby.submit([key])
+        if not self.standby.ready(key) and self.exe_cache.has(
+                self.cfg, plan, self.donate, self.factory.tx_key):
+            exe = self._cached(plan)[0]  # found: no compile
+            self._prepare(exe)
+            self.standby.put(key, exe)
 
     def wait_all(self, warm: bool) -> tuple[float, float]:
         """Block until every queued standby plan is built; with `warm`, run each built one once
