@@ -33,7 +33,8 @@ def _step(s, b):
     noise = jax.random.normal(jax.random.fold_in(s["key"], s["n"]), s["w"].shape)
     h = jnp.tanh(b["x"] @ s["w"])  # (rows, 4)
     loss = jnp.sum(h * h * b["weight"][:, None]) / jnp.sum(b["weight"])
-    w = s["w"] - 0.01 * jax.grad(lambda w: jnp.sum(jnp.tanh(b["x"] @ w) ** 2))(s["w"]) + 1e-3 * noise
+    g = jax.grad(lambda w: jnp.sum(jnp.tanh(b["x"] @ w) ** 2))(s["w"])
+    w = s["w"] - 0.01 * g + 1e-3 * noise
     return {"w": w, "n": s["n"] + 1, "key": s["key"]}, loss
 
 
@@ -57,8 +58,9 @@ def _batch(m, seed=0):
     like = _batch_like(m)
     rs = np.random.RandomState(seed)  # noqa: NPY002
     x = rs.normal(size=like["x"].shape).astype(np.float32)
+    weight = np.ones(like["weight"].shape, np.float32)
     return {"x": jax.device_put(x, like["x"].sharding),
-            "weight": jax.device_put(np.ones(like["weight"].shape, np.float32), like["weight"].sharding)}
+            "weight": jax.device_put(weight, like["weight"].sharding)}
 
 
 def _expected_builds(es):
@@ -179,7 +181,7 @@ def test_a_program_that_depends_on_the_devices_is_compiled_not_rebound():
     es.close()
 
 
-def test_without_loading_onto_other_devices_every_mesh_is_compiled_and_the_line_says_why(monkeypatch):
+def test_without_loading_onto_other_devices_every_mesh_is_compiled_and_says_why(monkeypatch):
     monkeypatch.setattr(executables, "can_load", lambda: False)
     es = _es()
     seen = []

@@ -33,7 +33,12 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from .executables import PortableFunction, function_rebind_blocker, portable_function, rebind_function
+from .executables import (
+    PortableFunction,
+    function_rebind_blocker,
+    portable_function,
+    rebind_function,
+)
 from .standby import StandbyCompiler
 
 LOG_KEPT = 256
@@ -161,7 +166,8 @@ class PiecesStandby(StandbyCompiler):
                 return out
         step, sums = low[0].compile(), low[1].compile()
         with self._lk:
-            if shape_key(mesh) not in self._sources or self._sources[shape_key(mesh)]["texts"] != texts:
+            kept = self._sources.get(shape_key(mesh))
+            if kept is None or kept["texts"] != texts:  # the latest program of the shape
                 self._sources[shape_key(mesh)] = {
                     "mesh": mesh, "texts": texts, "compiled": (step, sums), "portable": None,
                     "error": None,
@@ -182,7 +188,9 @@ class PiecesStandby(StandbyCompiler):
                 raise src["error"]
             if src["portable"] is None:
                 try:
-                    src["portable"] = tuple(portable_function(c, src["mesh"]) for c in src["compiled"])
+                    src["portable"] = tuple(
+                        portable_function(c, src["mesh"]) for c in src["compiled"]
+                    )
                 except Exception as e:  # noqa: BLE001 - kept: every later build compiles
                     src["error"] = e
                     raise
