@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import rng
-from .compilation.standby import StandbyCompiler
+from .compilation.pieces_standby import PiecesStandby, StandbyProgress
 from .config import CheckpointConfig, SnapshotConfig
 from .planner import Topology
 from .runtime.inprocess import InProcessRuntime
@@ -67,6 +67,7 @@ __all__ = [
     "ElasticState",
     "Coverage",
     "Recovery",
+    "StandbyProgress",
     "StateMismatchError",
     "pad_batch",
     "partition_over",
@@ -299,7 +300,7 @@ class ElasticState:
         self._failed: set[int] = set()  # failed since the last recovery
         self.recoveries: list[Recovery] = []
         self.checkpointer = Checkpointer(checkpoint) if checkpoint and checkpoint.dir else None
-        self._standby: StandbyCompiler | None = None
+        self._standby: PiecesStandby | None = None
         self._exe = None
         self.state = jax.device_put(state, self.shardings())
         self._configure_pool()
@@ -386,22 +387,67 @@ class ElasticState:
         batch: Callable[[Mesh], PyTree],
         *,
         wait: bool = False,
-    ) -> None:
+        max_meshes: int | None = None,
+        rebind: bool = True,
+        progress: bool | Callable[[StandbyProgress], Any] = True,
+    ) -> StandbyProgress:
         """Compile your step ahead of time for the mesh of every likely failure (each single
         device and each single host of the live set), in a background thread, so that a
         recovery finds it ready. `make_step(mesh)` returns your jitted step for that mesh
         (`jax.jit(step, out_shardings=(es.shardings(mesh), ...))`), called as
         `step(state, batch)`; `batch(mesh)` the batch's `jax.ShapeDtypeStruct`s with their
-        shardings on that mesh. With `wait`, block until all are compiled (start-up time for a
-        first recovery that is a hit). `executable()` then returns the current mesh's step."""
+        shardings on that mesh. With `wait`, block until all are built (start-up time for a
+        first recovery that is a hit). `executable()` then returns the current mesh's step.
+
+        The likely meshes come in few shapes: one mesh of each shape is compiled, and each other
+        mesh of that shape loads the compiled program onto its own devices (`rebind`; a load,
+        not a compile), when the program lowered for it is the same; otherwise, or where this
+        JAX or backend cannot load an executable onto other devices, it is compiled, and its
+        progress line says why (`compilation/pieces_standby.py`).
+
+        Args:
+          max_meshes: None (every likely mesh) or how many likely meshes to build besides the
+            current one (the first of `likely_meshes()`, single devices before hosts); the
+            others' failures compile at recovery.
+          rebind: False compiles every mesh.
+          progress: True (a line on stderr: first the meshes to build and the expected cost,
+            then one per built mesh), False (none), or a callable taking each
+            `StandbyProgress` (on the standby thread, except the first).
+
+        Returns the first announcement: the meshes to build, how many compile and rebind, and
+        the expected seconds (`StandbyProgress`; later ones in `standby_log()`)."""
+        if max_meshes is not None and (
+            isinstance(max_meshes, bool) or not isinstance(max_meshes, (int, np.integer))
+            or max_meshes < 0
+        ):
+            raise ValueError(
+                f"standby: max_meshes = {max_meshes!r}; allowed values: None (every likely mesh) "
+                "or an int >= 0 (how many likely meshes to build besides the current one)"
+            )
+        if not isinstance(rebind, bool):
+            raise ValueError(f"standby: rebind = {rebind!r}; allowed values: True, False")
+        if not (isinstance(progress, bool) or callable(progress)):
+            raise ValueError(
+                f"standby: progress = {progress!r}; allowed values: True (lines on stderr), "
+                "False (none), or a callable taking a StandbyProgress"
+            )
         self._make_step, self._batch_fn = make_step, batch
-        if self._standby is None:
-            self._standby = StandbyCompiler(self._compile)
-        self._standby.put(self.mesh, self._compile(self.mesh))
-        self._exe = self._standby.get(self.mesh)[0]
+        if self._standby is not None:  # another step: nothing built for the old one applies
+            self._standby.close()
+        self._standby = PiecesStandby(
+            self._lower, max_meshes=None if max_meshes is None else int(max_meshes),
+            rebind=rebind, progress=progress,
+        )
+        self._exe = self._standby.build_current(self.mesh)[0]
         self._standby.submit(self.likely_meshes())
+        first = self._standby.log[-1]
         if wait:
             self._standby.wait_all()
+        return first
+
+    def standby_log(self) -> list[StandbyProgress]:
+        """The standby's announcements so far (the latest `pieces_standby.LOG_KEPT`)."""
+        return [] if self._standby is None else list(self._standby.log)
 
     def likely_meshes(self) -> list[Mesh]:
         """The meshes `recover` would plan after each single device or host failure."""
@@ -426,16 +472,18 @@ class ElasticState:
             self.state, self.shardings(mesh),
         )
 
-    def _compile(self, mesh: Mesh):
-        """(your step, the checksum function) compiled for the state on `mesh`."""
-        step = self._make_step(mesh).lower(self._abstract(mesh), self._batch_fn(mesh)).compile()
-        return step, self._compile_checksums(mesh)
+    def _lower(self, mesh: Mesh):
+        """(your step, the checksum function) lowered for the state on `mesh`."""
+        abstract = self._abstract(mesh)
+        step = self._make_step(mesh).lower(abstract, self._batch_fn(mesh))
+        sums = jax.jit(functools.partial(checksum.tree_checksums, shardings=self.shardings(mesh)))
+        return step, sums.lower(abstract)
 
     def _compile_checksums(self, mesh: Mesh):
         """The state's checksums on `mesh`, one compiled program (what `recover` verifies
-        with; compiled in its compile phase, so that `verify_s` is the verification alone)."""
-        sums = jax.jit(functools.partial(checksum.tree_checksums, shardings=self.shardings(mesh)))
-        return sums.lower(self._abstract(mesh)).compile()
+        with when no standby built it; compiled in its compile phase, so that `verify_s` is the
+        verification alone)."""
+        return self._lower(mesh)[1].compile()
 
     def executable(self):
         """Your step compiled for the current mesh (after `standby`)."""

@@ -394,3 +394,60 @@ class ExecutableCache:
 
     def __contains__(self, item) -> bool:
         return item in self._d
+
+
+# ---------------------------------------------------------------------------------------------
+# Any compiled function (a user's jitted step, the pieces' checksums), moved like a plan's.
+
+
+@dataclasses.dataclass(frozen=True)
+class PortableFunction:
+    """A `jax.stages.Compiled` in serialized form, with the ids of the devices it was compiled
+    for in mesh order (`rebind_function` loads it onto another mesh of the same shape)."""
+
+    device_ids: tuple[int, ...]
+    platform: str
+    serialized: tuple  # (payload, in_tree, out_tree)
+
+
+def function_rebind_blocker(mesh: Mesh) -> str | None:
+    """Why a compiled function cannot be rebound onto `mesh`'s devices (then compile it), or
+    None when it can: this JAX must load executables onto given devices (`jaxcompat`) and the
+    backend's executables must take a new device assignment (`REBINDABLE`)."""
+    if not can_load():
+        return (f"jax {jax.__version__} cannot load an executable onto other devices "
+                "(elasjax.jaxcompat.executable_loader)")
+    platform = mesh.devices.flat[0].client.platform
+    if platform not in REBINDABLE:
+        return (f"the {platform} backend's executables keep their devices (rebinding works on "
+                f"{', '.join(REBINDABLE)})")
+    return None
+
+
+def portable_function(compiled: Any, mesh: Mesh) -> PortableFunction:
+    """`compiled` (compiled for `mesh`, by `jit(...).lower(...).compile()`, not itself loaded
+    from a serialized form: XLA:CPU cannot serialize that again) serialized for
+    `rebind_function`."""
+    return PortableFunction(
+        tuple(d.id for d in mesh.devices.flat), mesh.devices.flat[0].client.platform,
+        jaxcompat.serialize(compiled),
+    )
+
+
+def rebind_function(src: PortableFunction, mesh: Mesh) -> Any:
+    """The function of `src` loaded onto `mesh`'s devices without compiling: position i of the
+    mesh it was compiled for runs on position i of `mesh`. The program depends on mesh
+    positions, not device ids, so `mesh` must have the shape it was compiled for (the caller
+    checks that the program lowered for `mesh` is the same, e.g. `ElasticState.standby`); a
+    call on the result takes and returns arrays on `mesh` and gives the bits of the function
+    compiled for it (tests/test_pieces_standby.py)."""
+    flat = list(mesh.devices.flat)
+    if len(flat) != len(src.device_ids):
+        raise ValueError(
+            f"rebind_function: compiled for {len(src.device_ids)} devices, the mesh has "
+            f"{len(flat)}; only a mesh of the same shape can take it"
+        )
+    why = function_rebind_blocker(mesh)
+    if why is not None:
+        raise ValueError(f"rebind_function: {why}; compile for this mesh instead")
+    return _load(src.serialized, src.device_ids, flat)
