@@ -460,6 +460,17 @@ class HardwareConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Where the run's metrics go besides `metrics.jsonl` and `events.jsonl` (which are always
+    written under `--out`). `tensorboard_dir`: TensorBoard scalars of the steps, recoveries,
+    failure costs and goodput (`elasjax.tensorboard`; needs `pip install
+    'elasjax[tensorboard]'`), written by the process that writes the jsonl files; null: none.
+    `elasjax train|launch --tensorboard DIR` sets it."""
+
+    tensorboard_dir: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run, one frozen dataclass per YAML section (see README, 'Configs')."""
 
@@ -476,6 +487,7 @@ class Config:
     recovery: RecoveryConfig = RecoveryConfig()
     standby: StandbyConfig = StandbyConfig()
     hardware: HardwareConfig = HardwareConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
@@ -878,6 +890,9 @@ def validate(cfg: Config) -> None:
         _require(f.count >= 0, f"{key}.count", "must be >= 0")
     steps = [f.at_step for f in cfg.faults]
     _require(steps == sorted(steps), "faults", "must be ordered by at_step")
+    tb = cfg.metrics.tensorboard_dir
+    _require(tb is None or tb.strip() != "", "metrics.tensorboard_dir",
+             f"= {tb!r}; allowed values: null (no TensorBoard scalars) or a directory path")
 
 
 def _validate_mtbf(f: FaultConfig, key: str, cfg: Config) -> None:
