@@ -1,6 +1,9 @@
 """TensorBoard scalars (`elasjax.tensorboard`, `--tensorboard DIR`, `metrics.tensorboard_dir`):
 read back from the event file and compared with the run's jsonl files."""
 
+import json
+import os
+import signal
 import struct
 import subprocess
 import sys
@@ -168,3 +171,36 @@ def test_missing_tensorboardx_is_a_clear_error(tmp_path, monkeypatch, capsys):
     code = ("import sys; sys.modules['tensorboardX'] = None; "
             "import elasjax, elasjax.trainer, elasjax.cli, elasjax.launch, elasjax.tensorboard")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+@pytest.mark.slow
+def test_launch_writes_one_event_file_from_the_writing_process(tmp_path):
+    """`elasjax launch --tensorboard DIR`, 2 processes, process 1 SIGKILLed at step 3: one event
+    file (process 0's), whose loss series and recovery are the launch's jsonl files'."""
+    root = Path(__file__).resolve().parents[1]
+    out, tb = tmp_path / "mp", tmp_path / "tb"
+    sets = [a for kv in (*TINY, "train.steps=6", "faults=[]") for a in ("--set", kv)]
+    cmd = [sys.executable, "-m", "elasjax.cli", "launch", "configs/multiprocess.yaml", *sets,
+           "--processes", "2", "--devices-per-process", "4", "--kill", "3:1", "--timeout", "270",
+           "--out", str(out), "--tensorboard", str(tb), "--quiet"]
+    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    try:
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    finally:  # the launcher SIGKILLs its workers on the way out; this is the backstop
+        pids = out / "pids.json"
+        for pid in json.loads(pids.read_text())["workers"] if pids.exists() else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = read_jsonl(out / "metrics.jsonl")
+    events = read_jsonl(out / "events.jsonl")
+    sc = read_scalars(tb)  # exactly one event file in DIR
+    assert sc["train/loss"] == [(r["step"], f32(r["loss"])) for r in rows]
+    assert [s for s, _ in sc["train/loss"]] == list(range(6))
+    assert [n for _, n in sc["train/n_devices"]] == [8] * 3 + [4] * 3
+    (rec,) = [e for e in events if e["type"] == "recovery"]
+    assert rec["step"] == 3 and rec["failed_processes"] == [1]
+    assert sc["recovery/mttr_s"] == [(3, f32(rec["mttr_s"]))]
+    assert sc["goodput/wall_s"] == [(6, f32(events[-1]["goodput"]["wall_s"]))]
