@@ -19,6 +19,12 @@ OPTIMIZER_HELP = (
     "and (outside deterministic mode) grad_clip must then keep their defaults"
 )
 
+TENSORBOARD_HELP = (
+    "also write TensorBoard scalars (loss, step time, devices, MTTR and its phases, time lost "
+    "per failure, goodput) to DIR (= --set metrics.tensorboard_dir=DIR); needs "
+    "pip install 'elasjax[tensorboard]'"
+)
+
 
 def _ensure_devices(n: int = 8) -> None:
     """Fake CPU devices must be requested before JAX starts; keep a user's own setting."""
@@ -36,14 +42,25 @@ def _optimizer_override(args) -> list[str]:
     return [f"train.optimizer={json.dumps(args.optimizer)}"]
 
 
+def _tensorboard_override(args) -> list[str]:
+    """`--tensorboard DIR` is `--set metrics.tensorboard_dir=DIR` (after the other overrides):
+    under `launch` the workers get it with the config."""
+    if args.tensorboard is None:
+        return []
+    return [f"metrics.tensorboard_dir={json.dumps(args.tensorboard)}"]
+
+
 def _train(args) -> int:
     from . import config, trainer
     from .events import load_hooks
     from .launch import import_modules
+    from .tensorboard import check_available
 
     import_modules(args.imports)
     standby = STANDBY if args.standby else []
-    cfg = config.load(args.config, [*standby, *args.set, *_optimizer_override(args)])
+    cfg = config.load(args.config, [*standby, *args.set, *_optimizer_override(args),
+                                    *_tensorboard_override(args)])
+    check_available(cfg)
     trainer.run(cfg, args.out, progress=not args.quiet, hooks=load_hooks(args.hooks))
     return 0
 
@@ -179,7 +196,7 @@ def _launch(args) -> int:
     kills = [launch.KillSpec.parse(k) for k in args.kill]
     if args.standby:
         args.set = [*STANDBY, *args.set]
-    args.set = [*args.set, *_optimizer_override(args)]
+    args.set = [*args.set, *_optimizer_override(args), *_tensorboard_override(args)]
     spares = None if args.spares is None else launch.parse_spares(args.spares)
     if args.coordinator is None:  # start the processes here, on loopback
         if args.num_processes is not None or args.process_id is not None:
@@ -237,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--hook", dest="hooks", action="append", default=[], metavar="MODULE:FUNCTION",
                    help="call FUNCTION with each step's StepInfo and each event (elasjax.events)")
     t.add_argument("--optimizer", default=None, metavar="MODULE:ATTR", help=OPTIMIZER_HELP)
+    t.add_argument("--tensorboard", default=None, metavar="DIR", help=TENSORBOARD_HELP)
     t.add_argument(
         "--standby", action="store_true",
         help="sub-second recovery: build the plan of every likely failure before step 0 and "
@@ -284,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
     m.add_argument("--optimizer", default=None, metavar="MODULE:ATTR",
                    help=OPTIMIZER_HELP + "; every process builds it")
+    m.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help=TENSORBOARD_HELP + "; the process writing metrics.jsonl writes them")
     from .launch import add_process_flags
 
     add_process_flags(m)

@@ -465,6 +465,17 @@ class HardwareConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Where the run's metrics go besides `metrics.jsonl` and `events.jsonl` (which are always
+    written under `--out`). `tensorboard_dir`: TensorBoard scalars of the steps, recoveries,
+    failure costs and goodput (`elasjax.tensorboard`; needs `pip install
+    'elasjax[tensorboard]'`), written by the process that writes the jsonl files; null: none.
+    `elasjax train|launch --tensorboard DIR` sets it."""
+
+    tensorboard_dir: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run, one frozen dataclass per YAML section (see README, 'Configs')."""
 
@@ -481,6 +492,7 @@ class Config:
     recovery: RecoveryConfig = RecoveryConfig()
     standby: StandbyConfig = StandbyConfig()
     hardware: HardwareConfig = HardwareConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
@@ -919,6 +931,9 @@ def _validate_faults(cfg: Config) -> None:
         _validate_fault(f, f"faults[{i}]", cfg)
     steps = [f.at_step for f in cfg.faults]
     _require(steps == sorted(steps), "faults", "must be ordered by at_step")
+    tb = cfg.metrics.tensorboard_dir
+    _require(tb is None or tb.strip() != "", "metrics.tensorboard_dir",
+             f"= {tb!r}; allowed values: null (no TensorBoard scalars) or a directory path")
 
 
 def _validate_fault(f: FaultConfig, key: str, cfg: Config) -> None:

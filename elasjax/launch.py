@@ -50,6 +50,7 @@ from .runtime.multicontroller import (
     xla_flags,
 )
 from .state import load_optimizer
+from .tensorboard import check_available as check_tensorboard
 from .trainer import Trainer
 from .transfer.snapshot import check_coverable
 
@@ -258,6 +259,7 @@ def launch_local(
     base = load(config_path, overrides)
     if base.train.optimizer:  # a bad name is an error here too, not in every worker
         load_optimizer(base.train.optimizer)
+    check_tensorboard(base)  # tensorboardX missing: an error here, not in the writing worker
     processes += base.parallel.spares  # the spares run as processes of their own, last
     cfg = resolve_config(base, processes, devices_per_process, kills)
     topo = Topology(tuple(range(processes * devices_per_process)), devices_per_process)

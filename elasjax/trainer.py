@@ -73,6 +73,7 @@ from .report import Progress, join_line, migration_line, print_summary, recovery
 from .rng import check_backend_config
 from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
 from .state import StateFactory, check_elementwise, choose_optimizer
+from .tensorboard import TensorBoardWriter
 from .transfer import checksum
 from .transfer.checkpoint import Checkpointer, form_of
 from .transfer.shards import TransferLog
@@ -296,7 +297,11 @@ class Trainer:
         mw = JsonlWriter(out / "metrics.jsonl" if out else None)
         ew = self.emit = Emitter(JsonlWriter(out / "events.jsonl" if out else None), None,
                                  self.rt.log, self.hooks, self.rt.me)
+        tb = None
         try:
+            # TensorBoard scalars (`metrics.tensorboard_dir`), from the process writing the files
+            tb = TensorBoardWriter.from_config(self.cfg) if self.rt.writer else None
+            ew.hooks += [tb] if tb is not None else []
             with self.compiles:
                 return self._run(mw, ew)
         except Exception as e:
@@ -307,6 +312,8 @@ class Trainer:
             self._release_gc()
             mw.close()
             ew.close()
+            if tb is not None:
+                tb.close()
             if self.ckpt is not None:
                 self.ckpt.close()
             self.source.close()
