@@ -41,6 +41,7 @@ from .elastic import (
     state_checksums,
 )
 from .events import Event, StepInfo
+from .tensorboard import TensorBoardWriter
 from .models import ArraySource, DataSource, LayerStack, ModelSpec
 from .models import register as register_model
 from .sharding import opt_state_shardings
@@ -83,4 +84,5 @@ __all__ = [
     "RunSummary",
     "StepInfo",
     "Event",
+    "TensorBoardWriter",
 ]

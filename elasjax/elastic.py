@@ -483,7 +483,8 @@ class ElasticState:
         """The state's checksums on `mesh`, one compiled program (what `recover` verifies
         with when no standby built it; compiled in its compile phase, so that `verify_s` is the
         verification alone)."""
-        return self._lower(mesh)[1].compile()
+        sums = jax.jit(functools.partial(checksum.tree_checksums, shardings=self.shardings(mesh)))
+        return sums.lower(self._abstract(mesh)).compile()
 
     def executable(self):
         """Your step compiled for the current mesh (after `standby`)."""
