@@ -41,6 +41,7 @@ from .elastic import (
     state_checksums,
 )
 from .events import Event, StepInfo
+from .metrics import RecoveryEvent, RecoveryRecord
 from .tensorboard import TensorBoardWriter
 from .models import ArraySource, DataSource, LayerStack, ModelSpec
 from .models import register as register_model
@@ -84,5 +85,7 @@ __all__ = [
     "RunSummary",
     "StepInfo",
     "Event",
+    "RecoveryEvent",
+    "RecoveryRecord",
     "TensorBoardWriter",
 ]

@@ -45,6 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import rng
 from .compilation.pieces_standby import PiecesStandby, StandbyProgress
 from .config import CheckpointConfig, SnapshotConfig
+from .metrics import RecoveryRecord
 from .planner import Topology
 from .runtime.inprocess import InProcessRuntime
 from .sharding import path_str
@@ -201,33 +202,18 @@ def state_checksums(state: PyTree) -> dict[str, str]:
 # The state.
 
 
-@dataclasses.dataclass
-class Recovery:
-    """What one `recover` did. `rung` is the most expensive source any piece came from
-    (`replica`: surviving copies only; `buddy`/`host`: a snapshot; `checkpoint`: the newest
-    persistent checkpoint, after which `steps_lost` steps must be run again). `step` is the step
-    whose state was recovered: continue with step + 1. Times in seconds."""
+@dataclasses.dataclass(kw_only=True)
+class Recovery(RecoveryRecord):
+    """What one `recover` did (the fields every recovery reports: `RecoveryRecord`), and the
+    meshes before and after, the spare devices left out of the new mesh, and why the snapshot
+    rungs failed when a checkpoint was used (`unrecoverable`). `compile_s`: the wait for the
+    standby's executable of the new mesh (a cold compile when it was not ready), or without
+    standby the compile of the new mesh's checksums. Times in seconds."""
 
-    step: int
-    failed_devices: list[int]
     from_mesh: dict[str, int]
     to_mesh: dict[str, int]
     spares: list[int]
-    rung: str
-    bytes_moved: int
-    transfers: int
-    verified: bool
-    plan_s: float
-    transfer_s: float
-    verify_s: float
-    refused_snapshots: list[str] = dataclasses.field(default_factory=list)
-    steps_lost: int = 0
-    unrecoverable: str = ""  # why the snapshot rungs failed, when a checkpoint was used
-    # `standby_hit` (with `standby`): the step's executable for the new mesh was compiled when
-    # the failure was known. `compile_s`: the wait for that executable (a cold compile when it
-    # was not ready), or without standby the compile of the new mesh's checksums
-    standby_hit: bool | None = None
-    compile_s: float = 0.0
+    unrecoverable: str = ""
 
     @property
     def total_s(self) -> float:

@@ -30,30 +30,47 @@ MTTR_PHASES = (
 )
 
 
-@dataclasses.dataclass
-class RecoveryEvent:
-    """One recovery: its failure, plans, rung, bytes and each MTTR phase (`events.jsonl`'s
-    `recovery` record, `to_json`)."""
+@dataclasses.dataclass(kw_only=True)
+class RecoveryRecord:
+    """What every recovery reports, the loop's (`RecoveryEvent`) and the pieces'
+    (`ElasticState.recover`'s `elastic.Recovery`), under the same names: the step whose state
+    was recovered (continue with step + 1), the devices that failed, the most expensive source
+    any slice came from (`rung`: `replica` for surviving copies only, `buddy` or `host` for a
+    snapshot, `checkpoint` for the newest checkpoint, after which `steps_lost` steps run
+    again), the bytes and copies moved, each phase's seconds, whether the rebuilt state was
+    verified against the checksums of the state it replaces, whether the new layout's
+    executable was ready when asked for (`standby_hit`; None: no standby), and the snapshot
+    copies refused because they did not verify or were lost (only those the recovery
+    needed)."""
 
-    type: ClassVar[str] = "recovery"
     step: int
     failed_devices: list[int]
-    fault: str
-    from_plan: str
-    to_plan: str
     rung: str
     bytes_moved: int
     transfers: int
-    max_transfers_per_device: int
-    bytes_lost: int
-    steps_lost: int
-    detect_s: float
     plan_s: float
     compile_s: float
-    standby_hit: bool  # the executable was compiled and ready when recovery asked for it
-    exe_cache_hit: bool
     transfer_s: float
     verify_s: float
+    verified: bool = False
+    steps_lost: int = 0
+    standby_hit: bool | None = None
+    refused_snapshots: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(kw_only=True)
+class RecoveryEvent(RecoveryRecord):
+    """One recovery of the loop: its failure, plans, rung, bytes and each MTTR phase
+    (`events.jsonl`'s `recovery` record, `to_json`)."""
+
+    type: ClassVar[str] = "recovery"
+    fault: str
+    from_plan: str
+    to_plan: str
+    max_transfers_per_device: int
+    bytes_lost: int
+    detect_s: float
+    exe_cache_hit: bool
     runtime: str
     failure_simulation: str
     first_step_s: float = 0.0
@@ -64,7 +81,6 @@ class RecoveryEvent:
     # first run of a program is slower: its first step is then slow, and says why)
     first_step_first_run: bool = False
     attempts: int = 1
-    verified: bool = False
     resumed_at_step: int = 0
     bytes_kept_in_place: int = 0
     bytes_cross_process: int = 0
@@ -73,7 +89,6 @@ class RecoveryEvent:
     failed_processes: list[int] = dataclasses.field(default_factory=list)
     failed_phases: list[str] = dataclasses.field(default_factory=list)
     rungs: list[str] = dataclasses.field(default_factory=list)
-    refused_snapshots: list[str] = dataclasses.field(default_factory=list)
     migration: str = "blocking"  # "blocking" | "async" (resumed on a fast path first)
     optimal_plan: str = ""
     strategy: str = "elastic"
