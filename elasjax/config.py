@@ -907,13 +907,25 @@ def _validate_deterministic(cfg: Config) -> None:
     t, p = cfg.train, cfg.parallel
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
     if t.deterministic:
-        _require(
-            cfg.zero.stage == 0,
-            "train.deterministic",
-            "= true needs zero.stage = 0: "
-            "partitioned reductions are not in a fixed order yet",
-        )
         top = p.max_stage or p.stage
+        # ZeRO-1 keeps the gradient whole (the fixed tree sums it) and partitions only the
+        # optimizer, whose storage kernels are kept apart from the layout (`step._apply_apart`);
+        # ZeRO-2/3 would sum into partitions, which is not in the tree's order yet
+        _require(
+            cfg.zero.stage <= 1,
+            "train.deterministic",
+            f"= true needs zero.stage = 0 or 1 (zero.stage = {cfg.zero.stage}): ZeRO-2 and "
+            "ZeRO-3 sum gradients into partitions, which is not in a fixed order yet; "
+            "allowed values: zero.stage = 0 or 1",
+        )
+        _require(
+            cfg.zero.stage == 0 or top <= 1,
+            "zero.stage",
+            f"= 1 with train.deterministic = true and pipelines (parallel.stage = {p.stage}, "
+            f"parallel.max_stage = {p.max_stage}): ZeRO-1 storage of pipeline slots is not "
+            "checked bitwise across plans yet; allowed values: zero.stage = 0 with pipelines, "
+            "or parallel.stage = 1 and parallel.max_stage <= 1",
+        )
         _require(
             top <= 1 or (p.stage >= 2 and p.min_stage >= 2),
             "parallel.min_stage",

@@ -234,6 +234,32 @@ def _pipelined_grad_fn(cfg: Config, mesh: Mesh, layout: StateLayout):
     return grad_fn
 
 
+def _apply_apart(tx, grads, opt_state, params, step):
+    """`tx`'s update applied to ZeRO storage in kernels of their own, for deterministic mode.
+
+    On storage, each device's optimizer arrays change length and provenance with the replica
+    count, and XLA fuses the storage conversion into the optimizer's kernels. XLA:CPU contracts
+    `b * m + (1 - b) * g` into one FMA, taking whichever product the fused kernel's form
+    favours: a gradient gathered from several storage runs and one sliced from a single run led
+    to different products being contracted, a 1-ulp change of Adam's moments on about a third
+    of their elements (tests/test_deterministic_zero.py). `optimization_barrier` does not stop
+    that (XLA removes it before fusion); a conditional's branch is compiled on its own, so its
+    kernels read and write plain buffers in every layout and each element sees the same
+    operations whatever the partition. The predicate is never false (the step count starts at
+    0) but is not known to the compiler, which keeps the branch."""
+
+    def update(args):
+        g, o, p = args
+        updates, o = tx.update(g, o, p)
+        return optax.apply_updates(p, updates), o
+
+    def keep(args):
+        _, o, p = args
+        return p, o
+
+    return jax.lax.cond(step >= 0, update, keep, (grads, opt_state, params))
+
+
 def make_train_step(
     cfg: Config, layout: StateLayout, model, mesh: Mesh, state_sh: TrainState, plan: Plan
 ):
@@ -259,8 +285,11 @@ def make_train_step(
         else:
             p_opt = layout.to_storage(state.params, mesh)
             g_opt = layout.to_storage(grads, mesh) if stage == 1 else grads
-        updates, opt_state = tx.update(g_opt, state.opt_state, p_opt)
-        new_p = optax.apply_updates(p_opt, updates)
+        if cfg.train.deterministic and stage > 0:
+            new_p, opt_state = _apply_apart(tx, g_opt, state.opt_state, p_opt, state.step)
+        else:
+            updates, opt_state = tx.update(g_opt, state.opt_state, p_opt)
+            new_p = optax.apply_updates(p_opt, updates)
         params = layout.from_storage(new_p, mesh) if stage in (1, 2) else new_p
         new = TrainState(state.step + 1, params, opt_state)
         metrics = {

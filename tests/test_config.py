@@ -112,7 +112,11 @@ def test_features_not_yet_available_are_refused():
         config.load(None, ["parallel.stage=2", "zero.stage=1", "zero.layout=contiguous"])
     config.load(None, ["parallel.stage=2", "zero.stage=1"])
     with pytest.raises(ConfigError, match=r"'train.deterministic' = true needs zero.stage = 0"):
-        config.load(None, ["train.deterministic=true", "zero.stage=1"])
+        config.load(None, ["train.deterministic=true", "zero.stage=2"])
+    with pytest.raises(ConfigError, match=r"'zero.stage' = 1 with train.deterministic = true and pipelines"):
+        config.load(None, ["train.deterministic=true", "zero.stage=1", "parallel.stage=2",
+                           "parallel.min_stage=2"])
+    config.load(None, ["train.deterministic=true", "zero.stage=1"])
     # a deterministic run may not mix pipelined and unpipelined plans
     with pytest.raises(ConfigError, match=r"'parallel.min_stage' = 1 with train.deterministic"):
         config.load(None, ["train.deterministic=true", "parallel.stage=2"])

@@ -1,0 +1,61 @@
+"""Deterministic mode with ZeRO-1: bitwise equal to the fault-free run through failures.
+
+Compiled with XLA optimisations on, as users run it (the FMA contraction that used to change
+Adam's moments between layouts is an optimised-compile effect; `step._apply_apart`). The
+tensor degree is kept (2), so a device failure and then a host failure take the run from 4 to
+3 to 2 replicas, and the ZeRO-1 storage is re-partitioned each time."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from elasjax import trainer
+from elasjax.compilation.executables import ExecutableCache
+from elasjax.state import StateFactory, make_optimizer
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["train.steps=9", "train.deterministic=true", "zero.stage=1"]
+
+
+@pytest.fixture(scope="module")
+def exe_cache():
+    """Optimised compiles for this module only (shadows conftest's shared cache)."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.clear_caches()
+    yield ExecutableCache(max_entries=16)
+    jax.config.update("jax_disable_most_optimizations", before)
+    jax.clear_caches()
+
+
+def test_deterministic_zero1_is_bitwise_through_failures(exe_cache):
+    """8 -> 6 -> 4 devices (a device, then a host): every loss, every checksum and every element
+    of the final parameters and Adam moments (compared in canonical form: the final plans'
+    storage layouts differ) equal the fault-free run's bit for bit."""
+    ref = trainer.run(tiny_config(*COMMON, "faults=[]"), exe_cache=exe_cache)
+    run = trainer.run(
+        tiny_config(*COMMON, "faults=[{at_step: 3, devices: [3]}, {at_step: 6, hosts: [0]}]"),
+        exe_cache=exe_cache,
+    )
+    assert [p.split("m")[0] for p in run.plans] == ["d4t2", "d3t2", "d2t2"]
+    assert all(".z1" in p for p in run.plans)
+    assert len(run.recoveries) == 2 and all(r.verified for r in run.recoveries)
+    assert sorted(run.losses) == list(range(9)) and run.losses == ref.losses
+    assert run.checksums == ref.checksums
+    cfg = tiny_config(*COMMON)
+    f = StateFactory(cfg, make_optimizer(cfg.train))
+
+    def canonical(r):
+        return jax.device_get(jax.jit(f.layout(r.final_plan).to_canonical)(r.state))
+
+    got, want = canonical(run), canonical(ref)
+    flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+    assert len(flat_got) == len(jax.tree.leaves(want)) > 0
+    differ = [
+        jax.tree_util.keystr(path)
+        for (path, a), b in zip(flat_got, jax.tree.leaves(want))
+        if not np.array_equal(np.asarray(a), np.asarray(b))
+    ]
+    assert differ == []
