@@ -57,13 +57,10 @@ from .supervisor import (
     USAGE_ERROR,
     RestartPolicy,
     SupervisorLog,
+    check_out,
     check_supervisable,
-    describe_fault,
-    faults_override,
-    newest_checkpoint,
-    reached_step,
-    remaining_faults,
-    set_aside,
+    plan_restart,
+    restarts_line,
     stop_reason,
 )
 from .trainer import Trainer
@@ -288,6 +285,7 @@ def launch_local(
     cfg = resolve_config(base, processes, devices_per_process, kills)
     check_supervisable(cfg, policy)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="elasjax-launch-"))
+    check_out(out, policy)
     out.mkdir(parents=True, exist_ok=True)
     job = _Job(
         config_path, processes, devices_per_process, out, imports, hooks,
@@ -327,9 +325,16 @@ def launch_local(
                 a.message += f"; not restarted: {why}"
             break
         _report_attempt(a, len(attempts) - 1, quiet)
-        run_overrides, run_cfg = _prepare_restart(
-            job, a, len(attempts) - 1, overrides, run_cfg, sup, policy, quiet
-        )
+        try:
+            run_overrides, run_cfg = _prepare_restart(
+                job, a, len(attempts) - 1, overrides, run_cfg, sup, policy, quiet
+            )
+        except ConfigError as e:  # stop with the reason, the launch's record written
+            why = f"the restarted job's config is refused: {e}"
+            sup.write("stop", attempt=len(attempts) - 1, outcome=a.outcome,
+                      message=a.message, why=why)
+            a.message += f"; not restarted: {why}"
+            break
         run_kills = []  # the schedule, kills included, is in the `faults` override now
         time.sleep(delay)
     last = attempts[-1]
@@ -342,7 +347,7 @@ def launch_local(
         sup.write("end", outcome=last.outcome, restarts=len(sup.restarts),
                   max_restarts=policy.max_restarts, message=last.message)
         if sup.restarts:
-            last.message += f" ({_restarts_line(sup.restarts)})"
+            last.message += f" ({restarts_line(sup.restarts)})"
             summary["message"] = last.message
     (out / "launch.json").write_text(json.dumps(summary, indent=2))
     _say(quiet, f"elasjax launch: {last.outcome}: {last.message}")
@@ -513,49 +518,18 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
 def _prepare_restart(job: _Job, a: _Attempt, index: int, overrides: Sequence[str], cfg: Config,
                      sup: SupervisorLog, policy: RestartPolicy, quiet: bool
                      ) -> tuple[list[str], Config]:
-    """After attempt `index` ended and every process was reaped: what the next attempt runs
-    (the launch's overrides, the remaining fault schedule, resume from the newest checkpoint),
-    recorded and said. Its files move to `out/attempt<index>/` first."""
-    restart = len(sup.restarts) + 1
-    killed = a.killed_as_scheduled()
-    reached = reached_step(job.out / "metrics.jsonl", [a.kill_steps[p] for p in killed])
-    kept, dropped = remaining_faults(cfg.faults, reached, killed)
-    ckdir = cfg.checkpoint.dir
-    from_step = newest_checkpoint(ckdir)
-    moved = set_aside(job.out, index)
-    run = [*overrides, faults_override(kept)]
-    if from_step is not None:
-        run.append("checkpoint.resume_step=-1")
-    base = load(job.config_path, run)
-    new_cfg = resolve_config(base, job.processes, job.devices_per_process)
-    delay = policy.delay(restart)
-    sup.write(
-        "restart",
-        restart=restart,
-        max_restarts=policy.max_restarts,
-        reason=a.outcome,
-        message=a.message,
-        attempt=index + 1,
-        from_step=0 if from_step is None else from_step,
-        resumed_from_checkpoint=from_step is not None,
-        checkpoint_dir=str(ckdir),
-        reached_step=reached,
-        backoff_s=delay,
-        ended_attempt_files=str(moved),
-        dropped_faults=[{"fault": describe_fault(f), "why": why} for f, why in dropped],
-        kept_faults=[describe_fault(f) for f in kept],
+    """After attempt `index` ended and every process was reaped: what the next attempt runs,
+    checked like the first (`resolve_config`), then recorded and said."""
+    rs = plan_restart(
+        job.out, index, a.outcome, a.message, cfg.faults, a.killed_as_scheduled(), a.kill_steps,
+        cfg.checkpoint.dir, overrides, len(sup.restarts) + 1, policy,
     )
-    start = (f"resuming from checkpoint step {from_step} in {ckdir}" if from_step is not None
-             else f"from step 0 (no checkpoint was committed in {ckdir} yet)")
-    gone = "; ".join(f"{describe_fault(f)} ({why})" for f, why in dropped)
-    _say(
-        quiet,
-        f"elasjax launch: restart {restart} of {policy.max_restarts} in {delay:g}s: "
-        f"{a.outcome}; every process reaped; a new job (fresh coordinator port) {start}; "
-        f"the ended attempt's files: {moved}"
-        + (f"; faults that fired and will not fire again: {gone}" if gone else ""),
+    new_cfg = resolve_config(
+        load(job.config_path, rs.overrides), job.processes, job.devices_per_process
     )
-    return run, new_cfg
+    sup.write("restart", **rs.record)
+    _say(quiet, rs.line)
+    return list(rs.overrides), new_cfg
 
 
 def _report_attempt(a: _Attempt, index: int, quiet: bool) -> None:
@@ -567,11 +541,6 @@ def _per_process(status: list[dict]) -> str:
     return ", ".join(f"p{s['process']}={s['signal'] or s['returncode']}" for s in status)
 
 
-def _restarts_line(restarts: list[dict]) -> str:
-    return f"{len(restarts)} restart(s): " + "; ".join(
-        f"{r['reason']} at step {r['reached_step']}, resumed from step {r['from_step']}"
-        for r in restarts
-    )
 
 
 def _monitor(procs, scheduled, deadline, heartbeat_s, quiet) -> tuple[str, str]:

@@ -95,6 +95,19 @@ def check_supervisable(cfg: Config, policy: RestartPolicy) -> None:
         )
 
 
+def check_out(out: Path, policy: RestartPolicy) -> None:
+    """Refuse an output directory that holds an earlier supervised launch's attempt
+    directories: this launch's attempts go there, and nothing is overwritten."""
+    if not policy.enabled or not out.is_dir():
+        return
+    old = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith("attempt"))
+    if old:
+        raise ConfigError(
+            f"--out {out} holds {', '.join(old)} of an earlier supervised launch, where this "
+            "launch would set its ended attempts aside: use another --out, or move them away"
+        )
+
+
 def committed_checkpoints(directory: str | Path) -> list[int]:
     """The steps of the checkpoints committed in `directory`, ascending. Orbax writes a step
     into a temporary directory and renames it to the bare step number at its commit (the
@@ -233,3 +246,74 @@ def set_aside(out: Path, attempt: int) -> Path:
         if p.is_file() and p.name != SUPERVISOR_LOG:
             shutil.move(str(p), dest / p.name)
     return dest
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """What the next attempt runs (`overrides`), its `supervisor.jsonl` record and its line."""
+
+    overrides: tuple[str, ...]
+    record: dict
+    line: str
+
+
+def plan_restart(
+    out: Path,
+    attempt: int,
+    outcome: str,
+    message: str,
+    faults: Sequence[FaultConfig],
+    killed: set[int],
+    kill_steps: dict[int, int],
+    checkpoint_dir: str | Path,
+    overrides: Sequence[str],
+    restart: int,
+    policy: RestartPolicy,
+) -> Restart:
+    """Restart number `restart` after attempt `attempt` ended with `outcome`: the launch's own
+    `overrides`, then the fault schedule less what fired, then a resume from the newest
+    committed checkpoint (from step 0 when none was committed yet: the job died before its
+    first save). Reads the ended attempt's metrics, then sets its files aside. `killed`: the
+    processes the launcher saw killed as scheduled; `kill_steps`: each scheduled kill's step."""
+    reached = reached_step(out / "metrics.jsonl", [kill_steps[p] for p in killed])
+    kept, dropped = remaining_faults(faults, reached, killed)
+    from_step = newest_checkpoint(checkpoint_dir)
+    moved = set_aside(out, attempt)
+    run = [*overrides, faults_override(kept)]
+    if from_step is not None:
+        run.append("checkpoint.resume_step=-1")
+    delay = policy.delay(restart)
+    record = {
+        "restart": restart,
+        "max_restarts": policy.max_restarts,
+        "reason": outcome,
+        "message": message,
+        "attempt": attempt + 1,
+        "from_step": 0 if from_step is None else from_step,
+        "resumed_from_checkpoint": from_step is not None,
+        "checkpoint_dir": str(checkpoint_dir),
+        "reached_step": reached,
+        "backoff_s": delay,
+        "ended_attempt_files": str(moved),
+        "dropped_faults": [{"fault": describe_fault(f), "why": why} for f, why in dropped],
+        "kept_faults": [describe_fault(f) for f in kept],
+    }
+    start = (f"resuming from checkpoint step {from_step} in {checkpoint_dir}"
+             if from_step is not None
+             else f"from step 0 (no checkpoint was committed in {checkpoint_dir} yet)")
+    gone = "; ".join(f"{describe_fault(f)} ({why})" for f, why in dropped)
+    line = (
+        f"elasjax launch: restart {restart} of {policy.max_restarts} in {delay:g}s: {outcome}; "
+        f"every process reaped; a new job (fresh coordinator port) {start}; the ended "
+        f"attempt's files: {moved}" + (f"; faults that fired and will not fire again: {gone}"
+                                       if gone else "")
+    )
+    return Restart(tuple(run), record, line)
+
+
+def restarts_line(restarts: Sequence[dict]) -> str:
+    return f"{len(restarts)} restart(s): " + "; ".join(
+        f"{r['reason']} (the job had reached step {r['reached_step']}), resumed from step "
+        f"{r['from_step']}"
+        for r in restarts
+    )

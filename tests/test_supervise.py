@@ -27,9 +27,11 @@ from elasjax.config import ConfigError, FaultConfig, load
 from elasjax.metrics import read_jsonl
 from elasjax.supervisor import (
     RestartPolicy,
+    check_out,
     check_supervisable,
     committed_checkpoints,
     faults_override,
+    plan_restart,
     reached_step,
     remaining_faults,
     set_aside,
@@ -119,6 +121,43 @@ def test_an_ended_attempts_files_are_set_aside_and_directories_stay(tmp_path):
     dest = set_aside(tmp_path, 0)
     assert sorted(p.name for p in dest.iterdir()) == ["events.jsonl", "metrics.jsonl", "worker0.log"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attempt0", "ckpt", "supervisor.jsonl"]
+
+
+def test_a_restart_resumes_from_the_newest_checkpoint_with_what_is_left_of_the_schedule(tmp_path):
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    out.mkdir()
+    for step in (0, 2, 4):
+        (ck / str(step)).mkdir(parents=True)
+    (ck / "6.orbax-checkpoint-tmp-1").mkdir()  # the save the death cut off
+    (out / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(5)))
+    (out / "worker0.log").write_text("attempt 0")
+    faults = (FaultConfig(5, kill_process=0), FaultConfig(7, kill_process=1))
+    policy = RestartPolicy(2, 0.5)
+    rs = plan_restart(out, 0, "coordinator_lost", "process 0 was killed", faults, {0}, {0: 5},
+                      ck, [f"checkpoint.dir={ck}", "train.steps=10"], 2, policy)
+    assert rs.overrides[:2] == (f"checkpoint.dir={ck}", "train.steps=10")
+    resumed = load(CONFIG, list(rs.overrides))
+    assert resumed.faults == faults[1:] and resumed.checkpoint.resume_step == -1
+    r = rs.record
+    assert (r["restart"], r["attempt"], r["from_step"], r["reached_step"]) == (2, 1, 4, 5)
+    assert r["backoff_s"] == policy.delay(2) and r["reason"] == "coordinator_lost"
+    assert r["kept_faults"] == ["step 7: kill process 1"]
+    assert [d["fault"] for d in r["dropped_faults"]] == ["step 5: kill process 0"]
+    assert (out / "attempt0" / "worker0.log").read_text() == "attempt 0"
+    assert not (out / "metrics.jsonl").exists()
+    assert "resuming from checkpoint step 4" in rs.line and "kill process 0" in rs.line
+    # the same output directory cannot take a second supervised launch's attempts
+    with pytest.raises(ConfigError, match=r"holds attempt0 of an earlier supervised launch"):
+        check_out(out, policy)
+    check_out(out, RestartPolicy(0))
+    # nothing committed yet: a fresh start, said
+    empty = tmp_path / "out2"
+    empty.mkdir()
+    rs = plan_restart(empty, 0, "failed", "x", (), set(), {}, tmp_path / "none", [], 1, policy)
+    assert not any(o.startswith("checkpoint.resume_step") for o in rs.overrides)
+    assert rs.record["from_step"] == 0 and not rs.record["resumed_from_checkpoint"]
+    assert "from step 0 (no checkpoint was committed" in rs.line
 
 
 def test_the_cli_refuses_what_supervision_cannot_do(tmp_path, capsys):
