@@ -108,15 +108,20 @@ def check_out(out: Path, policy: RestartPolicy) -> None:
         )
 
 
+COMMIT_MARKER = "commit_success.txt"
+
+
 def committed_checkpoints(directory: str | Path) -> list[int]:
-    """The steps of the checkpoints committed in `directory`, ascending. Orbax writes a step
-    into a temporary directory and renames it to the bare step number at its commit (the
-    primary process does, after every process has written its part), so a save that a death
-    interrupted is never listed."""
+    """The steps of the checkpoints committed in `directory`, ascending: a directory named by
+    the bare step number holding Orbax's commit marker. Orbax writes a step into a temporary
+    directory, writes the marker when every process has written its part, then renames it to
+    the step number (on a file system without atomic rename the marker alone says it), so a
+    save that a death interrupted is never listed."""
     d = Path(directory)
     if not d.is_dir():
         return []
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+    return sorted(int(p.name) for p in d.iterdir()
+                  if p.is_dir() and p.name.isdigit() and (p / COMMIT_MARKER).is_file())
 
 
 def newest_checkpoint(directory: str | Path) -> int | None:
