@@ -222,6 +222,15 @@ def _launch(args) -> int:
             timeout_s=args.timeout,
             quiet=args.quiet,
             spares=spares,
+            max_restarts=args.max_restarts,
+            restart_backoff_s=args.restart_backoff,
+        )
+    if args.max_restarts:
+        raise launch.ConfigError(
+            f"--max-restarts {args.max_restarts} supervises a local launch (--processes P), "
+            "which starts and reaps every process; a process joining a cluster with "
+            "--coordinator is restarted by the cluster's own scheduler; allowed values with "
+            "--coordinator: 0"
         )
     if spares is not None:  # a cluster's --num-processes counts the spares too
         args.set = [*args.set, f"parallel.spares={spares}"]
@@ -311,8 +320,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="build every likely failure's plan before step 0, and again after each "
                    "recovery, training paused meanwhile (standby.enabled, standby.wait_at_start, "
                    "standby.wait_after_recovery)")
+    m.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="local launch: when the job cannot continue (process 0 lost, "
+                   "unrecoverable state, an error exit), reap every process and start the job "
+                   "again from its newest checkpoint (needs checkpoint.dir), at most N times; "
+                   "recorded in supervisor.jsonl (0: never)")
+    m.add_argument("--restart-backoff", type=float, default=2.0, metavar="S",
+                   help="seconds before the first restart, doubled before each next one")
     m.add_argument("--timeout", type=float, default=900.0, metavar="S",
-                   help="local launch: kill every process after this many seconds")
+                   help="local launch: kill every process after this many seconds (restarts "
+                   "included)")
     m.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "launch":  # before anything creates a JAX backend in this process

@@ -15,6 +15,8 @@ goes to the coordination service's key-value store so survivors can report kill 
 
 Process 0 hosts the coordination service. Its death makes the runtime terminate every other
 process; the launcher then reports it and reaps whatever is left (see docs/multiprocess.md).
+With `--max-restarts N` the launcher then starts the whole job again from its newest checkpoint
+(`elasjax.supervisor`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ from .runtime.multicontroller import (
     xla_flags,
 )
 from .state import load_optimizer
+from .supervisor import (
+    RESTARTABLE,
+    USAGE_ERROR,
+    RestartPolicy,
+    SupervisorLog,
+    check_out,
+    check_supervisable,
+    plan_restart,
+    restarts_line,
+    stop_reason,
+)
 from .tensorboard import check_available as check_tensorboard
 from .trainer import Trainer
 from .transfer.snapshot import check_coverable
@@ -240,6 +253,8 @@ def launch_local(
     imports: Sequence[str] = (),
     spares: int | str | None = None,
     hooks: Sequence[str] = (),
+    max_restarts: int = 0,
+    restart_backoff_s: float = 2.0,
 ) -> int:
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
     (None: the config's `parallel.spares`), wait for them, reap them.
@@ -248,9 +263,17 @@ def launch_local(
     process 0 died (the job cannot continue), 1 on any other failure or on `timeout_s`. Every
     worker is its own process group and is SIGKILLed on the way out if still running. Writes
     `launch.json` (per-process exit status) and `worker<i>.log` to `out`.
+
+    `max_restarts` > 0 supervises the job (`elasjax.supervisor`): when it cannot continue, every
+    process is reaped and the whole job starts again as a new job (fresh coordinator port)
+    resuming from the newest checkpoint of `checkpoint.dir`, after `restart_backoff_s` (doubled
+    at each next restart), at most `max_restarts` times within `timeout_s` in all. The return
+    code is then the last attempt's. Each ended attempt's files move to `out/attempt<k>/`;
+    `supervisor.jsonl` records every restart and the end. `max_restarts` 0 changes nothing.
     """
     if processes < 1 or devices_per_process < 1:
         raise ConfigError("--processes and --devices-per-process must be >= 1")
+    policy = RestartPolicy(max_restarts, restart_backoff_s)
     # Fail fast, before any process starts: config, kill schedule and initial plan (pure).
     import_modules(imports)
     load_hooks(hooks)  # a bad name is an error here, not in every worker
@@ -262,89 +285,215 @@ def launch_local(
     check_tensorboard(base)  # tensorboardX missing: an error here, not in the writing worker
     processes += base.parallel.spares  # the spares run as processes of their own, last
     cfg = resolve_config(base, processes, devices_per_process, kills)
-    topo = Topology(tuple(range(processes * devices_per_process)), devices_per_process)
+    check_supervisable(cfg, policy)
+    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="elasjax-launch-"))
+    check_out(out, policy)
+    out.mkdir(parents=True, exist_ok=True)
+    job = _Job(
+        config_path, processes, devices_per_process, out, imports, hooks,
+        RuntimeConfig(
+            "127.0.0.1:0",  # each attempt gets a free port of its own
+            processes,
+            process_id=0,
+            devices_per_process=devices_per_process,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            collective_timeout_s=collective_timeout_s,
+            liveness_interval_s=liveness_interval_s,
+            liveness_timeout_s=liveness_timeout_s,
+            slow=parse_slow(slow, processes) if slow else None,
+            renew_collectives=renew_collectives,
+            watch_exits=watch_exits,
+        ),
+        slow,
+    )
+    t_start = time.time()
+    deadline = t_start + timeout_s
+    sup = SupervisorLog(out, t_start) if policy.enabled else None
+    attempts: list[_Attempt] = []
+    run_overrides, run_kills, run_cfg = list(overrides), list(kills), cfg
+    while True:
+        a = _run_attempt(job, run_overrides, run_kills, run_cfg, deadline, quiet, policy)
+        attempts.append(a)
+        if sup is None:
+            break
+        why = stop_reason(a.outcome, a.p0_returncode, len(sup.restarts), policy)
+        delay = policy.delay(len(sup.restarts) + 1)
+        if why is None and time.time() + delay >= deadline:
+            why = "no time is left for a restart within the launch timeout (--timeout)"
+        if why is not None:
+            if a.outcome != "finished":
+                sup.write("stop", attempt=len(attempts) - 1, outcome=a.outcome,
+                          message=a.message, why=why)
+                a.message += f"; not restarted: {why}"
+            break
+        _report_attempt(a, len(attempts) - 1, quiet)
+        try:
+            run_overrides, run_cfg = _prepare_restart(
+                job, a, len(attempts) - 1, overrides, run_cfg, sup, policy, quiet
+            )
+        except ConfigError as e:  # stop with the reason, the launch's record written
+            why = f"the restarted job's config is refused: {e}"
+            sup.write("stop", attempt=len(attempts) - 1, outcome=a.outcome,
+                      message=a.message, why=why)
+            a.message += f"; not restarted: {why}"
+            break
+        run_kills = []  # the schedule, kills included, is in the `faults` override now
+        time.sleep(delay)
+    last = attempts[-1]
+    summary = last.summary(time.time() - t_start)
+    if sup is not None:
+        summary["restarts"] = sup.restarts
+        summary["attempts"] = [
+            {"coordinator": x.coordinator, **x.summary(None)} for x in attempts[:-1]]
+        summary["coordinator"] = last.coordinator
+        sup.write("end", outcome=last.outcome, restarts=len(sup.restarts),
+                  max_restarts=policy.max_restarts, message=last.message)
+        if sup.restarts:
+            last.message += f" ({restarts_line(sup.restarts)})"
+            summary["message"] = last.message
+    (out / "launch.json").write_text(json.dumps(summary, indent=2))
+    _say(quiet, f"elasjax launch: {last.outcome}: {last.message}")
+    _say(quiet, "per process: " + _per_process(last.status))
+    if last.outcome == "finished":
+        _print_recoveries(out, quiet)
+    elif sup is None and last.outcome in RESTARTABLE and last.p0_returncode != USAGE_ERROR:
+        hint = (
+            "to resume from its newest checkpoint: --set checkpoint.resume_step=-1, or supervise "
+            "the launch with --max-restarts N"
+            if cfg.checkpoint.dir is not None
+            else "with checkpoints (checkpoint.dir), --max-restarts N would restart it from the "
+            "newest one"
+        )
+        _say(quiet, f"the job cannot continue; {hint}")
+    _say(quiet, f"outputs: {out}")
+    return {"finished": 0, "coordinator_lost": 3}.get(last.outcome, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What every attempt of one launch starts with."""
+
+    config_path: str | None
+    processes: int
+    devices_per_process: int
+    out: Path
+    imports: Sequence[str]
+    hooks: Sequence[str]
+    rc: RuntimeConfig  # its coordinator is replaced by each attempt's
+    slow: str | None
+
+    def command(self, coordinator: str, process: int, overrides, kills) -> list[str]:
+        rc = self.rc
+        cmd = [
+            sys.executable,
+            "-u",
+            "-m",
+            "elasjax.launch",
+            *([self.config_path] if self.config_path else []),
+            "--coordinator",
+            coordinator,
+            "--num-processes",
+            str(self.processes),
+            "--process-id",
+            str(process),
+            "--devices-per-process",
+            str(self.devices_per_process),
+            "--heartbeat-timeout",
+            str(rc.heartbeat_timeout_s),
+            "--collective-timeout",
+            str(rc.collective_timeout_s),
+            "--liveness-interval",
+            str(rc.liveness_interval_s),
+            "--liveness-timeout",
+            str(rc.liveness_timeout_s),
+            "--renew-collectives",
+            rc.renew_collectives,
+            "--watch-exits" if rc.watch_exits else "--no-watch-exits",
+            *(["--slow", self.slow] if self.slow else []),
+            "--out",
+            str(self.out),
+            "--die-with-parent",
+            str(os.getpid()),
+        ]
+        for o in overrides:
+            cmd += ["--set", o]
+        for k in kills:
+            cmd += ["--kill", str(k)]
+        for m in self.imports:
+            cmd += ["--import", m]
+        for h in self.hooks:
+            cmd += ["--hook", h]
+        return cmd
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One start of the whole job, from its processes' start to their reaping."""
+
+    coordinator: str
+    t_start: float
+    outcome: str
+    message: str
+    status: list[dict]
+    kill_steps: dict[int, int]  # process -> the step of its scheduled kill
+
+    @property
+    def p0_returncode(self) -> int | None:
+        return self.status[0]["returncode"]
+
+    def killed_as_scheduled(self) -> set[int]:
+        return {s["process"] for s in self.status
+                if s["scheduled_kill"] is not None and s["signal"] == "SIGKILL"}
+
+    def summary(self, elapsed_s: float | None) -> dict:
+        d = {"outcome": self.outcome, "message": self.message}
+        if elapsed_s is not None:
+            d["elapsed_s"] = elapsed_s
+        d["left_running_after_reap"] = [
+            s["process"] for s in self.status if s["running_after_reap"]]
+        d["processes"] = [{k: v for k, v in s.items() if k != "running_after_reap"}
+                          for s in self.status]
+        return d
+
+
+def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quiet: bool,
+                 policy: RestartPolicy) -> _Attempt:
+    """Start every process of the job on a fresh coordinator port, monitor them, reap them."""
+    topo = Topology(tuple(range(job.processes * job.devices_per_process)), job.devices_per_process)
+    events = resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER)
     scheduled = {
         h: f"{e.at_step}:{h}" + (" during recovery" if e.phase == "recovery" else "")
-        for e in resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER)
+        for e in events
         for h in e.hosts
     }
-    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="elasjax-launch-"))
-    out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    rc0 = RuntimeConfig(
-        f"127.0.0.1:{port}",
-        processes,
-        process_id=0,
-        devices_per_process=devices_per_process,
-        heartbeat_timeout_s=heartbeat_timeout_s,
-        collective_timeout_s=collective_timeout_s,
-        liveness_interval_s=liveness_interval_s,
-        liveness_timeout_s=liveness_timeout_s,
-        slow=parse_slow(slow, processes) if slow else None,
-        renew_collectives=renew_collectives,
-        watch_exits=watch_exits,
-    )
+    kill_steps = {h: e.at_step for e in events for h in e.hosts}
+    rc0 = dataclasses.replace(job.rc, coordinator=f"127.0.0.1:{_free_port()}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["XLA_FLAGS"] = xla_flags(rc0, env.get("XLA_FLAGS", ""))
     if 0 in scheduled:
+        end = ("the job will end there" if not policy.enabled else
+               "the job will end there and be restarted from its newest checkpoint "
+               f"(--max-restarts {policy.max_restarts})")
         _say(
             quiet,
             f"note: the kill {scheduled[0]} kills process 0, which hosts the coordination "
-            "service: the job will end there",
+            f"service: {end}",
         )
     procs: list[_Proc] = []
     t_start = time.time()
     try:
-        for i in range(processes):
-            cmd = [
-                sys.executable,
-                "-u",
-                "-m",
-                "elasjax.launch",
-                *([config_path] if config_path else []),
-                "--coordinator",
-                rc0.coordinator,
-                "--num-processes",
-                str(processes),
-                "--process-id",
-                str(i),
-                "--devices-per-process",
-                str(devices_per_process),
-                "--heartbeat-timeout",
-                str(heartbeat_timeout_s),
-                "--collective-timeout",
-                str(collective_timeout_s),
-                "--liveness-interval",
-                str(liveness_interval_s),
-                "--liveness-timeout",
-                str(liveness_timeout_s),
-                "--renew-collectives",
-                renew_collectives,
-                "--watch-exits" if watch_exits else "--no-watch-exits",
-                *(["--slow", slow] if slow else []),
-                "--out",
-                str(out),
-                "--die-with-parent",
-                str(os.getpid()),
-            ]
-            for o in overrides:
-                cmd += ["--set", o]
-            for k in kills:
-                cmd += ["--kill", str(k)]
-            for m in imports:
-                cmd += ["--import", m]
-            for h in hooks:
-                cmd += ["--hook", h]
-            log = out / f"worker{i}.log"
+        for i in range(job.processes):
+            log = job.out / f"worker{i}.log"
             with log.open("wb") as fh:
                 p = subprocess.Popen(
-                    cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                    job.command(rc0.coordinator, i, overrides, kills), stdout=fh,
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 )
             procs.append(_Proc(i, p, log))
         pids = {"launcher": os.getpid(), "workers": [q.popen.pid for q in procs]}
-        (out / "pids.json").write_text(json.dumps(pids))
+        (job.out / "pids.json").write_text(json.dumps(pids))
         outcome, message = _monitor(
-            procs, scheduled, t_start + timeout_s, heartbeat_timeout_s, quiet
+            procs, scheduled, deadline, job.rc.heartbeat_timeout_s, quiet
         )
     finally:
         left = _reap(procs)
@@ -360,28 +509,40 @@ def launch_local(
                 "pid": p.popen.pid,
                 "ended_after_s": None if p.ended_at is None else round(p.ended_at - t_start, 3),
                 "log": str(p.log),
+                "running_after_reap": p.popen.poll() is None,
             }
         )
     if left:
         message += f"; SIGKILLed {len(left)} process(es) still running: {left}"
-    summary = {
-        "outcome": outcome,
-        "message": message,
-        "elapsed_s": time.time() - t_start,
-        "left_running_after_reap": [p.index for p in procs if p.popen.poll() is None],
-        "processes": status,
-    }
-    (out / "launch.json").write_text(json.dumps(summary, indent=2))
-    _say(quiet, f"elasjax launch: {outcome}: {message}")
-    _say(
-        quiet,
-        "per process: "
-        + ", ".join(f"p{s['process']}={s['signal'] or s['returncode']}" for s in status),
+    return _Attempt(rc0.coordinator, t_start, outcome, message, status, kill_steps)
+
+
+def _prepare_restart(job: _Job, a: _Attempt, index: int, overrides: Sequence[str], cfg: Config,
+                     sup: SupervisorLog, policy: RestartPolicy, quiet: bool
+                     ) -> tuple[list[str], Config]:
+    """After attempt `index` ended and every process was reaped: what the next attempt runs,
+    checked like the first (`resolve_config`), then recorded and said."""
+    rs = plan_restart(
+        job.out, index, a.outcome, a.message, cfg.faults, a.killed_as_scheduled(), a.kill_steps,
+        cfg.checkpoint.dir, overrides, len(sup.restarts) + 1, policy,
     )
-    if outcome == "finished":
-        _print_recoveries(out, quiet)
-    _say(quiet, f"outputs: {out}")
-    return {"finished": 0, "coordinator_lost": 3}.get(outcome, 1)
+    new_cfg = resolve_config(
+        load(job.config_path, rs.overrides), job.processes, job.devices_per_process
+    )
+    sup.write("restart", **rs.record)
+    _say(quiet, rs.line)
+    return list(rs.overrides), new_cfg
+
+
+def _report_attempt(a: _Attempt, index: int, quiet: bool) -> None:
+    _say(quiet, f"elasjax launch: attempt {index} ended: {a.outcome}: {a.message}")
+    _say(quiet, "per process: " + _per_process(a.status))
+
+
+def _per_process(status: list[dict]) -> str:
+    return ", ".join(f"p{s['process']}={s['signal'] or s['returncode']}" for s in status)
+
+
 
 
 def _monitor(procs, scheduled, deadline, heartbeat_s, quiet) -> tuple[str, str]:
