@@ -229,37 +229,49 @@ def _assert_losses(rows: list[dict], ref, steps) -> None:
 
 @pytest.mark.slow
 def test_losing_process_0_restarts_the_job_from_its_newest_checkpoint(reference, tmp_path):
+    """Process 0 (the coordination service's host) is killed at step 3: the job is restarted,
+    a new job on a fresh coordinator, from the newest checkpoint committed before the kill
+    (Orbax commits asynchronously: the save after step 2 may not have landed when process 0
+    died, and then the one after step 0 is the newest), and finishes with the fault-free run's
+    losses. The budget (3) leaves room for the known fault of a checkpoint resume under launch
+    (docs/multiprocess.md, "Limits": a resumed job's first collective can time out in gloo's
+    context set-up); any later restart must be that fault and nothing else."""
     kill_step = 3
     out, ck = tmp_path / "sup", tmp_path / "ck"
-    rc, stdout = _supervised(out, ck, "--kill", f"{kill_step}:0", "--max-restarts", "1")
+    rc, stdout = _supervised(out, ck, "--kill", f"{kill_step}:0", "--max-restarts", "3")
     print(stdout)
     assert rc == 0, stdout
     newest = kill_step // EVERY * EVERY  # the last checkpoint saved before the kill's step
     summary = json.loads((out / "launch.json").read_text())
     assert summary["outcome"] == "finished"
-    (first,) = summary["attempts"]
+    first = summary["attempts"][0]
     assert first["outcome"] == "coordinator_lost"
     assert {s["process"]: s["signal"] for s in first["processes"]}[0] == "SIGKILL"
     assert first["coordinator"] != summary["coordinator"]  # a new job, not a rejoin
     _all_reaped(summary)
     # recorded, with its reason, where it resumed from, and the kill that is not repeated
     records = read_jsonl(out / "supervisor.jsonl")
-    assert [r["type"] for r in records] == ["restart", "end"]
-    r = records[0]
+    restarts = [r for r in records if r["type"] == "restart"]
+    assert [r["type"] for r in records] == ["restart"] * len(restarts) + ["end"]
+    r = restarts[0]
     assert r["restart"] == 1 and r["reason"] == "coordinator_lost"
     assert "process 0 hosts the JAX coordination service" in r["message"]
-    assert r["from_step"] == newest and r["resumed_from_checkpoint"]
+    assert r["from_step"] in (newest, newest - EVERY) and r["resumed_from_checkpoint"]
     assert r["reached_step"] == kill_step
     assert [d["fault"] for d in r["dropped_faults"]] == [f"step {kill_step}: kill process 0"]
-    assert records[1]["outcome"] == "finished" and records[1]["restarts"] == 1
-    assert "restart 1 of 1 in 0.5s: coordinator_lost" in stdout
-    assert f"resuming from checkpoint step {newest}" in stdout
-    # the restarted job resumed from that checkpoint and ran with no fault left
+    for later in restarts[1:]:
+        assert later["reason"] == "failed", later
+        assert "Gloo context initialization failed" in later["message"], later
+    assert records[-1]["outcome"] == "finished" and records[-1]["restarts"] == len(restarts)
+    assert "restart 1 of 3 in 0.5s: coordinator_lost" in stdout
+    assert f"resuming from checkpoint step {r['from_step']}" in stdout
+    # the last job resumed from a checkpoint and ran with no fault left
+    resumed = restarts[-1]["from_step"]
     (start,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "start"]
-    assert start["resumed_from_checkpoint"] == newest and start["faults"] == []
+    assert start["resumed_from_checkpoint"] == resumed and start["faults"] == []
     # every step's loss equals the fault-free run's: before the kill, and after the restart
     _assert_losses(read_jsonl(out / "attempt0" / "metrics.jsonl"), reference, range(kill_step))
-    _assert_losses(read_jsonl(out / "metrics.jsonl"), reference, range(newest, STEPS))
+    _assert_losses(read_jsonl(out / "metrics.jsonl"), reference, range(resumed, STEPS))
 
 
 @pytest.mark.slow
