@@ -91,7 +91,10 @@ class Cutovers:
         """Make `pc` the pending cut-over from `pos`: its plan is the only one the standby
         builds now, and the move to it is planned in the background."""
         self.pending, self.wait_s = pc, 0.0
-        self.source.only(pc.plan)
+        # a growth's plan found compiled is ready at once; an async recovery's optimal plan is
+        # not (its first step runs on the fast path it recovered to, which ends its MTTR:
+        # tests/test_optimized.py::test_deterministic_async_and_blocking_migrations_are_bitwise_equal)
+        self.source.only(pc.plan, from_cache=pc.kind == "growth")
         self.transitions.for_cutover(pos, pc.plan)
 
     def join(self, pos: Position, joins: list) -> tuple[Position, JoinEvent]:

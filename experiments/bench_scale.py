@@ -93,6 +93,7 @@ MODES = {
     "elasjax ZeRO-2": ("elasjax", ["zero.stage=2"]),
     "elasjax ZeRO-3": ("elasjax", ["zero.stage=3"]),
     "elasjax deterministic": ("elasjax", ["zero.stage=0", "train.deterministic=true"]),
+    "elasjax deterministic ZeRO-1": ("elasjax", ["zero.stage=1", "train.deterministic=true"]),
 }
 # the ratios the table reports: (loop, its reference). A plain reference is the faster of the
 # plain loop that donates its state (`donate_argnums`, what a JAX user writes) and the same loop
@@ -107,6 +108,7 @@ RATIOS = [
     ("elasjax ZeRO-3", "plain ZeRO-3"),
     ("elasjax ZeRO-1", "elasjax ZeRO-1 no snapshots"),
     ("elasjax deterministic", "elasjax ZeRO-0"),
+    ("elasjax deterministic ZeRO-1", "elasjax ZeRO-1"),
 ]
 
 

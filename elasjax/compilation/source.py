@@ -193,13 +193,13 @@ class ExecutableSource:
             self._log(msg)
             warnings.warn(msg, StandbyCoverageWarning, stacklevel=3)
 
-    def only(self, plan: Plan) -> None:
+    def only(self, plan: Plan, *, from_cache: bool = False) -> None:
         """`plan` is the only one that matters now (a pending cut-over's): build nothing else.
-        Executables already in the cache (a plan the run stood on before) are ready at once,
-        not queued behind a build under way."""
+        With `from_cache`, executables already in the cache (a plan the run stood on before)
+        are ready at once, not queued behind a build under way."""
         key = plan.compile_key
         self.standby.submit([key])
-        if not self.standby.ready(key) and self.exe_cache.has(
+        if from_cache and not self.standby.ready(key) and self.exe_cache.has(
                 self.cfg, plan, self.donate, self.factory.tx_key):
             exe = self._cached(plan)[0]  # found: no compile
             self._prepare(exe)
