@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices before JAX initialises, and shared fixtures."""
 
+import contextlib
 import os
 from importlib.metadata import version
 
@@ -106,6 +107,21 @@ def assert_params_close(a, b):
 @pytest.fixture(scope="session")
 def exe_cache() -> ExecutableCache:
     return ExecutableCache(max_entries=64)
+
+
+@contextlib.contextmanager
+def optimised_compiles(max_entries: int = 16):
+    """XLA's optimisations on, as users compile (the bitwise tests: the suite's unoptimised
+    compiles are not bitwise across meshes), with an executable cache of their own; the suite's
+    setting is restored after. Yields the cache."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.clear_caches()
+    try:
+        yield ExecutableCache(max_entries=max_entries)
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+        jax.clear_caches()
 
 
 def skip_if_not_enough_devices(n: int) -> None:

@@ -8,10 +8,10 @@ micro-batches dealt 3/3/2 on 3 replicas) and test_growth.py."""
 
 import jax
 import pytest
-from conftest import tiny_config
+from conftest import optimised_compiles, tiny_config
 
 from elasjax import planner, treesum
-from elasjax.compilation.executables import ExecutableCache, compile_plan
+from elasjax.compilation.executables import compile_plan
 from elasjax.state import StateFactory, make_optimizer
 
 pytestmark = pytest.mark.slow
@@ -20,12 +20,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def exe_cache():
     """Optimised compiles for this module only (shadows conftest's shared cache)."""
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", False)
-    jax.clear_caches()
-    yield ExecutableCache(max_entries=16)
-    jax.config.update("jax_disable_most_optimizations", before)
-    jax.clear_caches()
+    with optimised_compiles(16) as cache:
+        yield cache
 
 
 def _temp_bytes(*over: str) -> tuple[int, int]:

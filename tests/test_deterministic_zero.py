@@ -8,10 +8,9 @@ tensor degree is kept (2), so a device failure and then a host failure take the 
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import optimised_compiles, tiny_config
 
 from elasjax import trainer
-from elasjax.compilation.executables import ExecutableCache
 from elasjax.state import StateFactory, make_optimizer
 
 pytestmark = pytest.mark.slow
@@ -22,12 +21,8 @@ COMMON = ["train.steps=9", "train.deterministic=true", "zero.stage=1"]
 @pytest.fixture(scope="module")
 def exe_cache():
     """Optimised compiles for this module only (shadows conftest's shared cache)."""
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", False)
-    jax.clear_caches()
-    yield ExecutableCache(max_entries=16)
-    jax.config.update("jax_disable_most_optimizations", before)
-    jax.clear_caches()
+    with optimised_compiles(16) as cache:
+        yield cache
 
 
 def test_deterministic_zero1_is_bitwise_through_failures(exe_cache):

@@ -12,10 +12,9 @@ here too XLA:CPU emits its older loop kernels instead of its fusion emitters (co
 import jax
 import numpy as np
 import pytest
-from conftest import PIPE, assert_params_close, assert_same_computation, tiny_config
+from conftest import PIPE, assert_params_close, assert_same_computation, optimised_compiles, tiny_config
 
 from elasjax import trainer
-from elasjax.compilation.executables import ExecutableCache
 from elasjax.metrics import read_jsonl
 from elasjax.state import StateFactory, make_optimizer
 
@@ -27,12 +26,8 @@ DEFAULT = ["train.steps=12", "train.eval_every=8"]  # held-out loss at steps 7 a
 @pytest.fixture(scope="module")
 def exe_cache():
     """Optimised compiles for this module only (shadows conftest's shared cache)."""
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", False)
-    jax.clear_caches()
-    yield ExecutableCache(max_entries=32)
-    jax.config.update("jax_disable_most_optimizations", before)
-    jax.clear_caches()
+    with optimised_compiles(32) as cache:
+        yield cache
 
 
 def test_xla_optimisations_are_on(exe_cache):

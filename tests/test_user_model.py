@@ -45,19 +45,12 @@ def test_deterministic_mode_is_bitwise_for_a_registered_model():
     """Compiled as users compile (XLA's optimisations on): the suite's unoptimised compiles
     are not bitwise across meshes (test_optimized.py), and the fixed-tree reduction
     (`elasjax.treesum`) is bitwise in the optimised build that runs."""
-    from elasjax.compilation.executables import ExecutableCache
+    from conftest import optimised_compiles
 
     det = ["train.deterministic=true", "parallel.replan=keep_tensor"]
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", False)
-    jax.clear_caches()
-    try:
-        cache = ExecutableCache(max_entries=8)
+    with optimised_compiles(8) as cache:
         faulty = _run(FAULTS, *det, exe_cache=cache)
         clean = _run("faults=[]", *det, exe_cache=cache)
-    finally:
-        jax.config.update("jax_disable_most_optimizations", before)
-        jax.clear_caches()
     assert faulty.losses == clean.losses
     assert faulty.checksums == clean.checksums
 
