@@ -175,6 +175,9 @@ def _print_coverage(cfg, plan, topo, live: set[int]) -> None:
           "devices per host):")
     print("    " + str(cov).replace("\n", "\n    "))
     print("    " + pool.cost_line(cfg.hardware))
+    if snap.host:  # the rule above is the in-process runtime's (`transfer.coverage`)
+        print("    (under `elasjax launch` a host copy lives in its buddy's process: there it "
+              "survives only what that buddy survives)")
 
 
 def _compare(args) -> int:
