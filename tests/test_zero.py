@@ -465,3 +465,38 @@ def test_zero3_checkpoint_round_trip_onto_fewer_devices_never_holds_full_state(t
     # 8 ranks over 7 devices: 4 devices hold 2 ranks each (+ the step counter on the first)
     assert info["peak_restore_bytes"] <= 0.26 * total
     assert max(per_device.values()) <= 1.01 * total / 7
+
+
+def test_a_checkpoint_read_onto_a_plan_of_its_own_form_is_read_in_place(tmp_path, monkeypatch):
+    """Resuming on the plan that saved the checkpoint (a restart on the same devices): every
+    device reads its own shards of the saved ZeRO-3 form, the transition planner is not asked
+    (nothing to move), and the checksums match. A plan of another form still goes through it."""
+    from types import SimpleNamespace
+
+    from elasjax.config import CheckpointConfig
+    from elasjax.transfer import checkpoint as ckmod
+
+    cfg, f = _setup(3, "interleaved")
+    plan = planner.initial_plan(TOPO, cfg)
+    lay, mesh = f.layout(plan), _mesh(plan)
+    state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))())
+    want = _cks(lay, state)
+    ck = ckmod.Checkpointer(CheckpointConfig(dir=str(tmp_path / "ck"), every=1, keep=2))
+    ck.save(5, state, want, ckmod.form_of(plan))
+    calls = []
+    real = ckmod.transition
+    monkeypatch.setattr(ckmod, "transition", lambda *a, **k: calls.append(1) or real(*a, **k))
+    exe = SimpleNamespace(plan=plan, layout=lay, state_shardings=lay.shardings(mesh))
+    got, _, info = ckmod.restore_onto(ck, 5, f, exe, devices=DEVS)
+    assert calls == [] and _cks(lay, got) == want
+    assert jax.tree.map(lambda x: x.sharding, got) == exe.state_shardings
+    per_device = max(sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards
+                         if s.device.id == d) for d in plan.device_ids)
+    assert info["peak_restore_bytes"] == per_device
+    new_plan = planner.replan([d for d in TOPO.device_ids if d != 3], TOPO, cfg, plan, plan)
+    new_lay = f.layout(new_plan)
+    other = SimpleNamespace(plan=new_plan, layout=new_lay,
+                            state_shardings=new_lay.shardings(_mesh(new_plan)))
+    got, _, _ = ckmod.restore_onto(ck, 5, f, other, devices=DEVS)
+    ck.close()
+    assert calls == [1] and _cks(new_lay, got) == want

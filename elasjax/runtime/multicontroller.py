@@ -384,7 +384,8 @@ class MultiControllerRuntime:
             if err is not None and not isinstance(err, JaxRuntimeError):
                 raise err  # this process's own error (every process raises; none is dead)
             procs = sorted(int(p) for p in verdict["errors"])
-            p, msg = next(iter(sorted(verdict["errors"].items())))
+            msg = "; ".join(f"process {q}: {m[:300]}" for q, m in
+                            sorted(verdict["errors"].items(), key=lambda kv: int(kv[0])))
             retry = self._collective_retry(verdict, phase, t_block, t_err, t_body, err)
             if retry is not None:
                 raise retry from err
@@ -395,8 +396,8 @@ class MultiControllerRuntime:
                 "processes." if "Gloo" in msg or "Timed out" in msg else ""
             )
             raise PeerError(
-                f"{phase}: failed on process(es) {procs} while every process was alive (process "
-                f"{p}: {msg[:300]}); no process is declared dead, the job stops.{hint}"
+                f"{phase}: failed on process(es) {procs} while every process was alive ({msg}); "
+                f"no process is declared dead, the job stops.{hint}"
             ) from err
         if phase == "step":
             self._retries = 0  # a good step: collective retries start again
@@ -427,7 +428,9 @@ class MultiControllerRuntime:
         why = (f"a collective failed on process(es) {procs} while every process was alive "
                f"(retry {self._retries} of {self.MAX_COLLECTIVE_RETRIES})")
         self.log(f"{phase}: {why}: renewing the collectives and redoing the {phase} "
-                 f"({msgs[0][:160]})")
+                 "(" + "; ".join(f"process {q}: {m[:160]}" for q, m in
+                                 sorted(verdict["errors"].items(), key=lambda kv: int(kv[0])))
+                 + ")")
         return DeviceFailure(
             set(), phase, detect_s=time.time() - t_block, cause=why,
             detail={
