@@ -453,15 +453,19 @@ class StandbyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HardwareConfig:
-    """Device and link parameters of the planner's cost model (`costmodel.Hardware`). They rank
-    layouts; the defaults describe a nominal accelerator, not a measured machine."""
+    """Device and link parameters of the planner's cost model (`costmodel`). They rank layouts;
+    the defaults describe a nominal accelerator, not a measured machine."""
 
     name: str = "nominal"
-    flops: float = 1.0e12
-    link_bw: float = 50.0e9
-    link_latency_s: float = 5.0e-6
-    micro_overhead_s: float = 2.0e-4
+    flops: float = 1.0e12  # sustained FLOP/s per device
+    link_bw: float = 50.0e9  # bytes/s per device for collectives
+    link_latency_s: float = 5.0e-6  # per collective hop
+    micro_overhead_s: float = 2.0e-4  # fixed cost of one micro-batch (launch, scan step)
     memory_gb: float = 0.0  # per device; 0 = unlimited
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 2**30 if self.memory_gb > 0 else float("inf")
 
 
 @dataclasses.dataclass(frozen=True)

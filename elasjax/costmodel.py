@@ -4,9 +4,9 @@ The planner must rank layouts it has never run, so it needs a model of a step, n
 The model is deliberately simple and explicit: compute from FLOP counts at a stated device
 throughput, padding slots counted as real work (SPMD runs them), a fixed overhead per
 micro-batch, ring all-reduce for tensor-parallel activations and data-parallel gradients at a
-stated link bandwidth. All hardware numbers are parameters of `Hardware`; the defaults describe
-nothing real and only fix the *ranking* of layouts. Absolute predictions are meaningful only
-after calibration (`Hardware.calibrated`).
+stated link bandwidth. All hardware numbers are parameters of `config.HardwareConfig` (the
+config's `hardware` section); the defaults describe nothing real and only fix the *ranking* of
+layouts. Absolute predictions are meaningful only with measured parameters.
 """
 
 from __future__ import annotations
@@ -14,25 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 
-from .config import ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """Stated device and link parameters. Defaults are a nominal accelerator, not a measurement."""
-
-    name: str = "nominal"
-    flops: float = 1.0e12  # sustained FLOP/s per device
-    link_bw: float = 50.0e9  # bytes/s per device for collectives
-    link_latency_s: float = 5.0e-6  # per collective hop
-    micro_overhead_s: float = 2.0e-4  # fixed cost of one micro-batch (launch, scan step)
-    memory_bytes: float = float("inf")  # per device
-
-    @classmethod
-    def from_config(cls, hc) -> "Hardware":
-        """From a `config.HardwareConfig`."""
-        mem = hc.memory_gb * 2**30 if hc.memory_gb > 0 else float("inf")
-        return cls(hc.name, hc.flops, hc.link_bw, hc.link_latency_s, hc.micro_overhead_s, mem)
+from .config import HardwareConfig, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +58,7 @@ class ModelProfile:
         return cls(m.n_layers, t, d, per_layer, embed, layer_flops, embed_flops)
 
 
-def ring_allreduce_s(nbytes: float, n: int, hw: Hardware) -> float:
+def ring_allreduce_s(nbytes: float, n: int, hw: HardwareConfig) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     return 2.0 * (n - 1) / n * nbytes / hw.link_bw + 2 * (n - 1) * hw.link_latency_s
@@ -100,7 +82,7 @@ class StepCost:
 
 def spmd_step_cost(
     prof: ModelProfile,
-    hw: Hardware,
+    hw: HardwareConfig,
     *,
     data: int,
     tensor: int,
@@ -135,7 +117,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def best_micro_schedule(
-    per_replica: int, max_micro_batch: int, prof: ModelProfile, hw: Hardware, **shape: int
+    per_replica: int, max_micro_batch: int, prof: ModelProfile, hw: HardwareConfig, **shape: int
 ) -> tuple[int, int]:
     """(microbatches, micro_batch) covering `per_replica` samples with the cheapest step, each
     micro-batch holding at most `max_micro_batch` samples."""
@@ -153,7 +135,6 @@ def best_micro_schedule(
 
 
 __all__ = [
-    "Hardware",
     "ModelProfile",
     "StepCost",
     "spmd_step_cost",
@@ -230,7 +211,7 @@ __all__ += ["bubble_fraction", "PipelineStepCost", "pipeline_step_cost"]
 
 def pipelined_plan_cost(
     prof: ModelProfile,
-    hw: Hardware,
+    hw: HardwareConfig,
     *,
     data: int,
     stage: int,

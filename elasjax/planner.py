@@ -32,9 +32,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import models
-from .config import Config, ConfigError, allowed_tensor_degrees, layer_count
+from .config import Config, ConfigError, HardwareConfig, allowed_tensor_degrees, layer_count
 from .costmodel import (
-    Hardware,
     ModelProfile,
     StepCost,
     ceil_div,
@@ -257,7 +256,7 @@ def _make(
     topo: Topology,
     cfg: Config,
     prof: ModelProfile,
-    hw: Hardware,
+    hw: HardwareConfig,
     data: int,
     tensor: int,
     microbatches: int | None,
@@ -313,11 +312,11 @@ def plan_for_shape(
     tensor: int,
     microbatches: int | None = None,
     stage: int = 1,
-    hw: Hardware | None = None,
+    hw: HardwareConfig | None = None,
 ) -> Plan:
     """The plan of a given (data, stage, tensor) shape on the live devices;
     `microbatches=None` lets the cost model pick the schedule."""
-    hw = hw or Hardware.from_config(cfg.hardware)
+    hw = hw or cfg.hardware
     prof = models.profile(cfg.model)
     mmb = cfg.train.max_micro_batch or 1 << 30
     plan = _make(live_ids, topo, cfg, prof, hw, data, tensor, microbatches, mmb, stage)[0]
@@ -387,7 +386,7 @@ def same_shape(a: Plan, b: Plan) -> bool:
     ) and a.n_devices == b.n_devices
 
 
-def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Plan:
+def initial_plan(topo: Topology, cfg: Config, hw: HardwareConfig | None = None) -> Plan:
     """The plan the config asks for on the job's devices, less the hot spares
     (`held_spares`), which the plan lists as spare."""
     held = held_spares(topo, cfg)
@@ -397,7 +396,7 @@ def initial_plan(topo: Topology, cfg: Config, hw: Hardware | None = None) -> Pla
             parallel=dataclasses.replace(cfg.parallel, spares=0)), hw)
         spare = tuple(d for d in topo.device_ids if d in set(plan.spare_ids) | set(held))
         return dataclasses.replace(plan, spare_ids=spare)
-    hw = hw or Hardware.from_config(cfg.hardware)
+    hw = hw or cfg.hardware
     prof = models.profile(cfg.model)
     n, p, B = len(topo.device_ids), cfg.parallel, cfg.train.global_batch
     S = p.stage
@@ -432,7 +431,7 @@ def stage_options(cfg: Config) -> list[int]:
 
 
 def fast_path_plan(
-    previous: Plan, live_ids: Sequence[int], cfg: Config, hw: Hardware | None = None
+    previous: Plan, live_ids: Sequence[int], cfg: Config, hw: HardwareConfig | None = None
 ) -> Plan | None:
     """The plan that resumes at once without moving any layer: keep the data replicas whose
     devices all survive, with their stages and partition, and re-spread the global batch over
@@ -442,7 +441,7 @@ def fast_path_plan(
     intact = [g for g in previous.groups if all(d in live for d in g)]
     if not intact or len(intact) == previous.data:
         return None
-    hw = hw or Hardware.from_config(cfg.hardware)
+    hw = hw or cfg.hardware
     prof = models.profile(cfg.model)
     D, B, b = len(intact), previous.global_batch, previous.micro_batch
     m = ceil_div(ceil_div(B, D), b)
@@ -481,13 +480,13 @@ def rank_candidates(
     *,
     tensors: Sequence[int],
     max_micro_batch: int,
-    hw: Hardware | None = None,
+    hw: HardwareConfig | None = None,
     stages: Sequence[int] = (1,),
     previous_partition: tuple[int, ...] | None = None,
 ) -> list[tuple[Plan, StepCost]]:
     """Every feasible (data, stage, tensor) plan on the live devices with its predicted cost,
     best first."""
-    hw = hw or Hardware.from_config(cfg.hardware)
+    hw = hw or cfg.hardware
     prof = models.profile(cfg.model)
     n, B = len(live_ids), cfg.train.global_batch
     out = []
@@ -509,7 +508,7 @@ def replan(
     cfg: Config,
     previous: Plan,
     initial: Plan,
-    hw: Hardware | None = None,
+    hw: HardwareConfig | None = None,
 ) -> Plan:
     """The plan after a membership change. Micro-batches never grow beyond the initial plan's
     (or `train.max_micro_batch`), so activation memory per device does not grow. With hot spares
@@ -555,9 +554,9 @@ def _choose(options, prefer_tensor: int):
     return _order(options, prefer_tensor)[0]
 
 
-def predict_step_s(plan: Plan, cfg: Config, hw: Hardware | None = None) -> float:
+def predict_step_s(plan: Plan, cfg: Config, hw: HardwareConfig | None = None) -> float:
     """The cost model's step time of `plan` (recomputed, so that plans built anywhere compare)."""
-    hw = hw or Hardware.from_config(cfg.hardware)
+    hw = hw or cfg.hardware
     prof = models.profile(cfg.model)
     return _cost(
         prof, hw, plan.data, plan.tensor, plan.stage, plan.microbatches, plan.micro_batch,
@@ -588,13 +587,13 @@ def growth_plan(
     cfg: Config,
     current: Plan,
     initial: Plan,
-    hw: Hardware | None = None,
+    hw: HardwareConfig | None = None,
 ) -> Growth:
     """Should the run grow from `current` onto the live devices (which include returned ones)?
     The candidate is `replan`'s choice over them; the run grows only when the cost model
     predicts it at least `recovery.grow_min_gain` (relative) faster than `current`: growth is
     never forced onto a plan that is not better."""
-    hw = hw or Hardware.from_config(cfg.hardware)
+    hw = hw or cfg.hardware
     best = replan(live_ids, topo, cfg, current, initial, hw)
     g = Growth(best, predict_step_s(current, cfg, hw), predict_step_s(best, cfg, hw), False, "")
     need = cfg.recovery.grow_min_gain

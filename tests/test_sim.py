@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from elasjax.config import ConfigError
-from elasjax.costmodel import Hardware, bubble_fraction, pipeline_step_cost, ring_allreduce_s
+from elasjax.config import HardwareConfig
+from elasjax.costmodel import bubble_fraction, pipeline_step_cost, ring_allreduce_s
 from elasjax.partition import minimax_partition
 from elasjax.sim import config as simconfig
 from elasjax.sim.cluster import Layout, greedy_spread_reference, make_group, spread_microbatches
@@ -40,7 +41,7 @@ def analytic_step(sc: Scenario) -> float:
     owner = np.repeat(np.arange(S), part.sizes)
     times = np.bincount(owner, weights=w.cost()) + (w.p2p_s if S > 1 else 0.0)
     grads = np.bincount(owner, weights=np.asarray(w.params, float) * 2 / sc.layout.tensor)
-    hw = Hardware(link_bw=sc.device.inter_host_bw, link_latency_s=sc.device.link_latency_s)
+    hw = HardwareConfig(link_bw=sc.device.inter_host_bw, link_latency_s=sc.device.link_latency_s)
     sync = max(ring_allreduce_s(g, D, hw) for g in grads)
     return pipeline_step_cost(times, sc.microbatches, dp_sync_s=sync).total_s
 

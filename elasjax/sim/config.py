@@ -35,8 +35,10 @@ ALL_STRATEGIES: tuple[str, ...] = (
 
 
 @dataclasses.dataclass(frozen=True)
-class HardwareConfig:
-    """A preset plus optional overrides (null = the preset's stated value)."""
+class DeviceConfig:
+    """The simulated device (`hardware.Device`) of the `hardware` section: a preset plus optional
+    overrides (null = the preset's stated value). The planner's cost model of a real run reads
+    `elasjax.config.HardwareConfig` instead."""
 
     preset: Literal["ascend910", "h100_sxm"] = "ascend910"
     peak_flops: Optional[float] = None
@@ -161,7 +163,7 @@ class SimConfig:
     run: tuple[Literal["post_change", "trace", "growth"], ...] = ("post_change",)
     strategies: tuple[StrategyName, ...] = ALL_STRATEGIES
     model: GptDims = GptDims()
-    hardware: HardwareConfig = HardwareConfig()
+    hardware: DeviceConfig = DeviceConfig()
     layout: LayoutConfig = LayoutConfig()
     batch: BatchConfig = BatchConfig()
     post_change: PostChangeConfig = PostChangeConfig()
@@ -291,7 +293,7 @@ def dump(cfg: SimConfig) -> str:
 
 __all__ = [
     "ALL_STRATEGIES",
-    "HardwareConfig",
+    "DeviceConfig",
     "LayoutConfig",
     "BatchConfig",
     "PostChangeConfig",

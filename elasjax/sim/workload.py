@@ -27,7 +27,8 @@ import dataclasses
 
 import numpy as np
 
-from ..costmodel import Hardware, ring_allreduce_s
+from ..config import HardwareConfig
+from ..costmodel import ring_allreduce_s
 from .hardware import Device
 
 BYTES_PARAM = 2  # bf16 parameters
@@ -137,7 +138,7 @@ class Workload:
 
     def dp_sync_s(self, grad_bytes_per_device: float, participants: int) -> float:
         """Ring all-reduce of one stage's gradients over the data-parallel group."""
-        hw = Hardware(link_bw=self.inter_host_bw, link_latency_s=self.link_latency_s)
+        hw = HardwareConfig(link_bw=self.inter_host_bw, link_latency_s=self.link_latency_s)
         return ring_allreduce_s(grad_bytes_per_device, participants, hw)
 
     def flops_per_sample(self) -> float:
@@ -154,7 +155,7 @@ def build_workload(dims: GptDims, device: Device, tensor: int, micro_batch: int)
     head = dims.head_flops_per_token() * tokens / rate
     compute = np.array([0.0] + [block] * dims.n_layers + [head])
     act = tokens * dims.d_model * BYTES_PARAM  # one activation tensor of the micro-batch
-    tp_hw = Hardware(link_bw=device.intra_host_bw, link_latency_s=device.link_latency_s)
+    tp_hw = HardwareConfig(link_bw=device.intra_host_bw, link_latency_s=device.link_latency_s)
     # Megatron TP: 2 all-reduces forward + 2 backward per block per micro-batch.
     tp = 4 * ring_allreduce_s(act, tensor, tp_hw)
     tm = compute * device.mem_fraction + np.array([0.0] + [tp] * dims.n_layers + [0.0])

@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..config import ConfigError, SnapshotConfig
+from ..config import ConfigError, HardwareConfig, SnapshotConfig
 from ..planner import Topology
 from ..sharding import path_str
 from . import checksum, copies
@@ -248,8 +248,7 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
     def cost_line(self, hw=None) -> str:
         """What this plan's snapshots cost per step, in words: the bytes copied, and an estimate
         of the time the busiest device spends sending or receiving its buddy copies at the cost
-        model's link bandwidth (`hw`: a `config.HardwareConfig` or `costmodel.Hardware`; the
-        nominal one if None). Host copies cross no link the cost model knows: bytes only."""
+        model's link bandwidth (`hw`: a `config.HardwareConfig`; the nominal one if None). Host copies cross no link the cost model knows: bytes only."""
         if not self.enabled:
             return "snapshots: off (snapshot.buddy and snapshot.host are false)"
         if not self.records:
@@ -267,10 +266,7 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         shards = len({(r.path, r.box) for r in self.records})
         parts = []
         if buddy_b:
-            if hw is None:
-                from ..costmodel import Hardware
-
-                hw = Hardware()
+            hw = hw or HardwareConfig()
             busiest = max(load.values())
             est = busiest / hw.link_bw + max(msgs.values()) * hw.link_latency_s
             parts.append(
