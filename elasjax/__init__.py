@@ -11,8 +11,8 @@ Two ways in:
   (PRNG keys, integer, 64-bit and bf16 leaves included) elastic: `commit(state, step)` after each
   good step snapshots what a failure would lose, `recover()` rebuilds and verifies it on the new
   mesh; `opt_state_shardings` gives an optax state its parameters' shardings (any chain,
-  Adafactor's factored statistics included); `partition_over` shards optimizer state over the
-  data axis (ZeRO-1 as a sharding edit);
+  Adafactor's factored statistics included); `zero_shardings` gives it the loop's ZeRO stages
+  (`zero.stage` 1 and 3) as sharding edits over the data axis (`partition_over`);
   `pad_batch` and `sample_keys` keep the batch, the loss normalisation and the random numbers
   those of the fault-free run. Below them: `ShardStore` + `transition` (move what survives of
   any state onto new shardings) and `state_checksums`.
@@ -34,11 +34,13 @@ from .elastic import (
     Recovery,
     StandbyProgress,
     StateMismatchError,
+    ZeroShardings,
     pad_batch,
     partition_over,
     plan_mesh,
     sample_keys,
     state_checksums,
+    zero_shardings,
 )
 from .events import Event, StepInfo
 from .metrics import RecoveryEvent, RecoveryRecord
@@ -59,6 +61,8 @@ __all__ = [
     "StandbyProgress",
     "plan_mesh",
     "partition_over",
+    "zero_shardings",
+    "ZeroShardings",
     "opt_state_shardings",
     "pad_batch",
     "sample_keys",

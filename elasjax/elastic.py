@@ -13,9 +13,10 @@ You keep your model, your loss, your optax optimizer and your loop. At step boun
 
 Any pytree of arrays works: float (f32, bf16, f64), integer (int32, int64), bool leaves and typed
 PRNG keys. The state's layout is yours: a function `shardings(mesh)` returning a pytree of
-`NamedSharding`s that matches the state, on any mesh axes. `partition_over` shards optimizer
-state over the data axis (ZeRO-1 as a sharding edit: the optimizer still sees the parameter
-structure, so any optax transform keeps its meaning).
+`NamedSharding`s that matches the state, on any mesh axes. `zero_shardings(stage, ...)` gives
+it the loop's ZeRO stages (1: optimizer state over the data axis; 3: parameters too) as
+sharding edits (`partition_over`): the optimizer still sees the parameter structure, so any
+optax transform keeps its meaning.
 
 The computation stays the fault-free one when the step follows the consistency contract: the
 same global batch at every step (`pad_batch` pads it to the data degree with weight-0 rows),
@@ -72,6 +73,8 @@ __all__ = [
     "StateMismatchError",
     "pad_batch",
     "partition_over",
+    "zero_shardings",
+    "ZeroShardings",
     "plan_mesh",
     "sample_keys",
     "state_checksums",
@@ -158,6 +161,40 @@ def partition_over(
         one, shardings, abstract, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
     )
     return out, left
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroShardings:
+    """`zero_shardings`' result: the parameters' and the optimizer state's shardings, and the
+    paths of the arrays no dimension of which could be partitioned (left as they were)."""
+
+    params: PyTree
+    opt: PyTree
+    left: list[str]
+
+
+def zero_shardings(
+    stage: int, params: PyTree, opt: PyTree, abstract_params: PyTree, abstract_opt: PyTree,
+    axis: str = "data",
+) -> ZeroShardings:
+    """The loop's `zero.stage` for your own state, as sharding edits over mesh axis `axis`
+    (`partition_over`): stage 0 leaves both as given; 1 partitions the optimizer state; 3 the
+    parameters too (XLA gathers them where your step uses them). Stage 2 partitions the loop's
+    gradient accumulators, which your step owns: it is refused, use 1 (and constrain your
+    accumulators to the optimizer state's shardings if you keep any). `params`/`opt` are
+    shardings trees (`opt_state_shardings` gives the optimizer's), `abstract_*` the arrays or
+    `jax.eval_shape` results they describe."""
+    if stage not in (0, 1, 3):
+        why = (" (stage 2 partitions the loop's gradient accumulators; your step owns its "
+               "gradients)" if stage == 2 else "")
+        raise ValueError(f"zero_shardings: stage = {stage!r}{why}; allowed values: 0, 1, 3")
+    if stage == 0:
+        return ZeroShardings(params, opt, [])
+    opt, left = partition_over(opt, abstract_opt, axis)
+    if stage == 3:
+        params, left_p = partition_over(params, abstract_params, axis)
+        left = left_p + left
+    return ZeroShardings(params, opt, left)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -564,8 +564,8 @@ def check_elementwise(factory: StateFactory, plan, *, steps: int = 2, seed: int 
     before that."""
     fix = (
         "Fixes: zero.stage = 0, or an elementwise optimizer (adam, sgd, ...), or keep your loop "
-        "and shard the optimizer state with elasjax.partition_over (ZeRO-1 as a sharding edit, "
-        "which keeps the parameter structure)"
+        "and shard the optimizer state with elasjax.zero_shardings(1, ...) (ZeRO-1 as a sharding "
+        "edit, which keeps the parameter structure)"
     )
     like = jax.tree_util.tree_structure(factory.abstract.params)
     shapes = [x.shape for x in jax.tree.leaves(factory.abstract.params)]

@@ -54,7 +54,7 @@ def shardings(mesh, state, tx):
     p = {"w1": NamedSharding(mesh, P(None, "model")), "w2": NamedSharding(mesh, P("model", None))}
     # Adafactor's row and column statistics keep the parameter dimensions they keep
     opt = elasjax.opt_state_shardings(tx, state["opt"], state["master"], p)
-    opt, _ = elasjax.partition_over(opt, state["opt"], "data")
+    opt = elasjax.zero_shardings(1, p, opt, state["master"], state["opt"]).opt  # ZeRO-1
     return {"master": p, "params": p, "opt": opt, "step": rep, "key": rep}
 
 

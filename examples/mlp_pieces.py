@@ -55,9 +55,9 @@ def shardings(mesh, state, tx):
     params = jax.tree.map(lambda s: NamedSharding(mesh, s), {"params": kernel})
     # the moments get their parameters' shardings, the step count is replicated
     opt = elasjax.opt_state_shardings(tx, state["opt"], state["params"], params)
-    opt, left = elasjax.partition_over(opt, state["opt"], "data")  # ZeRO-1
-    LEFT[tuple(mesh.shape.items())] = left  # arrays ZeRO-1 could not split here
-    return {"params": params, "opt": opt, "step": rep}
+    z = elasjax.zero_shardings(1, params, opt, state["params"], state["opt"])  # ZeRO-1
+    LEFT[tuple(mesh.shape.items())] = z.left  # arrays ZeRO-1 could not split here
+    return {"params": z.params, "opt": z.opt, "step": rep}
 
 
 def train(failures):

@@ -112,3 +112,24 @@ def test_abstract_states_work_and_partition_over_composes(mesh):
     assert zero1[0].mu["sq"].spec == P("data", "model")  # its free dimension, over data
     # 'b' [8] is sharded over model already, with no dimension left: it stays, and is listed
     assert zero1[0].mu["b"].spec == P("model") and sorted(left) == ["0/mu/b", "0/nu/b"]
+
+
+def test_zero_stages_of_the_loop_are_sharding_edits_for_your_own_state(mesh):
+    """`zero_shardings` speaks the loop's `zero.stage`: 0 as given, 1 the optimizer state over
+    `data`, 3 the parameters too; 2 (the loop's gradient accumulators) is refused by name."""
+    tx = optax.adamw(1e-3)
+    params = jax.eval_shape(_params)
+    psh = {k: NamedSharding(mesh, SPECS[k]) for k in PARAMS}
+    state = jax.eval_shape(tx.init, params)
+    osh = elasjax.opt_state_shardings(tx, state, params, psh)
+    z0 = elasjax.zero_shardings(0, psh, osh, params, state)
+    assert (z0.params, z0.opt, z0.left) == (psh, osh, [])
+    z1 = elasjax.zero_shardings(1, psh, osh, params, state)
+    assert z1.params == psh and z1.opt == elasjax.partition_over(osh, state, "data")[0]
+    assert z1.opt[0].mu["sq"].spec == P("data", "model")
+    z3 = elasjax.zero_shardings(3, psh, osh, params, state)
+    assert z3.opt == z1.opt and z3.params["sq"].spec == P("data", "model")
+    assert sorted(z3.left) == ["0/mu/b", "0/nu/b", "b"]  # 'b' has no free dimension left
+    for bad, why in ((2, "your step owns its gradients"), (4, "")):
+        with pytest.raises(ValueError, match=rf"stage = {bad}{'.*' if why else ''}{why}.*allowed values: 0, 1, 3"):
+            elasjax.zero_shardings(bad, psh, osh, params, state)
