@@ -153,10 +153,10 @@ def _schedule_coverage(cfg, init, topo) -> None:
 
 def _print_coverage(cfg, plan, topo, live: set[int]) -> None:
     """Which single and double failures the loop's committed state survives on `plan`, with the
-    config's snapshot settings (`transfer.coverage.plan_coverage`; shapes and shardings only)."""
+    config's snapshot settings (`recovery.plan_coverage`; shapes and shardings only)."""
     import jax
 
-    from .transfer.coverage import plan_coverage
+    from .recovery import plan_coverage
 
     cpus = jax.devices("cpu")
     if len(cpus) < len(topo.device_ids):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -43,10 +44,10 @@ from .metrics import RecoveryEvent
 from .planner import Plan, Topology, same_shape, torchft_kept, torchft_plan
 from .runtime.inprocess import DeviceFailure, host_values
 from .sharding import path_str
-from .state import StateFactory
+from .state import StateFactory, make_optimizer
 from .transfer import checksum
 from .transfer.checkpoint import restore_onto
-from .transfer.coverage import LOOP, explain
+from .transfer.coverage import LOOP, coverage, explain
 from .transfer.reshard import TransitionPlanCache, transition
 from .transfer.shards import (
     ShardStore,
@@ -61,6 +62,7 @@ from .transfer.shards import (
     map_shard_data,
     uncovered,
 )
+from .transfer.snapshot import SnapshotPool
 
 
 # the loop's earlier name for the one error of a state that does not verify
@@ -531,3 +533,43 @@ class Recoverer:
             new_state, meta = restore_verified(self.ckpt, ck_step, self.factory, exe, self.rt)
             self.ckpt.drop_after(ck_step)
             return new_state, checkpoint_log(new_state), "checkpoint", ck_step, meta["checksums"], tinfo
+
+
+# ---------------------------------------------------------------------------------------------
+# What the loop's state on a plan survives, before it runs (`elasjax plan --coverage`).
+
+
+class _InProcessPlacement:
+    """The runtime a pool needs to place copies (`SnapshotPool.place`) for the in-process loop:
+    one process, host copies in the holder's host memory. Nothing is moved through it."""
+
+    me = 0
+    host_copies_off_host = False
+    snapshot_jobs = None
+
+    @staticmethod
+    def process_of(device) -> int:
+        return 0
+
+
+def plan_coverage(cfg, plan, topo: Topology, live: Iterable[int], devices, *,
+                  pairs: bool = True):
+    """(coverage, snapshot pool) of the loop's state on `plan` with `cfg.snapshot` (resolved
+    as the loop resolves it, `SnapshotConfig.resolved(topo.n_hosts)`), for the in-process
+    runtime: from the state's shapes (`jax.eval_shape`) and the plan's shardings alone, with no
+    training step and no compile. `devices`: device id -> a `jax.Device` to lay the mesh on
+    (any backend; only the layout is read). `live`: the topology's live devices (the rest have
+    failed, their whole hosts' memory with them)."""
+    live = set(live)
+    factory = StateFactory(cfg, make_optimizer(cfg.train))
+    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
+    abstract = factory.layout(plan).abstract_on(mesh)
+    pool = SnapshotPool(cfg.snapshot, topo, _InProcessPlacement(), donated=False)
+    # the loop places copies over the plan's devices and its spares (`Trainer._init_state`)
+    # at start, over every live device after a recovery
+    pool.place(abstract, live if live != set(topo.device_ids)
+               else set(plan.device_ids) | set(plan.spare_ids))
+    dead = set(topo.device_ids) - live
+    cov = coverage(describe_state(abstract), pool, topo, live,
+                   dead_hosts=topo.hosts_lost(dead), pairs=pairs)
+    return cov, pool

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 import optax
 
-from .compilation.counter import CompileCounter
+from .counters import CompileCounter
 from .compilation.executables import ExecutableCache, Executables
 from .compilation.source import ExecutableSource
 from .compilation.standby import StandbyCompiler

@@ -199,7 +199,7 @@ def test_the_loop_with_two_copies_survives_two_hosts_failing_together(exe_cache,
 
 def _loop_coverage(cfg):
     from elasjax.planner import initial_plan
-    from elasjax.transfer.coverage import plan_coverage
+    from elasjax.recovery import plan_coverage
 
     topo = Topology(tuple(range(8)), cfg.parallel.devices_per_host)
     return plan_coverage(cfg, initial_plan(topo, cfg), topo, set(range(8)),

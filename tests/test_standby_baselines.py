@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 
 from elasjax import trainer
-from elasjax.compilation.counter import CompileCounter
+from elasjax.counters import CompileCounter
 from elasjax.compilation.executables import rebind
 from elasjax.compilation.standby import BackgroundJobs, StandbyCompiler
 from elasjax.compilation.worker import CompileCancelled
@@ -199,7 +199,7 @@ def test_the_executable_cache_drops_its_oldest_entries_past_the_mapping_budget()
     """`ExecutableCache(map_budget=)`: past the budget (here: any use at all) every put drops
     the oldest entries, keeping the newest, so that a long-lived process (a test worker with a
     shared cache of 64) never runs out of memory mappings mid-compile. Counted."""
-    from elasjax.compilation.counter import map_usage
+    from elasjax.counters import map_usage
     from elasjax.compilation.executables import ExecutableCache
 
     if map_usage() is None:
@@ -216,7 +216,7 @@ def test_background_builds_stop_at_the_mapping_budget_but_a_needed_plan_is_built
     """Over `map_budget` (here: any use at all), ready plans no longer submitted are evicted,
     then the queue is dropped and counted in `over_budget`; a plan recovery waits for is still
     built."""
-    from elasjax.compilation.counter import map_usage
+    from elasjax.counters import map_usage
 
     if map_usage() is None:
         pytest.skip("no /proc memory-mapping counts on this platform")

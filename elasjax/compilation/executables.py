@@ -27,7 +27,7 @@ from ..state import StateFactory, StateLayout, TrainState
 from ..step import abstract_batch, make_eval_step, make_train_step
 from ..transfer.checksum import rebind_checksums
 from ..transfer.shards import index_to_box
-from .counter import CompileCounter, map_usage
+from ..counters import CompileCounter, map_usage
 
 
 @dataclasses.dataclass

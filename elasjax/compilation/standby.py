@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .counter import map_usage
+from ..counters import map_usage
 from .worker import CompileCancelled
 
 

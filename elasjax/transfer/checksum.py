@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import jaxcompat
-from ..compilation.counter import CompileCounter
+from ..counters import CompileCounter
 from ..sharding import path_str
 
 _K1 = np.uint32(0x9E3779B1)

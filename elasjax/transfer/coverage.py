@@ -6,7 +6,7 @@ host that still has a live device (a host whose devices all failed takes its mem
 That is the rule recovery applies (`SnapshotPool.sources`, `shards.uncovered`), evaluated on
 descriptions only: no buffer is read, nothing is copied or compiled, so the same answer is
 available for a running `ElasticState` and for a loop's plan that has not started
-(`elasjax plan --coverage`).
+(`recovery.plan_coverage`, `elasjax plan --coverage`).
 
 Only single and double failures are enumerated (every device, every host, every pair of each):
 their number grows as n^2, and they are what the snapshot settings are chosen against
@@ -98,47 +98,6 @@ def coverage(described: ShardStore, pool, topo: Topology, live: Iterable[int], *
         )) if pairs and len(hosts) > 1 else None,
         lost=lost,
     )
-
-
-class _Layout:
-    """The runtime a pool needs to place copies (`SnapshotPool.place`) for the in-process loop:
-    one process, host copies in the holder's host memory. Nothing is moved through it."""
-
-    me = 0
-    host_copies_off_host = False
-    snapshot_jobs = None
-
-    @staticmethod
-    def process_of(device) -> int:
-        return 0
-
-
-def plan_coverage(cfg, plan, topo: Topology, live: Iterable[int], devices, *,
-                  pairs: bool = True):
-    """(coverage, snapshot pool) of the loop's state on `plan` with `cfg.snapshot` (resolved
-    as the loop resolves it, `SnapshotConfig.resolved(topo.n_hosts)`), for the in-process
-    runtime: from the state's shapes (`jax.eval_shape`) and the plan's shardings alone, with no
-    training step and no compile. `devices`: device id -> a `jax.Device` to lay the mesh on
-    (any backend; only the layout is read). `live`: the topology's live devices (the rest have
-    failed, their whole hosts' memory with them)."""
-    from ..mesh import make_mesh
-    from ..state import StateFactory, make_optimizer
-    from .shards import describe_state
-    from .snapshot import SnapshotPool
-
-    live = set(live)
-    factory = StateFactory(cfg, make_optimizer(cfg.train))
-    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
-    abstract = factory.layout(plan).abstract_on(mesh)
-    pool = SnapshotPool(cfg.snapshot, topo, _Layout(), donated=False)
-    # the loop places copies over the plan's devices and its spares (`Trainer._init_state`)
-    # at start, over every live device after a recovery
-    pool.place(abstract, live if live != set(topo.device_ids)
-               else set(plan.device_ids) | set(plan.spare_ids))
-    dead = set(topo.device_ids) - live
-    cov = coverage(describe_state(abstract), pool, topo, live,
-                   dead_hosts=topo.hosts_lost(dead), pairs=pairs)
-    return cov, pool
 
 
 @dataclasses.dataclass(frozen=True)
