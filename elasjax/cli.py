@@ -308,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS",
                    help="SIGKILL process PROCESS right after it dispatches step STEP")
     m.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="join a cluster as one process (with --num-processes, --process-id)")
+                   help="join a cluster as one process (with --num-processes, --process-id), "
+                   "through the coordination process at HOST:PORT (python -m "
+                   "elasjax.runtime.coordinator)")
     m.add_argument("--num-processes", type=int, default=None)
     m.add_argument("--process-id", type=int, default=None)
     m.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                    "recovery, training paused meanwhile (standby.enabled, standby.wait_at_start, "
                    "standby.wait_after_recovery)")
     m.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="local launch: when the job cannot continue (process 0 lost, "
+                   help="local launch: when the job cannot continue (the coordination process lost, "
                    "unrecoverable state, an error exit), reap every process and start the job "
                    "again from its newest checkpoint (needs checkpoint.dir), at most N times; "
                    "recorded in supervisor.jsonl (0: never)")

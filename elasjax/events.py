@@ -13,7 +13,8 @@ with it. A hook is any callable taking one argument; it is called, in this proce
   written fields).
 
 Under `elasjax launch` every process calls its own hooks (`StepInfo.process`; events are those
-its process writes or would write). A hook that raises stops the run with that error.
+its process writes or would write). A hook that raises stops the run with that error; under
+`elasjax launch` it stops its own process, which the others survive as any other death.
 
     def count(x):
         if isinstance(x, elasjax.StepInfo):

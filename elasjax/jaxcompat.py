@@ -10,13 +10,15 @@ elasjax needs four things JAX does not publish:
   from code comments"). Fallback: None, the public path.
 - **whether JAX's backends have started** (`backends_initialized`): a setting read when the CPU
   client starts can only be made before. Fallback: None (unknown).
-- **the coordination service's key-value client** (`distributed_client`) under `elasjax launch`.
-  No fallback: a clear error naming the JAX versions that have it.
+- **the coordination service in a process of its own, and joining it** under `elasjax launch`
+  (`start_coordination_service`, `join_coordination_service`: what `jax.distributed.initialize`
+  does, with the service outside the training processes), and **its key-value client**
+  (`distributed_client`). No fallback: a clear error naming the JAX version tested.
 - **serializing a compiled executable** (`serialize`, `jax.experimental.serialize_executable`) and
   **point-to-point transfers** (`jax.experimental.transfer`, in `runtime.p2p`): experimental, not
   private; a missing module is a clear error when the feature is used.
 
-Tested with jax 0.10.2 (the pinned version). Each probe runs once per process.
+Tested with jax 0.10.2 and 0.12.0.1. Each probe runs once per process.
 """
 
 from __future__ import annotations
@@ -115,6 +117,48 @@ def batched_put() -> Callable | None:
         return put
     except Exception:  # noqa: BLE001 - any change in the private API means: use the public one
         return None
+
+
+def start_coordination_service(bind: str, num_processes: int, heartbeat_timeout_s: int,
+                               shutdown_timeout_s: int = 5):
+    """JAX's coordination service (the key-value store and the task registry of a
+    `jax.distributed` job) in this process, which takes no part in the job: a training process
+    that dies then takes nothing with it (`runtime.coordinator`). Tasks are recoverable: one that
+    disconnects does not end the others. Keep the returned object alive; its deletion stops the
+    service. `jax.distributed.initialize` starts it only inside the job's process 0."""
+    try:
+        from jax._src.lib import _jax
+
+        factory = _jax.get_distributed_runtime_service
+    except (ImportError, AttributeError) as e:
+        raise _missing("JAX's coordination service (jax._src.lib._jax."
+                       "get_distributed_runtime_service)", e) from None
+    return factory(bind, num_processes, heartbeat_timeout=heartbeat_timeout_s,
+                   shutdown_timeout=shutdown_timeout_s, recoverable=True)
+
+
+def join_coordination_service(address: str, process_id: int, num_processes: int,
+                              init_timeout_s: int, heartbeat_timeout_s: int) -> None:
+    """Join a `jax.distributed` job as process `process_id` of `num_processes` through a
+    coordination service that runs elsewhere (`start_coordination_service`): what
+    `jax.distributed.initialize` does, less starting the service in process 0. JAX's backends,
+    created afterwards, read this state (`jax._src.distributed.global_state`)."""
+    try:
+        from jax._src import distributed as _dist
+        from jax._src.lib import _jax
+
+        state, factory = _dist.global_state, _jax.get_distributed_runtime_client
+    except (ImportError, AttributeError) as e:
+        raise _missing("jax.distributed's client state (jax._src.distributed.global_state, "
+                       "jax._src.lib._jax.get_distributed_runtime_client)", e) from None
+    if state.client is not None:
+        raise RuntimeError("this process has joined a jax.distributed job already")
+    client = factory(address, process_id, init_timeout=init_timeout_s, use_compression=True,
+                     heartbeat_timeout=heartbeat_timeout_s)
+    client.connect()
+    state.coordinator_address = address
+    state.process_id, state.num_processes = process_id, num_processes
+    state.client = client
 
 
 def distributed_client():

@@ -13,15 +13,17 @@ SIGKILL right after dispatching step STEP (its collectives are in flight), or, w
 `phase: recovery`, during the transfer of the recovery at that step; the wall time of the kill
 goes to the coordination service's key-value store so survivors can report kill -> error.
 
-Process 0 hosts the coordination service. Its death makes the runtime terminate every other
-process; the launcher then reports it and reaps whatever is left (see docs/multiprocess.md).
-With `--max-restarts N` the launcher then starts the whole job again from its newest checkpoint
-(`elasjax.supervisor`).
+The coordination service runs in a coordination process of its own, which the launcher starts
+first (`elasjax.runtime.coordinator`): any worker may die, process 0 included. The coordination
+process's death ends every worker; the launcher then reports it and reaps whatever is left (see
+docs/multiprocess.md). With `--max-restarts N` it starts the whole job again from its newest
+checkpoint (`elasjax.supervisor`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -35,20 +37,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-from jax.errors import JaxRuntimeError
 
 from .config import Config, ConfigError, FaultConfig, load
 from .events import import_user_module, load_hooks
 from .faults import MULTI_CONTROLLER, resolve_schedule
 from .metrics import read_jsonl
 from .planner import Topology, initial_plan
+from .runtime import coordinator
 from .runtime.collectives import RENEW_MODES
 from .runtime.multicontroller import (
+    COORDINATION_HEARTBEAT_S,
     MultiControllerRuntime,
     RejoinUnsupportedError,
     RuntimeConfig,
     initialize,
-    kv_client,
     xla_flags,
 )
 from .state import load_optimizer
@@ -185,29 +187,14 @@ def run_worker(
         summary = Trainer(cfg, out, runtime=rt, hooks=fns).run()
     finally:
         rt.close()
-    procs = sorted(rt.processes())
     rt.log(f"done: {len(summary.losses)} steps, final plan {summary.final_plan.name}")
-    _shutdown(rt.me, procs)
+    _shutdown()
     return 0
 
 
-def _shutdown(me: int, processes: Sequence[int]) -> None:
-    """Leave in an order that never strands a process: the others say goodbye and disconnect;
-    process 0, whose coordination service they talk to, goes last."""
-
-    client = kv_client()
-    if me != 0:
-        client.key_value_set(f"elasjax/bye/{me}", "1", allow_overwrite=True)
-        jax.distributed.shutdown()
-        return
-
-    for p in processes:
-        if p != 0:
-            try:
-                client.blocking_key_value_get(f"elasjax/bye/{p}", 30_000)
-            except JaxRuntimeError:  # it died after the last barrier: nothing to wait for
-                continue
-    time.sleep(1.0)  # let their disconnect RPCs land before the service goes away
+def _shutdown() -> None:
+    """Leave the job: the coordination service runs in a process of its own
+    (`runtime.coordinator`), so no process waits for the others."""
     jax.distributed.shutdown()
 
 
@@ -260,7 +247,7 @@ def launch_local(
     (None: the config's `parallel.spares`), wait for them, reap them.
 
     Returns 0 when the run finished (every process exited 0 or was killed as scheduled), 3 when
-    process 0 died (the job cannot continue), 1 on any other failure or on `timeout_s`. Every
+    the coordination process died (the job cannot continue), 1 on any other failure or on `timeout_s`. Every
     worker is its own process group and is SIGKILLed on the way out if still running. Writes
     `launch.json` (per-process exit status) and `worker<i>.log` to `out`.
 
@@ -316,7 +303,7 @@ def launch_local(
         attempts.append(a)
         if sup is None:
             break
-        why = stop_reason(a.outcome, a.p0_returncode, len(sup.restarts), policy)
+        why = stop_reason(a.outcome, a.returncode, len(sup.restarts), policy)
         delay = policy.delay(len(sup.restarts) + 1)
         if why is None and time.time() + delay >= deadline:
             why = "no time is left for a restart within the launch timeout (--timeout)"
@@ -356,7 +343,7 @@ def launch_local(
     _say(quiet, "per process: " + _per_process(last.status))
     if last.outcome == "finished":
         _print_recoveries(out, quiet)
-    elif sup is None and last.outcome in RESTARTABLE and last.p0_returncode != USAGE_ERROR:
+    elif sup is None and last.outcome in RESTARTABLE and last.returncode != USAGE_ERROR:
         hint = (
             "to resume from its newest checkpoint: --set checkpoint.resume_step=-1, or supervise "
             "the launch with --max-restarts N"
@@ -436,10 +423,14 @@ class _Attempt:
     message: str
     status: list[dict]
     kill_steps: dict[int, int]  # process -> the step of its scheduled kill
+    coordination: dict  # the coordination process: pid, returncode, log
 
     @property
-    def p0_returncode(self) -> int | None:
-        return self.status[0]["returncode"]
+    def returncode(self) -> int | None:
+        """`USAGE_ERROR` when a worker exited with it (a config or usage error: every attempt
+        would), else the exit status of the lowest worker."""
+        codes = [s["returncode"] for s in self.status]
+        return USAGE_ERROR if USAGE_ERROR in codes else codes[0]
 
     def killed_as_scheduled(self) -> set[int]:
         return {s["process"] for s in self.status
@@ -453,6 +444,7 @@ class _Attempt:
             s["process"] for s in self.status if s["running_after_reap"]]
         d["processes"] = [{k: v for k, v in s.items() if k != "running_after_reap"}
                           for s in self.status]
+        d["coordination"] = self.coordination
         return d
 
 
@@ -470,17 +462,13 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
     rc0 = dataclasses.replace(job.rc, coordinator=f"127.0.0.1:{_free_port()}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["XLA_FLAGS"] = xla_flags(rc0, env.get("XLA_FLAGS", ""))
-    if 0 in scheduled:
-        end = ("the job will end there" if not policy.enabled else
-               "the job will end there and be restarted from its newest checkpoint "
-               f"(--max-restarts {policy.max_restarts})")
-        _say(
-            quiet,
-            f"note: the kill {scheduled[0]} kills process 0, which hosts the coordination "
-            f"service: {end}",
-        )
     procs: list[_Proc] = []
     t_start = time.time()
+    coord = coordinator.start_local(
+        int(rc0.coordinator.rsplit(":", 1)[1]), job.processes,
+        max(rc0.heartbeat_timeout_s, COORDINATION_HEARTBEAT_S), job.out / "coordinator.log",
+        env=dict(os.environ),
+    )
     try:
         for i in range(job.processes):
             log = job.out / f"worker{i}.log"
@@ -490,13 +478,15 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 )
             procs.append(_Proc(i, p, log))
-        pids = {"launcher": os.getpid(), "workers": [q.popen.pid for q in procs]}
+        pids = {"launcher": os.getpid(), "workers": [q.popen.pid for q in procs],
+                "coordinator": coord.pid}
         (job.out / "pids.json").write_text(json.dumps(pids))
         outcome, message = _monitor(
-            procs, scheduled, deadline, job.rc.heartbeat_timeout_s, quiet
+            procs, coord, scheduled, deadline, job.rc.heartbeat_timeout_s, quiet
         )
     finally:
         left = _reap(procs)
+        coord_rc = _stop_coordinator(coord)
     status = []
     for p in procs:
         rc = p.returncode
@@ -514,7 +504,11 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
         )
     if left:
         message += f"; SIGKILLed {len(left)} process(es) still running: {left}"
-    return _Attempt(rc0.coordinator, t_start, outcome, message, status, kill_steps)
+    coordination = {"pid": coord.pid, "returncode": coord_rc,
+                    "log": str(job.out / "coordinator.log"),
+                    "running_after_reap": coord.poll() is None}
+    return _Attempt(rc0.coordinator, t_start, outcome, message, status, kill_steps,
+                    coordination)
 
 
 def _prepare_restart(job: _Job, a: _Attempt, index: int, overrides: Sequence[str], cfg: Config,
@@ -545,10 +539,12 @@ def _per_process(status: list[dict]) -> str:
 
 
 
-def _monitor(procs, scheduled, deadline, heartbeat_s, quiet) -> tuple[str, str]:
-    """Wait for process 0 (the job's fate is its fate), then briefly for the others."""
-    tail = _Tail(procs[0].log)
-    unscheduled: list[str] = []
+def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet) -> tuple[str, str]:
+    """Wait until every worker has ended, or the coordination process has (no worker can go
+    on without its service), or a worker finished the run and the others did not follow within
+    a grace. Shows the lines of the lowest worker still in the job (the one that writes)."""
+    tails = [_Tail(p.log) for p in procs]
+    failures: list[_Proc] = []  # ended with an error nobody scheduled, in order
     while True:
         now = time.time()
         for p in procs:
@@ -556,55 +552,56 @@ def _monitor(procs, scheduled, deadline, heartbeat_s, quiet) -> tuple[str, str]:
                 p.ended_at = now
                 rc = p.returncode
                 if p.index in scheduled and rc == -signal.SIGKILL:
-                    _say(
-                        quiet,
-                        f"process {p.index} was killed as scheduled ({scheduled[p.index]})",
-                    )
-                elif rc != 0 and p.index != 0 and procs[0].ended_at is None:
-                    unscheduled.append(f"process {p.index} ended with {_rc(rc)}")
-                    _say(
-                        quiet,
-                        f"process {p.index} ended with {_rc(rc)} (not scheduled): "
-                        f"{_last_error(p.log)}",
-                    )
-        if not quiet:
+                    _say(quiet, f"process {p.index} was killed as scheduled ({scheduled[p.index]})")
+                elif rc != 0:
+                    failures.append(p)
+                    _say(quiet, f"process {p.index} ended with {_rc(rc)} (not scheduled): "
+                                f"{_last_error(p.log)}")
+        shown = next((p for p in procs if p.ended_at is None or p.returncode == 0), None)
+        for p, tail in zip(procs, tails):
             for line in tail.lines():
-                if line.startswith("[elasjax"):
+                if not quiet and p is shown and line.startswith("[elasjax"):
                     print(line, flush=True)
-        p0 = procs[0]
-        if p0.ended_at is not None:
-            if all(p.ended_at is not None for p in procs):
-                break
-            if now > p0.ended_at + heartbeat_s + 15:  # grace for the others to end themselves
-                break
+        if coord.poll() is not None:
+            return "coordinator_lost", (
+                f"the coordination process ended with {_rc(coord.returncode)}; {_COORD}")
+        done = [p for p in procs if p.ended_at is not None and p.returncode == 0]
+        if all(p.ended_at is not None for p in procs):
+            break
+        if done and now > min(p.ended_at for p in done) + heartbeat_s + 15:
+            break  # grace for the others to end themselves
         if now > deadline:
             return "timeout", "the job did not finish within the launch timeout"
         time.sleep(0.2)
-    rc0 = procs[0].returncode
-    if rc0 == 0:
-        extra = f" (survived: {'; '.join(unscheduled)})" if unscheduled else ""
-        return "finished", f"process 0 finished the run{extra}"
-    others = "; ".join(
-        f"process {p.index} ended {p.ended_at - procs[0].ended_at:+.1f}s later with "
-        f"{_rc(p.returncode)}"
-        for p in procs[1:]
-        if p.ended_at is not None and p.returncode is not None and p.index not in scheduled
-    )
-    if 0 in scheduled and rc0 == -signal.SIGKILL:
-        return "coordinator_lost", _coordinator_message(scheduled[0]) + f" ({others})"
-    if rc0 < 0:
-        return "coordinator_lost", f"process 0 ended with {_rc(rc0)}; {_COORD} ({others})"
-    return "failed", f"process 0 exited with {_rc(rc0)}: {_last_error(procs[0].log)}"
+    done = sorted((p for p in procs if p.returncode == 0), key=lambda p: p.ended_at)
+    if done:
+        survived = "; ".join(f"process {p.index} ended with {_rc(p.returncode)}" for p in failures)
+        extra = f" (survived: {survived})" if survived else ""
+        return "finished", f"process {done[0].index} finished the run{extra}"
+    if failures:
+        p = failures[0]
+        return "failed", f"process {p.index} exited with {_rc(p.returncode)}: {_last_error(p.log)}"
+    return "failed", "every process was killed as scheduled: nobody is left to train"
 
 
 _COORD = (
-    "process 0 hosts the JAX coordination service, so the other processes cannot continue "
-    "without it (the runtime terminates them)"
+    "it hosts the JAX coordination service, which every training process needs (the runtime "
+    "ends them)"
 )
 
 
-def _coordinator_message(kill: str) -> str:
-    return f"process 0 was killed at step {kill.split(':')[0]} ({kill}); " + _COORD + "; the job ended"
+def _stop_coordinator(coord: subprocess.Popen) -> int | None:
+    """End the coordination process once the workers are reaped: SIGTERM, then SIGKILL."""
+    if coord.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            coord.terminate()
+        try:
+            coord.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(coord.pid, signal.SIGKILL)
+            coord.wait(timeout=10)
+    return coord.returncode
 
 
 def _rc(rc: int) -> str:
@@ -732,7 +729,8 @@ def add_process_flags(ap: argparse.ArgumentParser) -> None:
 def worker_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     ap = ap or argparse.ArgumentParser(prog="python -m elasjax.launch", description=__doc__)
     ap.add_argument("config", nargs="?", default=None)
-    ap.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    ap.add_argument("--coordinator", required=True, metavar="HOST:PORT",
+                    help="the coordination process (python -m elasjax.runtime.coordinator)")
     ap.add_argument("--num-processes", type=int, required=True)
     ap.add_argument("--process-id", type=int, required=True)
     ap.add_argument("--devices-per-process", type=int, default=2)

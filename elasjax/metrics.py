@@ -8,6 +8,7 @@ event in `events.jsonl`; recovery events carry the MTTR breakdown (`RecoveryEven
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -15,6 +16,7 @@ import queue
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 # The phases whose sum is a recovery's `mttr_s`, under every runtime.
@@ -158,19 +160,56 @@ class RecoveryEvent(RecoveryRecord):
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes, so a crashed run keeps what it logged."""
+    """Appends one JSON object per line and flushes, so a crashed run keeps what it logged.
 
-    def __init__(self, path: str | Path | None):
+    `writes` (a callable; None: always) says whether this process writes the file now: under
+    `elasjax launch` the lowest live process does, and when it dies the next one takes over.
+    Every process then keeps its last `KEPT` lines, and a process that becomes the writer
+    appends those the file lacks (it counts the file's complete lines; a line the dead writer
+    left half-written is cut off first). Every process emits the same records in the same order,
+    so the counts agree."""
+
+    KEPT = 1024  # a writer's death costs at most a step's lines; this is many steps' worth
+
+    def __init__(self, path: str | Path | None, writes: Callable[[], bool] | None = None):
         self.path = Path(path) if path is not None else None
+        self.writes = writes
         self._f = None
-        if self.path is not None:
+        self._count = 0  # lines this process has emitted
+        self._kept: collections.deque[str] = collections.deque(maxlen=self.KEPT)
+        if self.path is not None and (writes is None or writes()):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = self.path.open("w")
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        line = json.dumps(record, default=_default) + "\n"
+        self._count += 1
+        if self.writes is not None:
+            self._kept.append(line)
+            if self._f is None:
+                if self.writes():
+                    self._take_over()
+                return
         if self._f is not None:
-            self._f.write(json.dumps(record, default=_default) + "\n")
+            self._f.write(line)
             self._f.flush()
+
+    def _take_over(self) -> None:
+        """Become the writer: append the kept lines the file lacks, this record's included."""
+        text = self.path.read_text() if self.path.exists() else ""
+        whole = text[: text.rfind("\n") + 1]
+        if whole != text:  # the last writer died in the middle of a line
+            self.path.write_text(whole)
+        missing = self._count - whole.count("\n")
+        self._f = self.path.open("a")
+        if missing > len(self._kept):
+            self._f.write(json.dumps({"type": "gap", "lines_lost": missing - len(self._kept)})
+                          + "\n")
+        for line in list(self._kept)[max(0, len(self._kept) - missing):]:
+            self._f.write(line)
+        self._f.flush()
 
     def close(self) -> None:
         if self._f is not None:

@@ -1,8 +1,8 @@
 """Supervision of a local `elasjax launch` (`--max-restarts N`, `--restart-backoff S`).
 
-When a launched job cannot continue (process 0, which hosts JAX's coordination service, is lost;
-the survivors stop with `UnrecoverableStateError`; any other error exit of process 0 that ends
-the job), the launcher reaps every process and starts the whole job again as a new job: a fresh
+When a launched job cannot continue (the coordination process, which hosts JAX's coordination
+service, is lost; the survivors stop with `UnrecoverableStateError`; any other error that ends
+every process), the launcher reaps every process and starts the whole job again as a new job: a fresh
 coordinator port, so a fresh coordination service and fresh gloo rendezvous keys, with every
 process resuming from the newest committed checkpoint of `checkpoint.dir`
 (`checkpoint.resume_step: -1`). Restarts are bounded by the budget, spaced by a doubling
@@ -10,7 +10,7 @@ backoff, said on the console and recorded, one JSON line each, in `supervisor.js
 
 Why a whole new job and not a replacement process: a process restarted into a running job
 cannot rejoin it on CPU/gloo (`RejoinUnsupportedError`, docs/multiprocess.md), and without
-process 0 there is no running job to rejoin. Checkpoint resume is the one path by which every
+the coordination service there is no running job to rejoin. Checkpoint resume is the one path by which every
 process enters the same state at the same step.
 
 This module holds the launcher-side rules, pure and testable without processes: the policy and
@@ -36,7 +36,7 @@ SUPERVISOR_LOG = "supervisor.jsonl"
 # Outcomes of one attempt (`launch._monitor`) after which the job cannot go on by itself.
 RESTARTABLE = ("coordinator_lost", "failed")
 
-# Process 0's exit code for a config or usage error (`launch.main`): the same config fails the
+# A worker's exit code for a config or usage error (`launch.main`): the same config fails the
 # same way again, so restarting it only spends the budget.
 USAGE_ERROR = 2
 
@@ -191,18 +191,19 @@ def faults_override(faults: Sequence[FaultConfig]) -> str:
 
 
 def stop_reason(
-    outcome: str, p0_returncode: int | None, restarts_done: int, policy: RestartPolicy
+    outcome: str, returncode: int | None, restarts_done: int, policy: RestartPolicy
 ) -> str | None:
-    """Why the job is not restarted after an attempt that ended with `outcome`; None: restart."""
+    """Why the job is not restarted after an attempt that ended with `outcome` (`returncode`:
+    `USAGE_ERROR` when a worker exited with it); None: restart."""
     if outcome == "finished":
         return "the job finished"
     if outcome == "timeout":
         return "the launch timeout (--timeout) ran out; it bounds all attempts together"
     if outcome not in RESTARTABLE:
         return f"the attempt ended with {outcome}"
-    if p0_returncode == USAGE_ERROR:
+    if returncode == USAGE_ERROR:
         return (
-            f"process 0 exited with code {USAGE_ERROR} (a config or usage error): a restart "
+            f"a process exited with code {USAGE_ERROR} (a config or usage error): a restart "
             "would fail the same way"
         )
     if restarts_done >= policy.max_restarts:

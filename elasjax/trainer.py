@@ -289,13 +289,15 @@ class Trainer:
 
     def run(self) -> RunSummary:
         self._t_run = time.perf_counter()
-        out = self.out_dir if self.rt.writer else None
-        if out is not None:
+        out = self.out_dir
+        if out is not None and self.rt.writer:
             out.mkdir(parents=True, exist_ok=True)
             python_tx = self.optimizer_name if self.optimizer_source == "python" else None
             (out / "config.yaml").write_text(dump(self.cfg, python_tx))
-        mw = JsonlWriter(out / "metrics.jsonl" if out else None)
-        ew = self.emit = Emitter(JsonlWriter(out / "events.jsonl" if out else None), None,
+        # the files are written by the runtime's writer; when it dies, the next one takes over
+        writes = lambda: self.rt.writer  # noqa: E731
+        mw = JsonlWriter(out / "metrics.jsonl" if out else None, writes)
+        ew = self.emit = Emitter(JsonlWriter(out / "events.jsonl" if out else None, writes), None,
                                  self.rt.log, self.hooks, self.rt.me)
         tb = None
         try:

@@ -1,6 +1,7 @@
-"""A user's hook that fails the run (`--hook user_failing_hook:fail`): in process 0 it raises
+"""A user's hook that fails the run (`--hook user_failing_hook:fail`): in every process it raises
 once step `$ELASJAX_TEST_FAIL_STEP` is logged, in every run it is given, so that a supervised
-launch meets the same error after each restart (tests/test_supervise.py)."""
+launch meets the same error after each restart (tests/test_supervise.py). (A hook raising in one
+process only ends that process, which the others survive as a death.)"""
 
 import os
 
@@ -9,5 +10,6 @@ from elasjax import StepInfo
 
 def fail(x) -> None:
     step = int(os.environ["ELASJAX_TEST_FAIL_STEP"])
-    if isinstance(x, StepInfo) and x.process == 0 and x.step == step:
-        raise RuntimeError(f"user_failing_hook: process 0 fails after step {step}, on purpose")
+    if isinstance(x, StepInfo) and x.step == step:
+        raise RuntimeError(f"user_failing_hook: process {x.process} fails after step {step}, "
+                           "on purpose")

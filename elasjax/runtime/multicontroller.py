@@ -1,9 +1,9 @@
 """The multi-controller runtime: one process per host on `jax.distributed`, surviving the death
-of any process but process 0. The trainer (`elasjax.trainer`) runs on it unchanged.
+of any process. The trainer (`elasjax.trainer`) runs on it unchanged.
 
 One Python process per host (here: per group of `devices_per_process` CPU devices) runs the same
-program; `jax.distributed` connects them through a coordination service hosted by process 0 and
-their collectives run over gloo (CPU) or NCCL (GPU). A failure is a process that dies. The
+program; `jax.distributed` connects them through a coordination service that runs in a process
+of its own, holding no device (`runtime.coordinator`), and their collectives run over gloo (CPU) or NCCL (GPU). A failure is a process that dies. The
 engine's own primitives do the fault tolerance; this module wires them up:
 
 - `initialize` turns on `jax_enable_recoverability` (a dead peer no longer takes everyone down),
@@ -14,10 +14,13 @@ engine's own primitives do the fault tolerance; this module wires them up:
 - The fast detector (`liveness.Liveness`): every process writes a heartbeat key to the coordination
   service's key-value store every `liveness_interval_s` and watches the others'.
 - `guard(phase)` runs an entry barrier, the block, then an exit barrier through the key-value
-  store: process 0 (the arbiter; its death ends the job anyway) waits for every live process's
-  "done" and declares dead exactly those that never posted it *and* whose heartbeat has been
-  silent for `liveness_timeout_s` (a step's exit) or `heartbeat_timeout_s`; every process reads its verdict, so all survivors raise `DeviceFailure`
-  with the same devices and plan the same next layout (the planner is pure). A slow process
+  store: the lowest live process (the arbiter) waits for every live process's "done" and declares
+  dead exactly those that never posted it *and* whose heartbeat has been silent for
+  `liveness_timeout_s` (a step's exit) or `heartbeat_timeout_s`; every process reads its
+  verdict, so all survivors raise `DeviceFailure` with the same devices and plan the same next
+  layout (the planner is pure). An arbiter that dies is succeeded by the next live process,
+  which declares it dead with the others; the first verdict posted is the one every process
+  reads. A slow process
   keeps beating and is waited for. (This replaces `multihost_utils.live_devices`, whose
   membership check waits for the coordination service's own, slower heartbeat:
   experiments/RESULTS.md, "Detecting a death".)
@@ -31,9 +34,8 @@ engine's own primitives do the fault tolerance; this module wires them up:
   key-value store and send itself SIGKILL right after dispatching its step (its collectives in
   flight), or during a recovery's transfer; survivors report kill -> error.
 
-Limits measured on CPU/gloo (jax 0.10.2; see docs/multiprocess.md): process 0 hosts the
-coordination service, and its death makes the runtime terminate every other process; a
-restarted process reconnects to the coordination service but cannot join a collective (the gloo
+Limits measured on CPU/gloo (jax 0.10.2; see docs/multiprocess.md): the coordination process's
+death ends the job (every training process needs the service); a restarted process reconnects to the coordination service but cannot join a collective (the gloo
 rendezvous key already exists), so membership can only shrink on CPU.
 """
 
@@ -228,12 +230,11 @@ def initialize(rc: RuntimeConfig) -> None:
         os.environ.setdefault("XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE", "1")
     jax.config.update("jax_enable_recoverability", True)
     jax.config.update(SETTING, False)  # before the CPU client starts (`runtime.dispatch`)
-    jax.distributed.initialize(
-        coordinator_address=rc.coordinator,
-        num_processes=rc.num_processes,
-        process_id=rc.process_id,
-        initialization_timeout=rc.init_timeout_s,
-        heartbeat_timeout_seconds=max(rc.heartbeat_timeout_s, COORDINATION_HEARTBEAT_S),
+    # the service runs in a coordination process of its own (`runtime.coordinator`), so that
+    # no training process is irreplaceable
+    jaxcompat.join_coordination_service(
+        rc.coordinator, rc.process_id, rc.num_processes, rc.init_timeout_s,
+        max(rc.heartbeat_timeout_s, COORDINATION_HEARTBEAT_S),
     )
     if jax.process_count() != rc.num_processes:
         raise RuntimeError(
@@ -500,22 +501,24 @@ class MultiControllerRuntime:
         status = "ok" if err is None else "err:" + (str(err).splitlines() or [""])[0][:300]
         self.client.key_value_set(f"{key}/{self.me}", status, allow_overwrite=True)
         live = sorted(self.processes())
-        if self.me != live[0]:
-            while True:  # the arbiter waits for slow processes, so may we
-                try:
-                    return json.loads(self.client.blocking_key_value_get(f"{key}/verdict", 60_000))
-                except JaxRuntimeError:
-                    continue
+        slow = max(timeout, float(self.rc.heartbeat_timeout_s))
+        verdict, gone = self._await_verdict(key, live, slow)
+        if verdict is not None:
+            return verdict  # the arbiter's
+        # this process arbitrates: it is the lowest live process, or every lower one died here
         # the fast timeout needs evidence of a failure: a block that failed on a process that
         # got here. A peer absent while every block succeeded took part in all their
         # collectives, so it is late, not dead: it gets the slow timeout (a live process's
         # heartbeat can stall for a second in a step beside a background compile:
         # experiments/RESULTS.md, "Multi-process observations").
-        slow = max(timeout, float(self.rc.heartbeat_timeout_s))
         statuses, failed, exited, starved, used = arbitrate(
-            self.client, key, {self.me: status}, [p for p in live if p != self.me],
+            self.client, key, {self.me: status}, [p for p in live if p != self.me and p not in gone],
             self.liveness, self.exits, timeout, slow, STARVED_MAX_S,
         )
+        for p, silence in gone.items():  # arbiters that died before posting a verdict
+            failed[p] = silence
+            if self.exits.exited(p):
+                exited.append(p)
         if starved:
             self.log(f"{self.liveness.phase} {where} barrier: waited for " + ", ".join(
                 f"process {p} (silent {v:.2f}s, its CPU time advancing)" for p, v in starved.items()
@@ -530,12 +533,37 @@ class MultiControllerRuntime:
             "where": where,
             "t_verdict": time.time(),
         }
-        self.client.key_value_set(f"{key}/verdict", json.dumps(verdict), allow_overwrite=True)
+        try:  # the first verdict posted is everyone's (an arbiter thought dead may post late)
+            self.client.key_value_set(f"{key}/verdict", json.dumps(verdict))
+        except JaxRuntimeError:
+            verdict = json.loads(self.client.blocking_key_value_get(f"{key}/verdict", 10_000))
         if self._guards > 100:  # keep the store small; a fenced process still finds its verdict
             old = f"elasjax/g/{self._guards - 100}"
             with contextlib.suppress(JaxRuntimeError):
                 self.client.key_value_delete(old)  # the directory: every post and the verdict
         return verdict
+
+    def _await_verdict(self, key: str, live: list[int], slow: float) -> tuple[dict | None, dict]:
+        """Wait for the verdict of the lowest live process; when it dies first (it exited, or its
+        heartbeat has been silent past `slow` while its CPU time, where it can be read, stood
+        still), the next one arbitrates, and so on. Returns (the verdict, {}), or (None, {p: silence}
+        of the dead arbiters) when this process arbitrates ({} when it was the lowest)."""
+        gone: dict[int, float] = {}
+        while True:
+            arbiter = next(p for p in live if p not in gone)
+            if arbiter == self.me:
+                return None, gone
+            try:  # the arbiter waits for slow processes, so may we
+                return json.loads(self.client.blocking_key_value_get(f"{key}/verdict", 200)), {}
+            except JaxRuntimeError:
+                pass
+            silent = self.liveness.observe(arbiter)
+            dead = self.exits.exited(arbiter) or (
+                silent > slow and not (silent < STARVED_MAX_S and self.liveness.working(arbiter, slow)))
+            if dead:
+                self.log(f"{self.liveness.phase}: the arbiter, process {arbiter}, is dead "
+                         f"(silent {silent:.2f}s); the next live process arbitrates")
+                gone[arbiter] = silent
 
     def _failure(
         self, verdict: dict, phase: str, t_block: float, t_err, err, t_body: float | None = None
