@@ -573,7 +573,7 @@ def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet) -> tuple[str
         if now > deadline:
             return "timeout", "the job did not finish within the launch timeout"
         time.sleep(0.2)
-    done = sorted((p for p in procs if p.returncode == 0), key=lambda p: p.ended_at)
+    done = [p for p in procs if p.returncode == 0]
     if done:
         survived = "; ".join(f"process {p.index} ended with {_rc(p.returncode)}" for p in failures)
         extra = f" (survived: {survived})" if survived else ""

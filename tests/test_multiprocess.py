@@ -648,10 +648,13 @@ def test_killing_a_process_and_its_buddy_stops_every_survivor_with_the_leaf_name
 @pytest.mark.slow
 def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path):
     """The coordination service runs in a process of its own: process 0 is one worker among
-    others. SIGKILLed in step 4, it is detected, the next live process arbitrates and takes
-    over the files, and the run goes on with the fault-free computation."""
+    others. SIGKILLed in step 4, with the exit watch off (a death as another host sees it): its
+    heartbeat stops, the next live process takes the barrier over and declares it dead, the
+    survivors renew their CPU client without process 0's part in XLA's topology exchange, the
+    writer's files pass on, and the run goes on with the fault-free computation."""
     out = tmp_path / "mp_p0"
-    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0")
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0",
+                         "--no-watch-exits")
     assert rc == 0, stdout
     assert _ends(out) == {0: "SIGKILL", 1: 0, 2: 0, 3: 0}
     metrics = read_jsonl(out / "metrics.jsonl")
@@ -666,7 +669,10 @@ def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path)
     assert summary["outcome"] == "finished" and summary["message"].startswith("process 1 finished")
     assert summary["coordination"]["running_after_reap"] is False
     assert "recovery at step 4: process 0 killed (SIGKILL)" in stdout
-    assert "the arbiter, process 0, is dead" in (out / "worker1.log").read_text()
+    assert ev["detector"] == "heartbeat" and "process 0 silent" in ev["detected_by"]
+    log1 = (out / "worker1.log").read_text()
+    assert "the arbiter, process 0, is dead" in log1
+    assert "new CPU client (generation 1, fresh gloo communicators)" in log1
 
 
 def kill_coordinator_after(out: Path, step: int, timeout: float = 240.0) -> threading.Thread:
