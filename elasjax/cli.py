@@ -227,7 +227,12 @@ def _launch(args) -> int:
             spares=spares,
             max_restarts=args.max_restarts,
             restart_backoff_s=args.restart_backoff,
+            kill_coordinator=args.kill_coordinator,
         )
+    if args.kill_coordinator is not None:
+        raise launch.ConfigError(
+            "--kill-coordinator is for a local launch (--processes P), whose launcher runs the "
+            "coordination process; allowed with --coordinator: not given")
     if args.max_restarts:
         raise launch.ConfigError(
             f"--max-restarts {args.max_restarts} supervises a local launch (--processes P), "
@@ -307,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", default=None, help="metrics.jsonl, events.jsonl, worker logs")
     m.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS",
                    help="SIGKILL process PROCESS right after it dispatches step STEP")
+    m.add_argument("--kill-coordinator", type=int, default=None, metavar="STEP",
+                   help="local launch: SIGKILL the coordination process once step STEP is "
+                   "logged (the loss of its node; the job ends, or restarts under "
+                   "--max-restarts; not repeated in a restart)")
     m.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="join a cluster as one process (with --num-processes, --process-id), "
                    "through the coordination process at HOST:PORT (python -m "

@@ -242,6 +242,7 @@ def launch_local(
     hooks: Sequence[str] = (),
     max_restarts: int = 0,
     restart_backoff_s: float = 2.0,
+    kill_coordinator: int | None = None,
 ) -> int:
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
     (None: the config's `parallel.spares`), wait for them, reap them.
@@ -257,6 +258,9 @@ def launch_local(
     at each next restart), at most `max_restarts` times within `timeout_s` in all. The return
     code is then the last attempt's. Each ended attempt's files move to `out/attempt<k>/`;
     `supervisor.jsonl` records every restart and the end. `max_restarts` 0 changes nothing.
+
+    `kill_coordinator` (a step): the launcher SIGKILLs the coordination process once that step's
+    metrics row is logged, in the first attempt only (the loss of the node it runs on).
     """
     if processes < 1 or devices_per_process < 1:
         raise ConfigError("--processes and --devices-per-process must be >= 1")
@@ -272,6 +276,10 @@ def launch_local(
     check_tensorboard(base)  # tensorboardX missing: an error here, not in the writing worker
     processes += base.parallel.spares  # the spares run as processes of their own, last
     cfg = resolve_config(base, processes, devices_per_process, kills)
+    if kill_coordinator is not None and not 0 <= kill_coordinator < cfg.train.steps - 1:
+        raise ConfigError(
+            f"--kill-coordinator {kill_coordinator}: allowed values: a step from 0 to "
+            f"{cfg.train.steps - 2} (after that step's row is logged, before the last step)")
     check_supervisable(cfg, policy)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="elasjax-launch-"))
     check_out(out, policy)
@@ -299,7 +307,8 @@ def launch_local(
     attempts: list[_Attempt] = []
     run_overrides, run_kills, run_cfg = list(overrides), list(kills), cfg
     while True:
-        a = _run_attempt(job, run_overrides, run_kills, run_cfg, deadline, quiet, policy)
+        a = _run_attempt(job, run_overrides, run_kills, run_cfg, deadline, quiet, policy,
+                         kill_coordinator if not attempts else None)
         attempts.append(a)
         if sup is None:
             break
@@ -449,7 +458,7 @@ class _Attempt:
 
 
 def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quiet: bool,
-                 policy: RestartPolicy) -> _Attempt:
+                 policy: RestartPolicy, kill_coordinator: int | None = None) -> _Attempt:
     """Start every process of the job on a fresh coordinator port, monitor them, reap them."""
     topo = Topology(tuple(range(job.processes * job.devices_per_process)), job.devices_per_process)
     events = resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER)
@@ -464,6 +473,8 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
     env["XLA_FLAGS"] = xla_flags(rc0, env.get("XLA_FLAGS", ""))
     procs: list[_Proc] = []
     t_start = time.time()
+    if kill_coordinator is not None:  # its rows decide the kill: none of an earlier run's
+        (job.out / "metrics.jsonl").unlink(missing_ok=True)
     coord = coordinator.start_local(
         int(rc0.coordinator.rsplit(":", 1)[1]), job.processes,
         max(rc0.heartbeat_timeout_s, COORDINATION_HEARTBEAT_S), job.out / "coordinator.log",
@@ -482,7 +493,8 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
                 "coordinator": coord.pid}
         (job.out / "pids.json").write_text(json.dumps(pids))
         outcome, message = _monitor(
-            procs, coord, scheduled, deadline, job.rc.heartbeat_timeout_s, quiet
+            procs, coord, scheduled, deadline, job.rc.heartbeat_timeout_s, quiet,
+            (kill_coordinator, job.out / "metrics.jsonl"),
         )
     finally:
         left = _reap(procs)
@@ -539,14 +551,27 @@ def _per_process(status: list[dict]) -> str:
 
 
 
-def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet) -> tuple[str, str]:
+def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet,
+             kill_coordinator=(None, None)) -> tuple[str, str]:
     """Wait until every worker has ended, or the coordination process has (no worker can go
     on without its service), or a worker finished the run and the others did not follow within
-    a grace. Shows the lines of the lowest worker still in the job (the one that writes)."""
+    a grace. Shows the lines of the lowest worker still in the job (the one that writes).
+    `kill_coordinator`: (step, metrics path): SIGKILL the coordination process once that step's
+    row is logged (None: never)."""
     tails = [_Tail(p.log) for p in procs]
     failures: list[_Proc] = []  # ended with an error nobody scheduled, in order
+    kill_step, metrics = kill_coordinator
+    rows = _Tail(metrics) if kill_step is not None else None
+    killed = None  # the step after which the coordination process was killed as scheduled
     while True:
         now = time.time()
+        if rows is not None and killed is None and any(
+                json.loads(ln).get("step", -1) >= kill_step for ln in rows.lines() if ln):
+            killed = kill_step
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(coord.pid, signal.SIGKILL)
+            _say(quiet, "the coordination process was killed as scheduled (after step "
+                        f"{kill_step})")
         for p in procs:
             if p.ended_at is None and p.popen.poll() is not None:
                 p.ended_at = now
@@ -563,8 +588,10 @@ def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet) -> tuple[str
                 if not quiet and p is shown and line.startswith("[elasjax"):
                     print(line, flush=True)
         if coord.poll() is not None:
-            return "coordinator_lost", (
-                f"the coordination process ended with {_rc(coord.returncode)}; {_COORD}")
+            how = ("was killed as scheduled after step "
+                   f"{killed} (--kill-coordinator; not repeated in a restart)" if killed is not None
+                   else f"ended with {_rc(coord.returncode)}")
+            return "coordinator_lost", f"the coordination process {how}; {_COORD}"
         done = [p for p in procs if p.ended_at is not None and p.returncode == 0]
         if all(p.ended_at is not None for p in procs):
             break

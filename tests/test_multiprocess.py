@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import jax
@@ -675,37 +674,14 @@ def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path)
     assert "new CPU client (generation 1, fresh gloo communicators)" in log1
 
 
-def kill_coordinator_after(out: Path, step: int, timeout: float = 240.0) -> threading.Thread:
-    """SIGKILL the launch's coordination process (its pid in `pids.json`) once `step` is in
-    `metrics.jsonl`: what a failure of the node it runs on looks like. Once only."""
-
-    def run():
-        t_end = time.time() + timeout
-        while time.time() < t_end:
-            try:
-                pid = json.loads((out / "pids.json").read_text())["coordinator"]
-                steps = {r.get("step") for r in read_jsonl(out / "metrics.jsonl")}
-            except (OSError, ValueError, KeyError):
-                steps = set()
-            if step in steps:
-                os.kill(pid, signal.SIGKILL)
-                return
-            time.sleep(0.05)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 @pytest.mark.slow
 def test_losing_the_coordination_process_ends_every_worker_with_a_clear_error(tmp_path):
     out = tmp_path / "mp_coord"
     sets = ("parallel.devices=-1", "parallel.data=2", "parallel.tensor=2")
-    kill_coordinator_after(out, 1)
-    rc, stdout = _launch(out, "--processes", "2", "--devices-per-process", "2", sets=sets,
-                         timeout=150)
+    rc, stdout = _launch(out, "--processes", "2", "--devices-per-process", "2",
+                         "--kill-coordinator", "1", sets=sets, timeout=150)
     assert rc == 3, stdout
-    assert "the coordination process ended with SIGKILL" in stdout
+    assert "the coordination process was killed as scheduled (after step 1)" in stdout
     summary = json.loads((out / "launch.json").read_text())
     assert summary["outcome"] == "coordinator_lost"
     assert summary["coordination"]["returncode"] == -signal.SIGKILL

@@ -28,7 +28,6 @@ from test_multiprocess import (
     _kill_workers,
     _launch,
     _worker_ended,
-    kill_coordinator_after,
 )
 
 from elasjax import cli, trainer
@@ -190,6 +189,11 @@ def test_the_cli_refuses_what_supervision_cannot_do(tmp_path, capsys):
               "--process-id", "1", "--max-restarts", "1"]
     assert cli.main(joined) == 2
     assert "allowed values with --coordinator: 0" in capsys.readouterr().err
+    # the staged loss of the coordination process: a step the run has, and a local launch only
+    assert cli.main([*base, "--set", "train.steps=6", "--kill-coordinator", "5"]) == 2
+    assert "--kill-coordinator 5: allowed values: a step from 0 to 4" in capsys.readouterr().err
+    assert cli.main([*joined[:-2], "--kill-coordinator", "1"]) == 2
+    assert "--kill-coordinator is for a local launch" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # nothing started
 
 
@@ -261,7 +265,8 @@ def _known_resume_fault(out: Path, stdout: str) -> None:
 @pytest.mark.slow
 def test_losing_the_coordination_process_restarts_the_job_from_its_newest_checkpoint(
         reference, tmp_path):
-    """The coordination process is SIGKILLed once step 2 is logged: every worker loses the
+    """The coordination process is SIGKILLed once step 2 is logged (`--kill-coordinator 2`, in
+    the first attempt only): every worker loses the
     service, the job is restarted, a new job on a fresh coordinator, from the newest checkpoint
     committed before the loss (Orbax commits asynchronously: the save after step 2 may not have
     landed, and then the one after step 0 is the newest), and finishes with the fault-free run's
@@ -269,8 +274,7 @@ def test_losing_the_coordination_process_restarts_the_job_from_its_newest_checkp
     (docs/multiprocess.md, "Limits": a resumed job's first collective can time out in gloo's
     context set-up); any later restart must be that fault and nothing else."""
     out, ck = tmp_path / "sup", tmp_path / "ck"
-    kill_coordinator_after(out, 2)
-    rc, stdout = _supervised(out, ck, "--max-restarts", "3")
+    rc, stdout = _supervised(out, ck, "--max-restarts", "3", "--kill-coordinator", "2")
     print(stdout)
     if rc != 0:
         _known_resume_fault(out, stdout)
@@ -288,6 +292,7 @@ def test_losing_the_coordination_process_restarts_the_job_from_its_newest_checkp
     assert [r["type"] for r in records] == ["restart"] * len(restarts) + ["end"]
     r = restarts[0]
     assert r["restart"] == 1 and r["reason"] == "coordinator_lost"
+    assert "killed as scheduled after step 2 (--kill-coordinator" in r["message"]
     assert "it hosts the JAX coordination service" in r["message"]
     reached = r["reached_step"]
     assert reached >= 3  # step 2 was logged before the kill
