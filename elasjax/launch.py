@@ -247,9 +247,9 @@ def launch_local(
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
     (None: the config's `parallel.spares`), wait for them, reap them.
 
-    Returns 0 when the run finished (every process exited 0 or was killed as scheduled), 3 when
-    the coordination process died (the job cannot continue), 1 on any other failure or on `timeout_s`. Every
-    worker is its own process group and is SIGKILLed on the way out if still running. Writes
+    Returns 0 when a worker finished the run (the others survived as deaths), 3 when
+    the coordination process died (the job cannot continue), 1 on any other failure or on
+    `timeout_s`. Every worker is its own process group and is SIGKILLed on the way out if still running. Writes
     `launch.json` (per-process exit status) and `worker<i>.log` to `out`.
 
     `max_restarts` > 0 supervises the job (`elasjax.supervisor`): when it cannot continue, every
@@ -547,8 +547,6 @@ def _report_attempt(a: _Attempt, index: int, quiet: bool) -> None:
 
 def _per_process(status: list[dict]) -> str:
     return ", ".join(f"p{s['process']}={s['signal'] or s['returncode']}" for s in status)
-
-
 
 
 def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet,

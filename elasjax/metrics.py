@@ -15,8 +15,8 @@ import math
 import queue
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 # The phases whose sum is a recovery's `mttr_s`, under every runtime.

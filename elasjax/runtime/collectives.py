@@ -116,18 +116,17 @@ def renew_cpu_client(client, live: Iterable[int], generation: int, writer: bool,
     live = set(live)
     if writer:
         saved = dict(client.key_value_dir_get_bytes(LOCAL_TOPOLOGY))
-        glob = dict(client.key_value_dir_get_bytes(GLOBAL_TOPOLOGY))
+        glob = dict(client.key_value_dir_get_bytes(GLOBAL_TOPOLOGY)) if 0 not in live else {}
         for d in (GLOO_KEYS, GLOBAL_TOPOLOGY, LOCAL_TOPOLOGY):
             client.key_value_delete(d)
         for key, value in saved.items():  # "cpu:local_topology/cpu/<process>"
             if int(key.rsplit("/", 1)[1]) not in live:
                 client.key_value_set_bytes(key, value)
-        if 0 not in live:
-            # XLA's process 0 assembles the global topology from the local ones; it is dead, so
-            # the last one is published again: the same devices, the dead processes' local
-            # topologies being kept (tests/test_multiprocess.py::test_the_arbiters_death_...)
-            for key, value in glob.items():
-                client.key_value_set_bytes(key, value)
+        # XLA's process 0 assembles the global topology from the local ones; when it is dead the
+        # last one is published again: the same devices, the dead processes' local topologies
+        # being kept (tests/test_multiprocess.py::test_killing_process_0_is_survived_...)
+        for key, value in glob.items():
+            client.key_value_set_bytes(key, value)
         client.key_value_set(ready, repr(time.time()))
     else:
         client.blocking_key_value_get(ready, wait_ms)

@@ -127,6 +127,21 @@ class Liveness:
             t.join(timeout=2 * self.interval + 1)
 
 
+def peer_state(p: int, liveness: Liveness, exits: "ProcessExits", limit: float,
+               starved_max: float) -> tuple[str, float]:
+    """Process p's state as a barrier sees it, with its heartbeat silence: `exited` (the kernel
+    said so), `alive` (silent at most `limit`), `starved` (silent longer, but under
+    `starved_max` with its CPU time advancing: `Liveness.working`) or `dead`."""
+    if exits.exited(p):
+        return "exited", liveness.observe(p)
+    silent = liveness.observe(p)
+    if silent <= limit:
+        return "alive", silent
+    if silent < starved_max and liveness.working(p, limit):
+        return "starved", silent
+    return "dead", silent
+
+
 def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Liveness,
               exits: "ProcessExits", fast: float, slow: float, starved_max: float):
     """The arbiter's wait at a barrier: read each pending process's post (`<key>/<p>`) until
@@ -151,16 +166,16 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
                 continue
             except JaxRuntimeError:  # not there yet: dead or slow?
                 pass
-            if exits.exited(p):
-                failed[p] = liveness.observe(p)
+            limit = fast if any(v.startswith("err:") for v in statuses.values()) else slow
+            state, silent = peer_state(p, liveness, exits, limit, starved_max)
+            if state == "exited":
+                failed[p] = silent
                 exited.append(p)
                 pending.remove(p)
                 continue
-            silent = liveness.observe(p)
-            limit = fast if any(v.startswith("err:") for v in statuses.values()) else slow
-            if silent <= limit:
+            if state == "alive":
                 continue
-            if silent < starved_max and liveness.working(p, limit):
+            if state == "starved":
                 starved[p] = silent
                 continue
             used = limit

@@ -3,8 +3,9 @@ of any process. The trainer (`elasjax.trainer`) runs on it unchanged.
 
 One Python process per host (here: per group of `devices_per_process` CPU devices) runs the same
 program; `jax.distributed` connects them through a coordination service that runs in a process
-of its own, holding no device (`runtime.coordinator`), and their collectives run over gloo (CPU) or NCCL (GPU). A failure is a process that dies. The
-engine's own primitives do the fault tolerance; this module wires them up:
+of its own, holding no device (`runtime.coordinator`), and their collectives run over gloo (CPU)
+or NCCL (GPU). A failure is a process that dies. The engine's own primitives do the fault
+tolerance; this module wires them up:
 
 - `initialize` turns on `jax_enable_recoverability` (a dead peer no longer takes everyone down),
   a short coordination heartbeat and `--xla_cpu_collective_timeout_seconds` (without it the
@@ -20,8 +21,7 @@ engine's own primitives do the fault tolerance; this module wires them up:
   verdict, so all survivors raise `DeviceFailure` with the same devices and plan the same next
   layout (the planner is pure). An arbiter that dies is succeeded by the next live process,
   which declares it dead with the others; the first verdict posted is the one every process
-  reads. A slow process
-  keeps beating and is waited for. (This replaces `multihost_utils.live_devices`, whose
+  reads. A slow process keeps beating and is waited for. (This replaces `multihost_utils.live_devices`, whose
   membership check waits for the coordination service's own, slower heartbeat:
   experiments/RESULTS.md, "Detecting a death".)
 - Cross-process copies (a transition's pieces, snapshot copies) go point to point through
@@ -35,8 +35,9 @@ engine's own primitives do the fault tolerance; this module wires them up:
   flight), or during a recovery's transfer; survivors report kill -> error.
 
 Limits measured on CPU/gloo (jax 0.10.2; see docs/multiprocess.md): the coordination process's
-death ends the job (every training process needs the service); a restarted process reconnects to the coordination service but cannot join a collective (the gloo
-rendezvous key already exists), so membership can only shrink on CPU.
+death ends the job (every training process needs the service); a restarted process reconnects
+to the coordination service but cannot join a collective (the gloo rendezvous key already
+exists), so membership can only shrink on CPU.
 """
 
 from __future__ import annotations
@@ -72,14 +73,9 @@ from .collectives import (
 )
 from .dispatch import SETTING
 from .inprocess import DeviceFailure
-from .liveness import Liveness, ProcessExits, Throttle, arbitrate
+from .liveness import Liveness, ProcessExits, Throttle, arbitrate, peer_state
 from .p2p import TransferLinks
 
-COORDINATOR_LOSS = (
-    "process 0 hosts the JAX coordination service; when it dies the runtime terminates every "
-    'other process ("Terminating process because the JAX distributed service detected fatal '
-    'errors"), so the job cannot survive the loss of process 0: restart it (from a checkpoint)'
-)
 REJOIN_UNSUPPORTED = (
     "a restarted process cannot rejoin on CPU/gloo: it reconnects to the coordination service, "
     "but its first collective fails with 'Gloo context initialization failed: ALREADY_EXISTS: "
@@ -254,6 +250,12 @@ def kv_float(client, key: str) -> float | None:
         return None
 
 
+def _errors_by_process(verdict: dict, width: int) -> str:
+    """The errors a barrier's verdict reports, each process's cut to `width` characters."""
+    return "; ".join(f"process {p}: {m[:width]}" for p, m in
+                     sorted(verdict["errors"].items(), key=lambda kv: int(kv[0])))
+
+
 class DeclaredDeadError(RuntimeError):
     """This process was declared dead (a heartbeat silence) while alive: it must leave."""
 
@@ -385,8 +387,7 @@ class MultiControllerRuntime:
             if err is not None and not isinstance(err, JaxRuntimeError):
                 raise err  # this process's own error (every process raises; none is dead)
             procs = sorted(int(p) for p in verdict["errors"])
-            msg = "; ".join(f"process {q}: {m[:300]}" for q, m in
-                            sorted(verdict["errors"].items(), key=lambda kv: int(kv[0])))
+            msg = _errors_by_process(verdict, 300)
             retry = self._collective_retry(verdict, phase, t_block, t_err, t_body, err)
             if retry is not None:
                 raise retry from err
@@ -429,9 +430,7 @@ class MultiControllerRuntime:
         why = (f"a collective failed on process(es) {procs} while every process was alive "
                f"(retry {self._retries} of {self.MAX_COLLECTIVE_RETRIES})")
         self.log(f"{phase}: {why}: renewing the collectives and redoing the {phase} "
-                 "(" + "; ".join(f"process {q}: {m[:160]}" for q, m in
-                                 sorted(verdict["errors"].items(), key=lambda kv: int(kv[0])))
-                 + ")")
+                 f"({_errors_by_process(verdict, 160)})")
         return DeviceFailure(
             set(), phase, detect_s=time.time() - t_block, cause=why,
             detail={
@@ -544,10 +543,10 @@ class MultiControllerRuntime:
         return verdict
 
     def _await_verdict(self, key: str, live: list[int], slow: float) -> tuple[dict | None, dict]:
-        """Wait for the verdict of the lowest live process; when it dies first (it exited, or its
-        heartbeat has been silent past `slow` while its CPU time, where it can be read, stood
-        still), the next one arbitrates, and so on. Returns (the verdict, {}), or (None, {p: silence}
-        of the dead arbiters) when this process arbitrates ({} when it was the lowest)."""
+        """Wait for the verdict of the lowest live process; when it dies first (`peer_state` with
+        the slow limit, as `arbitrate` judges any peer), the next one arbitrates, and so on.
+        Returns (the verdict, {}), or (None, {p: silence} of the dead arbiters) when this process
+        arbitrates ({} when it was the lowest)."""
         gone: dict[int, float] = {}
         while True:
             arbiter = next(p for p in live if p not in gone)
@@ -557,10 +556,8 @@ class MultiControllerRuntime:
                 return json.loads(self.client.blocking_key_value_get(f"{key}/verdict", 200)), {}
             except JaxRuntimeError:
                 pass
-            silent = self.liveness.observe(arbiter)
-            dead = self.exits.exited(arbiter) or (
-                silent > slow and not (silent < STARVED_MAX_S and self.liveness.working(arbiter, slow)))
-            if dead:
+            state, silent = peer_state(arbiter, self.liveness, self.exits, slow, STARVED_MAX_S)
+            if state in ("exited", "dead"):
                 self.log(f"{self.liveness.phase}: the arbiter, process {arbiter}, is dead "
                          f"(silent {silent:.2f}s); the next live process arbitrates")
                 gone[arbiter] = silent

@@ -12,8 +12,8 @@ Orbax reads each saved leaf spread over the live devices (`spread_shardings`: sp
 dimension that splits the most ways), and the same transition planner that recovery uses turns
 that saved form into the new plan's form (`reshard.transition`, by canonical element
 identities); a checkpoint read onto a plan of its own form goes straight onto that plan's
-shardings (each device reads its own shards). Checkpoints written before the form was recorded hold the canonical (ZeRO-0) form
-and are still read, through the canonical form.
+shardings (each device reads its own shards). Checkpoints written before the form was recorded
+hold the canonical (ZeRO-0) form and are still read, through the canonical form.
 """
 
 from __future__ import annotations
@@ -252,21 +252,14 @@ def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, t
     saved = factory.layout(_plan_of_form(meta["form"]))
     live = sorted(exe.plan.device_ids)
     by_id = devices or {d.id: d for d in jax.devices()}
-    if _same_form(meta["form"], saved, exe, [by_id[i] for i in live]):
+    if _same_form(meta["form"], exe, [by_id[i] for i in live]):
         # the saved form is the plan's own: each device reads its own shards, nothing is moved
-        target = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            exe.layout.abstract, exe.state_shardings,
-        )
-        state, meta = ckpt.restore(step, target)
+        state, meta = ckpt.restore(step, _targets(exe.layout.abstract, exe.state_shardings))
         return state, meta, {"peak_restore_bytes": _peak_device_bytes(state)}
     data_dims = [None if t[1] is None else len(x.shape) - 3
                  for t, x in zip(saved._tags, jax.tree.leaves(saved.abstract))]
     sh = spread_shardings(saved.abstract, [by_id[i] for i in live], data_dims)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), saved.abstract, sh
-    )
-    restored, meta = ckpt.restore(step, target)
+    restored, meta = ckpt.restore(step, _targets(saved.abstract, sh))
     peak = _peak_device_bytes(restored)
     store = ShardStore.capture(restored)
     _as_checkpoint_sources(store, saved)
@@ -278,15 +271,18 @@ def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, t
     return state, meta, {"peak_restore_bytes": peak}
 
 
-def _same_form(form: dict, saved, exe, devices) -> bool:
-    """Is the saved form `exe`'s plan's own, with every leaf on a device of every process of
-    the plan (Orbax builds no array a process holds no shard of)? Then the checkpoint is read
-    straight onto the plan's shardings."""
+def _targets(abstract, shardings):
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
+def _same_form(form: dict, exe, devices) -> bool:
+    """Is the saved form `exe`'s plan's own (the form is what `StateFactory.layout` reads, so
+    the saved and the plan's layouts are then the same), with every leaf on a device of every
+    process of the plan (Orbax builds no array a process holds no shard of)? Then the
+    checkpoint is read straight onto the plan's shardings."""
     if form != form_of(exe.plan):
-        return False
-    same = jax.tree.map(lambda a, b: a.shape == b.shape and a.dtype == b.dtype,
-                        saved.abstract, exe.layout.abstract)
-    if not all(jax.tree.leaves(same)):
         return False
     procs = {d.process_index for d in devices}
     return all({d.process_index for d in s.device_set} == procs
