@@ -13,6 +13,12 @@ layers) or ~1B (`1b`: d_model 2048, 18 layers) parameters, one device, batch 8 x
   snapshot, overlapped the copy started right after the step is dispatched (`copy_to_host_async`)
                        and collected after the next step is dispatched, as the trainer's host
                        rung does on an accelerator
+  device->host         one array of the state's bytes copied to host memory: the link the
+                       snapshot rows are bound by (its GiB/s is printed in the header)
+
+On an accelerator a row "checksums in CPU-sized tiles" also gives the checked step compiled with
+the CPU's checksum tile size (`checksum.CHUNK`), which accelerators used before
+`checksum.tile_elements` chose larger tiles there.
 
 Each figure is the median per-step time over `--steps` steps after 2 warm-up steps, in one
 process, side by side; ratios are to "step, plain". The card's name is printed with them; the
@@ -41,7 +47,9 @@ from elasjax.planner import Topology, initial_plan  # noqa: E402
 from elasjax.sharding import batch_shardings  # noqa: E402
 from elasjax.state import StateFactory, TrainState, make_optimizer  # noqa: E402
 from elasjax.step import abstract_batch, make_grad_fn  # noqa: E402
+from elasjax.transfer import checksum  # noqa: E402
 
+LINK = "device->host copy of the state's bytes (one array)"
 SIZES = {"tiny": (64, 2, 4, 64, 8), "350m": (1024, 24, 16, 512, 8), "1b": (2048, 18, 16, 512, 8)}
 
 
@@ -114,16 +122,47 @@ def main(argv=None) -> int:
 
     n_params = f.n_params
     state_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(f.abstract)) / 2**20
+
+    def link() -> float:
+        """Seconds to copy one device array of the state's bytes to host memory (median of 3):
+        the device-to-host link the snapshot rows are bound by."""
+        x = jax.device_put(np.zeros(int(state_mb * 2**20) // 4, np.float32), dev)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            np.asarray(x + 0)  # a fresh array, not a cached host copy
+            times.append(time.perf_counter() - t0)
+        del x
+        return statistics.median(times)
+
+    def cpu_tiles():
+        """The checked step compiled with the CPU's checksum tiles (`checksum.CHUNK`): what an
+        accelerator paid before `checksum.tile_elements`."""
+        keep = checksum.ACCEL_CHUNK
+        checksum.ACCEL_CHUNK = checksum.CHUNK
+        try:
+            # a new function: jit would reuse `checked`'s trace, made with the other tiles
+            return jax.jit(lambda s, b: checked(s, b), in_shardings=(sh, bsh), out_shardings=(sh, (rep, rep)),
+                           donate_argnums=0).lower(jax.eval_shape(init), batches[0]).compile()
+        finally:
+            checksum.ACCEL_CHUNK = keep
+
     rows = {
         "step, plain": timed(step_plain, None),
         "step, elasjax (checksums)": timed(step_checked, None),
+    }
+    if dev.platform != "cpu":
+        rows["step, elasjax (checksums in CPU-sized tiles)"] = timed(cpu_tiles(), None)
+    rows.update({
         "snapshot to host, serial": timed(step_plain, "serial"),
         "snapshot to host, overlapped": timed(step_plain, "overlapped"),
-    }
+        LINK: link(),
+    })
     base = rows["step, plain"]
     card = f"{dev.platform} {getattr(dev, 'device_kind', '')}".strip()
     lines = [f"gpu_costs on {card}, jax {jax.__version__}: GPT {n_params / 1e6:.2f}M parameters, "
-             f"state {state_mb:.0f} MB, batch {batch} x {seq}, median of {args.steps} steps", "",
+             f"state {state_mb:.0f} MB, batch {batch} x {seq}, median of {args.steps} steps; "
+             f"device->host {state_mb / 1024 / rows[LINK]:.1f} GiB/s", "",
              "| per step | ms | ratio to plain |", "|---|---|---|"]
     for k, v in rows.items():
         lines.append(f"| {k} | {v * 1e3:.1f} | {v / base:.3f} |")

@@ -15,8 +15,9 @@ gradients, fp32 master copy and Adam moments: 16 bytes per parameter of state):
                moments), ZeRO-3 16 N / D; to a buddy device on another host over the NIC, or,
                for a job of one host (the default there), to host memory over PCIe
   checksums    the state read once from HBM per step (each element hashed once over the mesh):
-               (16 N / D + 2 N / D) bytes / HBM bandwidth, x 2 for the arithmetic (measured on
-               CPU: memory-bound at ~2 passes' cost)
+               (16 N / D + 2 N / D) bytes / HBM bandwidth, x CHECKSUM_PASSES (measured: on one
+               H200 the checksums hashed ~1.34 TB/s of state, 1/3.6 of its 4.8 TB/s HBM;
+               experiments/RESULTS.md, "Checksums on a GPU")
   ZeRO codec   0: the fresh layout's storage is the parameter block as gathered
                (experiments/bench_scale.py measures the step against plain JAX ZeRO-1)
 
@@ -39,6 +40,7 @@ import os
 
 PEAK = 989e12  # bf16 dense FLOP/s
 HBM_BW = 3.35e12  # bytes/s
+CHECKSUM_PASSES = 3.6  # the checksums' cost in HBM reads of the state, measured (docstring)
 HBM = 80e9  # bytes
 NIC = 50e9  # bytes/s (400 Gb/s) per GPU
 PCIE = 50e9  # bytes/s device -> host memory (PCIe Gen5 x16, one direction)
@@ -64,7 +66,7 @@ def project(n: float, tokens: int, mfu: float) -> dict:
     # on one host the default snapshot is a host-memory copy over PCIe; with two hosts or more a
     # buddy device's copy on another host, over the NIC
     snap = snap_bytes / (NIC if hosts > 1 else PCIE)
-    ck = 2 * (16 * n / d + 2 * n / d) / HBM_BW
+    ck = CHECKSUM_PASSES * (16 * n / d + 2 * n / d) / HBM_BW
     base = max(compute, coll)  # collectives overlapped with compute where they can be
     serial = (base + snap + ck) / base
     overlapped = max(compute, coll + snap) / base + ck / base

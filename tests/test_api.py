@@ -102,6 +102,18 @@ def test_checksums_cover_64_bit_leaves_on_device_and_host():
             assert checksum.hex_of(checksum.np_leaf_checksum(y)) != on_device
 
 
+def test_checksum_tiles_are_large_on_an_accelerator_and_give_the_same_values(monkeypatch):
+    """On an accelerator backend the checksums hash `ACCEL_CHUNK`-element tiles (each tile is a
+    kernel launch there); the values do not depend on the tile size."""
+    x = np.random.default_rng(1).normal(size=(37, 29)).astype(np.float32)
+    want = checksum.hex_of(checksum.np_leaf_checksum(x))
+    assert checksum.tile_elements() == checksum.CHUNK  # tests run on the CPU backend
+    monkeypatch.setattr(checksum.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(checksum, "ACCEL_CHUNK", 64)
+    assert checksum.tile_elements() == 64
+    assert checksum.hex_of(jax.jit(checksum.leaf_checksum)(x)) == want
+
+
 @pytest.mark.parametrize("chunk", [checksum.CHUNK, 4])
 @pytest.mark.parametrize("split_min", [checksum.SPLIT_MIN, 1])
 def test_mesh_checksums_equal_leaf_checksums_on_every_layout(monkeypatch, split_min, chunk):

@@ -87,12 +87,24 @@ def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None =
     return checksum_with(bits, weights(idx, valid))
 
 
-# Elements hashed per loop step. Hashing a large array in one fused pass writes its bit pattern
+# Elements hashed per loop step on the CPU. Hashing a large array in one fused pass writes its bit pattern
 # and weighted products to memory before reducing them; on the CPU backend that cost about 5x the
 # same work done in cache-sized tiles, each converted to bits on its own (the state of a 25.5M-
 # parameter GPT: 257 -> 52 ms, experiments/RESULTS.md, "Checksums"). So arrays larger than this
 # are hashed tile by tile in a loop (the same values: the sums wrap, in any order).
 CHUNK = 1 << 14
+# On an accelerator each loop step is a kernel launch of its own, and XLA fuses a tile's bits,
+# products and sums into one reduction that writes nothing out, so small tiles cost only launches:
+# with CHUNK tiles the checksums of a 303M-parameter state added 351 ms to an 82 ms step on an
+# H200 (experiments/RESULTS.md, "Checksums on a GPU"). There tiles are ACCEL_CHUNK elements.
+ACCEL_CHUNK = 1 << 22
+
+
+def tile_elements() -> int:
+    """Elements per tile of `tile_sums`: `CHUNK` where JAX's default backend is the CPU,
+    `ACCEL_CHUNK` on an accelerator (the values are the same for any tile size; only the time
+    differs)."""
+    return CHUNK if jax.default_backend() == "cpu" else ACCEL_CHUNK
 
 
 def tile_sums(xs: Sequence[jax.Array], ident, start=None, count: int | None = None,
@@ -128,7 +140,7 @@ def tile_sums(xs: Sequence[jax.Array], ident, start=None, count: int | None = No
                     None if valid is None else jnp.broadcast_to(valid, shape))
         return jnp.stack([checksum_with(_bits(b), w) for b in blocks])
 
-    C = CHUNK
+    C = tile_elements()
     if n <= C:  # one pass
         rows = jax.lax.iota(jnp.uint32, R)
         return hashed(list(xs), rows, jax.lax.broadcasted_iota(jnp.uint32, (R, inner), 1))
@@ -191,7 +203,7 @@ def grid_sums(bits: jax.Array, row_base=None, start=None, count: int | None = No
 def leaf_checksum(x: jax.Array) -> jax.Array:
     """uint32[2] checksum of one array (any sharding); element identity = row-major index."""
     flat = _words(x).reshape(-1)
-    return grid_sums(flat.reshape(1, -1) if flat.size > CHUNK else flat.reshape(-1, 1))
+    return grid_sums(flat.reshape(1, -1) if flat.size > tile_elements() else flat.reshape(-1, 1))
 
 
 def _axes_of(entry) -> tuple[str, ...]:
