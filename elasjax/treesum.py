@@ -19,10 +19,10 @@ node of a level contains its range's first index, and at most one its last). The
 replica 0 and is broadcast by a `psum` in which every other replica contributes -0.0, which
 leaves every bit of it unchanged (x + -0.0 == x for every float x, -0.0 included).
 
-Memory per device: a register file of `TreeSchedule.n_regs` gradient-sized buffers (the
-device's shard of the gradient under tensor parallelism), one of them scratch for padding
-slots; `n_regs` is at most ceil(log2 K) + 3 for every layout the planner deals
-(tests/test_treesum.py checks every replica count 1..K for K up to 64), so the extra memory is
+Memory per device: `TreeSchedule.n_regs - 1` gradient-sized registers (the device's shard of
+the gradient under tensor parallelism; the schedule's scratch register is never stored);
+`n_regs` is at most ceil(log2 K) + 3 for every layout the planner deals (tests/test_treesum.py
+checks every replica count 1..K for K up to 64), so the extra memory is
 O(log K) gradients and does not grow with the replica count. The plain data-parallel step
 keeps one accumulator.
 
@@ -275,18 +275,47 @@ def simulate(sched: TreeSchedule, slots: np.ndarray, values: np.ndarray) -> np.n
 
 
 # -- the device program -------------------------------------------------------------------------
+#
+# Registers are separate arrays (SCRATCH is never stored), and every addition is static code:
+# the replicas' programs for a micro-batch (or a round) are grouped into the distinct ones, and a
+# `lax.switch` on a table indexed by the replica (and the micro-batch) runs its own. One stacked
+# register file indexed at run time cost 4x this on XLA:CPU (a dynamic slice or update of the
+# file per register access, and every replica doing every addition, scratch ones included):
+# experiments/RESULTS.md, "The tree sum's device program".
+
+RECV = -1  # an operand of a round's addition: the value received in that round
 
 
-def _read(regs, i):
-    return jax.lax.dynamic_index_in_dim(regs, i, axis=1, keepdims=False)
+def _programs(shape: tuple[int, ...], keys: dict) -> tuple[np.ndarray, list]:
+    """{index: program} -> (table of program ids by index, of `shape`; the distinct programs)."""
+    uniq: dict = {}
+    table = np.zeros(shape, np.int32)
+    for at, prog in keys.items():
+        table[at] = uniq.setdefault(prog, len(uniq))
+    return table, list(uniq)
 
 
-def _write(regs, x, i):
-    return jax.lax.dynamic_update_index_in_dim(regs, x[:, None], i, axis=1)
+def _adds(ops) -> tuple[tuple[int, int, int], ...]:
+    """A program's additions, the no-ops (those writing SCRATCH) left out."""
+    return tuple((int(d), int(a), int(b)) for d, a, b in ops if d != SCRATCH)
 
 
-def _add(regs, op):
-    return _write(regs, _read(regs, op[1]) + _read(regs, op[2]), op[0])
+def _run(regs: tuple, ops, got=None) -> tuple:
+    """`ops` (dst, a, b: register ids, or RECV for `got`) on the registers (register i is
+    `regs[i - 1]`)."""
+    regs = list(regs)
+    for dst, a, b in ops:
+        va = got if a == RECV else regs[a - 1]
+        vb = got if b == RECV else regs[b - 1]
+        regs[dst - 1] = jax.tree.map(jnp.add, va, vb)
+    return tuple(regs)
+
+
+def _select(index, branches, *args):
+    """`branches[index](*args)`; static when there is one branch."""
+    if len(branches) == 1:
+        return branches[0](*args)
+    return jax.lax.switch(index, branches, *args)
 
 
 class TreeSum:
@@ -300,25 +329,52 @@ class TreeSum:
     def __init__(self, sched: TreeSchedule, mesh: Mesh, specs: PyTree):
         self.sched, self.mesh, self.specs = sched, mesh, specs
         self.D = mesh.shape[DATA]
-        if sched.write.shape[0] != self.D:
-            raise ValueError(f"schedule for {sched.write.shape[0]} replicas on a mesh of {self.D}")
+        D, m = sched.write.shape
+        if D != self.D:
+            raise ValueError(f"schedule for {D} replicas on a mesh of {self.D}")
         is_spec = lambda s: isinstance(s, PartitionSpec)  # noqa: E731
-        self._reg_specs = jax.tree.map(lambda s: PartitionSpec(DATA, None, *s), specs,
-                                       is_leaf=is_spec)
-        self._val_specs = jax.tree.map(lambda s: PartitionSpec(DATA, *s), specs, is_leaf=is_spec)
         self._is_spec = is_spec
+        self._val_specs = jax.tree.map(lambda s: PartitionSpec(DATA, *s), specs, is_leaf=is_spec)
+        self._steps = _programs((D, m), {
+            (r, k): (int(sched.write[r, k]), _adds(sched.step_ops[r, k]))
+            for r in range(D) for k in range(m)
+        })
+        self._rounds = [self._round(rd) for rd in sched.rounds]
+
+    def _round(self, rd: Round):
+        """(senders' register table, distinct registers sent, op table, distinct op programs)."""
+        senders = dict(rd.perm)
+        sent = sorted({int(rd.send[s]) for s in senders}) or [None]
+        send_tab = np.array([sent.index(int(rd.send[r])) if r in senders else 0
+                             for r in range(self.D)], np.int32)
+        receivers = {d for _, d in rd.perm}
+        progs = {}
+        for r in range(self.D):
+            recv = int(rd.recv[r]) if r in receivers else None
+            ops = _adds(rd.ops[r])
+            if recv is not None:
+                if any(d == recv for d, _, _ in ops):
+                    raise AssertionError(f"rank {r} writes its receive register {recv}")
+                ops = tuple((d, RECV if a == recv else a, RECV if b == recv else b)
+                            for d, a, b in ops)
+            progs[r] = ops
+        op_tab, op_progs = _programs((self.D,), progs)
+        return send_tab, sent, op_tab, op_progs
 
     def _map(self, f, *trees):
         return jax.tree.map(f, *trees, is_leaf=self._is_spec)
 
-    def init(self, like: PyTree) -> PyTree:
-        """Zeroed registers for values shaped like `like` (one replica's value per leaf)."""
-        n = self.sched.n_regs
-        return self._map(
-            lambda s, x: jax.lax.with_sharding_constraint(
-                jnp.zeros((self.D, n) + x.shape, x.dtype), NamedSharding(self.mesh, s)
-            ),
-            self._reg_specs, like,
+    def init(self, like: PyTree) -> tuple:
+        """Zeroed registers (a tuple, register i at i - 1) for values shaped like `like` (one
+        replica's value per leaf)."""
+        return tuple(
+            self._map(
+                lambda s, x: jax.lax.with_sharding_constraint(
+                    jnp.zeros((self.D,) + x.shape, x.dtype), NamedSharding(self.mesh, s)
+                ),
+                self._val_specs, like,
+            )
+            for _ in range(self.sched.n_regs - 1)
         )
 
     def constrain(self, values: PyTree) -> PyTree:
@@ -327,49 +383,53 @@ class TreeSum:
             self._val_specs, values,
         )
 
-    def step(self, regs: PyTree, values: PyTree, k: jax.Array) -> PyTree:
-        write = jnp.asarray(self.sched.write)
-        ops = jnp.asarray(self.sched.step_ops)
-
-        def local(regs, values, k):
-            r = jax.lax.axis_index(DATA)
-            w, mine = write[r, k], ops[r, k]
-
-            def one(R, x):
-                R = _write(R, x, w)
-                for i in range(mine.shape[0]):
-                    R = _add(R, mine[i])
-                return R
-
-            return jax.tree.map(one, regs, values)
-
+    def _shard_map(self, f, regs, *rest, rest_specs=(), out=None):
+        reg_specs = tuple(self._val_specs for _ in regs)
         return jax.shard_map(
-            local, mesh=self.mesh, in_specs=(self._reg_specs, self._val_specs, PartitionSpec()),
-            out_specs=self._reg_specs, check_vma=False,
-        )(regs, values, k)
+            f, mesh=self.mesh, in_specs=(reg_specs, *rest_specs),
+            out_specs=reg_specs if out is None else out, check_vma=False,
+        )(regs, *rest)
 
-    def finish(self, regs: PyTree) -> PyTree:
-        sched = self.sched
+    def step(self, regs: tuple, values: PyTree, k: jax.Array) -> tuple:
+        table, progs = self._steps
+
+        def branch(prog):
+            w, ops = prog
+
+            def run(regs, x):
+                if w != SCRATCH:  # a padding slot's value is dropped
+                    regs = regs[: w - 1] + (x,) + regs[w:]
+                return _run(regs, ops)
+
+            return run
+
+        branches = [branch(p) for p in progs]
+        table = jnp.asarray(table)
+
+        def local(regs, x, k):
+            return _select(table[jax.lax.axis_index(DATA), k], branches, regs, x)
+
+        return self._shard_map(local, regs, values, k,
+                               rest_specs=(self._val_specs, PartitionSpec()))
+
+    def finish(self, regs: tuple) -> PyTree:
+        sched, rounds = self.sched, self._rounds
 
         def local(regs):
             r = jax.lax.axis_index(DATA)
-            for rd in sched.rounds:
+            for rd, (send_tab, sent, op_tab, op_progs) in zip(sched.rounds, rounds):
+                got = None
                 if rd.perm:
-                    sent = jax.tree.map(lambda R: _read(R, jnp.asarray(rd.send)[r]), regs)
-                    got = jax.lax.ppermute(sent, DATA, rd.perm)
-                    slot = jnp.asarray(rd.recv)[r]
-                    regs = jax.tree.map(lambda R, x: _write(R, x, slot), regs, got)
-                ops = jnp.asarray(rd.ops)[r]
-                for i in range(rd.ops.shape[1]):
-                    regs = jax.tree.map(lambda R: _add(R, ops[i]), regs)
+                    out = _select(jnp.asarray(send_tab)[r],
+                                  [lambda R, i=i: R[i - 1] for i in sent], regs)
+                    got = jax.lax.ppermute(out, DATA, rd.perm)
+                branches = [lambda R, g, ops=ops: _run(R, ops, g) for ops in op_progs]
+                regs = _select(jnp.asarray(op_tab)[r], branches, regs,
+                               got if got is not None else regs[0])
             # only rank 0 holds the root; -0.0 elsewhere leaves its bits unchanged in the psum
             mine = jax.tree.map(
-                lambda R: jnp.where(r == 0, _read(R, sched.root)[0], jnp.array(-0.0, R.dtype)),
-                regs,
+                lambda x: jnp.where(r == 0, x[0], jnp.array(-0.0, x.dtype)), regs[sched.root - 1]
             )
             return jax.lax.psum(mine, DATA)
 
-        return jax.shard_map(
-            local, mesh=self.mesh, in_specs=(self._reg_specs,), out_specs=self.specs,
-            check_vma=False,
-        )(regs)
+        return self._shard_map(local, regs, out=self.specs)

@@ -61,3 +61,36 @@ def test_bad_dealings_are_refused():
         treesum.schedule(np.array([[0, 1], [2, 3]]))  # rank 0 holds 0 and 2
     with pytest.raises(ValueError, match="out of 0..1 or dealt twice"):
         treesum.schedule(np.array([[0, 0]]))
+
+
+@pytest.mark.parametrize("K", [7, 8, 13])
+def test_the_device_program_gives_the_trees_bits_on_every_replica_count(K):
+    """`TreeSum` on meshes of 1..8 replicas (the planner's dealings, padding slots included):
+    every replica ends with the tree's sum, bit for bit."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    x = values(K, K)
+    ref = treesum.reference_sum(x)
+    for D in range(1, 9):
+        s = slots(K, D)
+        m = s.shape[0]
+        mesh = Mesh(np.array(jax.devices()[:D]).reshape(D), ("data",))
+        # the per-slot values [m, D, 4]; padding slots hold NaN, which must never be added
+        per = np.where((s >= 0)[..., None], x[np.maximum(s, 0)], np.nan).astype(np.float32)
+        tree = treesum.TreeSum(treesum.schedule(s), mesh, {"g": P()})
+
+        @jax.jit
+        def run(v):
+            def micro(regs, kv):
+                k, xs = kv
+                return tree.step(regs, tree.constrain({"g": xs}), k), None
+
+            regs, _ = jax.lax.scan(micro, tree.init({"g": jnp.zeros(4, jnp.float32)}),
+                                   (jnp.arange(m, dtype=jnp.int32), v))
+            return tree.finish(regs)["g"]
+
+        got = run(jax.device_put(per, NamedSharding(mesh, P(None, "data"))))
+        for shard in got.addressable_shards:  # the sum on every replica
+            assert np.asarray(shard.data).view(np.uint32).tolist() == ref.view(np.uint32).tolist(), D
