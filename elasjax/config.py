@@ -912,21 +912,11 @@ def _validate_deterministic(cfg: Config) -> None:
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
     if t.deterministic:
         top = p.max_stage or p.stage
-        # ZeRO-1 keeps the gradient whole (the fixed tree sums it) and partitions only the
-        # optimizer, whose storage kernels are kept apart from the layout (`step._apply_apart`);
-        # ZeRO-2/3 would sum into partitions, which is not in the tree's order yet
-        _require(
-            cfg.zero.stage <= 1,
-            "train.deterministic",
-            f"= true needs zero.stage = 0 or 1 (zero.stage = {cfg.zero.stage}): ZeRO-2 and "
-            "ZeRO-3 sum gradients into partitions, which is not in a fixed order yet; "
-            "allowed values: zero.stage = 0 or 1",
-        )
         _require(
             cfg.zero.stage == 0 or top <= 1,
             "zero.stage",
-            f"= 1 with train.deterministic = true and pipelines (parallel.stage = {p.stage}, "
-            f"parallel.max_stage = {p.max_stage}): ZeRO-1 storage of pipeline slots is not "
+            f"= {cfg.zero.stage} with train.deterministic = true and pipelines (parallel.stage "
+            f"= {p.stage}, parallel.max_stage = {p.max_stage}): ZeRO storage of pipeline slots is not "
             "checked bitwise across plans yet; allowed values: zero.stage = 0 with pipelines, "
             "or parallel.stage = 1 and parallel.max_stage <= 1",
         )

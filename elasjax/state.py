@@ -353,13 +353,19 @@ class StateLayout:
             param_sh = named_shardings(self.abstract.params, p_logical, mesh)
             rep = NamedSharding(mesh, PartitionSpec())
             return TrainState(rep, param_sh, self._opt_storage_shardings(mesh))
-        full_param_sh = named_shardings(f.abstract.params, f.param_logical, mesh)
+        full_param_sh = self.param_shardings(mesh)
         if self.codec is None:
             return named_shardings(f.abstract, f.logical, mesh)
         store_sh = self.codec.storage_shardings(mesh)
         rep = NamedSharding(mesh, PartitionSpec())
         opt_sh = self._opt_storage_shardings(mesh)
         return TrainState(rep, store_sh if self.stage == 3 else full_param_sh, opt_sh)
+
+    def param_shardings(self, mesh: Mesh):
+        """The parameters' shardings in parameter form (the ZeRO-0 layout, tensor-sharded), for
+        an unpipelined plan: what ZeRO-3 gathers its storage into."""
+        f = self.factory
+        return named_shardings(f.abstract.params, f.param_logical, mesh)
 
     def _opt_storage_shardings(self, mesh: Mesh):
         return optax.tree_map_params(

@@ -144,14 +144,23 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
     on how many replicas there are or which one ran which micro-batch: runs on different meshes
     are bitwise equal (the tensor degree is kept fixed by the planner). Extra memory: at most
     ceil(log2 K) + 3 gradient-sized registers per device for K canonical micro-batches,
-    whatever the replica count (tests/test_deterministic_memory.py measures it)."""
-    loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout)
+    whatever the replica count (tests/test_deterministic_memory.py measures it).
+
+    The gradient is always summed whole, in parameter form: ZeRO-2 and ZeRO-3 partition it
+    after the sum (`make_train_step`), with the same additions as ZeRO-0 and ZeRO-1, and ZeRO-3
+    gathers its parameters whole for the step. In this mode their saving is the optimizer
+    state (and ZeRO-3's stored parameters), not the gradient's or the step's working memory."""
+    loss_fn = make_loss_fn(cfg, model, deterministic=False)
     seed = cfg.train.seed
     D = mesh.shape[DATA]
     per_rep = NamedSharding(mesh, PartitionSpec(DATA))
-    specs = {"loss": PartitionSpec(), "grads": jax.tree.map(lambda sh: sh.spec, state_sh.params)}
+    zero3 = layout is not None and layout.stage == 3
+    param_sh = layout.param_shardings(mesh) if zero3 else state_sh.params
+    specs = {"loss": PartitionSpec(), "grads": jax.tree.map(lambda sh: sh.spec, param_sh)}
 
     def grad_fn(params, batch, step, plan: Plan):
+        if zero3:
+            params = jax.lax.with_sharding_constraint(layout.from_storage(params, mesh), param_sh)
         key = rng.step_key(rng.root_key(seed), step)
         tree = TreeSum(treesum.schedule(plan.canonical_slots()), mesh, specs)
         like = {"loss": jnp.zeros((), jnp.float32), "grads": params}
@@ -280,11 +289,11 @@ def make_train_step(
                 grads = jax.tree.map(
                     lambda g: jnp.where(norm < clip, g, (g / norm.astype(g.dtype)) * clip), grads
                 )
-        if stage in (0, 3):
-            p_opt, g_opt = state.params, grads
-        else:
-            p_opt = layout.to_storage(state.params, mesh)
-            g_opt = layout.to_storage(grads, mesh) if stage == 1 else grads
+        # the gradient comes in parameter form for ZeRO-0/1 and in deterministic mode
+        # (`_deterministic_grad_fn`), else in the ZeRO storage (`make_grad_fn`)
+        whole = stage < 2 or cfg.train.deterministic
+        p_opt = state.params if stage in (0, 3) else layout.to_storage(state.params, mesh)
+        g_opt = layout.to_storage(grads, mesh) if stage > 0 and whole else grads
         if cfg.train.deterministic and stage > 0:
             new_p, opt_state = _apply_apart(tx, g_opt, state.opt_state, p_opt, state.step)
         else:
