@@ -46,6 +46,9 @@ class Liveness:
         self.max_gap: dict[int, float] = {p: 0.0 for p in self._last}  # longest seen silence
         self.long_gaps: list[tuple[float, int, float, str]] = []  # (when, peer, gap, our phase)
         self.phase = "start"  # the guard this process is in (set by the runtime), for reports
+        # called as on_silent(p, seconds) from the thread that first sees p silent past
+        # `timeout` (once per silence)
+        self.on_silent = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [
@@ -97,9 +100,13 @@ class Liveness:
                 self._last[p] = (v, now)
                 self.first_silent.pop(p, None)  # it beats again: an earlier silence was not death
                 return 0.0
-            if now - t > self.timeout and p not in self.first_silent:
+            silent = now - t
+            first = silent > self.timeout and p not in self.first_silent
+            if first:
                 self.first_silent[p] = now
-            return now - t
+        if first and self.on_silent is not None:
+            self.on_silent(p, silent)
+        return silent
 
     def working(self, p: int, window: float) -> bool:
         """Has process p's CPU time advanced in the last `window` seconds (as last observed)? Known
@@ -310,6 +317,10 @@ class ProcessExits:
         if pid is None or self.exited(p):
             return None
         return cpu_s(pid)
+
+    def watching(self, p: int) -> bool:
+        """Whether the kernel will report process p's exit (a same-host peer with a pidfd)."""
+        return p in self._fds
 
     def exited(self, p: int) -> bool:
         fd = self._fds.get(p)

@@ -318,6 +318,7 @@ class MultiControllerRuntime:
         self._abort_lock = threading.Lock()
         if rc.platform == "cpu" and rc.renew_collectives != "never":
             self.exits.start_watcher(self._on_exit)
+            self.liveness.on_silent = self._on_silent
         self._guards = 0  # guards run: every live process runs the same sequence
         self._steps = 0  # step guards entered (for `rc.slow`)
         self._retries = 0  # collective failures among live processes since the last good step
@@ -493,6 +494,26 @@ class MultiControllerRuntime:
                              "(pidfd), to end their waits at once")
         self.log(f"process {p} exited (pidfd): shut down {n} collective sockets of this process")
 
+    def _on_silent(self, p: int, silent: float) -> None:
+        """Process p's heartbeat has been silent past `liveness_timeout_s` (the liveness
+        watcher's thread). Inside a step's block, for a peer whose exit the kernel cannot report
+        (another host's, or any with `--no-watch-exits`), shut this process's collectives down
+        as `_on_exit` does: a collective waiting for a dead peer elsewhere fails now rather than
+        at the collective timeout. A peer that was only slow costs a retry: the exit barrier
+        finds every process alive and the step is run again on a renewed client
+        (`_collective_retry`). A compile starves heartbeats, so other guards are left alone."""
+        if self.liveness.phase != "step" or self.exits.watching(p):
+            return
+        with self._abort_lock:
+            if not self._in_body or self._aborted is not None:
+                return
+            port = int(self.rc.coordinator.rpartition(":")[2])
+            n = abort_collectives([port])
+            self._aborted = (f"it shut down its collectives ({n} sockets) when process {p}'s "
+                             f"heartbeat was silent {silent:.2f}s, to end their waits at once")
+        self.log(f"process {p} silent {silent:.2f}s (heartbeat): shut down {n} collective "
+                 "sockets of this process")
+
     def _exit_barrier(self, err: BaseException | None, timeout: float, where: str = "exit") -> dict:
         self.exits.watch()  # every process: its exit watcher aborts collectives (`_on_exit`)
         self._guards += 1
@@ -501,7 +522,9 @@ class MultiControllerRuntime:
         self.client.key_value_set(f"{key}/{self.me}", status, allow_overwrite=True)
         live = sorted(self.processes())
         slow = max(timeout, float(self.rc.heartbeat_timeout_s))
-        verdict, gone = self._await_verdict(key, live, slow)
+        # the arbiter is judged as `arbitrate` judges any peer: the fast timeout where this
+        # process's own block failed (evidence of a failure), else the slow one
+        verdict, gone = self._await_verdict(key, live, timeout if err is not None else slow)
         if verdict is not None:
             return verdict  # the arbiter's
         # this process arbitrates: it is the lowest live process, or every lower one died here
@@ -542,9 +565,9 @@ class MultiControllerRuntime:
                 self.client.key_value_delete(old)  # the directory: every post and the verdict
         return verdict
 
-    def _await_verdict(self, key: str, live: list[int], slow: float) -> tuple[dict | None, dict]:
+    def _await_verdict(self, key: str, live: list[int], limit: float) -> tuple[dict | None, dict]:
         """Wait for the verdict of the lowest live process; when it dies first (`peer_state` with
-        the slow limit, as `arbitrate` judges any peer), the next one arbitrates, and so on.
+        `limit`), the next one arbitrates, and so on.
         Returns (the verdict, {}), or (None, {p: silence} of the dead arbiters) when this process
         arbitrates ({} when it was the lowest)."""
         gone: dict[int, float] = {}
@@ -556,7 +579,7 @@ class MultiControllerRuntime:
                 return json.loads(self.client.blocking_key_value_get(f"{key}/verdict", 200)), {}
             except JaxRuntimeError:
                 pass
-            state, silent = peer_state(arbiter, self.liveness, self.exits, slow, STARVED_MAX_S)
+            state, silent = peer_state(arbiter, self.liveness, self.exits, limit, STARVED_MAX_S)
             if state in ("exited", "dead"):
                 self.log(f"{self.liveness.phase}: the arbiter, process {arbiter}, is dead "
                          f"(silent {silent:.2f}s); the next live process arbitrates")
@@ -592,7 +615,7 @@ class MultiControllerRuntime:
         where = f"the {phase} {verdict.get('where', 'exit')} barrier"
         by_exit = set(procs) <= set(verdict.get("exited", ()))
         if self._aborted is not None:
-            released += "; its collectives were shut down at the exit (pidfd)"
+            released += f"; {self._aborted}"
         if by_exit:  # the kernel said so: no timeout was needed
             detector = "process exit"
             detected_by = (f"process exit: {', '.join(f'process {p}' for p in procs)} exited "
