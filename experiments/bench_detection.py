@@ -15,6 +15,8 @@ Four processes x two CPU devices train `configs/multiprocess.yaml` (gloo collect
    - kill -> detected: the arbiter's verdict reached the survivor (the `DeviceFailure`; this is
      the recovery's `detect_s`, the figure the acceptance asks for);
    - the MTTR (death to the first good step) and its phases; standby hit or not.
+   With `--no-watch-exits` the kernel's exit watch is off (kill and skew runs), so every death
+   is seen as a death on another host would be: by the heartbeat alone.
    The first kill of a run recovers with the standby compiled before step 0; later kills of the
    same run find standby executables only if the background compile after the first recovery
    finished, so the table splits the MTTRs by hit.
@@ -71,7 +73,8 @@ def kill_run(args, i: int, out: Path) -> list[dict]:
     standby = [*STANDBY, "standby.wait_after_recovery=true"] if args.wait_after_recovery else STANDBY
     rc, wall = _launch(out, [*standby, f"train.steps={steps}"], kills=kills,
                        collective_timeout_s=args.collective_timeout,
-                       liveness_timeout_s=args.liveness_timeout)
+                       liveness_timeout_s=args.liveness_timeout,
+                       watch_exits=not args.no_watch_exits)
     rows = []
     for e in _events(out):
         if e.get("type") != "recovery":
@@ -100,7 +103,8 @@ def skew_run(args, out: Path, collective_timeout: int) -> dict:
     steps = start + args.skew_steps + 3
     rc, wall = _launch(out, [f"train.steps={steps}"], collective_timeout_s=collective_timeout,
                        liveness_timeout_s=args.liveness_timeout,
-                       slow=f"1:{args.skew_factor:g}:{start}:{args.skew_steps}")
+                       slow=f"1:{args.skew_factor:g}:{start}:{args.skew_steps}",
+                       watch_exits=not args.no_watch_exits)
     ev = _events(out)
     # a process declared dead; a retry (collectives failed, nobody died) is counted apart
     declared = [e for e in ev if e.get("type") == "failure_before_start"
@@ -169,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kills-per-run", type=int, default=3, choices=(1, 2, 3))
     ap.add_argument("--collective-timeout", type=int, default=1)
     ap.add_argument("--liveness-timeout", type=float, default=1.0)
+    ap.add_argument("--no-watch-exits", action="store_true",
+                    help="turn the kernel's exit watch off: every death is seen as one on another "
+                         "host would be (the heartbeat alone)")
     ap.add_argument("--skew-factor", type=float, default=3.0)
     ap.add_argument("--skew-steps", type=int, default=50)
     ap.add_argument("--skew-collective-timeouts", type=int, nargs="*", default=None,
@@ -189,7 +196,9 @@ def main(argv=None) -> int:
             f"{args.collective_timeout}s; liveness timeout {args.liveness_timeout:g}s (heartbeat "
             f"every 0.1s); {'optimised' if args.optimized_xla else 'JAX_DISABLE_MOST_OPTIMIZATIONS=1'}; "
             f"{os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.1f}; standby "
-            f"waits at start{' and after each recovery' if args.wait_after_recovery else ''}")
+            f"waits at start{' and after each recovery' if args.wait_after_recovery else ''}; "
+            + ("exit watch off (every death seen as on another host: heartbeat only)"
+               if args.no_watch_exits else "exit watch on (same-host deaths read from the kernel)"))
     print(cond, flush=True)
     rows: list[dict] = []
     res: dict = {"conditions": cond}
