@@ -201,6 +201,21 @@ def _launch(args) -> int:
         args.set = [*STANDBY, *args.set]
     args.set = [*args.set, *_optimizer_override(args), *_tensorboard_override(args)]
     spares = None if args.spares is None else launch.parse_spares(args.spares)
+    if args.cluster:
+        from . import jaxcompat
+
+        if args.processes is not None:
+            raise launch.ConfigError("--cluster joins a cluster's job as one of its processes; "
+                                     "allowed with --cluster: --processes not given")
+        args.coordinator, args.num_processes, args.process_id = jaxcompat.cluster_params(
+            args.coordinator, args.num_processes, args.process_id)
+        missing = [flag for flag, v in (("--coordinator", args.coordinator),
+                                        ("--num-processes", args.num_processes),
+                                        ("--process-id", args.process_id)) if v is None]
+        if missing:
+            raise launch.ConfigError(
+                f"--cluster found no value for {', '.join(missing)} in the environment (JAX "
+                "detects SLURM, Open MPI, Kubernetes and Cloud TPU jobs); pass them by hand")
     if args.coordinator is None:  # start the processes here, on loopback
         if args.num_processes is not None or args.process_id is not None:
             raise launch.ConfigError("--num-processes/--process-id need --coordinator")
@@ -320,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="join a cluster as one process (with --num-processes, --process-id), "
                    "through the coordination process at HOST:PORT (python -m "
                    "elasjax.runtime.coordinator)")
+    m.add_argument("--cluster", action="store_true",
+                   help="join a cluster's job: --coordinator, --num-processes and --process-id "
+                   "from the environment where not given (SLURM, Open MPI, Kubernetes, Cloud "
+                   "TPU: what jax.distributed.initialize() detects)")
     m.add_argument("--num-processes", type=int, default=None)
     m.add_argument("--process-id", type=int, default=None)
     m.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")

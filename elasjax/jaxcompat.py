@@ -119,6 +119,24 @@ def batched_put() -> Callable | None:
         return None
 
 
+def cluster_params(coordinator: str | None, num_processes: int | None,
+                   process_id: int | None) -> tuple[str | None, int | None, int | None]:
+    """(coordinator address, process count, this process's id), each taken from the cluster's
+    environment where not given: what `jax.distributed.initialize()` detects (SLURM, Open MPI,
+    Kubernetes, Cloud TPU), through JAX's private cluster detection (`jax._src.clusters`; a
+    clear error where it is missing). Values no environment gives stay None."""
+    try:
+        from jax._src import clusters
+
+        detect = clusters.ClusterEnv.auto_detect_unset_distributed_params
+    except (ImportError, AttributeError) as e:
+        raise _missing("cluster detection (jax._src.clusters.ClusterEnv); pass --coordinator, "
+                       "--num-processes and --process-id instead", e) from e
+    coordinator, num_processes, process_id, _ = detect(
+        coordinator, num_processes, process_id, None, None, 300)
+    return coordinator, num_processes, process_id
+
+
 def start_coordination_service(bind: str, num_processes: int, heartbeat_timeout_s: int,
                                shutdown_timeout_s: int = 5):
     """JAX's coordination service (the key-value store and the task registry of a

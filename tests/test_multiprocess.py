@@ -871,3 +871,81 @@ def _guard_job(mode: str, tmp_path: Path):
                 p.wait()
         _stop_coordinator(coord)
     return procs, outs
+
+
+# ---------------------------------------------------------------------------------------------
+# A cluster's job: `elasjax launch --cluster`.
+
+
+def _slurm_port() -> int:
+    """A free port in the range JAX derives a SLURM job's coordinator port from."""
+    import random
+    import socket
+
+    for p in random.Random(os.getpid()).sample(range(61440, 65536), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+            return p
+    pytest.skip("no free port in 61440..65535")
+
+
+@pytest.mark.slow
+def test_a_cluster_job_takes_its_processes_and_coordinator_from_the_environment(reference,
+                                                                                 tmp_path):
+    """`elasjax launch --cluster` in a SLURM job's environment (two tasks on this machine): each
+    process takes its id, the process count and the coordinator's address (the job's first
+    node, at the port JAX derives from the job id) from SLURM's variables, joins the
+    coordination process there, and the job trains the fault-free computation."""
+    from elasjax.launch import _stop_coordinator
+    from elasjax.runtime import coordinator
+
+    port = _slurm_port()
+    job_id = port - 61440 + 4096 * 7  # JAX: port = job id % 4096 + 61440
+    out = tmp_path / "cluster"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+    for k in list(env):  # only the simulated job's environment is detected
+        if k.startswith(("SLURM_", "OMPI_", "KUBERNETES_")):
+            env.pop(k)
+    coord = coordinator.start_local(port, 2, 30, tmp_path / "coordinator.log", env=env)
+    cmd = [sys.executable, "-m", "elasjax.cli", "launch", str(CONFIG), *_sets(), "--cluster",
+           "--devices-per-process", "4", "--out", str(out),
+           "--collective-timeout", str(COLLECTIVE_TIMEOUT_S)]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True, env={
+                             **env, "SLURM_JOB_ID": str(job_id), "SLURM_STEP_NODELIST":
+                             "localhost", "SLURM_NTASKS": "2", "SLURM_PROCID": str(i),
+                             "SLURM_LOCALID": str(i)})
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        _stop_coordinator(coord)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    _assert_matches(metrics, reference)
+    assert {r["n_processes"] for r in metrics} == {2}
+
+
+def test_cluster_mode_without_a_cluster_says_what_to_pass(monkeypatch, capsys):
+    from elasjax import cli
+
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "OMPI_", "KUBERNETES_")):
+            monkeypatch.delenv(k)
+    assert cli.main(["launch", str(CONFIG), "--cluster"]) == 2
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert "--cluster found no value for --coordinator, --num-processes, --process-id" in text
+    assert cli.main(["launch", str(CONFIG), "--cluster", "--processes", "2"]) == 2
+    assert "allowed with --cluster: --processes not given" in "".join(capsys.readouterr())
