@@ -1,6 +1,6 @@
 """Every use of JAX's private or experimental modules, in one place, each probed at first use.
 
-elasjax needs four things JAX does not publish:
+elasjax needs five things JAX does not publish:
 
 - **loading a serialized executable onto other devices** (`executable_loader`): a standby plan
   rebound to the survivors, or a renewed CPU client's executables reloaded, without a compile
@@ -14,6 +14,9 @@ elasjax needs four things JAX does not publish:
   (`start_coordination_service`, `join_coordination_service`: what `jax.distributed.initialize`
   does, with the service outside the training processes), and **its key-value client**
   (`distributed_client`). No fallback: a clear error naming the JAX version tested.
+- **a cluster's job parameters from its environment** (`cluster_params`, for `elasjax launch
+  --cluster`): JAX's own detection of SLURM, Open MPI, Kubernetes and Cloud TPU jobs. No
+  fallback: a clear error that says to pass the flags by hand.
 - **serializing a compiled executable** (`serialize`, `jax.experimental.serialize_executable`) and
   **point-to-point transfers** (`jax.experimental.transfer`, in `runtime.p2p`): experimental, not
   private; a missing module is a clear error when the feature is used.
