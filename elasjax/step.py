@@ -191,10 +191,13 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
 def _deterministic_pipelined_grad_fn(cfg: Config, mesh: Mesh, state_sh: TrainState, layout):
     """Deterministic mode on a pipeline: the gradient is taken with respect to one copy of the
     parameters per (micro-batch, replica) slot (`pipeline_slot_losses(copies=True)`), so every
-    canonical micro-batch's gradient comes out on its own; they are added in canonical order.
-    Costs one gradient-sized buffer per slot on each stage."""
+    canonical micro-batch's gradient comes out on its own; they are added in the fixed tree over
+    the canonical indices (`treesum`), as the unpipelined step adds them. Costs one
+    gradient-sized buffer per micro-batch slot of a replica on each stage (m of them), and the
+    tree's O(log K) registers; neither grows with the replica count."""
     seed = cfg.train.seed
     D = mesh.shape[DATA]
+    specs = {"loss": PartitionSpec(), "grads": jax.tree.map(lambda sh: sh.spec, state_sh.params)}
 
     def spec(sh, *lead):
         return NamedSharding(mesh, PartitionSpec(*lead, *sh.spec))
@@ -217,13 +220,19 @@ def _deterministic_pipelined_grad_fn(cfg: Config, mesh: Mesh, state_sh: TrainSta
             return jnp.sum(losses), losses
 
         (_, losses), grads = jax.value_and_grad(total, has_aux=True)(copies)
-        order = canonical_order(plan)
-        loss_sum = fixed_order_sum(losses, order, replicated(mesh))
-        grads = jax.tree.map(
-            lambda g, sh: fixed_order_sum(g, order, spec(sh, None)), grads, state_sh.params
-        )
+        tree = TreeSum(treesum.schedule(plan.canonical_slots()), mesh, specs)
+        like = {"loss": jnp.zeros((), jnp.float32), "grads": params}
+
+        def add(regs, kv):
+            k, vals = kv
+            return tree.step(regs, tree.constrain(vals), k), None
+
+        regs, _ = jax.lax.scan(add, tree.init(like), (
+            jnp.arange(m, dtype=jnp.int32), {"loss": losses, "grads": grads}))
+        summed = tree.finish(regs)
         n_tokens = normaliser(batch)
-        return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
+        return (summed["loss"] / n_tokens,
+                jax.tree.map(lambda g: g / n_tokens, summed["grads"]))
 
     return grad_fn
 

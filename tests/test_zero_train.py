@@ -6,6 +6,7 @@ checksums against the pre-failure state (the trainer raises otherwise). Loss tol
 test_trainer: relative 1e-5 per step.
 """
 
+import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
@@ -162,3 +163,24 @@ def test_a_device_that_changes_tensor_rank_keeps_nothing_in_place(exe_cache):
     )
     assert [r.to_plan.split(".")[0] for r in s.recoveries] == ["d3t2m3b1+1spare", "d3t2m3b1"]
     assert all(r.verified and r.rung == "buddy" for r in s.recoveries)
+
+
+def test_host_copies_taken_on_the_training_thread_keep_the_shardings_whole(exe_cache, reference,
+                                                                          monkeypatch):
+    """The accelerator's path, run on the CPU: the step donates its state and the host copies are
+    started on the training thread (`SnapshotPool.thread_helps` false). Every array's device set
+    stays whole (a `.pop()` on `devices()`, the sharding's cached set, once emptied it for every
+    array on the mesh and stopped the first snapshot), and a device failure recovers from the
+    host copies, matching the fault-free run."""
+    from elasjax.transfer.snapshot import SnapshotPool
+
+    monkeypatch.setattr(SnapshotPool, "thread_helps", staticmethod(lambda rt: False))
+    cfg = tiny_config(*COMMON, "zero.stage=1", "snapshot.buddy=false", "snapshot.host=true",
+                      "faults=[{at_step: 3, devices: [3]}]")
+    run = trainer.run(cfg, exe_cache=exe_cache)
+    assert len(run.recoveries) == 1 and run.recoveries[0].verified
+    assert run.recoveries[0].rung == "host"
+    for x in jax.tree.leaves(run.state):
+        assert len(x.sharding.device_set) == x.sharding.num_devices > 0
+    for s, loss in reference.losses.items():
+        assert abs(run.losses[s] - loss) <= 1e-5 * loss, s

@@ -422,7 +422,9 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         die with its simulated device). On an accelerator the transfer is started and not
         waited for (from a device copy when the next step donates the buffer): the step
         after it runs meanwhile, and `complete` collects it at the next step boundary."""
-        if x.devices().pop().platform == "cpu":
+        # next(iter(...)), not .pop(): `devices()` is the sharding's cached set, shared by every
+        # array on that mesh (tests/test_zero_train.py)
+        if next(iter(x.devices())).platform == "cpu":
             return np.array(x, copy=True)
         y = x.copy() if self.donated else x
         y.copy_to_host_async()
