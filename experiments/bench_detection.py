@@ -156,6 +156,13 @@ def full_restart(args, out: Path) -> dict:
     return {"exit": rc, "to_first_step_s": first[0] - t0, "wall_s": wall}
 
 
+def _slowest(per_process: dict | None) -> float | None:
+    """The slowest survivor's detection, of those that reported one (a survivor whose
+    collectives were released before the kill's time was posted reports None)."""
+    got = [v for v in (per_process or {}).values() if v is not None]
+    return max(got) if got else None
+
+
 def _f(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
@@ -232,7 +239,7 @@ def main(argv=None) -> int:
             f"  kill -> error (step released)         {_stats([r['kill_to_error_s'] for r in rows])}",
             f"  kill -> detected (verdict, detect_s)  {_stats([r['kill_to_detect_s'] for r in rows])}",
             f"  slowest survivor's detect            "
-            f"{_stats([max(r['detect_per_process_s'].values()) for r in rows if r.get('detect_per_process_s')])}",
+            f"{_stats([_slowest(r.get('detect_per_process_s')) for r in rows])}",
             "",
             "detector: " + ", ".join(f"{d} {sum(r.get('detector') == d for r in rows)}" for d in
                                      sorted({str(r.get('detector')) for r in rows}))

@@ -848,7 +848,7 @@ def _result(proc, out: str) -> dict:
 
 
 def _guard_job(mode: str, tmp_path: Path):
-    from elasjax.launch import _free_port, _stop_coordinator
+    from elasjax.launch import _free_port
     from elasjax.runtime import coordinator
 
     port = _free_port()
@@ -860,17 +860,25 @@ def _guard_job(mode: str, tmp_path: Path):
                          start_new_session=True)
         for i in range(3)
     ]
+    return procs, _outputs(procs, 150, coord)
+
+
+def _outputs(procs, timeout: int, coord) -> list[str]:
+    """Each worker's output once it ended (within `timeout` s each); then every worker still
+    alive is killed and the coordination process stopped."""
+    from elasjax.launch import _stop_coordinator
+
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=150)[0])
+            outs.append(p.communicate(timeout=timeout)[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         _stop_coordinator(coord)
-    return procs, outs
+    return outs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -899,7 +907,6 @@ def test_a_cluster_job_takes_its_processes_and_coordinator_from_the_environment(
     process takes its id, the process count and the coordinator's address (the job's first
     node, at the port JAX derives from the job id) from SLURM's variables, joins the
     coordination process there, and the job trains the fault-free computation."""
-    from elasjax.launch import _stop_coordinator
     from elasjax.runtime import coordinator
 
     port = _slurm_port()
@@ -921,16 +928,7 @@ def test_a_cluster_job_takes_its_processes_and_coordinator_from_the_environment(
                              "SLURM_LOCALID": str(i)})
         for i in range(2)
     ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        _stop_coordinator(coord)
+    outs = _outputs(procs, 240, coord)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
     metrics = read_jsonl(out / "metrics.jsonl")
     _assert_matches(metrics, reference)

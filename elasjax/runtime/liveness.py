@@ -47,8 +47,10 @@ class Liveness:
         self.long_gaps: list[tuple[float, int, float, str]] = []  # (when, peer, gap, our phase)
         self.phase = "start"  # the guard this process is in (set by the runtime), for reports
         # called as on_silent(p, seconds) from the thread that first sees p silent past
-        # `timeout` (once per silence)
+        # `on_silent_after` seconds (once per silence)
         self.on_silent = None
+        self.on_silent_after = timeout
+        self._reported: set[int] = set()  # peers whose current silence was reported
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [
@@ -99,12 +101,16 @@ class Liveness:
                         self.long_gaps.append((now, p, now - t, self.phase))
                 self._last[p] = (v, now)
                 self.first_silent.pop(p, None)  # it beats again: an earlier silence was not death
+                self._reported.discard(p)
                 return 0.0
             silent = now - t
-            first = silent > self.timeout and p not in self.first_silent
-            if first:
+            if silent > self.timeout and p not in self.first_silent:
                 self.first_silent[p] = now
-        if first and self.on_silent is not None:
+            report = (self.on_silent is not None and silent > self.on_silent_after
+                      and p not in self._reported)
+            if report:
+                self._reported.add(p)
+        if report:
             self.on_silent(p, silent)
         return silent
 

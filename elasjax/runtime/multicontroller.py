@@ -92,6 +92,11 @@ class RejoinUnsupportedError(RuntimeError):
 # Start-up.
 
 
+# a peer silent this many liveness timeouts inside a step has this process's collectives shut
+# down (`MultiControllerRuntime._on_silent`, which says why not 1)
+SILENCE_ABORT_FACTOR = 2.0
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     """How one process joins the job.
@@ -319,6 +324,7 @@ class MultiControllerRuntime:
         if rc.platform == "cpu" and rc.renew_collectives != "never":
             self.exits.start_watcher(self._on_exit)
             self.liveness.on_silent = self._on_silent
+            self.liveness.on_silent_after = SILENCE_ABORT_FACTOR * rc.liveness_timeout_s
         self._guards = 0  # guards run: every live process runs the same sequence
         self._steps = 0  # step guards entered (for `rc.slow`)
         self._retries = 0  # collective failures among live processes since the last good step
@@ -485,34 +491,44 @@ class MultiControllerRuntime:
         process's collectives down (`collectives.abort_collectives`), so that a collective
         waiting for the dead peer, or for a survivor already released by its error, fails now
         rather than at the collective timeout. Recovery then renews the client."""
+        n = self._abort(f"when process {p} exited (pidfd)")
+        if n is not None:
+            self.log(f"process {p} exited (pidfd): shut down {n} collective sockets of this "
+                     "process")
+
+    def _abort(self, when: str) -> int | None:
+        """Inside a guard's block, shut this process's collectives down, once
+        (`collectives.abort_collectives`: every connection but the coordination service's), and
+        record why; returns the sockets shut, or None outside a block or after an abort."""
         with self._abort_lock:
             if not self._in_body or self._aborted is not None:
-                return
+                return None
             port = int(self.rc.coordinator.rpartition(":")[2])
             n = abort_collectives([port])
-            self._aborted = (f"it shut down its collectives ({n} sockets) when process {p} exited "
-                             "(pidfd), to end their waits at once")
-        self.log(f"process {p} exited (pidfd): shut down {n} collective sockets of this process")
+            self._aborted = (f"it shut down its collectives ({n} sockets) {when}, to end their "
+                             "waits at once")
+        return n
 
     def _on_silent(self, p: int, silent: float) -> None:
-        """Process p's heartbeat has been silent past `liveness_timeout_s` (the liveness
-        watcher's thread). Inside a step's block, for a peer whose exit the kernel cannot report
-        (another host's, or any with `--no-watch-exits`), shut this process's collectives down
-        as `_on_exit` does: a collective waiting for a dead peer elsewhere fails now rather than
-        at the collective timeout. A peer that was only slow costs a retry: the exit barrier
-        finds every process alive and the step is run again on a renewed client
-        (`_collective_retry`). A compile starves heartbeats, so other guards are left alone."""
+        """Process p's heartbeat has been silent past `SILENCE_ABORT_FACTOR` x
+        `liveness_timeout_s` (the liveness watcher's thread). Inside a step's block, for a peer
+        whose exit the kernel cannot report (another host's, or any with `--no-watch-exits`),
+        shut this process's collectives down as `_on_exit` does: a collective waiting for a dead
+        peer elsewhere fails now rather than at the collective timeout. A compile starves
+        heartbeats, so other guards are left alone.
+
+        The abort is evidence of a failure at the exit barrier, where a peer silent past the
+        liveness timeout is then declared dead: a live peer whose heartbeat thread starved that
+        long is fenced off. Hence the factor: a live process's heartbeat was seen silent 1.12 s
+        in a step beside a background compile on a loaded 2-core machine (experiments/
+        RESULTS.md, "bench_detection with the exit watch off, collective timeout 8 s"), which
+        at 1 x the liveness timeout cost a live process."""
         if self.liveness.phase != "step" or self.exits.watching(p):
             return
-        with self._abort_lock:
-            if not self._in_body or self._aborted is not None:
-                return
-            port = int(self.rc.coordinator.rpartition(":")[2])
-            n = abort_collectives([port])
-            self._aborted = (f"it shut down its collectives ({n} sockets) when process {p}'s "
-                             f"heartbeat was silent {silent:.2f}s, to end their waits at once")
-        self.log(f"process {p} silent {silent:.2f}s (heartbeat): shut down {n} collective "
-                 "sockets of this process")
+        n = self._abort(f"when process {p}'s heartbeat was silent {silent:.2f}s")
+        if n is not None:
+            self.log(f"process {p} silent {silent:.2f}s (heartbeat): shut down {n} collective "
+                     "sockets of this process")
 
     def _exit_barrier(self, err: BaseException | None, timeout: float, where: str = "exit") -> dict:
         self.exits.watch()  # every process: its exit watcher aborts collectives (`_on_exit`)
