@@ -916,9 +916,9 @@ def _validate_deterministic(cfg: Config) -> None:
             cfg.zero.stage == 0 or top <= 1,
             "zero.stage",
             f"= {cfg.zero.stage} with train.deterministic = true and pipelines (parallel.stage "
-            f"= {p.stage}, parallel.max_stage = {p.max_stage}): ZeRO storage of pipeline slots is not "
-            "checked bitwise across plans yet; allowed values: zero.stage = 0 with pipelines, "
-            "or parallel.stage = 1 and parallel.max_stage <= 1",
+            f"= {p.stage}, parallel.max_stage = {p.max_stage}): ZeRO storage of pipeline slots "
+            "is not checked bitwise across plans yet; allowed values: zero.stage = 0 with "
+            "pipelines, or parallel.stage = 1 and parallel.max_stage <= 1",
         )
         _require(
             top <= 1 or (p.stage >= 2 and p.min_stage >= 2),

@@ -247,10 +247,10 @@ def launch_local(
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
     (None: the config's `parallel.spares`), wait for them, reap them.
 
-    Returns 0 when a worker finished the run (the others survived as deaths), 3 when
-    the coordination process died (the job cannot continue), 1 on any other failure or on
-    `timeout_s`. Every worker is its own process group and is SIGKILLed on the way out if still running. Writes
-    `launch.json` (per-process exit status) and `worker<i>.log` to `out`.
+    Returns 0 when a worker finished the run (the others survived as deaths), 3 when the
+    coordination process died (the job cannot continue), 1 on any other failure or on
+    `timeout_s`. Every worker is its own process group and is SIGKILLed on the way out if still
+    running. Writes `launch.json` (per-process exit status) and `worker<i>.log` to `out`.
 
     `max_restarts` > 0 supervises the job (`elasjax.supervisor`): when it cannot continue, every
     process is reaped and the whole job starts again as a new job (fresh coordinator port)

@@ -135,6 +135,21 @@ def fixed_order_sum(x: jax.Array, order: np.ndarray, sharding) -> jax.Array:
     return total
 
 
+def _tree_total(plan: Plan, mesh: Mesh, specs, params, xs, values_of=lambda v: v):
+    """{"loss", "grads"} summed over the micro-batches in the fixed tree (`treesum`): micro-batch
+    k's per-replica values are `values_of(xs[k])` (`xs`: a pytree with a leading axis of m)."""
+    tree = TreeSum(treesum.schedule(plan.canonical_slots()), mesh, specs)
+    like = {"loss": jnp.zeros((), jnp.float32), "grads": params}
+
+    def add(regs, kx):
+        k, x = kx
+        return tree.step(regs, tree.constrain(values_of(x)), k), None
+
+    m = jax.tree.leaves(xs)[0].shape[0]
+    regs, _ = jax.lax.scan(add, tree.init(like), (jnp.arange(m, dtype=jnp.int32), xs))
+    return tree.finish(regs)
+
+
 def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout):
     """Deterministic mode: every canonical micro-batch's summed loss and gradient is computed by
     one replica on its own (a `vmap` over the data axis, so nothing is reduced across
@@ -162,11 +177,8 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
         if zero3:
             params = jax.lax.with_sharding_constraint(layout.from_storage(params, mesh), param_sh)
         key = rng.step_key(rng.root_key(seed), step)
-        tree = TreeSum(treesum.schedule(plan.canonical_slots()), mesh, specs)
-        like = {"loss": jnp.zeros((), jnp.float32), "grads": params}
 
-        def micro(regs, kmb):
-            k, mb = kmb
+        def micro(mb):
             mb = jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(
                     x.reshape((D, x.shape[0] // D) + x.shape[1:]), per_rep
@@ -176,12 +188,9 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
             losses, grads = jax.vmap(
                 jax.value_and_grad(lambda p, m: loss_fn(p, m, key)), in_axes=(None, 0)
             )(params, mb)
-            vals = tree.constrain({"loss": losses, "grads": grads})
-            return tree.step(regs, vals, k), None
+            return {"loss": losses, "grads": grads}
 
-        m = batch["weights"].shape[0]
-        regs, _ = jax.lax.scan(micro, tree.init(like), (jnp.arange(m, dtype=jnp.int32), batch))
-        total = tree.finish(regs)
+        total = _tree_total(plan, mesh, specs, params, batch, micro)
         n_tokens = normaliser(batch)
         return total["loss"] / n_tokens, jax.tree.map(lambda g: g / n_tokens, total["grads"])
 
@@ -220,16 +229,7 @@ def _deterministic_pipelined_grad_fn(cfg: Config, mesh: Mesh, state_sh: TrainSta
             return jnp.sum(losses), losses
 
         (_, losses), grads = jax.value_and_grad(total, has_aux=True)(copies)
-        tree = TreeSum(treesum.schedule(plan.canonical_slots()), mesh, specs)
-        like = {"loss": jnp.zeros((), jnp.float32), "grads": params}
-
-        def add(regs, kv):
-            k, vals = kv
-            return tree.step(regs, tree.constrain(vals), k), None
-
-        regs, _ = jax.lax.scan(add, tree.init(like), (
-            jnp.arange(m, dtype=jnp.int32), {"loss": losses, "grads": grads}))
-        summed = tree.finish(regs)
+        summed = _tree_total(plan, mesh, specs, params, {"loss": losses, "grads": grads})
         n_tokens = normaliser(batch)
         return (summed["loss"] / n_tokens,
                 jax.tree.map(lambda g: g / n_tokens, summed["grads"]))

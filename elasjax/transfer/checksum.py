@@ -87,11 +87,11 @@ def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None =
     return checksum_with(bits, weights(idx, valid))
 
 
-# Elements hashed per loop step on the CPU. Hashing a large array in one fused pass writes its bit pattern
-# and weighted products to memory before reducing them; on the CPU backend that cost about 5x the
-# same work done in cache-sized tiles, each converted to bits on its own (the state of a 25.5M-
-# parameter GPT: 257 -> 52 ms, experiments/RESULTS.md, "Checksums"). So arrays larger than this
-# are hashed tile by tile in a loop (the same values: the sums wrap, in any order).
+# Elements hashed per loop step on the CPU. Hashing a large array in one fused pass writes its
+# bit pattern and weighted products to memory before reducing them; on the CPU backend that cost
+# about 5x the same work done in cache-sized tiles, each converted to bits on its own (the state
+# of a 25.5M-parameter GPT: 257 -> 52 ms, experiments/RESULTS.md, "Checksums"). So arrays larger
+# than this are hashed tile by tile in a loop (the same values: the sums wrap, in any order).
 CHUNK = 1 << 14
 # On an accelerator each loop step is a kernel launch of its own, and XLA fuses a tile's bits,
 # products and sums into one reduction that writes nothing out, so small tiles cost only launches:
