@@ -304,7 +304,9 @@ class SnapshotConfig:
     process a buddy would be on), read from the copy sent to that process's device. It then
     survives what a buddy copy survives (the holder's process dying), not that process's death.
     `null` (the default) protects by itself: buddy copies when the job has two hosts or more,
-    host copies when it has one (they survive a device failure). Only unique shards are copied,
+    host copies when it has one host of two devices or more (they survive a device failure). A
+    job of one device (no spare) takes none: no device would be left to restore them to, so its
+    device's failure ends the run whatever is copied. Only unique shards are copied,
     so a plan with none costs nothing. Setting both to `false` opts out: a run whose plan leaves
     unique state then warns at start.
 
@@ -323,10 +325,12 @@ class SnapshotConfig:
         """Left unset: the copies are decided from the topology (`resolved`)."""
         return self.buddy is None and self.host is None
 
-    def resolved(self, n_hosts: int) -> "SnapshotConfig":
-        """The copies to take on a job of `n_hosts` hosts (`null` decided)."""
+    def resolved(self, n_hosts: int, n_devices: int) -> "SnapshotConfig":
+        """The copies to take on a job of `n_hosts` hosts and `n_devices` devices, spares
+        included (`null` decided)."""
         if self.auto:
-            return SnapshotConfig(buddy=n_hosts >= 2, host=n_hosts < 2, copies=self.copies)
+            return SnapshotConfig(buddy=n_hosts >= 2, host=n_hosts < 2 and n_devices >= 2,
+                                  copies=self.copies)
         buddy = self.copies > 1 if self.buddy is None else self.buddy
         return SnapshotConfig(buddy=bool(buddy), host=bool(self.host), copies=self.copies)
 

@@ -555,7 +555,7 @@ class _InProcessPlacement:
 def plan_coverage(cfg, plan, topo: Topology, live: Iterable[int], devices, *,
                   pairs: bool = True):
     """(coverage, snapshot pool) of the loop's state on `plan` with `cfg.snapshot` (resolved
-    as the loop resolves it, `SnapshotConfig.resolved(topo.n_hosts)`), for the in-process
+    as the loop resolves it, `SnapshotConfig.resolved`), for the in-process
     runtime: from the state's shapes (`jax.eval_shape`) and the plan's shardings alone, with no
     training step and no compile. `devices`: device id -> a `jax.Device` to lay the mesh on
     (any backend; only the layout is read). `live`: the topology's live devices (the rest have

@@ -143,7 +143,7 @@ def donation(cfg: Config, rt) -> tuple[bool, bool]:
     reproduces both). Snapshots taken beside the next step (`SnapshotPool.thread_helps`: the
     CPU backend) read the state while that step runs: the step must not donate it either.
     Donation only saves memory; the values are the same."""
-    snap = cfg.snapshot.resolved(rt.topology.n_hosts)
+    snap = cfg.snapshot.resolved(rt.topology.n_hosts, len(rt.topology.device_ids))
     threaded = bool((snap.buddy or snap.host) and SnapshotPool.thread_helps(rt))
     donate = rt.donate and not (cfg.standby.rebind or cfg.standby.cache_dir or threaded)
     return donate, threaded

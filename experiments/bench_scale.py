@@ -32,6 +32,10 @@ recovery phases, the time lost per failure and the goodput (`metrics.failure_cos
 moved against a memcpy of as many bytes on this machine, and the standby build with
 `--standby`.
 
+`--one-device` runs every loop on the default backend's first device alone (a GPU where one is
+at hand; data 1 x tensor 1, so ZeRO stages shard nothing), `--seq-len` and `--global-batch` size
+the batch.
+
 8 fake devices share this machine's cores: the figures compare loops on one machine in one run,
 not devices. Results go to `--out` (a JSON per size, `scale.md`, and a plot of the ratios).
 """
@@ -73,7 +77,12 @@ SIZES = {  # name -> (d_model, layers, heads)
     "3m": (256, 4, 8),
     "25m": (512, 8, 8),
     "100m": (1024, 8, 16),
+    "350m": (1024, 24, 16),
 }
+# the job's shape: 8 fake CPU devices as data 4 x tensor 2 (hosts of 2), or with `--one-device`
+# the default backend's first device alone (a GPU where one is at hand); `--seq-len` and
+# `--global-batch` size the batch (an accelerator needs more work per step than the CPU default)
+JOB = {"devices": 8, "per_host": 2, "data": 4, "tensor": 2, "seq_len": 64, "batch": 32}
 # the run lengths S1, S2 per size: S2 - S1 steps take about 20-40 s here, so that the start-up's
 # spread (a few hundred ms) is small against them
 LENGTHS = {"demo": (5, 205), "3m": (2, 52), "25m": (2, 10), "100m": (2, 5)}
@@ -120,11 +129,12 @@ def size_config(size: str, steps: int, extra=()) -> config.Config:
         heads = max(4, d // 64)
     return config.load(None, [
         f"model.d_model={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
-        f"model.d_mlp={4 * d}", "model.seq_len=64", "model.dropout=0.1",
+        f"model.d_mlp={4 * d}", f"model.seq_len={JOB['seq_len']}", "model.dropout=0.1",
         "data.source=synthetic", "data.synthetic_samples=4096",
-        f"train.steps={steps}", "train.global_batch=32", "train.microbatches=2",
-        "train.eval_every=0", "parallel.devices=8", "parallel.devices_per_host=2",
-        "parallel.data=4", "parallel.tensor=2", "faults=[]", "standby.wait_at_start=true",
+        f"train.steps={steps}", f"train.global_batch={JOB['batch']}", "train.microbatches=2",
+        "train.eval_every=0", f"parallel.devices={JOB['devices']}",
+        f"parallel.devices_per_host={JOB['per_host']}", f"parallel.data={JOB['data']}",
+        f"parallel.tensor={JOB['tensor']}", "faults=[]", "standby.wait_at_start=true",
         *extra,
     ])
 
@@ -150,7 +160,7 @@ class Plain:
 
     @staticmethod
     def _build(cfg: config.Config, zero: int, donate: bool) -> dict:
-        topo = Topology(tuple(range(8)), cfg.parallel.devices_per_host)
+        topo = Topology(tuple(range(cfg.parallel.devices)), cfg.parallel.devices_per_host)
         plan = initial_plan(topo, cfg)
         f = StateFactory(cfg, make_optimizer(cfg.train))
         devs = {d.id: d for d in jax.devices()}
@@ -318,7 +328,9 @@ def rss_rows(size: str, modes: list[str], steps: int) -> dict:
     out = {}
     for m in modes:
         got = subprocess.run(
-            [sys.executable, __file__, "--child", m, "--sizes", size, "--steps", str(steps)],
+            [sys.executable, __file__, "--child", m, "--sizes", size, "--steps", str(steps),
+             "--seq-len", str(JOB["seq_len"]), "--global-batch", str(JOB["batch"]),
+             *(["--one-device"] if JOB["devices"] == 1 else [])],
             capture_output=True, text=True, check=True,
         )
         got = json.loads(got.stdout.strip().splitlines()[-1])
@@ -439,6 +451,12 @@ def failures_text(size: str, f: dict) -> str:
     return "\n".join(lines)
 
 
+def where() -> str:
+    if JOB["devices"] == 1:
+        return f"one device: {jax.devices()[0].device_kind}"
+    return f"{JOB['devices']} fake CPU devices, d{JOB['data']}t{JOB['tensor']}"
+
+
 def plot(results: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -456,7 +474,7 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("parameters")
     ax.set_ylabel("per-step time ratio")
-    ax.set_title("fault-free step cost (8 fake CPU devices, d4t2, measured)")
+    ax.set_title(f"fault-free step cost ({where()}, measured)")
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -476,8 +494,15 @@ def main(argv=None) -> int:
     ap.add_argument("--standby", action="store_true")
     ap.add_argument("--failure-steps", type=int, default=12)
     ap.add_argument("--out", default="results/scale")
+    ap.add_argument("--one-device", action="store_true",
+                    help="the default backend's first device alone (data 1 x tensor 1)")
+    ap.add_argument("--seq-len", type=int, default=JOB["seq_len"])
+    ap.add_argument("--global-batch", type=int, default=JOB["batch"])
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    JOB.update(seq_len=args.seq_len, batch=args.global_batch)
+    if args.one_device:
+        JOB.update(devices=1, per_host=1, data=1, tensor=1)
     if args.child:
         child(args.child, args.sizes, int((args.steps or "2,4").split(",")[-1]))
         return 0
@@ -501,8 +526,9 @@ def main(argv=None) -> int:
             json.dump(r, f, indent=1, default=str)
         print(table(results), flush=True)
     lengths = ", ".join(f"{r['size']} {r['steps'][0]},{r['steps'][1]}" for r in results)
-    text = (f"bench_scale: runs of S1,S2 steps ({lengths}) x {args.rounds} rounds per loop, 8 "
-            f"fake CPU devices on {os.cpu_count()} cores, jax {jax.__version__}, load average "
+    text = (f"bench_scale: runs of S1,S2 steps ({lengths}) x {args.rounds} rounds per loop, "
+            f"{where()} ({os.cpu_count()} cores), batch {JOB['batch']} x {JOB['seq_len']} "
+            f"tokens, jax {jax.__version__}, load average "
             f"{os.getloadavg()[0]:.1f} at the end\n\n" + table(results) + "\n")
     with open(os.path.join(args.out, "scale.md"), "w") as f:
         f.write(text)

@@ -161,8 +161,8 @@ def test_copies_in_a_config_file_are_checked_and_resolved():
     with pytest.raises(ConfigError, match=r"'snapshot.copies' = 2 asks for buddy copies"):
         tiny_config("snapshot.buddy=false", "snapshot.copies=2")
     cfg = tiny_config("snapshot.host=true", "snapshot.copies=2")  # copies > 1: buddy copies on
-    assert cfg.snapshot.resolved(4) == SnapshotConfig(buddy=True, host=True, copies=2)
-    assert config.SnapshotConfig().resolved(4).copies == 1
+    assert cfg.snapshot.resolved(4, 8) == SnapshotConfig(buddy=True, host=True, copies=2)
+    assert config.SnapshotConfig().resolved(4, 8).copies == 1
 
 
 LOOP = ["train.steps=6", "parallel.tensor=1", "parallel.data=8", "zero.stage=1",

@@ -145,8 +145,10 @@ def test_buddy_request_on_one_host_is_a_config_error():
                        r"another host, and this job has one host"):
         trainer.Trainer(cfg)
     # left unset on one host, the pool keeps host copies (they survive a device failure)
-    assert SnapshotConfig().resolved(1) == SnapshotConfig(buddy=False, host=True)
-    assert SnapshotConfig().resolved(4) == SnapshotConfig(buddy=True, host=False)
+    assert SnapshotConfig().resolved(1, 8) == SnapshotConfig(buddy=False, host=True)
+    assert SnapshotConfig().resolved(4, 8) == SnapshotConfig(buddy=True, host=False)
+    # one device and no spare: nothing would be left to restore a copy to
+    assert SnapshotConfig().resolved(1, 1) == SnapshotConfig(buddy=False, host=False)
 
 
 def test_a_device_that_changes_tensor_rank_keeps_nothing_in_place(exe_cache):
@@ -184,3 +186,17 @@ def test_host_copies_taken_on_the_training_thread_keep_the_shardings_whole(exe_c
         assert len(x.sharding.device_set) == x.sharding.num_devices > 0
     for s, loss in reference.losses.items():
         assert abs(run.losses[s] - loss) <= 1e-5 * loss, s
+
+
+def test_a_job_of_one_device_takes_no_snapshot_and_says_what_a_failure_costs():
+    """With no other device, a copy could never be restored: the automatic choice takes none
+    (a whole-state host copy each step would only cost; on a GPU's link, many steps' time), and
+    the run warns that its device's failure needs a checkpoint."""
+    from elasjax.trainer import UnprotectedStateWarning
+
+    cfg = tiny_config("train.steps=3", "parallel.devices=1", "parallel.devices_per_host=1",
+                      "parallel.data=1", "parallel.tensor=1", "faults=[]")
+    t = trainer.Trainer(cfg)
+    with pytest.warns(UnprotectedStateWarning, match="one device and no spare"):
+        t.run()
+    assert (t.pool.cfg.buddy, t.pool.cfg.host, t.pool.bytes_per_step) == (False, False, 0)

@@ -131,7 +131,8 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             raise ValueError(f"SnapshotPool: threaded=True needs a runtime with a snapshot thread "
                              f"(InProcessRuntime), not {type(runtime).__name__}")
         self.given, self.donated, self.threaded = cfg, donated, threaded
-        self.cfg, self.topo, self.rt = cfg.resolved(topo.n_hosts), topo, runtime
+        self.cfg = cfg.resolved(topo.n_hosts, len(topo.device_ids))
+        self.topo, self.rt = topo, runtime
         self.unprotected: list[str] = []  # unique shards left uncovered (opted out), described
         self.records: list[Record] = []
         self.refusals: list[str] = []
@@ -318,6 +319,12 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         if not self.unprotected:
             return None
         n = len(self.unprotected)
+        if self.given.auto:  # `SnapshotConfig.resolved`: one device, nowhere to restore to
+            return (
+                f"this job has one device and no spare, so no snapshot is taken: its failure "
+                f"loses the state's {n} shard(s), and recovery then needs a checkpoint or raises "
+                "UnrecoverableStateError"
+            )
         return (
             f"snapshot.buddy and snapshot.host are false, and this plan holds {n} shard(s) on "
             f"one host only (e.g. {self.unprotected[0]}): a failure of that host (or device) "
