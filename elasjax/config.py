@@ -97,7 +97,9 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 10
     eval_batches: int = 2
-    deterministic: bool = False  # bitwise-reproducible across plans (see `step`)
+    # bitwise-reproducible across plans (see `step`); null (the default): on wherever the rest
+    # of the config allows it (`Config.__post_init__`, `deterministic_obstacle`)
+    deterministic: Optional[bool] = None
     canonical_micro_batch: int = 0  # deterministic mode: samples per canonical micro-batch
     optimizer: str = ""  # "" = built-in AdamW; MODULE:ATTR = a user's optax optimizer
 
@@ -502,8 +504,64 @@ class Config:
     hardware: HardwareConfig = HardwareConfig()
     metrics: MetricsConfig = MetricsConfig()
 
+    def __post_init__(self):
+        # `train.deterministic: null` is decided here, once, from the config alone: every
+        # consumer (planner, step, workers under `launch`, `config.yaml`) sees a bool
+        t = self.train
+        if t.deterministic is None:
+            t = dataclasses.replace(t, deterministic=deterministic_obstacle(self) is None)
+            object.__setattr__(t, "_deterministic_by_default", True)
+            object.__setattr__(self, "train", t)
+
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
+
+
+def deterministic_obstacle(cfg: Config, optimizer_object: bool = False) -> str | None:
+    """Why `cfg` cannot train in deterministic mode, or None where it can. With
+    `train.deterministic` left unset (null) the mode is on exactly where this is None.
+    `optimizer_object`: the run is given an optax optimizer object (`trainer.run(...,
+    optimizer=tx)`), which the config does not name."""
+    p = cfg.parallel
+    top = p.max_stage or p.stage
+    if top > 1 and not (p.stage >= 2 and p.min_stage >= 2):
+        return ("its pipelines may re-plan to one stage (parallel.min_stage < 2), and a "
+                "pipelined and an unpipelined step add gradients in different orders")
+    if top > 1 and cfg.zero.stage > 0:
+        return "ZeRO storage of pipeline slots is not checked bitwise across plans yet"
+    if cfg.recovery.strategy == "torchft_like":
+        return "recovery.strategy = 'torchft_like' is implemented for the default mode only"
+    if cfg.train.optimizer or optimizer_object:
+        return ("a custom optimizer's own reductions are not known to be layout-independent, "
+                "and the deterministic step would clip by train.grad_clip before it")
+    return None
+
+
+def deterministic_by_default(cfg: Config) -> bool:
+    """Was `cfg`'s mode decided by the default (`train.deterministic` left unset)?"""
+    return getattr(cfg.train, "_deterministic_by_default", False)
+
+
+def with_optimizer_object(cfg: Config) -> Config:
+    """`cfg` for a run given an optax optimizer object: a deterministic mode that only the
+    default chose is turned off (`deterministic_obstacle`); one the config asks for stays."""
+    if not (cfg.train.deterministic and deterministic_by_default(cfg)):
+        return cfg
+    t = dataclasses.replace(cfg.train, deterministic=False)
+    object.__setattr__(t, "_deterministic_by_default", True)
+    return cfg.replace(train=t)
+
+
+def mode_line(cfg: Config, optimizer_object: bool = False) -> str:
+    """One line that says which mode `cfg` trains in, and why where the default decided it."""
+    auto = deterministic_by_default(cfg)
+    if cfg.train.deterministic:
+        return ("deterministic mode: every loss and the state bitwise equal to the fault-free "
+                "run's across re-plans (the tensor degree is kept)"
+                + (" (the default; train.deterministic=false turns it off)" if auto else ""))
+    why = deterministic_obstacle(cfg, optimizer_object) if auto else None
+    return ("default mode: losses within 1e-5 of the fault-free run's per step"
+            + (f" (not deterministic: {why})" if why else " (train.deterministic = false)"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from .compilation.executables import ExecutableCache, Executables
 from .compilation.source import ExecutableSource
 from .compilation.standby import StandbyCompiler
 from .compilation.worker import CompileWorker
-from .config import Config, ConfigError, dump
+from .config import Config, ConfigError, dump, mode_line, with_optimizer_object
 from .contingencies import Contingencies
 from .cutover import Cutovers
 from .data import DataPipeline
@@ -207,6 +207,8 @@ class Trainer:
         hooks: Sequence[Hook] = (),
     ):
         check_backend_config()
+        if optimizer is not None:
+            cfg = with_optimizer_object(cfg)
         if cfg.standby.cache_dir:
             enable_compilation_cache(cfg.standby.cache_dir)
         self.rt = runtime if runtime is not None else InProcessRuntime(cfg)
@@ -672,6 +674,8 @@ class Trainer:
             compile_s=exe.compile_s,
             n_params=self.factory.n_params,
             optimizer=self.optimizer_name,
+            deterministic=bool(self.cfg.train.deterministic),
+            mode=mode_line(self.cfg, self.optimizer_source == "python"),
             snapshot_bytes_per_step=self.pool.bytes_per_step,
             snapshot={"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
                       "copies": self.pool.cfg.copies, "auto": self.pool.given.auto,
@@ -681,6 +685,7 @@ class Trainer:
             faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],
         ))
         if self.progress:
+            print(mode_line(self.cfg, self.optimizer_source == "python"))
             print(self.pool.cost_line(self.cfg.hardware))
         risk = self.pool.risk()
         if risk is not None:

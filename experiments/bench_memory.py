@@ -79,7 +79,8 @@ def main():
     faults = ", ".join(f"{{at_step: {2 * k + 2}, devices: [{d}]}}" for k, d in enumerate(victims))
     cfg = config.load(None, [
         "model.seq_len=16", "model.d_model=32", "model.n_heads=4", "model.n_layers=2",
-        "model.d_mlp=64", "data.source=synthetic", "data.synthetic_samples=4096",
+        "model.d_mlp=64", "data.source=synthetic",
+        "train.deterministic=false", "data.synthetic_samples=4096",
         f"train.steps={2 * args.faults + 3}", f"train.global_batch={n}", "train.microbatches=1",
         "train.eval_every=0", f"parallel.devices={n}", f"parallel.devices_per_host={per_host}",
         f"parallel.data={n}", "parallel.tensor=1", f"zero.stage={args.zero}",

@@ -51,7 +51,8 @@ def build(args, layout: str):
     cfg = config.load(None, [
         f"model.d_model={args.d_model}", f"model.n_heads={args.heads}", f"model.n_layers={args.layers}",
         f"model.d_mlp={4 * args.d_model}", f"model.seq_len={args.seq}", "model.dropout=0.0",
-        "data.source=synthetic", "data.synthetic_samples=256",
+        "data.source=synthetic",
+        "train.deterministic=false", "data.synthetic_samples=256",
         f"train.global_batch={args.batch}", "train.microbatches=1", "train.eval_every=0",
         f"train.steps={args.steps + 2}",
         "parallel.devices=8", "parallel.devices_per_host=2", "parallel.data=8", "parallel.tensor=1",

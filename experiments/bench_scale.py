@@ -130,7 +130,7 @@ def size_config(size: str, steps: int, extra=()) -> config.Config:
     return config.load(None, [
         f"model.d_model={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
         f"model.d_mlp={4 * d}", f"model.seq_len={JOB['seq_len']}", "model.dropout=0.1",
-        "data.source=synthetic", "data.synthetic_samples=4096",
+        "data.source=synthetic", "train.deterministic=false", "data.synthetic_samples=4096",
         f"train.steps={steps}", f"train.global_batch={JOB['batch']}", "train.microbatches=2",
         "train.eval_every=0", f"parallel.devices={JOB['devices']}",
         f"parallel.devices_per_host={JOB['per_host']}", f"parallel.data={JOB['data']}",

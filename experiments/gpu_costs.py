@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     cfg = config.load(None, [
         f"model.d_model={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
         f"model.d_mlp={4 * d}", f"model.seq_len={seq}", "data.source=synthetic",
+        "train.deterministic=false",
         f"train.global_batch={batch}", "train.microbatches=1", f"train.steps={args.steps + 2}",
         "parallel.devices=1", "parallel.data=1", "parallel.tensor=1", "faults=[]",
     ])

@@ -123,3 +123,49 @@ def test_features_not_yet_available_are_refused():
     with pytest.raises(ConfigError, match=r"allowed values: parallel.stage >= 2 and parallel.min_stage >= 2"):
         config.load(None, ["train.deterministic=true", "parallel.max_stage=2"])
     config.load(None, ["train.deterministic=true", "parallel.stage=2", "parallel.min_stage=2"])
+
+
+def test_the_deterministic_mode_is_the_default_where_a_config_allows_it():
+    """`train.deterministic` left out (null): on, unless the config has an obstacle
+    (`config.deterministic_obstacle`), which the run's mode line names. An explicit value is
+    kept; the resolved value is what config.yaml records."""
+    import yaml
+
+    cfg = config.load(None)
+    assert cfg.train.deterministic is True and config.deterministic_by_default(cfg)
+    assert "(the default; train.deterministic=false turns it off)" in config.mode_line(cfg)
+    assert yaml.safe_load(config.dump(cfg))["train"]["deterministic"] is True
+    explicit = config.load(None, ["train.deterministic=false"])
+    assert explicit.train.deterministic is False and not config.deterministic_by_default(explicit)
+    assert config.mode_line(explicit).endswith("(train.deterministic = false)")
+
+    pipe = ["model.n_layers=4", "parallel.data=2", "parallel.stage=4", "parallel.tensor=1",
+            "train.microbatches=4"]
+    obstacles = {  # overrides -> the reason the mode line gives
+        (*pipe,): "may re-plan to one stage",
+        (*pipe, "parallel.min_stage=2", "zero.stage=1"): "ZeRO storage of pipeline slots",
+        ("recovery.strategy=torchft_like",): "'torchft_like' is implemented for the default",
+        ("train.optimizer=optax:sgd",): "a custom optimizer's own reductions",
+    }
+    for over, why in obstacles.items():
+        c = config.load(None, list(over))
+        assert c.train.deterministic is False, over
+        assert why in config.mode_line(c), (over, config.mode_line(c))
+    assert config.load(None, [*pipe, "parallel.min_stage=2"]).train.deterministic is True
+    # asked for explicitly, the mode stays on with a named optimizer (the step clips first)
+    assert config.load(None, ["train.optimizer=optax:sgd",
+                              "train.deterministic=true"]).train.deterministic is True
+
+    # an optimizer object given to the run turns off only a mode the default chose
+    off = config.with_optimizer_object(cfg)
+    assert off.train.deterministic is False
+    assert "a custom optimizer's own reductions" in config.mode_line(off, optimizer_object=True)
+    on = config.load(None, ["train.deterministic=true"])
+    assert config.with_optimizer_object(on) is on
+
+    # the shipped configs: the ZeRO demo trains deterministically by default (its plans are the
+    # default mode's); the others state the default mode (their re-plans change the tensor
+    # degree); the pipeline demo's pipelines may re-plan to one stage
+    assert config.load("configs/demo_zero.yaml").train.deterministic is True
+    for name in ("demo", "demo_grow", "demo_mtbf", "multiprocess", "demo_pipeline"):
+        assert config.load(f"configs/{name}.yaml").train.deterministic is False, name

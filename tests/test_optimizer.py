@@ -131,3 +131,17 @@ def test_a_users_lamb_named_on_the_command_line_recovers_with_its_fault_free_com
     adamw = elasjax.run(tiny_config("train.steps=3", "faults=[]"), exe_cache=exe_cache)
     assert all(abs(adamw.losses[s] - clean.losses[s]) > 1e-4 for s in (1, 2)), (
         json.dumps([adamw.losses, clean.losses]))
+
+
+def test_an_optimizer_object_runs_in_the_default_mode_unless_the_config_asks(tmp_path):
+    """`run(cfg, optimizer=tx)`: a deterministic mode that only the default chose is turned
+    off (the step would clip before `tx`, whose own reductions are not known to be
+    layout-independent), and the start event says so; asked for, it stays on."""
+    for det, expect in (("null", False), ("true", True)):
+        cfg = tiny_config(f"train.deterministic={det}", "train.steps=2", "faults=[]")
+        out = tmp_path / det
+        elasjax.run(cfg, out, optimizer=optax.sgd(0.1))
+        start = next(e for e in read_jsonl(out / "events.jsonl") if e["type"] == "start")
+        assert start["deterministic"] is expect
+        assert ("a custom optimizer's own reductions" in start["mode"]) is (not expect)
+        assert yaml.safe_load((out / "config.yaml").read_text())["train"]["deterministic"] is expect
