@@ -27,7 +27,7 @@ from .planner import Plan, Topology, growth_plan, predict_step_s
 from .recovery import PendingCutover, Position, TransitionPlanner, host_checksums
 from .transfer import checksum
 from .transfer.reshard import transition
-from .transfer.shards import ShardStore, StateMismatchError, TransferLog
+from .transfer.shards import ShardStore, TransferLog
 
 
 @dataclasses.dataclass
@@ -194,9 +194,7 @@ class Cutovers:
         with self.rt.guard("cutover/verify"):
             t0 = time.perf_counter()
             actual = host_checksums(self.rt, new_exe.checksum(new_state), new_exe)
-            bad = checksum.diff(pos.good, actual)
-            if bad:
-                raise StateMismatchError(f"cut-over changed {len(bad)} leaves, e.g. {bad[:3]}")
+            checksum.verify(pos.good, actual, "cut-over", "the state before it")
             verify_s = time.perf_counter() - t0
             new_pool = pool.fresh()
             new_pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, set(pos.live))

@@ -611,13 +611,8 @@ class ElasticState:
         same = all(x.sharding.is_equivalent_to(sh, x.ndim) for x, sh in zip(
             jax.tree.leaves(new), jax.tree.leaves(self.shardings(mesh))))
         got = checksum.to_host((sums_fn if same else _checksums)(new))
-        bad = checksum.diff(good, got)
+        checksum.verify(good, got, "recovered state", f"the state of step {step}")
         t3 = time.perf_counter()
-        if bad:
-            raise StateMismatchError(
-                f"recovered leaves {bad[:5]}{' ...' if len(bad) > 5 else ''} differ from the "
-                f"state of step {step}: refused"
-            )
         rec = Recovery(
             step=step, failed_devices=sorted(self._failed),
             from_mesh=dict(self.mesh.shape), to_mesh=dict(mesh.shape),

@@ -32,7 +32,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from . import models
-from .config import Config, ConfigError, HardwareConfig, allowed_tensor_degrees, layer_count
+from .config import (
+    Config,
+    ConfigError,
+    HardwareConfig,
+    allowed_tensor_degrees,
+    deterministic_by_default,
+    layer_count,
+)
 from .costmodel import (
     ModelProfile,
     StepCost,
@@ -520,21 +527,30 @@ def replan(
         kept = substitute_spares(previous, live_ids, topo)
         if kept is not None:
             return kept
-    if cfg.parallel.replan == "keep_tensor" or cfg.train.deterministic:
-        # (deterministic mode: a different tensor degree reduces in a different order)
-        tensors = [previous.tensor]
-    else:
-        allowed = allowed_tensor_degrees(cfg.model)
-        tensors = [previous.tensor] + [t for t in allowed if t != previous.tensor]
+    allowed = [previous.tensor] + [
+        t for t in allowed_tensor_degrees(cfg.model) if t != previous.tensor]
+    keep = cfg.parallel.replan == "keep_tensor"
+    # deterministic mode: a different tensor degree reduces in a different order
+    tensors = [previous.tensor] if keep or cfg.train.deterministic else allowed
     mmb = cfg.train.max_micro_batch or initial.micro_batch
-    ranked = rank_candidates(
-        live_ids, topo, cfg, tensors=tensors, max_micro_batch=mmb, hw=hw,
-        stages=stage_options(cfg), previous_partition=previous.partition or None,
-    )
+
+    def ranked_over(tensors):
+        return rank_candidates(
+            live_ids, topo, cfg, tensors=tensors, max_micro_batch=mmb, hw=hw,
+            stages=stage_options(cfg), previous_partition=previous.partition or None,
+        )
+
+    ranked = ranked_over(tensors)
+    if not ranked and not keep and cfg.train.deterministic and deterministic_by_default(cfg):
+        # a mode only the default chose gives way rather than end the run: the loop says that
+        # bitwise equality ends here (`Trainer._on_failure`; test_config.py, the tensor test)
+        ranked = ranked_over(allowed)
     if not ranked:
+        why = (" and train.deterministic = true, which keeps the tensor degree"
+               if cfg.train.deterministic and not keep else "")
         raise NoPlanError(
             f"no layout fits {len(live_ids)} live devices with tensor degree in {tensors} "
-            f"(parallel.replan = {cfg.parallel.replan!r})"
+            f"(parallel.replan = {cfg.parallel.replan!r}{why})"
         )
     return with_zero(ranked[0][0], cfg, previous)
 

@@ -157,9 +157,8 @@ def restore_verified(ckpt, step: int, factory, exe: Executables, rt):
         ckpt, step, factory, exe, devices=rt.devices, transport=rt, threads=rt.threads,
     )
     got = host_checksums(rt, exe.checksum(state), exe)
-    bad = checksum.diff(meta["checksums"], got)
-    if bad:
-        raise StateMismatchError(f"checkpoint {step} fails its checksums: {bad[:3]}")
+    checksum.verify(meta["checksums"], got, f"checkpoint {step} fails its checksums",
+                    "the ones it was saved with")
     return state, meta
 
 
@@ -368,12 +367,8 @@ class Recoverer:
         with self.rt.guard("recovery/verify"):
             t0 = time.perf_counter()
             actual = host_checksums(self.rt, exe.checksum(new_state), exe)
-            bad = checksum.diff(expected, actual)
-            if bad:
-                raise StateMismatchError(
-                    f"recovered state differs from the last good state in {len(bad)} "
-                    f"leaves, e.g. {bad[:3]}; refusing to continue"
-                )
+            checksum.verify(expected, actual, "recovered state",
+                            f"the last good state (step {resume_at})")
             if any(t.src in dead for t in log.entries):
                 raise AssertionError("a transfer read a failed device")  # invariant
             verify_s = time.perf_counter() - t0

@@ -411,6 +411,13 @@ class Trainer:
         unfinished = ls.open_event  # a recovery whose first step just failed
         self.cutovers.clear()  # a new failure re-plans from scratch (returned devices too)
         r = self.recovery.recover(pos, self.pool, failure, during)
+        if self.cfg.train.deterministic and r.pos.plan.tensor != pos.plan.tensor:
+            # `planner.replan`: a mode only the default chose gives way rather than end the run
+            msg = (f"step {step}: no plan with tensor degree {pos.plan.tensor} fits the "
+                   f"{len(r.pos.live)} live devices; the run goes on as {r.pos.plan.name}, no "
+                   "longer bitwise equal to the fault-free run (within 1e-5 per step, as in the "
+                   "default mode)")
+            self.emit.emit(WarningEvent("train.deterministic", msg), f"warning: {msg}")
         ls.pos, ls.open_event, self.pool = r.pos, r.event, r.pool
         self.cutovers.note(r.pos.plan)
         self.transfer_logs.append(r.log)

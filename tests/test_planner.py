@@ -184,3 +184,21 @@ def test_bad_spares_are_config_errors_naming_the_field():
     with pytest.raises(config.ConfigError, match=r"'parallel.spares' = 4: .*allowed values"):
         initial_plan(Topology(tuple(range(8)), 2), _spares_cfg("parallel.spares=4",
                                                               "parallel.devices=-1"))
+
+
+def test_a_default_deterministic_mode_gives_way_where_its_tensor_degree_fits_no_plan():
+    """The deterministic mode keeps the tensor degree. Where that degree fits no plan over the
+    survivors, a mode only the default chose re-plans with another degree (the loop warns that
+    bitwise equality ends there: test_deterministic_zero.py); one the config asks for is a
+    NoPlanError that names it."""
+    topo = Topology((0, 1), 2)
+    by_default = config.load(None, ["parallel.devices=2", "parallel.devices_per_host=2",
+                                    "parallel.data=1", "parallel.tensor=2"])
+    assert by_default.train.deterministic
+    init = initial_plan(topo, by_default)
+    assert replan([0, 1], topo, by_default, init, init).tensor == 2  # kept while it fits
+    assert replan([0], topo, by_default, init, init).tensor == 1
+    asked = config.load(None, ["parallel.devices=2", "parallel.devices_per_host=2",
+                               "parallel.data=1", "parallel.tensor=2", "train.deterministic=true"])
+    with pytest.raises(NoPlanError, match="train.deterministic = true, which keeps the tensor"):
+        replan([0], topo, asked, init, init)

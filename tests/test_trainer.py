@@ -157,3 +157,20 @@ def test_a_failure_in_the_first_step_after_a_recovery_continues_that_recovery(ex
     assert abs(rec["mttr_s"] - sum(rec[k] for k in MTTR_PHASES)) < 1e-9
     ref = trainer.run(tiny_config("train.steps=8", "faults=[]"), None, exe_cache=exe_cache)
     assert_same_computation(out, ref)
+
+
+def test_a_default_deterministic_run_goes_on_when_its_tensor_degree_no_longer_fits(
+    exe_cache, tmp_path
+):
+    """Deterministic by default (`train.deterministic` left out) on tensor 2 x data 1: when one
+    device is left, no plan keeps the tensor degree; the run re-plans to tensor 1 and warns
+    that bitwise equality with the fault-free run ends there, rather than stopping."""
+    cfg = tiny_config("train.deterministic=null", "train.steps=4", "parallel.devices=2",
+                      "parallel.data=1", "parallel.tensor=2", "faults=[{at_step: 2, devices: [1]}]")
+    assert cfg.train.deterministic
+    r = trainer.run(cfg, tmp_path, exe_cache=exe_cache)
+    assert r.recoveries[0].from_plan.startswith("d1t2") and r.final_plan.tensor == 1
+    warns = [e for e in read_jsonl(tmp_path / "events.jsonl")
+             if e["type"] == "warning" and e["field"] == "train.deterministic"]
+    assert len(warns) == 1 and "no longer bitwise equal" in warns[0]["message"], warns
+    assert sorted(r.losses) == [0, 1, 2, 3]

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .. import jaxcompat
 from ..counters import CompileCounter
 from ..sharding import path_str
+from .shards import StateMismatchError
 
 _K1 = np.uint32(0x9E3779B1)
 _K2 = np.uint32(0x85EBCA77)
@@ -388,6 +389,17 @@ def diff(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
     """Leaf paths whose checksums differ (or are missing on either side)."""
     keys = sorted(set(expected) | set(actual))
     return [k for k in keys if expected.get(k) != actual.get(k)]
+
+
+def verify(expected: dict[str, str], actual: dict[str, str], what: str, against: str) -> None:
+    """Raise `StateMismatchError` where `actual` differs from `expected`: the one check, and
+    the one error, of every rebuilt state (a recovery in the loop or in `ElasticState`, a
+    checkpoint restore, a cut-over). `what`: the state checked; `against`: what it must equal."""
+    bad = diff(expected, actual)
+    if bad:
+        raise StateMismatchError(
+            f"{what}: {len(bad)} leaves differ from {against}, e.g. {bad[:3]}; refused"
+        )
 
 
 def digest(sums: dict[str, str]) -> str:
