@@ -69,6 +69,18 @@ from .transfer.snapshot import SnapshotPool
 RecoveryVerificationError = StateMismatchError
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rebuilt:
+    """The state a recovery rebuilt (`Recoverer._rebuild`), not verified yet."""
+
+    state: Any
+    log: TransferLog
+    rung: str
+    resume_at: int  # the step it is the state of (older than the failure's after a checkpoint)
+    expected: dict  # the checksums it must have
+    tinfo: dict  # the transfer's own planning: {"plan_hit", "plan_s"}
+
+
 @dataclasses.dataclass
 class _Attempt:
     """A recovery attempt that succeeded (`Recoverer._attempt`): the new plan (and the
@@ -352,14 +364,14 @@ class Recoverer:
                 standby.drop_queued(  # a compile of its program is waited for
                     keep=key, spare=lambda busy: self.cfg.standby.rebind
                     and busy.shape_key == key.shape_key)
-            exe, hit, standby_hit, wait_s = self.source.get(new_plan)
+            got = self.source.get(new_plan)
+            exe = got.exe
             compile_s = time.perf_counter() - t0
         with self.rt.guard("recovery/transfer"):
             t0 = time.perf_counter()
             self.rt.inject(during, "transfer", [store])
-            new_state, log, rung, resume_at, expected, tinfo = self._rebuild(
-                pos, pool, store.without(dead), dead, lost_hosts, exe, strategy
-            )
+            built = self._rebuild(pos, pool, store.without(dead), dead, lost_hosts, exe, strategy)
+            new_state, resume_at = built.state, built.resume_at
             self.rt.commit(new_state)
             transfer_s = time.perf_counter() - t0
         # a new guard: processes finish their copies at different times, and the checksums
@@ -367,9 +379,9 @@ class Recoverer:
         with self.rt.guard("recovery/verify"):
             t0 = time.perf_counter()
             actual = host_checksums(self.rt, exe.checksum(new_state), exe)
-            checksum.verify(expected, actual, "recovered state",
+            checksum.verify(built.expected, actual, "recovered state",
                             f"the last good state (step {resume_at})")
-            if any(t.src in dead for t in log.entries):
+            if any(t.src in dead for t in built.log.entries):
                 raise AssertionError("a transfer read a failed device")  # invariant
             verify_s = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -380,9 +392,9 @@ class Recoverer:
             new_pool.take(new_state, resume_at)
             snapshot_s = time.perf_counter() - t0
         return _Attempt(
-            new_plan, optimal, keep, live, exe, hit, standby_hit, wait_s, new_state, log, rung,
-            resume_at, actual, new_pool, early, tinfo, plan_s, compile_s, transfer_s, verify_s,
-            snapshot_s,
+            new_plan, optimal, keep, live, exe, got.hit, got.standby_hit, got.wait_s, new_state,
+            built.log, built.rung, resume_at, actual, new_pool, early, built.tinfo, plan_s,
+            compile_s, transfer_s, verify_s, snapshot_s,
         )
 
     def _event(self, pos: Position, a: _Attempt, failures: list, dead: set[int],
@@ -497,8 +509,8 @@ class Recoverer:
 
     def _rebuild(self, pos: Position, pool, store: ShardStore, dead: set[int], lost_hosts,
                  exe, strategy: str):
-        """(state, log, rung, resumed step, expected checksums, transition info): from live
-        sources, else from the newest checkpoint (losing the steps since)."""
+        """The state rebuilt from live sources, else from the newest checkpoint (losing the
+        steps since)."""
         tinfo: dict = {}
         try:
             if strategy == "checkpoint_restart":
@@ -518,7 +530,7 @@ class Recoverer:
                 transport=self.rt,
                 threads=self.rt.threads,
             )
-            return new_state, log, log.worst_rung(), pos.step, pos.good, tinfo
+            return _Rebuilt(new_state, log, log.worst_rung(), pos.step, pos.good, tinfo)
         except UnrecoverableStateError as err:
             if self.ckpt is None or strategy == "torchft_like":
                 raise self._unrecoverable(err, pos, pool, dead, lost_hosts) from err
@@ -527,7 +539,8 @@ class Recoverer:
                 raise
             new_state, meta = restore_verified(self.ckpt, ck_step, self.factory, exe, self.rt)
             self.ckpt.drop_after(ck_step)
-            return new_state, checkpoint_log(new_state), "checkpoint", ck_step, meta["checksums"], tinfo
+            return _Rebuilt(new_state, checkpoint_log(new_state), "checkpoint", ck_step,
+                            meta["checksums"], tinfo)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ compile now. A needed plan never waits in line behind one that is not needed (`g
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable
@@ -16,6 +17,16 @@ from ..state import StateFactory
 from .executables import ExecutableCache, Executables, from_portable, on_devices, warm_up
 from .standby import StandbyCompiler, StandbyCoverageWarning
 from .worker import CompileWorker, unavailable
+
+
+@dataclasses.dataclass(frozen=True)
+class Acquired:
+    """A plan's executables as `ExecutableSource.get` found them."""
+
+    exe: Executables
+    hit: bool  # already compiled in this process
+    standby_hit: bool  # ready in the standby when asked for
+    wait_s: float  # seconds waited for a background compile
 
 
 class ExecutableSource:
@@ -66,12 +77,12 @@ class ExecutableSource:
         """The start plan's executables; what a cold compile of it cost in CPU time is what
         `_worker_early` measures a worker's compile against when the worker has finished none."""
         cpu0 = time.process_time()
-        exe, hit, _, _ = self.get(plan)
-        if not hit:
+        got = self.get(plan)
+        if not got.hit:
             self.first_compile_cpu_s = time.process_time() - cpu0
-        return exe
+        return got.exe
 
-    def get(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
+    def get(self, plan: Plan) -> Acquired:
         """See `_get`; a compile worker's compile runs at normal priority meanwhile (what it
         compiles now is needed: `StandbyCompiler.drop_queued` ended any other)."""
         if self.worker is None or self.standby.ready(plan.compile_key):
@@ -82,9 +93,8 @@ class ExecutableSource:
         finally:
             self.worker.renice(self.worker.nice)
 
-    def _get(self, plan: Plan) -> tuple[Executables, bool, bool, float]:
-        """(executables, already compiled in this process, standby hit, seconds waited for a
-        background compile). A standby hit means the executable was ready when asked for. A
+    def _get(self, plan: Plan) -> Acquired:
+        """The plan's executables, and how they were found (`Acquired`). A standby hit means the executable was ready when asked for. A
         needed plan never waits in line: a queued one jumps to the front, or is built here when
         the build under way would take longer than `WAIT_BEHIND` of building it here; with
         `standby.rebind`, when the compile under way is of its program (for other devices),
@@ -96,7 +106,7 @@ class ExecutableSource:
             key = plan.compile_key
             exe = sb.get(key)
             if exe is not None:
-                return self.current(exe, key), True, True, 0.0
+                return Acquired(self.current(exe, key), True, True, 0.0)
             where = sb.expedite(key)
             busy = sb.busy()
             if busy is not None and (
@@ -117,8 +127,7 @@ class ExecutableSource:
                     # compiled here, where an error that recurs is raised
                     self.errors.append(f"{busy.name}: {type(e).__name__}: {e}")
                 wait_s = time.perf_counter() - t0
-                exe, hit = self._cached(plan)
-                return exe, hit, False, wait_s
+                return Acquired(*self._cached(plan), False, wait_s)
             left = sb.busy_left_s()
             # building it here: a rebind where its program is compiled, else a compile
             here_s = sb.mean_rebind_s if self.rebindable(key) else sb.mean_compile_s
@@ -133,9 +142,8 @@ class ExecutableSource:
             if not cold:
                 t0 = time.perf_counter()
                 exe = self.current(sb.wait(key), key)
-                return exe, False, False, time.perf_counter() - t0
-        exe, hit = self._cached(plan)
-        return exe, hit, False, 0.0
+                return Acquired(exe, False, False, time.perf_counter() - t0)
+        return Acquired(*self._cached(plan), False, 0.0)
 
     def _cached(self, plan: Plan) -> tuple[Executables, bool]:
         return self.exe_cache.get(
