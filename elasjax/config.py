@@ -527,8 +527,6 @@ def deterministic_obstacle(cfg: Config, optimizer_object: bool = False) -> str |
     if top > 1 and not (p.stage >= 2 and p.min_stage >= 2):
         return ("its pipelines may re-plan to one stage (parallel.min_stage < 2), and a "
                 "pipelined and an unpipelined step add gradients in different orders")
-    if top > 1 and cfg.zero.stage > 0:
-        return "ZeRO storage of pipeline slots is not checked bitwise across plans yet"
     if cfg.recovery.strategy == "torchft_like":
         return "recovery.strategy = 'torchft_like' is implemented for the default mode only"
     if cfg.train.optimizer or optimizer_object:
@@ -969,19 +967,11 @@ def _validate_standby(s: StandbyConfig) -> None:
 
 def _validate_deterministic(cfg: Config) -> None:
     """The bitwise deterministic mode (`train.deterministic`, `train.canonical_micro_batch`)
-    against ZeRO and the stage bounds."""
+    against the stage bounds."""
     t, p = cfg.train, cfg.parallel
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
     if t.deterministic:
         top = p.max_stage or p.stage
-        _require(
-            cfg.zero.stage == 0 or top <= 1,
-            "zero.stage",
-            f"= {cfg.zero.stage} with train.deterministic = true and pipelines (parallel.stage "
-            f"= {p.stage}, parallel.max_stage = {p.max_stage}): ZeRO storage of pipeline slots "
-            "is not checked bitwise across plans yet; allowed values: zero.stage = 0 with "
-            "pipelines, or parallel.stage = 1 and parallel.max_stage <= 1",
-        )
         _require(
             top <= 1 or (p.stage >= 2 and p.min_stage >= 2),
             "parallel.min_stage",

@@ -121,3 +121,20 @@ def test_deterministic_async_and_blocking_migrations_are_bitwise_equal(exe_cache
         assert run.checksums == ref.checksums
         same = jax.tree.map(lambda a, b: np.array_equal(a, b), canonical(run), want)
         assert all(jax.tree.leaves(same))
+
+
+def test_deterministic_zero1_on_pipelines_is_bitwise_through_failures(exe_cache):
+    """Deterministic ZeRO-1 on a pipeline (data 2 x stage 4): a device failure, then a host
+    failure (d2s4 -> d3s2 -> d2s2, the optimizer partitions re-partitioned each time), with a
+    blocking and with an async migration: every loss, every held-out loss and the final
+    checksums bitwise equal to the fault-free run's."""
+    det = [*PIPE, "parallel.min_stage=2", "train.deterministic=true", "train.eval_every=3",
+           "zero.stage=1"]
+    fault = "faults=[{at_step: 3, devices: [3]}, {at_step: 6, hosts: [3]}]"
+    ref = trainer.run(tiny_config(*det, "faults=[]"), exe_cache=exe_cache)
+    for extra in ([], ["recovery.migration=async", "recovery.max_fast_path_steps=2"]):
+        run = trainer.run(tiny_config(*det, fault, *extra), exe_cache=exe_cache)
+        assert [r.to_plan.split("t")[0] for r in run.recoveries][-1] == "d2s2"
+        assert all(".z1" in r.to_plan for r in run.recoveries)
+        assert run.losses == ref.losses and run.eval_losses == ref.eval_losses
+        assert run.checksums == ref.checksums
