@@ -18,6 +18,7 @@ BASE = [
     "train.lr=1e-2", "train.warmup_steps=1", "parallel.devices=8", "parallel.devices_per_host=2",
     "parallel.data=4", "parallel.tensor=2", "hardware.name=cpu-fake", "hardware.flops=2.0e9",
     "recovery.prepare_transfers=false",
+    "train.deterministic=false",  # written for the default mode, as conftest.TINY
 ]
 FAULTS = "faults=[{at_step: 3, devices: [3]}, {at_step: 5, hosts: [0]}]"
 # with a user's optimizer the built-in AdamW's fields must keep their defaults (test_optimizer.py)
