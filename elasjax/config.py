@@ -390,8 +390,9 @@ class RecoveryConfig:
     cut-over does not wait for a compile (one extra background compile per plan change).
     `grow_interim`: when the best plan is not compiled on every process at the join, but the
     returned devices make possible a plan the run has stood on before (the start plan, one it
-    left at a failure) that is predicted at least `grow_min_gain` faster, cut over to that one
-    at once and to the best plan once it is compiled (`elasjax.cutover`)."""
+    left at a failure) that ran at least `grow_min_gain` faster (measured; predicted where the
+    run has no step time of it), cut over to that one at once and to the best plan once it is
+    compiled (`elasjax.cutover`)."""
 
     strategy: Literal["elastic", "checkpoint_restart", "torchft_like"] = "elastic"
     migration: Literal["blocking", "async"] = "blocking"

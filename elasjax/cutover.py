@@ -9,16 +9,17 @@ background, and the cut-over at a step boundary moves the state onto it from the
 
 Growth does not wait for a compile where it need not: when the returned devices make possible a
 plan the run has stood on before (the start plan, a plan it left at a failure), whose
-executables are compiled, and that plan is predicted faster than the current one, the run cuts
-over to it at once and moves to the best plan once that is compiled (a second cut-over). The
-choice depends only on the run's history, never on what happens to be compiled on one process,
-so every process of a `launch` job makes the same one.
+executables are compiled, and that plan ran faster than the current one (`Cutovers._interim`),
+the run cuts over to it at once and moves to the best plan once that is compiled (a second
+cut-over). The choice depends only on the run's history and its agreed step times, never on what
+happens to be compiled on one process, so every process of a `launch` job makes the same one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 from .compilation.source import ExecutableSource
 from .config import Config
@@ -46,9 +47,11 @@ class Cutovers:
     wait for the compile, and the cut-overs abandoned because that compile failed."""
 
     def __init__(self, cfg: Config, rt, topo: Topology, initial: Plan, source: ExecutableSource,
-                 transitions: TransitionPlanner):
+                 transitions: TransitionPlanner, paces: Callable[[], dict[str, float]] = dict):
+        """`paces`: the measured step time of each plan the run has stood on (by name;
+        `metrics.paces` of the loop's timeline), for the interim choice (`_interim`)."""
         self.cfg, self.rt, self.topo, self.initial = cfg, rt, topo, initial
-        self.source, self.transitions = source, transitions
+        self.source, self.transitions, self.paces = source, transitions, paces
         self.pending: PendingCutover | None = None
         self.after: PendingCutover | None = None  # growth's best plan, after an interim one
         self.wait_s = 0.0  # the pending cut-over's wait for its compile
@@ -69,22 +72,40 @@ class Cutovers:
         ready = sb is not None and sb.ready(plan.compile_key)
         return all(v[0] for v in self.rt.agree([bool(ready)]).values())
 
+    def _agreed_paces(self) -> dict[str, float]:
+        """Each plan's measured step time, the slowest process's (every process of a `launch`
+        job then makes the same interim choice)."""
+        votes = self.rt.agree(sorted(self.paces().items()))
+        out: dict[str, float] = {}
+        for pairs in votes.values():
+            for name, s in pairs:
+                out[name] = max(out.get(name, 0.0), s)
+        return out
+
     def _interim(self, current: Plan, best: Plan, live: frozenset[int]) -> Plan | None:
-        """The fastest plan the run has stood on before that the live devices can run, other
-        than `best` and `current`, predicted at least `recovery.grow_min_gain` faster than
-        `current` (its executables were compiled then: a cut-over to it needs no compile)."""
+        """The plan the run has stood on before that the live devices can run, other than
+        `best` and `current`, with the largest gain over `current` of at least
+        `recovery.grow_min_gain` (its executables were compiled then: a cut-over to it needs no
+        compile). The gain is measured where the run has step times of both plans (it ran each)
+        and predicted by the cost model otherwise: the model ranks plans, its absolute times
+        need not match a machine's (on the demo it put 7 data replicas ahead of the start
+        plan's 4 x 2, which ran faster: experiments/RESULTS.md, "Growth to a compiled plan")."""
         cfg = self.cfg
         need = max(cfg.recovery.grow_min_gain, 0.0)
-        now = predict_step_s(current, cfg)
+        measured = self._agreed_paces()
         options = []
         for key, p in self.history.items():
             if key in (best.compile_key, current.compile_key):
                 continue
             if not set(p.device_ids) | set(p.spare_ids) <= live:
                 continue
-            s = predict_step_s(p, cfg)
-            if now > 0 and (now - s) / now > need:
-                options.append((s, len(options), p))
+            if p.name in measured and current.name in measured:
+                now, s = measured[current.name], measured[p.name]
+            else:
+                now, s = predict_step_s(current, cfg), predict_step_s(p, cfg)
+            gain = (now - s) / now if now > 0 else 0.0
+            if gain > need:
+                options.append((-gain, len(options), p))
         return min(options)[2] if options else None
 
     def pend(self, pc: PendingCutover, pos: Position) -> None:

@@ -59,7 +59,7 @@ from .events import (
     WarningEvent,
 )
 from .faults import resolve_schedule
-from .metrics import JsonlWriter, RecoveryEvent, StepClock, Timeline, failure_costs
+from .metrics import JsonlWriter, RecoveryEvent, StepClock, Timeline, failure_costs, paces
 from .planner import Plan, initial_plan, replan
 from .recovery import (
     Position,
@@ -260,7 +260,7 @@ class Trainer:
         self.recovery = Recoverer(cfg, self.rt, self.topo, self.factory, self.source,
                                  self.contingencies, self.transitions, self.ckpt, self.compiles)
         self.cutovers = Cutovers(cfg, self.rt, self.topo, self.initial, self.source,
-                                 self.transitions)
+                                 self.transitions, paces=lambda: paces(self.timeline))
         # what the loop has seen
         self.losses: dict[int, float] = {}
         self.evals: dict[int, float] = {}
