@@ -508,11 +508,9 @@ class Config:
     def __post_init__(self):
         # `train.deterministic: null` is decided here, once, from the config alone: every
         # consumer (planner, step, workers under `launch`, `config.yaml`) sees a bool
-        t = self.train
-        if t.deterministic is None:
-            t = dataclasses.replace(t, deterministic=deterministic_obstacle(self) is None)
-            object.__setattr__(t, "_deterministic_by_default", True)
-            object.__setattr__(self, "train", t)
+        if self.train.deterministic is None:
+            object.__setattr__(self, "train", _decided_by_default(
+                self.train, deterministic_obstacle(self) is None))
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
@@ -536,6 +534,13 @@ def deterministic_obstacle(cfg: Config, optimizer_object: bool = False) -> str |
     return None
 
 
+def _decided_by_default(t: TrainConfig, deterministic: bool) -> TrainConfig:
+    """`t` with the mode the default chose, marked so (`deterministic_by_default`)."""
+    t = dataclasses.replace(t, deterministic=deterministic)
+    object.__setattr__(t, "_deterministic_by_default", True)
+    return t
+
+
 def deterministic_by_default(cfg: Config) -> bool:
     """Was `cfg`'s mode decided by the default (`train.deterministic` left unset)?"""
     return getattr(cfg.train, "_deterministic_by_default", False)
@@ -546,9 +551,7 @@ def with_optimizer_object(cfg: Config) -> Config:
     default chose is turned off (`deterministic_obstacle`); one the config asks for stays."""
     if not (cfg.train.deterministic and deterministic_by_default(cfg)):
         return cfg
-    t = dataclasses.replace(cfg.train, deterministic=False)
-    object.__setattr__(t, "_deterministic_by_default", True)
-    return cfg.replace(train=t)
+    return cfg.replace(train=_decided_by_default(cfg.train, False))
 
 
 def mode_line(cfg: Config, optimizer_object: bool = False) -> str:

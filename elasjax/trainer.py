@@ -670,6 +670,7 @@ class Trainer:
             self._wait_standby(ew, None)
         for f in failures:
             ew.emit(FailureBeforeStart(sorted(f.devices), f.phase, f.cause, dict(f.detail)))
+        mode = mode_line(self.cfg, self.optimizer_source == "python")
         ew.emit(StartEvent(
             step=step,
             plan=plan.name,
@@ -682,7 +683,7 @@ class Trainer:
             n_params=self.factory.n_params,
             optimizer=self.optimizer_name,
             deterministic=bool(self.cfg.train.deterministic),
-            mode=mode_line(self.cfg, self.optimizer_source == "python"),
+            mode=mode,
             snapshot_bytes_per_step=self.pool.bytes_per_step,
             snapshot={"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
                       "copies": self.pool.cfg.copies, "auto": self.pool.given.auto,
@@ -692,7 +693,7 @@ class Trainer:
             faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],
         ))
         if self.progress:
-            print(mode_line(self.cfg, self.optimizer_source == "python"))
+            print(mode)
             print(self.pool.cost_line(self.cfg.hardware))
         risk = self.pool.risk()
         if risk is not None:

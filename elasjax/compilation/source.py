@@ -94,7 +94,8 @@ class ExecutableSource:
             self.worker.renice(self.worker.nice)
 
     def _get(self, plan: Plan) -> Acquired:
-        """The plan's executables, and how they were found (`Acquired`). A standby hit means the executable was ready when asked for. A
+        """The plan's executables, and how they were found (`Acquired`). A standby hit means
+        the executable was ready when asked for. A
         needed plan never waits in line: a queued one jumps to the front, or is built here when
         the build under way would take longer than `WAIT_BEHIND` of building it here; with
         `standby.rebind`, when the compile under way is of its program (for other devices),
