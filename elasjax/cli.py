@@ -243,6 +243,7 @@ def _launch(args) -> int:
             max_restarts=args.max_restarts,
             restart_backoff_s=args.restart_backoff,
             kill_coordinator=args.kill_coordinator,
+            worker_restarts=args.worker_restarts,
         )
     if args.kill_coordinator is not None:
         raise launch.ConfigError(
@@ -358,8 +359,13 @@ def main(argv: list[str] | None = None) -> int:
                    "unrecoverable state, an error exit), reap every process and start the job "
                    "again from its newest checkpoint (needs checkpoint.dir), at most N times; "
                    "recorded in supervisor.jsonl (0: never)")
+    m.add_argument("--worker-restarts", type=int, default=0, metavar="N",
+                   help="local launch: start a worker that died again (the same process id), at "
+                   "most N times in all; it rejoins the running job, which grows back onto its "
+                   "devices (0: never)")
     m.add_argument("--restart-backoff", type=float, default=2.0, metavar="S",
-                   help="seconds before the first restart, doubled before each next one")
+                   help="seconds before the first restart, doubled before each next one (of the "
+                   "job, or of one worker)")
     m.add_argument("--timeout", type=float, default=900.0, metavar="S",
                    help="local launch: kill every process after this many seconds (restarts "
                    "included)")

@@ -392,7 +392,13 @@ class RecoveryConfig:
     returned devices make possible a plan the run has stood on before (the start plan, one it
     left at a failure) that ran at least `grow_min_gain` faster (measured; predicted where the
     run has no step time of it), cut over to that one at once and to the best plan once it is
-    compiled (`elasjax.cutover`)."""
+    compiled (`elasjax.cutover`).
+
+    `worker_restarts` (`elasjax launch` only; `--worker-restarts N` sets it): a worker that
+    dies is started again, at most this many times in all; the restarted process rejoins the
+    running job, which grows back onto its devices (`elasjax.admission`). The fault schedule may
+    then kill a process again after its death (its restarted incarnation), at most this many
+    times."""
 
     strategy: Literal["elastic", "checkpoint_restart", "torchft_like"] = "elastic"
     migration: Literal["blocking", "async"] = "blocking"
@@ -401,6 +407,7 @@ class RecoveryConfig:
     grow_min_gain: float = 0.05  # joins: the least predicted relative step-time gain to grow
     grow_standby: bool = False  # compile the every-device plan in the background while some are down
     grow_interim: bool = True  # joins: a compiled earlier plan at once, the best one when compiled
+    worker_restarts: int = 0  # launch: dead workers started again to rejoin, at most this many
 
 
 @dataclasses.dataclass(frozen=True)
@@ -953,6 +960,9 @@ def _validate_recovery(cfg: Config) -> None:
                  "= 'torchft_like' is implemented for data x tensor plans with zero.stage = 0 and "
                  "train.deterministic = false")
     _require(r.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
+    _require(isinstance(r.worker_restarts, int) and r.worker_restarts >= 0,
+             "recovery.worker_restarts", f"= {r.worker_restarts!r}; allowed values: an integer "
+             ">= 0 (under `elasjax launch`: dead workers started again to rejoin; 0: never)")
     _require(0.0 <= r.grow_min_gain < 1.0, "recovery.grow_min_gain",
              f"= {r.grow_min_gain}; allowed values: 0 <= grow_min_gain < 1 (a "
              "relative step-time gain; 0 grows whenever the bigger plan is predicted faster)")

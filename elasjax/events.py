@@ -173,6 +173,10 @@ class JoinEvent(Record):
     plan_s: float = 0.0
     # a plan the run stood on before, compiled, cut over to at once before the best one
     interim_plan: str | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+    # restarted processes admitted under launch (`admission`): processes, the new client's
+    # generation, and the seconds of the admission, the shipping of executables and the move of
+    # the state onto the new client
+    rejoined: dict | None = dataclasses.field(default=None, metadata=OMIT_NONE)
 
 
 @dataclasses.dataclass(eq=False)

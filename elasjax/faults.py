@@ -86,10 +86,15 @@ def _resolve_stall(f, key: str, topo: Topology, runtime: str) -> FaultEvent:
 
 
 def resolve_schedule(
-    faults: tuple[FaultConfig, ...], topo: Topology, steps: int, runtime: str = IN_PROCESS
+    faults: tuple[FaultConfig, ...], topo: Topology, steps: int, runtime: str = IN_PROCESS,
+    restarts: int = 0,
 ) -> list[FaultEvent]:
-    """Concrete events in order; `runtime` is the kind of runtime that will inject them."""
+    """Concrete events in order; `runtime` is the kind of runtime that will inject them.
+    `restarts` (`recovery.worker_restarts`, launch only): that many kills may name a process
+    killed before (its restarted incarnation, which rejoins; a kill due before it rejoined
+    finds nobody to kill and does nothing)."""
     live = list(topo.device_ids)
+    rekills = [restarts if runtime == MULTI_CONTROLLER else 0]
     events: list[FaultEvent] = []
     procs: list[_MtbfProcess] = []
     cursor = [0, False]  # the first step whose process events are not all out; its joins out?
@@ -193,6 +198,9 @@ def resolve_schedule(
                         f"{topo.devices_per_host})"
                     )
                 alive = [d for d in topo.host_devices(h) if d in live]
+                if not alive and f.kill_process >= 0 and rekills[0] > 0:
+                    rekills[0] -= 1  # its restarted incarnation
+                    alive = list(topo.host_devices(h))
                 if not alive:
                     by = sorted({taken[d] for d in topo.host_devices(h) if d in taken})
                     raise ConfigError(

@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -148,20 +149,15 @@ def resolve_config(
             f"({n_processes - k} processes x {devices_per_process}{spares}); allowed values: "
             f"-1, {n}"
         )
-    if cfg.recovery.grow_standby:
-        raise ConfigError(
-            "config 'recovery.grow_standby' = true is not available under `elasjax launch`: "
-            "a restarted process cannot rejoin on CPU (docs/multiprocess.md); to keep the job's "
-            "size start hot spares instead (--spares K); allowed values: false"
-        )
     faults = list(cfg.faults) + [FaultConfig(k.at_step, kill_process=k.process) for k in kills]
     faults.sort(key=lambda f: f.at_step)  # stable: a recovery-phase fault stays after its cause
     par = dataclasses.replace(p, devices=n, devices_per_host=devices_per_process)
     out = cfg.replace(parallel=par, faults=tuple(faults))
     topo = Topology(tuple(range(total)), devices_per_process)
-    events = resolve_schedule(out.faults, topo, out.train.steps, MULTI_CONTROLLER)
+    events = resolve_schedule(out.faults, topo, out.train.steps, MULTI_CONTROLLER,
+                              out.recovery.worker_restarts)
     killed = {h for e in events for h in e.hosts}
-    if killed >= set(range(n_processes)):
+    if killed >= set(range(n_processes)) and not out.recovery.worker_restarts:
         raise ConfigError("the fault schedule kills every process; at least one must survive")
     initial_plan(topo, out)  # a config no plan can run is an error here, not in P processes
     check_coverable(out.snapshot, topo)
@@ -214,6 +210,7 @@ class _Proc:
     popen: subprocess.Popen
     log: Path
     ended_at: float | None = None
+    incarnation: int = 0  # 0: started with the job; k: its k-th restart (`_Restarts`)
 
     @property
     def returncode(self) -> int | None:
@@ -243,6 +240,7 @@ def launch_local(
     max_restarts: int = 0,
     restart_backoff_s: float = 2.0,
     kill_coordinator: int | None = None,
+    worker_restarts: int = 0,
 ) -> int:
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
     (None: the config's `parallel.spares`), wait for them, reap them.
@@ -259,18 +257,29 @@ def launch_local(
     code is then the last attempt's. Each ended attempt's files move to `out/attempt<k>/`;
     `supervisor.jsonl` records every restart and the end. `max_restarts` 0 changes nothing.
 
+    `worker_restarts` > 0: a worker that dies is started again, at most that many times in
+    all (`_Restarts`; backoff `restart_backoff_s`, doubled per restart of one process); the
+    restarted process rejoins the running job, which grows back onto its devices
+    (`elasjax.admission`).
+
     `kill_coordinator` (a step): the launcher SIGKILLs the coordination process once that step's
     metrics row is logged, in the first attempt only (the loss of the node it runs on).
     """
     if processes < 1 or devices_per_process < 1:
         raise ConfigError("--processes and --devices-per-process must be >= 1")
+    if not isinstance(worker_restarts, int) or worker_restarts < 0:
+        raise ConfigError(f"--worker-restarts {worker_restarts!r}: allowed values: an integer "
+                          ">= 0 (dead workers started again to rejoin the job; 0: never)")
     policy = RestartPolicy(max_restarts, restart_backoff_s)
     # Fail fast, before any process starts: config, kill schedule and initial plan (pure).
     import_modules(imports)
     load_hooks(hooks)  # a bad name is an error here, not in every worker
     if spares is not None:  # --spares wins over the config's parallel.spares
         overrides = [*overrides, f"parallel.spares={parse_spares(spares)}"]
+    if worker_restarts:  # --worker-restarts wins over the config's recovery.worker_restarts
+        overrides = [*overrides, f"recovery.worker_restarts={worker_restarts}"]
     base = load(config_path, overrides)
+    worker_restarts = base.recovery.worker_restarts
     if base.train.optimizer:  # a bad name is an error here too, not in every worker
         load_optimizer(base.train.optimizer)
     check_tensorboard(base)  # tensorboardX missing: an error here, not in the writing worker
@@ -308,7 +317,7 @@ def launch_local(
     run_overrides, run_kills, run_cfg = list(overrides), list(kills), cfg
     while True:
         a = _run_attempt(job, run_overrides, run_kills, run_cfg, deadline, quiet, policy,
-                         kill_coordinator if not attempts else None)
+                         kill_coordinator if not attempts else None, worker_restarts)
         attempts.append(a)
         if sup is None:
             break
@@ -457,11 +466,50 @@ class _Attempt:
         return d
 
 
+class _Restarts:
+    """Dead workers started again (`--worker-restarts N`): each replacement takes the dead
+    worker's process id and asks to rejoin the running job (`runtime.membership`), which admits
+    it at a step boundary and grows back onto its devices. At most `budget` restarts in all,
+    the k-th of one process `backoff_s` x 2^(k-1) seconds after its death; none once a worker
+    has finished the run."""
+
+    def __init__(self, budget: int, backoff_s: float, start):
+        """`start(index, incarnation)`: a new `_Proc` for that process id."""
+        self.left, self.backoff_s, self.start = budget, backoff_s, start
+        self.due: list[tuple[float, int]] = []  # (when, process id)
+        self.count: dict[int, int] = defaultdict(int)
+        self.records: list[dict] = []
+
+    def died(self, p: _Proc, now: float) -> str | None:
+        """Schedule p's restart if the budget allows; returns the line to say."""
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        self.count[p.index] += 1
+        k = self.count[p.index]
+        delay = self.backoff_s * 2 ** (k - 1)
+        self.due.append((now + delay, p.index))
+        return (f"process {p.index} will be restarted in {delay:g}s to rejoin the job "
+                f"(restart {k} of it; {self.left} left)")
+
+    def start_due(self, now: float) -> list[_Proc]:
+        started = []
+        for when, i in [d for d in self.due if d[0] <= now]:
+            self.due.remove((when, i))
+            proc = self.start(i, self.count[i])
+            self.records.append({"process": i, "incarnation": self.count[i], "t": now,
+                                 "pid": proc.popen.pid, "log": str(proc.log)})
+            started.append(proc)
+        return started
+
+
 def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quiet: bool,
-                 policy: RestartPolicy, kill_coordinator: int | None = None) -> _Attempt:
+                 policy: RestartPolicy, kill_coordinator: int | None = None,
+                 worker_restarts: int = 0) -> _Attempt:
     """Start every process of the job on a fresh coordinator port, monitor them, reap them."""
     topo = Topology(tuple(range(job.processes * job.devices_per_process)), job.devices_per_process)
-    events = resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER)
+    events = resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER,
+                              cfg.recovery.worker_restarts)
     scheduled = {
         h: f"{e.at_step}:{h}" + (" during recovery" if e.phase == "recovery" else "")
         for e in events
@@ -480,21 +528,26 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
         max(rc0.heartbeat_timeout_s, COORDINATION_HEARTBEAT_S), job.out / "coordinator.log",
         env=dict(os.environ),
     )
+
+    def start(i: int, incarnation: int = 0) -> _Proc:
+        log = job.out / (f"worker{i}.log" if not incarnation else f"worker{i}.r{incarnation}.log")
+        with log.open("wb") as fh:
+            p = subprocess.Popen(
+                job.command(rc0.coordinator, i, overrides, kills), stdout=fh,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        return _Proc(i, p, log, incarnation=incarnation)
+
+    restarts = _Restarts(worker_restarts, policy.backoff_s, start) if worker_restarts else None
     try:
         for i in range(job.processes):
-            log = job.out / f"worker{i}.log"
-            with log.open("wb") as fh:
-                p = subprocess.Popen(
-                    job.command(rc0.coordinator, i, overrides, kills), stdout=fh,
-                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                )
-            procs.append(_Proc(i, p, log))
+            procs.append(start(i))
         pids = {"launcher": os.getpid(), "workers": [q.popen.pid for q in procs],
                 "coordinator": coord.pid}
         (job.out / "pids.json").write_text(json.dumps(pids))
         outcome, message = _monitor(
             procs, coord, scheduled, deadline, job.rc.heartbeat_timeout_s, quiet,
-            (kill_coordinator, job.out / "metrics.jsonl"),
+            (kill_coordinator, job.out / "metrics.jsonl"), restarts,
         )
     finally:
         left = _reap(procs)
@@ -505,9 +558,11 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
         status.append(
             {
                 "process": p.index,
+                "incarnation": p.incarnation,
                 "returncode": rc,
                 "signal": signal.Signals(-rc).name if rc is not None and rc < 0 else None,
-                "scheduled_kill": str(scheduled[p.index]) if p.index in scheduled else None,
+                "scheduled_kill": (str(scheduled[p.index]) if p.index in scheduled
+                                   and not p.incarnation else None),
                 "pid": p.popen.pid,
                 "ended_after_s": None if p.ended_at is None else round(p.ended_at - t_start, 3),
                 "log": str(p.log),
@@ -550,12 +605,13 @@ def _per_process(status: list[dict]) -> str:
 
 
 def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet,
-             kill_coordinator=(None, None)) -> tuple[str, str]:
+             kill_coordinator=(None, None), restarts: _Restarts | None = None) -> tuple[str, str]:
     """Wait until every worker has ended, or the coordination process has (no worker can go
     on without its service), or a worker finished the run and the others did not follow within
     a grace. Shows the lines of the lowest worker still in the job (the one that writes).
     `kill_coordinator`: (step, metrics path): SIGKILL the coordination process once that step's
-    row is logged (None: never)."""
+    row is logged (None: never). `restarts`: dead workers are started again (appended to
+    `procs`)."""
     tails = [_Tail(p.log) for p in procs]
     failures: list[_Proc] = []  # ended with an error nobody scheduled, in order
     kill_step, metrics = kill_coordinator
@@ -570,7 +626,8 @@ def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet,
                 os.kill(coord.pid, signal.SIGKILL)
             _say(quiet, "the coordination process was killed as scheduled (after step "
                         f"{kill_step})")
-        for p in procs:
+        finished = any(p.ended_at is not None and p.returncode == 0 for p in procs)
+        for p in list(procs):
             if p.ended_at is None and p.popen.poll() is not None:
                 p.ended_at = now
                 rc = p.returncode
@@ -580,6 +637,15 @@ def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet,
                     failures.append(p)
                     _say(quiet, f"process {p.index} ended with {_rc(rc)} (not scheduled): "
                                 f"{_last_error(p.log)}")
+                line = (restarts.died(p, now) if restarts is not None and rc != 0
+                        and not finished else None)
+                if line:
+                    _say(quiet, line)
+        if restarts is not None and not finished:
+            for p in restarts.start_due(now):
+                procs.append(p)
+                tails.append(_Tail(p.log))
+                _say(quiet, f"process {p.index} restarted (pid {p.popen.pid}, log {p.log.name})")
         shown = next((p for p in procs if p.ended_at is None or p.returncode == 0), None)
         for p, tail in zip(procs, tails):
             for line in tail.lines():
@@ -591,7 +657,8 @@ def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet,
                    else f"ended with {_rc(coord.returncode)}")
             return "coordinator_lost", f"the coordination process {how}; {_COORD}"
         done = [p for p in procs if p.ended_at is not None and p.returncode == 0]
-        if all(p.ended_at is not None for p in procs):
+        if all(p.ended_at is not None for p in procs) and not (
+                restarts is not None and restarts.due and not done):
             break
         if done and now > min(p.ended_at for p in done) + heartbeat_s + 15:
             break  # grace for the others to end themselves

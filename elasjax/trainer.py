@@ -42,6 +42,7 @@ from .compilation.source import ExecutableSource
 from .compilation.standby import StandbyCompiler
 from .compilation.worker import CompileWorker
 from .config import Config, ConfigError, dump, mode_line, with_optimizer_object
+from .admission import Admissions
 from .contingencies import Contingencies
 from .cutover import Cutovers
 from .data import DataPipeline
@@ -220,7 +221,13 @@ class Trainer:
         self.progress = progress and self.rt.writer
         self.devices = self.rt.devices
         self.topo = self.rt.topology
-        self.schedule = resolve_schedule(cfg.faults, self.topo, cfg.train.steps, self.rt.kind)
+        self.schedule = resolve_schedule(cfg.faults, self.topo, cfg.train.steps, self.rt.kind,
+                                         cfg.recovery.worker_restarts)
+        if cfg.recovery.worker_restarts and not hasattr(self.rt, "joiners"):
+            raise ConfigError(
+                f"config 'recovery.worker_restarts' = {cfg.recovery.worker_restarts} restarts "
+                f"processes of `elasjax launch`; the {self.rt.kind} runtime has none; allowed "
+                "values here: 0")
         if cfg.recovery.grow_standby and not hasattr(self.rt, "join"):
             raise ConfigError(
                 f"config 'recovery.grow_standby' = true needs a runtime where devices can return; "
@@ -244,7 +251,9 @@ class Trainer:
         self.dropped_checkpoints: list[int] = []
         self.transfer_logs: list[TransferLog] = []
         self.compiles = CompileCounter()
-        grows = any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
+        # a runtime that admits restarted processes (`admission`) may grow at any step
+        grows = (any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
+                 or hasattr(self.rt, "joiners"))
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
             background=cfg.standby.enabled or cfg.recovery.migration == "async" or grows,
@@ -261,6 +270,8 @@ class Trainer:
                                  self.contingencies, self.transitions, self.ckpt, self.compiles)
         self.cutovers = Cutovers(cfg, self.rt, self.topo, self.initial, self.source,
                                  self.transitions, paces=lambda: paces(self.timeline))
+        self.admissions = Admissions(cfg, self.rt, self.factory, self.source, self.transitions,
+                                     self.cutovers)
         # what the loop has seen
         self.losses: dict[int, float] = {}
         self.evals: dict[int, float] = {}
@@ -328,15 +339,19 @@ class Trainer:
 
     def _run(self, mw: JsonlWriter, ew: Emitter) -> RunSummary:
         T = self.cfg.train.steps
-        pos = self._start(ew)
-        ls = LoopState(pos, list(self.schedule), [pos.plan.name])
-        self.cutovers.note(pos.plan)
+        if getattr(self.rt, "admission", None) is not None:  # a restarted process rejoins
+            ls = self._rejoin(ew)
+        else:
+            pos = self._start(ew)
+            ls = LoopState(pos, list(self.schedule), [pos.plan.name])
+            self.cutovers.note(pos.plan)
         bar = ew.display = Progress(T, enabled=self.progress)
         with bar:
             while ls.pos.step < T:
                 step = ls.pos.step
                 self._joins(ls, step, ew)
                 try:
+                    self._admit(ls, step, ew)
                     cutover_now = self._cutover_if_due(ls, step, mw, ew)
                     new_state, flight = self._step(ls, step, cutover_now)
                 except DeviceFailure as failure:
@@ -355,6 +370,60 @@ class Trainer:
                 ls.protect_due = True  # the likely failures' plans changed
             ls.joins.append(jev)
             ew.emit(jev, join_line(jev))
+
+    def _admit(self, ls: LoopState, step: int, ew: Emitter) -> None:
+        """Admit the restarted processes that asked to rejoin (`runtime.membership`; the last
+        step's verdict named them, so every live process admits at this boundary), unless a
+        recovery or a cut-over is open (then at a later boundary)."""
+        procs = self.rt.joiners() if hasattr(self.rt, "joiners") else []
+        if not procs or ls.open_event is not None or self.cutovers.pending is not None:
+            return
+        package = self.admissions.package(ls.pos, ls.pending, ls.plans, ls.redo_until, self.good)
+        self._welcome(ls, self.rt.admit(package), ew)
+
+    def _rejoin(self, ew: Emitter) -> LoopState:
+        """A restarted process's start: the loop as its admission describes it, then the
+        admission's steps with the live processes (`_welcome`)."""
+        adm = self.rt.admission
+        arr = self.admissions.arrival(adm)
+        self.good = arr.good
+        ls = LoopState(arr.pos, arr.pending, arr.plans, redo_until=arr.redo_until)
+        counters = adm["runtime"]
+        admitted = {"processes": [self.rt.me], "generation": counters["generation"],
+                    "devices": sorted(d for d in self.devices
+                                      if self.rt.process_of(d) == self.rt.me), "admit_s": None}
+        self.rt.log(f"admitted at step {arr.pos.step} (plan {arr.pos.plan.name}, client "
+                    f"generation {counters['generation']})")
+        try:
+            self._welcome(ls, admitted, ew)
+        except DeviceFailure as f:  # it holds nothing of the loop yet: it cannot recover
+            raise RuntimeError(
+                f"a failure interrupted this process's admission at step {arr.pos.step} "
+                f"({f.cause}); it leaves the job (a restart may ask again)") from f
+        return ls
+
+    def _welcome(self, ls: LoopState, admitted: dict, ew: Emitter) -> None:
+        """The admission's steps on every process (`admission`): executables shipped to the
+        newcomers, the state onto the new client, the newcomers' devices live (a growth
+        pending). Its time is a training pause."""
+        t0 = time.perf_counter()
+        procs = admitted["processes"]
+        here = dataclasses.replace(ls.pos, good=self.good)  # the state's last verified checksums
+        with self.rt.guard("admit/ship"):
+            pos = self.admissions.ship(here, procs, set(here.live) | set(admitted["devices"]))
+        t1 = time.perf_counter()
+        with self.rt.guard("admit/state"):
+            done = self.admissions.settle(pos, self.pool, admitted)
+        ls.pos, self.pool = done.pos, done.pool
+        t2 = time.perf_counter()
+        jev = done.event
+        jev.rejoined = {"processes": procs, "generation": admitted["generation"],
+                        "admit_s": admitted["admit_s"], "ship_s": t1 - t0, "settle_s": t2 - t1}
+        if not jev.grow and self.cutovers.pending is None:
+            ls.protect_due = True
+        ls.joins.append(jev)
+        self.timeline.pause(t2 - t0 + (admitted["admit_s"] or 0.0))
+        ew.emit(jev, join_line(jev))
 
     def _cutover_if_due(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> bool:
         """Cut over to the pending optimal (or bigger) plan if every process has it ready;

@@ -49,7 +49,8 @@ class Executables:
     make_eval: Any = None  # mesh -> the eval function on it (`rebind` re-makes it)
     # "compiled" here; "cached": loaded from JAX's persistent compilation cache (`standby.
     # cache_dir`) by `compile_plan`; "rebound" from a compile for other devices (`rebind`;
-    # `compile_s` is then the load); "reloaded" onto a renewed client's devices of the same ids
+    # `compile_s` is then the load); "reloaded" onto a renewed client's devices of the same ids;
+    # "shipped": sent compiled to a rejoining process (`admission`)
     origin: str = "compiled"
     _portable: Any = dataclasses.field(default=None, repr=False, compare=False)
     _portable_lock: Any = dataclasses.field(

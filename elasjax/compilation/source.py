@@ -180,6 +180,25 @@ class ExecutableSource:
             self.standby.put(key, now)
         return now
 
+    def compiled(self, plan: Plan) -> Executables | None:
+        """`plan`'s executables where this process holds them built (the standby's or the
+        cache's), as built; None otherwise. Never compiles."""
+        if self.standby is not None:
+            exe = self.standby.get(plan.compile_key)
+            if exe is not None:
+                return exe
+        if self.exe_cache.has(self.cfg, plan, self.donate, self.factory.tx_key):
+            return self._cached(plan)[0]
+        return None
+
+    def adopt(self, exe: Executables) -> None:
+        """Executables built elsewhere (shipped to a rejoining process: `admission`): cached and
+        ready, as a standby build is."""
+        self.exe_cache.put(self.cfg, exe.plan, exe, self.donate, self.factory.tx_key)
+        self._prepare(exe)
+        if self.standby is not None:
+            self.standby.put(exe.plan.compile_key, exe)
+
     def ready(self, plan: Plan) -> Executables:
         """A plan the standby reports ready, on the current client."""
         return self.current(self.standby.get(plan.compile_key), plan.compile_key)

@@ -134,6 +134,18 @@ class Liveness:
                 self._last.pop(p, None)
                 self._cpu.pop(p, None)
 
+    def rejoin(self, procs) -> None:
+        """Watch restarted processes again (admitted into the job: `membership`), their silence
+        counted from now."""
+        now = time.time()
+        with self._lock:
+            for p in procs:
+                if p != self.me:
+                    self._last[p] = (None, now)
+                    self.max_gap.setdefault(p, 0.0)
+                    self.first_silent.pop(p, None)
+                    self._reported.discard(p)
+
     def close(self) -> None:
         self._stop.set()
         for t in self._threads:
@@ -362,6 +374,16 @@ class ProcessExits:
                 p = fds[fd]
                 self.seen[p] = time.time()
                 on_exit(p)
+
+    def rejoin(self, procs) -> None:
+        """Restarted processes (admitted into the job): watch their new incarnation, whose pid
+        each posted before asking to rejoin (the next `watch` opens its pidfd). A pidfd opened
+        meanwhile may be the old incarnation's (a dead process not yet reaped): dropped."""
+        self.forget(procs)
+        with self._lock:
+            for p in procs:
+                self._remote.discard(p)
+                self.seen.pop(p, None)
 
     def forget(self, procs) -> None:
         with self._lock:

@@ -34,10 +34,12 @@ tolerance; this module wires them up:
   key-value store and send itself SIGKILL right after dispatching its step (its collectives in
   flight), or during a recovery's transfer; survivors report kill -> error.
 
-Limits measured on CPU/gloo (jax 0.10.2; see docs/multiprocess.md): the coordination process's
-death ends the job (every training process needs the service); a restarted process reconnects
-to the coordination service but cannot join a collective (the gloo rendezvous key already
-exists), so membership can only shrink on CPU.
+- A restarted process rejoins (`membership`): it asks, the live processes admit it at a step
+  boundary and create a new CPU client together with it (a fresh gloo communicator generation:
+  `admit`), and the trainer grows onto its devices.
+
+Limits (see docs/multiprocess.md): the coordination process's death ends the job (every training
+process needs the service); rejoining is implemented on CPU/gloo only.
 """
 
 from __future__ import annotations
@@ -73,19 +75,17 @@ from .collectives import (
 )
 from .dispatch import SETTING
 from .inprocess import DeviceFailure
+from . import membership
 from .liveness import Liveness, ProcessExits, Throttle, arbitrate, peer_state
 from .p2p import TransferLinks
 
-REJOIN_UNSUPPORTED = (
-    "a restarted process cannot rejoin on CPU/gloo: it reconnects to the coordination service, "
-    "but its first collective fails with 'Gloo context initialization failed: ALREADY_EXISTS: "
-    "key cpu:gloo/<devices>/<n> already exists' and the survivors' collectives time out "
-    "(measured with jax 0.10.2); membership can only shrink on CPU"
-)
+# set by the writer once the job's first guard completed: a process that starts after it is a
+# restarted one, which rejoins (`membership`) instead of creating a CPU client at once
+STARTED = "elasjax/started"
 
 
 class RejoinUnsupportedError(RuntimeError):
-    """Growing the membership (a process rejoining) is not possible on this platform."""
+    """Growing the membership (a process rejoining) is not possible on this platform (GPU)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +237,8 @@ def initialize(rc: RuntimeConfig) -> None:
         rc.coordinator, rc.process_id, rc.num_processes, rc.init_timeout_s,
         max(rc.heartbeat_timeout_s, COORDINATION_HEARTBEAT_S),
     )
+    if kv_float(kv_client(), STARTED) is not None:
+        return  # a restarted process: no CPU client until the job admits it (`membership`)
     if jax.process_count() != rc.num_processes:
         raise RuntimeError(
             f"jax.distributed reports {jax.process_count()} processes, expected {rc.num_processes}"
@@ -286,7 +288,21 @@ class MultiControllerRuntime:
 
     def __init__(self, rc: RuntimeConfig):
         self.rc = rc
-        self.me = jax.process_index()
+        self.me = rc.process_id
+        self.client = kv_client()
+        # a restarted process rejoins the running job (`membership`): what its admission said
+        # (the counters below, the trainer's position), else None
+        self.admission: dict | None = None
+        self.rejoined: set[int] = set()  # processes admitted into the running job
+        self._joining: dict[int, str] = {}  # requests named by the last step's verdict
+        # every process posts its pid first: live peers watch a newcomer's exit from admission on
+        self.exits = ProcessExits(self.client, self.me, range(rc.num_processes), rc.watch_exits)
+        if kv_float(self.client, STARTED) is not None:
+            if rc.platform != "cpu":
+                raise RejoinUnsupportedError(
+                    f"process {self.me} was restarted into a running job: rejoining is "
+                    "implemented on CPU/gloo only (see docs/multiprocess.md, 'Rejoin')")
+            self._await_admission()
         devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.devices = {d.id: d for d in devs}
         per = {p: sum(1 for d in devs if d.process_index == p) for p in range(jax.process_count())}
@@ -296,24 +312,21 @@ class MultiControllerRuntime:
         self.live: set[int] = set(self.devices)
         self.local = jax.local_devices()
         self.threads = CopyThreads()
-        self.client = kv_client()
         self.epoch, self._seq = 0, 0
         self._started = False
-        if kv_float(self.client, "elasjax/started") is not None:
-            raise RejoinUnsupportedError(
-                f"process {self.me} was restarted into a running job: "
-                + (REJOIN_UNSUPPORTED if rc.platform == "cpu" else
-                   "rejoining is not implemented yet (see docs/multiprocess.md, 'Scale-up')")
-            )
-        self.generation = 0  # CPU clients replaced so far (`renew_collectives`)
+        self.generation = 0  # CPU clients replaced so far (`renew_collectives`, `admit`)
+        self._guards = 0  # guards run: every live process runs the same sequence
+        self._steps = 0  # step guards entered (for `rc.slow`)
+        self._retries = 0  # collective failures among live processes since the last good step
         self.links = TransferLinks(self.client, self.me, rc.host, max(30, rc.collective_timeout_s))
+        if self.admission is not None:
+            self._adopt_counters(self.admission["runtime"])
         self.links.start(self.local[0])
         # device sets whose gloo communicators the current client may hold (every plan whose
         # executables ran on it, `note_collectives`): after an abort they are all broken
         self._groups: set[frozenset[int]] = set()
-        self.exits = ProcessExits(self.client, self.me, range(jax.process_count()), rc.watch_exits)
         self.liveness = Liveness(
-            self.client, self.me, range(jax.process_count()), rc.liveness_interval_s,
+            self.client, self.me, sorted(self.processes()), rc.liveness_interval_s,
             rc.liveness_timeout_s, cpu_of=self.exits.cpu_s,
         )
         # a same-host peer's exit aborts this process's collectives at once (they would wait
@@ -325,9 +338,6 @@ class MultiControllerRuntime:
             self.exits.start_watcher(self._on_exit)
             self.liveness.on_silent = self._on_silent
             self.liveness.on_silent_after = SILENCE_ABORT_FACTOR * rc.liveness_timeout_s
-        self._guards = 0  # guards run: every live process runs the same sequence
-        self._steps = 0  # step guards entered (for `rc.slow`)
-        self._retries = 0  # collective failures among live processes since the last good step
         self._throttle: Throttle | None = None
 
     # -- who is where ---------------------------------------------------------------------------
@@ -341,8 +351,16 @@ class MultiControllerRuntime:
         return {self.devices[d].process_index for d in self.live}
 
     @property
+    def writer_process(self) -> int:
+        """The process that writes the run's files: the lowest live one that has run since the
+        start (a rejoined process has not seen the steps before its admission), the lowest live
+        one when only rejoined processes are left."""
+        live = self.processes()
+        return min(live - self.rejoined or live)
+
+    @property
     def writer(self) -> bool:
-        return self.me == min(self.processes())
+        return self.me == self.writer_process
 
     def log(self, msg: str) -> None:
         print(f"[elasjax p{self.me}] {msg}", flush=True)
@@ -410,10 +428,11 @@ class MultiControllerRuntime:
             ) from err
         if phase == "step":
             self._retries = 0  # a good step: collective retries start again
+            self._joining = {int(p): n for p, n in verdict.get("joining", {}).items()}
         if not self._started:  # a process restarted from now on is a rejoin (see __init__)
             self._started = True
             if self.writer:
-                self.client.key_value_set("elasjax/started", repr(time.time()), allow_overwrite=True)
+                self.client.key_value_set(STARTED, repr(time.time()), allow_overwrite=True)
 
     # consecutive collective failures among live processes retried before the job stops
     MAX_COLLECTIVE_RETRIES = 3
@@ -491,6 +510,8 @@ class MultiControllerRuntime:
         process's collectives down (`collectives.abort_collectives`), so that a collective
         waiting for the dead peer, or for a survivor already released by its error, fails now
         rather than at the collective timeout. Recovery then renews the client."""
+        if p not in self.processes():  # a newcomer not admitted yet: no collective waits for it
+            return
         n = self._abort(f"when process {p} exited (pidfd)")
         if n is not None:
             self.log(f"process {p} exited (pidfd): shut down {n} collective sockets of this "
@@ -571,6 +592,11 @@ class MultiControllerRuntime:
             "where": where,
             "t_verdict": time.time(),
         }
+        if self.liveness.phase == "step" and where == "exit":  # restarted processes asking
+            outside = set(range(self.rc.num_processes)) - set(live) - set(failed)
+            verdict["joining"] = {str(p): n for p, n in
+                                  membership.pending_requests(
+                                      self.client, outside, self.rc.init_timeout_s).items()}
         try:  # the first verdict posted is everyone's (an arbiter thought dead may post late)
             self.client.key_value_set(f"{key}/verdict", json.dumps(verdict))
         except JaxRuntimeError:
@@ -724,9 +750,19 @@ class MultiControllerRuntime:
             return {"renewed": False, "renew_s": took, "renew_reasons": why,
                     "kept_client": "the next plan's collective groups have no communicator on "
                                    "the client yet; only the aborted ones were broken"}
-        self.generation += 1
+        self._new_client(self.generation + 1)
+        self._groups = set(groups)
+        took = time.perf_counter() - t0
+        self.log(f"new CPU client (generation {self.generation}, fresh gloo communicators) in "
+                 f"{took:.3f}s ({why})")
+        return {"renewed": True, "generation": self.generation, "renew_s": took,
+                "renew_reasons": why}
+
+    def _new_client(self, generation: int) -> None:
+        """Replace the CPU client by a new one, every live process at once (`renew_cpu_client`)."""
+        self.generation = generation
         devs = renew_cpu_client(
-            self.client, self.processes(), self.generation, self.writer,
+            self.client, self.processes(), generation, self.writer,
             (self.rc.collective_timeout_s + 30) * 1000,
         )
         self.devices.update({d.id: d for d in devs})
@@ -734,12 +770,76 @@ class MultiControllerRuntime:
         self.links.start(self.local[0])
         with self._abort_lock:
             self._aborted = None  # the new client's collectives are whole
-        self._groups = set(groups)
+
+    # -- membership growth (`membership`) -------------------------------------------------------
+
+    def _await_admission(self) -> None:
+        """A restarted process: ask to rejoin, wait for the admission (`rc.init_timeout_s`),
+        then create the CPU client together with the live processes (`admit`)."""
+        nonce = membership.request(self.client, self.me)
+        self.log(f"restarted into a running job: asked to rejoin (pid {os.getpid()})")
+        self.admission = membership.await_admission(
+            self.client, self.me, nonce, self.rc.init_timeout_s)
+        counters = self.admission["runtime"]
+        renew_cpu_client(self.client, sorted(counters["processes"]), counters["generation"],
+                         False, (self.rc.collective_timeout_s + 30) * 1000)
+
+    def _adopt_counters(self, c: dict) -> None:
+        """The live processes' counters at the admission: every numbered exchange (guards,
+        agreements, copies, transfer servers) continues where theirs do."""
+        self.live = set(c["live"])
+        self._guards, self.epoch, self._seq = c["guards"], c["epoch"], c["seq"]
+        self._steps, self._retries, self.generation = c["steps"], c["retries"], c["generation"]
+        self.links.started = c["xfer_started"]
+        self.rejoined = set(c["rejoined"])
+        self._started = True
+
+    def joiners(self) -> list[int]:
+        """The restarted processes the last step's verdict named (every live process reads the
+        same list)."""
+        return sorted(self._joining)
+
+    def admit(self, package: dict) -> dict:
+        """Admit the processes `joiners` names into the job (every live process calls it at the
+        same step boundary): the writer posts each one's admission (the runtime's counters and
+        `package`, the trainer's position), then every live process and the newcomers create a
+        new CPU client together (a fresh gloo communicator generation; the old rendezvous keys
+        are deleted first). The newcomers' devices are live from now on, holding nothing.
+        Returns what happened, for the join's event."""
+        t0 = time.perf_counter()
+        joining, self._joining = self._joining, {}
+        procs = sorted(joining)
+        added = {d for d, dev in self.devices.items() if dev.process_index in joining}
+        live = self.live | added
+        gen = self.generation + 1
+        if self.writer:
+            counters = {
+                "live": sorted(live), "processes": sorted(self.processes() | set(procs)),
+                "guards": self._guards, "epoch": self.epoch, "seq": self._seq,
+                "steps": self._steps, "retries": self._retries, "generation": gen,
+                "xfer_started": self.links.started, "rejoined": sorted(self.rejoined | set(procs)),
+            }
+            for p in procs:
+                membership.post_admission(self.client, p, joining[p], {**package, "runtime": counters})
+        self.live = live
+        self.rejoined |= set(procs)
+        self.liveness.rejoin(procs)
+        self.exits.rejoin(procs)
+        self.links.forget(procs)
+        self._new_client(gen)
+        self._groups = set()
         took = time.perf_counter() - t0
-        self.log(f"new CPU client (generation {self.generation}, fresh gloo communicators) in "
-                 f"{took:.3f}s ({why})")
-        return {"renewed": True, "generation": self.generation, "renew_s": took,
-                "renew_reasons": why}
+        self.log(f"admitted process(es) {procs} (devices {sorted(added)}): a new CPU client "
+                 f"(generation {gen}) with them in {took:.3f}s")
+        return {"processes": procs, "devices": sorted(added), "generation": gen,
+                "admit_s": took}
+
+    def join(self, device_ids) -> None:
+        """Devices return: under this runtime only a newcomer's, admitted already (`admit`)."""
+        missing = set(device_ids) - self.live
+        if missing:
+            raise ValueError(f"devices {sorted(missing)} are not live: a process returns by "
+                             "rejoining (`admit`), never by a fault schedule's join")
 
     def current(self, x):
         """`x` (a single-device array) on the current client's device of the same id: a copy

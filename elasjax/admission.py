@@ -1,0 +1,172 @@
+"""A restarted process joins the running loop (`elasjax launch`), and the job grows back onto it.
+
+The runtime's part (the request, the admission at a step's verdict, the new CPU client made
+with the newcomer: a fresh gloo communicator generation) is `runtime.membership` and
+`MultiControllerRuntime.admit`. This is the loop's part, which every live process and the
+newcomer run at the same point, the step boundary of the admission:
+
+1. `package`: what the newcomer needs of the loop (the step, the plan, the state's checksums, the
+   live devices, the fault events still to fire, the plans the run stood on), posted with the
+   admission by the writer.
+2. `ship` (guard `admit/ship`): the writer sends the newcomer the compiled executables of the
+   current plan and of every plan the run stood on that the grown job can run (loaded there, no
+   compile: `executables.from_portable`); the newcomer sees the current state as global arrays
+   with no shard of its own (it holds none of the current plan's devices).
+3. `settle` (guard `admit/state`): the live processes move their state onto the new client's
+   devices (a local copy per shard, the same transition a recovery after a renewal runs) and
+   verify it against its checksums; the snapshot pool starts afresh; then the newcomer's devices
+   join the live set as returned devices do in one process (`Cutovers.join`): the planner's best
+   plan over the bigger set becomes the pending growth cut-over, at once where a plan the run
+   stood on fits (compiled everywhere, the newcomer included, by step 2), else once compiled.
+   The cut-over copies the newcomer's shards from live sources and verifies them.
+
+A failure during 2-3 is a failure like any other (the guards are atomic across processes); the
+newcomer itself cannot recover one before it holds the loop's state, so it stops and may be
+restarted again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from .compilation.executables import Executables, from_portable
+from .compilation.source import ExecutableSource
+from .config import Config
+from .cutover import Cutovers
+from .events import JoinEvent
+from .faults import FaultEvent
+from .recovery import Position, TransitionPlanner, host_checksums
+from .state import StateFactory
+from .transfer import checksum
+from .transfer.reshard import transition
+from .transfer.shards import ShardStore, is_key
+
+
+@dataclasses.dataclass
+class Arrival:
+    """The loop as a newcomer finds it (`Admissions.arrival`)."""
+
+    pos: Position  # its `exe` and `state` come with `ship`
+    pending: list  # fault events still to fire
+    plans: list[str]
+    redo_until: int
+    good: dict
+
+
+@dataclasses.dataclass
+class Welcomed:
+    """The loop after an admission: the position with the newcomers' devices live (a growth
+    pending), the new snapshot pool, the `join` event."""
+
+    pos: Position
+    pool: Any
+    event: JoinEvent
+
+
+def held_elsewhere(exe: Executables):
+    """`exe`'s plan's state as a process holding none of its devices sees it: global arrays with
+    no shard here (what a hot spare holds)."""
+    def empty(a, sh):
+        if is_key(a):
+            raise NotImplementedError(
+                "a state with typed PRNG-key leaves cannot be handed to a rejoining process yet")
+        return jax.make_array_from_single_device_arrays(a.shape, sh, [], dtype=a.dtype)
+
+    return jax.tree.map(empty, exe.layout.abstract, exe.state_shardings)
+
+
+class Admissions:
+    """The loop's side of admitting restarted processes (see the module docstring)."""
+
+    def __init__(self, cfg: Config, rt, factory: StateFactory, source: ExecutableSource,
+                 transitions: TransitionPlanner, cutovers: Cutovers):
+        self.cfg, self.rt, self.factory, self.source = cfg, rt, factory, source
+        self.transitions, self.cutovers = transitions, cutovers
+
+    def package(self, pos: Position, pending: list, plans: list[str], redo_until: int,
+                good: dict) -> dict:
+        """What a newcomer needs of the loop at this boundary (pickled with its admission)."""
+        return {"trainer": {
+            "step": pos.step, "plan": pos.plan, "good": good, "live": sorted(pos.live),
+            "lost_hosts": sorted(pos.lost_hosts), "kept": pos.kept, "pending": list(pending),
+            "plans": list(plans), "history": list(self.cutovers.history.values()),
+            "redo_until": redo_until,
+        }}
+
+    def arrival(self, admission: dict) -> Arrival:
+        """The newcomer's view of the loop, from its admission."""
+        t = admission["trainer"]
+        for plan in t["history"]:
+            self.cutovers.note(plan)
+        pos = Position(t["step"], t["plan"], None, None, t["good"], frozenset(t["live"]),
+                       frozenset(t["lost_hosts"]), t["kept"])
+        return Arrival(pos, t["pending"], t["plans"], t["redo_until"], t["good"])
+
+    def ship(self, pos: Position, newcomers: list[int], live_after: set[int]) -> Position:
+        """The writer sends the newcomers the executables of the current plan and of the plans
+        the run stood on that `live_after` can run and that it holds compiled (every process
+        calls it; on a live process the current plan's are reloaded onto the new client).
+        Returns `pos` with this process's executables and, on a newcomer, its view of the
+        state (`held_elsewhere`)."""
+        rt = self.rt
+        writer = rt.writer_process
+        blob = None
+        if rt.me == writer:
+            plans = [pos.plan] + [
+                p for p in self.cutovers.history.values()
+                if p.compile_key != pos.plan.compile_key and self.source.compiled(p)
+                and set(p.device_ids) | set(p.spare_ids) <= live_after
+            ]
+            shipped = []
+            for p in plans:
+                exe = self.source.compiled(p) if p is not pos.plan else pos.exe
+                if exe is not None and exe.portable_ok:
+                    shipped.append((p, exe.portable(), exe.compile_s))
+            blob = np.frombuffer(pickle.dumps(shipped), np.uint8)
+        n = rt.share(None if blob is None else blob.size, writer)
+        got = rt.exchange({q: [blob] for q in newcomers} if rt.me == writer else {},
+                          {writer: [((n,), np.uint8)]} if rt.me in newcomers else {})
+        if rt.me not in newcomers:
+            return dataclasses.replace(pos, exe=self.source.current(pos.exe, pos.plan.compile_key))
+        exe = None
+        for plan, portable, compile_s in pickle.loads(got[writer][0].tobytes()):
+            built = from_portable(self.cfg, self.factory, plan, rt.devices, portable, compile_s)
+            built.origin = "shipped"
+            self.source.adopt(built)
+            if plan.compile_key == pos.plan.compile_key:
+                exe = built
+        if exe is None:  # the writer's could not be serialized: compiled here
+            exe = self.source.get(pos.plan).exe
+        return dataclasses.replace(pos, exe=exe, state=held_elsewhere(exe))
+
+    def settle(self, pos: Position, pool, admitted: dict) -> Welcomed:
+        """The state on the new client's devices (verified), a fresh snapshot pool, and the
+        newcomers' devices live, a growth pending (every process calls it)."""
+        rt, exe = self.rt, pos.exe
+        self.transitions.cache.clear()  # planned for the old client's devices
+        new_state, _ = transition(
+            ShardStore.capture(pos.state).map_data(rt.current), exe.state_shardings,
+            devices=rt.devices, old_layout=exe.layout, new_layout=exe.layout,
+            plans=self.transitions.cache, transport=rt, threads=rt.threads,
+        )
+        rt.commit(new_state)
+        actual = host_checksums(rt, exe.checksum(new_state), exe)
+        checksum.verify(pos.good, actual, "admission", "the state before it")
+        new_pool = pool.fresh()
+        new_pool.configure(new_state, exe.state_shardings, exe.mesh, set(pos.live))
+        new_pool.take(new_state, pos.step)
+        procs = admitted["processes"]
+        event = FaultEvent(pos.step, tuple(admitted["devices"]), "join",
+                           f"process{'es' if len(procs) > 1 else ''} {procs} rejoined",
+                           hosts=tuple(procs))
+        t0 = time.perf_counter()
+        new_pos, jev = self.cutovers.join(
+            dataclasses.replace(pos, state=new_state, good=actual), [event])
+        jev.plan_s = time.perf_counter() - t0
+        return Welcomed(new_pos, new_pool, jev)

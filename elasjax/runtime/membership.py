@@ -1,0 +1,98 @@
+"""A restarted process rejoins a running `elasjax launch` job (the multi-controller runtime on
+CPU/gloo): the key-value protocol between the newcomer and the live processes.
+
+Why a protocol: a restarted process reconnects to the coordination service (tasks are
+recoverable), but a CPU client of its own would meet the gloo rendezvous keys (`cpu:gloo/...`)
+of the job's clients and fail ("ALREADY_EXISTS"), and the live processes would not know it is
+there. So:
+
+1. The newcomer connects to the coordination service and creates no CPU client. It posts a
+   request, `elasjax/join/<p>` = {nonce, pid, time} (`request`), and waits for its admission.
+2. At a step's exit barrier the arbiter lists the requests of processes outside the job in its
+   verdict (`pending_requests`); every live process reads the same verdict, so all learn of them
+   at the same step.
+3. At the next step boundary where no recovery or cut-over is open, every live process admits
+   them together (`MultiControllerRuntime.admit`): the writer posts each newcomer's admission,
+   `elasjax/admit/<p>/<nonce>` (the runtime's counters and the trainer's position), then every
+   live process and the newcomer create a new CPU client at once
+   (`collectives.renew_cpu_client`: a fresh communicator generation; the old rendezvous keys are
+   deleted first, so none collides).
+4. The trainer ships the newcomer the executables it needs and the job grows onto the
+   newcomer's devices at a growth cut-over, its state copied from live sources
+   (`Trainer._welcome`).
+
+The nonce ties an admission to one incarnation: a process restarted again never reads an
+admission meant for an earlier one. A request the job never admits (the newcomer dies first, or
+the job ends) leaves the job undisturbed; the newcomer gives up after its wait with
+`NotAdmittedError`. Tested end to end in
+tests/test_multiprocess.py::test_a_killed_process_is_restarted_rejoins_and_the_job_grows_back.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import pickle
+import time
+import uuid
+from typing import Any
+
+from jax.errors import JaxRuntimeError
+
+JOIN_DIR = "elasjax/join"
+ADMIT_DIR = "elasjax/admit"
+
+
+class NotAdmittedError(RuntimeError):
+    """A restarted process asked to rejoin and was not admitted within its wait."""
+
+
+def request(client, me: int) -> str:
+    """Post this process's request to rejoin; returns its nonce."""
+    nonce = uuid.uuid4().hex
+    client.key_value_set(
+        f"{JOIN_DIR}/{me}", json.dumps({"nonce": nonce, "pid": os.getpid(), "t": time.time()}),
+        allow_overwrite=True,
+    )
+    return nonce
+
+
+def pending_requests(client, outside: set[int], max_age_s: float) -> dict[int, str]:
+    """{process: nonce} of the requests posted by processes in `outside` (not in the job) in
+    the last `max_age_s` seconds (a newcomer waits that long, then withdraws its request; one
+    killed while it waited leaves a request that expires so)."""
+    try:
+        entries = client.key_value_dir_get(JOIN_DIR)
+    except JaxRuntimeError:  # no request was ever posted
+        return {}
+    out = {}
+    for key, value in entries:
+        p = int(key.rsplit("/", 1)[1])
+        req = json.loads(value)
+        if p in outside and time.time() - req["t"] < max_age_s:
+            out[p] = req["nonce"]
+    return out
+
+
+def post_admission(client, p: int, nonce: str, body: dict[str, Any]) -> None:
+    """The writer's part: process p's admission (pickled), then its request removed."""
+    client.key_value_set(f"{ADMIT_DIR}/{p}/{nonce}", base64.b64encode(pickle.dumps(body)).decode())
+    client.key_value_delete(f"{JOIN_DIR}/{p}")
+
+
+def await_admission(client, me: int, nonce: str, wait_s: float) -> dict[str, Any]:
+    """The newcomer's part: its admission, or `NotAdmittedError` after `wait_s` seconds."""
+    try:
+        raw = client.blocking_key_value_get(f"{ADMIT_DIR}/{me}/{nonce}", int(wait_s * 1000))
+    except JaxRuntimeError as e:
+        with contextlib.suppress(JaxRuntimeError):  # withdrawn: no admission can find it
+            client.key_value_delete(f"{JOIN_DIR}/{me}")
+        raise NotAdmittedError(
+            f"process {me} asked to rejoin the running job and was not admitted within "
+            f"{wait_s:g}s (the job admits a newcomer at a step boundary with no recovery or "
+            "cut-over under way; a job that has ended admits none)"
+        ) from e
+    client.key_value_delete(f"{ADMIT_DIR}/{me}/{nonce}")
+    return pickle.loads(base64.b64decode(raw))
