@@ -90,11 +90,13 @@ def resolve_schedule(
     restarts: int = 0,
 ) -> list[FaultEvent]:
     """Concrete events in order; `runtime` is the kind of runtime that will inject them.
-    `restarts` (`recovery.worker_restarts`, launch only): that many kills may name a process
-    killed before (its restarted incarnation, which rejoins; a kill due before it rejoined
-    finds nobody to kill and does nothing)."""
+    `restarts` (`recovery.worker_restarts`, launch only): the first that many processes killed
+    are started again and rejoin (`elasjax launch` restarts each death while its budget lasts),
+    so a later kill may name them again (their new incarnation; one due before it rejoined finds
+    nobody to kill and does nothing); only a step that kills every live process at once is
+    refused then."""
     live = list(topo.device_ids)
-    rekills = [restarts if runtime == MULTI_CONTROLLER else 0]
+    restarts_left = [restarts if runtime == MULTI_CONTROLLER else 0]
     events: list[FaultEvent] = []
     procs: list[_MtbfProcess] = []
     cursor = [0, False]  # the first step whose process events are not all out; its joins out?
@@ -198,9 +200,6 @@ def resolve_schedule(
                         f"{topo.devices_per_host})"
                     )
                 alive = [d for d in topo.host_devices(h) if d in live]
-                if not alive and f.kill_process >= 0 and rekills[0] > 0:
-                    rekills[0] -= 1  # its restarted incarnation
-                    alive = list(topo.host_devices(h))
                 if not alive:
                     by = sorted({taken[d] for d in topo.host_devices(h) if d in taken})
                     raise ConfigError(
@@ -235,7 +234,17 @@ def resolve_schedule(
                 f"step ({f.at_step}) before it in 'faults': that failure starts the recovery this "
                 "one interrupts"
             )
-        live = [d for d in live if d not in ids]
+        restarted = kind == "process" and 0 < len(hosts) <= restarts_left[0]
+        if restarted:  # started again: its devices return (`elasjax.admission`)
+            restarts_left[0] -= len(hosts)
+            down = {d for e in events if e.at_step == f.at_step and e.kind == "process"
+                    for d in e.device_ids} | set(ids)
+            if set(live) <= down:
+                raise ConfigError(
+                    f"config 'faults' kills every live process at step {f.at_step} ({key}); at "
+                    "least one must survive each step (a restarted process rejoins later)")
+        else:
+            live = [d for d in live if d not in ids]
         if not live:
             raise ConfigError(
                 f"config 'faults' fails every device by step {f.at_step} ({key}); at least one "

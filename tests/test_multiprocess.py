@@ -35,6 +35,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.errors import JaxRuntimeError
 from conftest import TINY, tiny_config
 
 from elasjax import planner, trainer
@@ -42,6 +43,7 @@ from elasjax.config import ConfigError
 from elasjax.launch import KillSpec, parse_spares, resolve_config
 from elasjax.mesh import make_mesh
 from elasjax.metrics import MTTR_PHASES, read_jsonl
+from elasjax.runtime import membership
 from elasjax.runtime.multicontroller import RuntimeConfig, xla_flags
 from elasjax.state import StateFactory, make_optimizer
 from elasjax.transfer import copies
@@ -676,6 +678,109 @@ def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path)
     log1 = (out / "worker1.log").read_text()
     assert "the arbiter, process 0, is dead" in log1
     assert "new CPU client (generation 1, fresh gloo communicators)" in log1
+
+
+@pytest.mark.slow
+def test_a_killed_process_is_restarted_rejoins_and_the_job_grows_back(reference, tmp_path):
+    """Supervision and rejoin (`--worker-restarts`): process 0, the first training process, is
+    SIGKILLed in step 4 and started again by the launcher. It asks to rejoin; the survivors admit
+    it at a step boundary (a new CPU client made with it: no gloo key of the old one collides),
+    ship it the compiled executables, and grow back onto its devices at once through the start
+    plan, compiled (then to the best plan once that is compiled). Every step is logged once,
+    with the fault-free computation, and the job ends on all 8 devices."""
+    out = tmp_path / "rejoin"
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0",
+                         "--worker-restarts", "1", "--restart-backoff", "0.5")
+    assert rc == 0, stdout
+    summary = json.loads((out / "launch.json").read_text())
+    ends = sorted((s["process"], s["incarnation"], s["signal"] or s["returncode"])
+                  for s in summary["processes"])
+    assert ends == [(0, 0, "SIGKILL"), (0, 1, 0), (1, 0, 0), (2, 0, 0), (3, 0, 0)]
+    assert all(_worker_ended(s["pid"]) for s in summary["processes"])
+    metrics = read_jsonl(out / "metrics.jsonl")
+    _assert_matches(metrics, reference)
+    n = [r["n_devices"] for r in metrics]
+    back = n.index(8, 4)  # the first step on 8 devices again
+    assert n[:4] == [8] * 4 and set(n[4:back]) == {6} and set(n[back:]) == {8}
+    assert back - 4 <= 4, n  # admitted at the first boundaries after the recovery
+    events = read_jsonl(out / "events.jsonl")
+    (join,) = [e for e in events if e["type"] == "join"]
+    assert join["rejoined"]["processes"] == [0] and join["devices"] == [0, 1] and join["grow"]
+    growths = [e for e in events if e["type"] == "growth"]
+    assert growths and all(g["verified"] for g in growths)
+    assert growths[0]["from_n_devices"] == 6 and growths[0]["n_devices"] == 8
+    assert growths[0]["step"] == back and growths[0]["compile_wait_s"] == 0.0
+    assert events[-1]["type"] == "end" and events[-1]["processes"] == [0, 1, 2, 3]
+    log = (out / "worker0.r1.log").read_text()
+    assert "asked to rejoin" in log and "admitted at step" in log
+    assert "process 0 restarted" in stdout
+
+
+def test_a_schedule_may_kill_a_restarted_process_again_within_the_restart_budget():
+    cfg = tiny_config("train.steps=12", "faults=[]", "recovery.worker_restarts=1")
+    out = resolve_config(cfg, 4, 2, [KillSpec(3, 1), KillSpec(8, 1)])
+    assert [(f.at_step, f.kill_process) for f in out.faults] == [(3, 1), (8, 1)]
+    with pytest.raises(ConfigError, match="process 1 has already failed"):
+        resolve_config(cfg, 4, 2, [KillSpec(3, 1), KillSpec(6, 1), KillSpec(9, 1)])
+    # without restarts a killed process stays dead, and one must survive the schedule
+    with pytest.raises(ConfigError, match="process 1 has already failed"):
+        resolve_config(tiny_config("train.steps=12", "faults=[]"), 4, 2,
+                       [KillSpec(3, 1), KillSpec(8, 1)])
+    every = [KillSpec(2, 0), KillSpec(4, 1), KillSpec(6, 2), KillSpec(8, 3)]
+    with pytest.raises(ConfigError, match="fails every device"):
+        resolve_config(tiny_config("train.steps=12", "faults=[]"), 4, 2, every)
+    assert len(resolve_config(cfg, 4, 2, every).faults) == 4  # process 0 restarted, rejoins
+    with pytest.raises(ConfigError, match="kills every live process at step 3"):
+        resolve_config(tiny_config("train.steps=12", "faults=[]", "recovery.worker_restarts=2",
+                                   "parallel.devices=-1", "parallel.data=-1"),
+                       2, 2, [KillSpec(3, 0), KillSpec(3, 1)])
+    with pytest.raises(ConfigError, match=r"recovery.worker_restarts.*allowed values"):
+        tiny_config("recovery.worker_restarts=-1")
+    with pytest.raises(ConfigError, match=r"recovery.worker_restarts.*allowed values here: 0"):
+        trainer.Trainer(tiny_config("recovery.worker_restarts=1"))
+
+
+class _KV:
+    """The key-value store of the coordination service, in memory (`runtime.membership`)."""
+
+    def __init__(self):
+        self.d: dict[str, str] = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        if key in self.d and not allow_overwrite:
+            raise JaxRuntimeError(f"ALREADY_EXISTS: {key}")
+        self.d[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.d.items() if k.startswith(prefix + "/")]
+
+    def key_value_delete(self, key):
+        for k in [k for k in self.d if k == key or k.startswith(key + "/")]:
+            del self.d[k]
+
+    def blocking_key_value_get(self, key, ms):
+        if key not in self.d:
+            raise JaxRuntimeError(f"DEADLINE_EXCEEDED: {key}")
+        return self.d[key]
+
+
+def test_an_admission_reaches_only_the_incarnation_that_asked_and_a_request_expires():
+    kv = _KV()
+    first = membership.request(kv, 2)
+    assert membership.pending_requests(kv, {2, 3}, 60) == {2: first}
+    assert membership.pending_requests(kv, {3}, 60) == {}  # process 2 is in the job
+    second = membership.request(kv, 2)  # restarted again before it was admitted
+    assert membership.pending_requests(kv, {2}, 60) == {2: second}
+    membership.post_admission(kv, 2, second, {"step": 7})
+    assert membership.pending_requests(kv, {2}, 60) == {}  # admitted: asked no more
+    with pytest.raises(membership.NotAdmittedError, match="not admitted within 0.01s"):
+        membership.await_admission(kv, 2, first, 0.01)  # not the incarnation admitted
+    assert membership.await_admission(kv, 2, second, 0.01) == {"step": 7}
+    membership.request(kv, 1)
+    assert membership.pending_requests(kv, {1}, 0) == {}  # older than a newcomer waits
+    with pytest.raises(membership.NotAdmittedError):
+        membership.await_admission(kv, 1, "nonce", 0.01)
+    assert membership.pending_requests(kv, {1}, 60) == {}  # the one that gave up withdrew
 
 
 @pytest.mark.slow
