@@ -16,10 +16,11 @@ of a live process.
 A `join` entry returns devices that failed earlier (repaired ones) at a step boundary. It is
 resolved against the same running set of live devices: joining a live device, a device or host
 that is not part of the job, or more devices than the job started with is a `ConfigError`. Under
-the multi-controller runtime a join is refused: a restarted process cannot rejoin on CPU/gloo
-(docs/multiprocess.md). What keeps a launched job's size there is hot spares (`parallel.spares`,
-`elasjax launch --spares K`): processes started with the job, outside the mesh, one of which takes
-a dead process's place (`planner.substitute_spares`).
+the multi-controller runtime a join entry is refused: devices return only with their process,
+which rejoins when it is restarted (`elasjax launch --worker-restarts N`, `elasjax.admission`).
+Hot spares (`parallel.spares`, `elasjax launch --spares K`) keep a launched job's size with no
+restart: processes started with the job, outside the mesh, one of which takes a dead process's
+place (`planner.substitute_spares`).
 
 An `mtbf` entry (`config.MtbfConfig`) is a seeded failure-and-repair process for long runs: from
 its `at_step` on, every device (or host) fails after an exponential lifetime and returns
@@ -374,9 +375,9 @@ def _resolve_join(
     """The devices a `join` entry returns, checked against the devices live before it."""
     if runtime == MULTI_CONTROLLER:
         raise ConfigError(
-            f"config '{key}.join' is not available under `elasjax launch`: a restarted process "
-            "cannot rejoin on CPU/gloo (docs/multiprocess.md); to keep the job's size start hot "
-            "spares with it (--spares K), or run joins with `elasjax train` (one process)"
+            f"config '{key}.join' is not available under `elasjax launch`: devices return with "
+            "their process, which rejoins when restarted (--worker-restarts N); hot spares "
+            "(--spares K) keep the job's size; or run joins with `elasjax train` (one process)"
         )
     if any(e.at_step == f.at_step and not e.is_join for e in events):
         raise ConfigError(

@@ -8,10 +8,10 @@ process resuming from the newest committed checkpoint of `checkpoint.dir`
 (`checkpoint.resume_step: -1`). Restarts are bounded by the budget, spaced by a doubling
 backoff, said on the console and recorded, one JSON line each, in `supervisor.jsonl`.
 
-Why a whole new job and not a replacement process: a process restarted into a running job
-cannot rejoin it on CPU/gloo (`RejoinUnsupportedError`, docs/multiprocess.md), and without
-the coordination service there is no running job to rejoin. Checkpoint resume is the one path by which every
-process enters the same state at the same step.
+Why a whole new job: without the coordination service, or with state no snapshot covers, there
+is no running job a replacement could rejoin (a single dead worker is restarted in place and
+rejoins instead: `--worker-restarts N`, `elasjax.admission`). Checkpoint resume is the one path by
+which every process enters the same state at the same step.
 
 This module holds the launcher-side rules, pure and testable without processes: the policy and
 its checks, which checkpoint a restart resumes from (read from the directory names Orbax commits,

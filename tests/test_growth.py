@@ -95,7 +95,7 @@ def test_join_shape_phase_strategy_order_and_runtime():
         _resolve("[{at_step: 2, devices: [3]}, {at_step: 6, devices: [1]}, "
                  "{at_step: 6, join: {devices: [3]}}]")
     with pytest.raises(ConfigError, match=r"'faults\[1\].join' is not available under `elasjax "
-                                          r"launch`: a restarted process cannot rejoin.*--spares"):
+                                          r"launch`: devices return with their process.*--worker-restarts.*--spares"):
         _resolve("[{at_step: 2, hosts: [1]}, {at_step: 6, join: {hosts: [1]}}]",
                  faults.MULTI_CONTROLLER)
     # `elasjax launch` checks the schedule before it starts any process
