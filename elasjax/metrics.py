@@ -196,6 +196,16 @@ class JsonlWriter:
             self._f.write(line)
             self._f.flush()
 
+    @property
+    def lines(self) -> int:
+        """Lines this process has emitted (every process emits the same ones)."""
+        return self._count
+
+    def continue_at(self, lines: int) -> None:
+        """A process that joins a running job: the writers' files hold `lines` lines already
+        (`admission`), so its count, and a later take-over's, start there."""
+        self._count = lines
+
     def _take_over(self) -> None:
         """Become the writer: append the kept lines the file lacks, this record's included."""
         text = self.path.read_text() if self.path.exists() else ""

@@ -340,7 +340,7 @@ class Trainer:
     def _run(self, mw: JsonlWriter, ew: Emitter) -> RunSummary:
         T = self.cfg.train.steps
         if getattr(self.rt, "admission", None) is not None:  # a restarted process rejoins
-            ls = self._rejoin(ew)
+            ls = self._rejoin(mw, ew)
         else:
             pos = self._start(ew)
             ls = LoopState(pos, list(self.schedule), [pos.plan.name])
@@ -351,7 +351,7 @@ class Trainer:
                 step = ls.pos.step
                 self._joins(ls, step, ew)
                 try:
-                    self._admit(ls, step, ew)
+                    self._admit(ls, step, mw, ew)
                     cutover_now = self._cutover_if_due(ls, step, mw, ew)
                     new_state, flight = self._step(ls, step, cutover_now)
                 except DeviceFailure as failure:
@@ -371,7 +371,7 @@ class Trainer:
             ls.joins.append(jev)
             ew.emit(jev, join_line(jev))
 
-    def _admit(self, ls: LoopState, step: int, ew: Emitter) -> None:
+    def _admit(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> None:
         """Admit the restarted processes that asked to rejoin (`runtime.membership`; the last
         step's verdict named them, so every live process admits at this boundary), unless a
         recovery or a cut-over is open (then at a later boundary)."""
@@ -379,15 +379,38 @@ class Trainer:
         if not procs or ls.open_event is not None or self.cutovers.pending is not None:
             return
         package = self.admissions.package(ls.pos, ls.pending, ls.plans, ls.redo_until, self.good)
+        package["seen"] = self._seen(ls, mw, ew)
         self._welcome(ls, self.rt.admit(package), ew)
 
-    def _rejoin(self, ew: Emitter) -> LoopState:
-        """A restarted process's start: the loop as its admission describes it, then the
-        admission's steps with the live processes (`_welcome`)."""
+    def _seen(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> dict:
+        """What the loop has seen and written so far: a newcomer may become the writer later,
+        and its files and `end` event then go on from here."""
+        now = time.perf_counter()
+        return {
+            "losses": self.losses, "evals": self.evals, "digests": self.digests,
+            "timeline": self.timeline, "recoveries": ls.recoveries, "joins": ls.joins,
+            "growths": ls.growths, "migrations": ls.migrations,
+            "lines": (mw.lines, ew.writer.lines), "run_s": now - self._t_run,
+            "loop_s": self.loop_s,
+        }
+
+    def _rejoin(self, mw: JsonlWriter, ew: Emitter) -> LoopState:
+        """A restarted process's start: the loop as its admission describes it (what it has
+        seen and written included), then the admission's steps with the live processes
+        (`_welcome`)."""
         adm = self.rt.admission
         arr = self.admissions.arrival(adm)
         self.good = arr.good
         ls = LoopState(arr.pos, arr.pending, arr.plans, redo_until=arr.redo_until)
+        seen, now = adm["seen"], time.perf_counter()
+        self.losses, self.evals, self.digests = seen["losses"], seen["evals"], seen["digests"]
+        self.timeline = seen["timeline"]
+        ls.recoveries, ls.joins = seen["recoveries"], seen["joins"]
+        ls.growths, ls.migrations = seen["growths"], seen["migrations"]
+        mw.continue_at(seen["lines"][0])
+        ew.writer.continue_at(seen["lines"][1])
+        self._t_run = now - seen["run_s"]
+        self._t_done, self._t_first_done = now, now - seen["loop_s"]
         counters = adm["runtime"]
         admitted = {"processes": [self.rt.me], "generation": counters["generation"],
                     "devices": sorted(d for d in self.devices
