@@ -256,6 +256,13 @@ def _launch(args) -> int:
             "--coordinator is restarted by the cluster's own scheduler; allowed values with "
             "--coordinator: 0"
         )
+    if args.worker_restarts:
+        raise launch.ConfigError(
+            f"--worker-restarts {args.worker_restarts} restarts the workers of a local launch "
+            "(--processes P); on a cluster the scheduler restarts a worker with its own command, "
+            "and the restarted process rejoins the running job by itself; allowed values with "
+            "--coordinator: 0"
+        )
     if spares is not None:  # a cluster's --num-processes counts the spares too
         args.set = [*args.set, f"parallel.spares={spares}"]
     if args.num_processes is None or args.process_id is None:  # join a cluster as one process
