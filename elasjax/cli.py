@@ -235,6 +235,7 @@ def _launch(args) -> int:
             slow=args.slow,
             renew_collectives=args.renew_collectives,
             watch_exits=args.watch_exits,
+            death_notices=args.death_notices,
             imports=args.imports,
             hooks=args.hooks,
             timeout_s=args.timeout,
@@ -276,6 +277,7 @@ def _launch(args) -> int:
         slow=launch.parse_slow(args.slow, args.num_processes) if args.slow else None,
         renew_collectives=args.renew_collectives,
         watch_exits=args.watch_exits,
+        death_notices=args.death_notices,
     )
     launch.import_modules(args.imports)
     return launch.run_worker(args.config, args.set, rc, args.out, kills, args.hooks)

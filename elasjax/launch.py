@@ -181,8 +181,8 @@ def run_worker(
     cfg = resolve_config(cfg, jax.process_count(), len(jax.local_devices()), kills)
     try:
         summary = Trainer(cfg, out, runtime=rt, hooks=fns).run()
-    finally:
-        rt.close()
+    finally:  # an error exit is announced to the peers (`deathnote`), a normal one is not
+        rt.close(finished=sys.exc_info()[0] is None)
     rt.log(f"done: {len(summary.losses)} steps, final plan {summary.final_plan.name}")
     _shutdown()
     return 0
@@ -232,6 +232,7 @@ def launch_local(
     slow: str | None = None,
     renew_collectives: str = "auto",
     watch_exits: bool = True,
+    death_notices: bool = True,
     timeout_s: float = 900.0,
     quiet: bool = False,
     imports: Sequence[str] = (),
@@ -307,6 +308,7 @@ def launch_local(
             slow=parse_slow(slow, processes) if slow else None,
             renew_collectives=renew_collectives,
             watch_exits=watch_exits,
+            death_notices=death_notices,
         ),
         slow,
     )
@@ -414,6 +416,7 @@ class _Job:
             "--renew-collectives",
             rc.renew_collectives,
             "--watch-exits" if rc.watch_exits else "--no-watch-exits",
+            "--death-notices" if rc.death_notices else "--no-death-notices",
             *(["--slow", self.slow] if self.slow else []),
             "--out",
             str(self.out),
@@ -805,6 +808,9 @@ def add_process_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--watch-exits", action=argparse.BooleanOptionalAction, default=True,
                     help="the arbiter also learns of a same-host process's death from the kernel "
                     "(a pidfd turns readable at its exit), with no timeout")
+    ap.add_argument("--death-notices", action=argparse.BooleanOptionalAction, default=True,
+                    help="a sidecar on each process's host announces its death to every peer at "
+                    "once (UDP), so a death on another host needs no heartbeat timeout")
     ap.add_argument("--renew-collectives", choices=RENEW_MODES, default="auto",
                     help="after a failure, start a new CPU client with fresh gloo communicators: "
                     "auto (when a survivor's collective ran into the collective timeout, which "
@@ -858,6 +864,7 @@ def worker_main(args: argparse.Namespace) -> int:
         slow=parse_slow(args.slow, args.num_processes) if args.slow else None,
         renew_collectives=args.renew_collectives,
         watch_exits=args.watch_exits,
+        death_notices=args.death_notices,
     )
     kills = [KillSpec.parse(k) for k in args.kill]
     import_modules(args.imports)

@@ -16,7 +16,9 @@ Four processes x two CPU devices train `configs/multiprocess.yaml` (gloo collect
      the recovery's `detect_s`, the figure the acceptance asks for);
    - the MTTR (death to the first good step) and its phases; standby hit or not.
    With `--no-watch-exits` the kernel's exit watch is off (kill and skew runs), so every death
-   is seen as a death on another host would be: by the heartbeat alone.
+   is seen as a death on another host would be: by the death notice the dead process's host
+   sends (`runtime.deathnote`), and with `--no-death-notices` too by the heartbeat alone (as
+   for a whole host lost).
    The first kill of a run recovers with the standby compiled before step 0; later kills of the
    same run find standby executables only if the background compile after the first recovery
    finished, so the table splits the MTTRs by hit.
@@ -74,7 +76,8 @@ def kill_run(args, i: int, out: Path) -> list[dict]:
     rc, wall = _launch(out, [*standby, f"train.steps={steps}"], kills=kills,
                        collective_timeout_s=args.collective_timeout,
                        liveness_timeout_s=args.liveness_timeout,
-                       watch_exits=not args.no_watch_exits)
+                       watch_exits=not args.no_watch_exits,
+                       death_notices=not args.no_death_notices)
     rows = []
     for e in _events(out):
         if e.get("type") != "recovery":
@@ -104,7 +107,8 @@ def skew_run(args, out: Path, collective_timeout: int) -> dict:
     rc, wall = _launch(out, [f"train.steps={steps}"], collective_timeout_s=collective_timeout,
                        liveness_timeout_s=args.liveness_timeout,
                        slow=f"1:{args.skew_factor:g}:{start}:{args.skew_steps}",
-                       watch_exits=not args.no_watch_exits)
+                       watch_exits=not args.no_watch_exits,
+                       death_notices=not args.no_death_notices)
     ev = _events(out)
     # a process declared dead; a retry (collectives failed, nobody died) is counted apart
     declared = [e for e in ev if e.get("type") == "failure_before_start"
@@ -182,7 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--liveness-timeout", type=float, default=1.0)
     ap.add_argument("--no-watch-exits", action="store_true",
                     help="turn the kernel's exit watch off: every death is seen as one on another "
-                         "host would be (the heartbeat alone)")
+                         "host would be (its host's death notice, else the heartbeat)")
+    ap.add_argument("--no-death-notices", action="store_true",
+                    help="no death notices from the dead process's host (`runtime.deathnote`): "
+                         "with --no-watch-exits the heartbeat alone decides (a whole host lost)")
     ap.add_argument("--skew-factor", type=float, default=3.0)
     ap.add_argument("--skew-steps", type=int, default=50)
     ap.add_argument("--skew-collective-timeouts", type=int, nargs="*", default=None,
@@ -204,8 +211,10 @@ def main(argv=None) -> int:
             f"every 0.1s); {'optimised' if args.optimized_xla else 'JAX_DISABLE_MOST_OPTIMIZATIONS=1'}; "
             f"{os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.1f}; standby "
             f"waits at start{' and after each recovery' if args.wait_after_recovery else ''}; "
-            + ("exit watch off (every death seen as on another host: heartbeat only)"
-               if args.no_watch_exits else "exit watch on (same-host deaths read from the kernel)"))
+            + ("exit watch off (every death seen as on another host)"
+               if args.no_watch_exits else "exit watch on (same-host deaths read from the kernel)")
+            + ("; death notices off" if args.no_death_notices
+               else "; death notices on (the dead process's host announces it)"))
     print(cond, flush=True)
     rows: list[dict] = []
     res: dict = {"conditions": cond}

@@ -27,9 +27,11 @@ Workers run with `JAX_DISABLE_MOST_OPTIMIZATIONS=1`, as this process does (conft
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -785,6 +787,11 @@ class _KV:
             raise JaxRuntimeError(f"DEADLINE_EXCEEDED: {key}")
         return self.d[key]
 
+    def key_value_try_get(self, key):
+        if key not in self.d:
+            raise JaxRuntimeError(f"NOT_FOUND: {key}")
+        return self.d[key]
+
 
 def test_an_admission_reaches_only_the_incarnation_that_asked_and_a_request_expires():
     kv = _KV()
@@ -848,7 +855,8 @@ from elasjax.runtime.multicontroller import RuntimeConfig, initialize, MultiCont
 rc = RuntimeConfig(f"127.0.0.1:{port}", 3, me, devices_per_process=1,
                    collective_timeout_s=1 if mode == "fence" else 8,
                    heartbeat_timeout_s=5, liveness_timeout_s=1.0,
-                   watch_exits=mode not in ("kill", "arbiter"))
+                   watch_exits=mode not in ("kill", "arbiter", "notice"),
+                   death_notices=mode == "notice")
 initialize(rc)
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -874,13 +882,13 @@ try:
                 # others' collective times out (1 s), the evidence the fast timeout needs
                 subprocess.run([sys.executable, "-c", STOP, str(os.getpid())])
             f(x).block_until_ready()
-            if me == 1 and step == 1 and mode in ("kill", "exit"):
+            if me == 1 and step == 1 and mode in ("kill", "exit", "notice"):
                 time.sleep(3.0)
         out["slow_ok"] += 1
     victim = 0 if mode == "arbiter" else 2
     with rt.guard("step"):
         y = f(x)
-        if me == victim and mode in ("kill", "exit", "arbiter"):
+        if me == victim and mode in ("kill", "exit", "arbiter", "notice"):
             kv_client().key_value_set(f"elasjax/kill/{me}", repr(time.time()), True)
             os.kill(os.getpid(), signal.SIGKILL)
         y.block_until_ready()
@@ -934,6 +942,65 @@ def test_the_kernel_reports_a_same_host_death_before_any_timeout(tmp_path):
         assert r["failed"] == [2] and r["procs"] == [2] and r["detector"] == "process exit"
         assert "process 2 exited (pidfd on this host)" in r["detected_by"]
         assert r["after"] == 3.0
+
+
+@pytest.mark.slow
+def test_a_death_notice_from_the_dead_process_host_ends_the_wait(tmp_path):
+    """The exit watch off (a death as another host sees it), death notices on: process 2's
+    sidecar, on its own host, announces the SIGKILL to the others (`runtime.deathnote`); they
+    shut their collectives down and the arbiter declares process 2 dead at once, with no
+    heartbeat timeout; the slow process 1 (alive) is still waited for."""
+    procs, outs = _guard_job("notice", tmp_path)
+    assert procs[2].returncode == -signal.SIGKILL
+    for i in (0, 1):
+        r = _result(procs[i], outs[i])
+        assert r["slow_ok"] == 3
+        assert r["failed"] == [2] and r["procs"] == [2] and r["detector"] == "death notice", r
+        assert "process 2 exited (a death notice from its host)" in r["detected_by"]
+        assert r["kill_to_detect_s"] < 1.0  # under the liveness timeout: no silence waited for
+        assert r["after"] == 3.0
+
+
+def test_the_sidecar_announces_its_parents_death_and_not_a_normal_exit():
+    """`deathnote`'s sidecar, watching a stand-in parent: a SIGKILL is announced to every peer
+    (`dead <process> <pid>`, three copies); after `bye` the parent's exit is not. A notice counts
+    only for the pid the process's current incarnation posted."""
+    from elasjax.runtime import deathnote
+    from elasjax.runtime.liveness import ProcessExits
+
+    listen = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listen.bind(("127.0.0.1", 0))
+    listen.settimeout(5)
+    peers = json.dumps([["127.0.0.1", listen.getsockname()[1]]]) + "\n"
+    for bye in (False, True):
+        parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        side = subprocess.Popen([sys.executable, "-c", deathnote._SIDECAR, str(parent.pid), "7"],
+                                stdin=subprocess.PIPE)
+        side.stdin.write(peers.encode() + (b"bye\n" if bye else b""))
+        side.stdin.flush()
+        if bye:
+            side.wait(timeout=10)  # it ended on `bye`, before the parent's death
+        else:
+            time.sleep(1.0)  # it watches the parent by now (a worker outlives its start-up)
+        parent.kill()
+        parent.wait()
+        side.wait(timeout=10)
+        if bye:
+            listen.settimeout(0.5)
+            with pytest.raises(OSError):  # nothing arrives (a timeout)
+                listen.recvfrom(256)
+        else:
+            got = {listen.recvfrom(256)[0] for _ in range(3)}
+            assert got == {f"dead 7 {parent.pid}".encode()}
+    listen.close()
+    kv = _KV()
+    exits = ProcessExits(kv, 0, range(2), enabled=False)  # posts its own pid, watches nothing
+    kv.key_value_set("elasjax/proc/1", json.dumps({"pid": 4242}), allow_overwrite=True)
+    assert not exits.notice(1, 4241) and not exits.exited(1)  # an earlier incarnation's
+    assert exits.notice(1, 4242) and exits.exited(1)
+    assert exits.how(1) == "a death notice from its host"
+    exits.rejoin([1])  # its next incarnation is alive
+    assert not exits.exited(1)
 
 
 @pytest.mark.slow

@@ -294,11 +294,14 @@ class ProcessExits:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.seen: dict[int, float] = {}  # peer -> when the watcher saw its exit
+        # peer -> when a death notice from its host named its current incarnation (`deathnote`)
+        self._noticed: dict[int, float] = {}
         self._remote: set[int] = set()  # peers on another host (or whose pidfd cannot be had)
         self.boot = _boot_id()
-        if self.enabled:
-            info = {"boot": self.boot, "pid": os.getpid(), "start": _start_ticks(os.getpid())}
-            client.key_value_set(f"elasjax/proc/{me}", json.dumps(info), allow_overwrite=True)
+        # posted whether or not this process watches exits: a death notice names the pid
+        # (`notice`), and a restarted incarnation is told from an earlier one by it
+        info = {"boot": self.boot, "pid": os.getpid(), "start": _start_ticks(os.getpid())}
+        client.key_value_set(f"elasjax/proc/{me}", json.dumps(info), allow_overwrite=True)
 
     def watch(self) -> None:
         """Open a pidfd for every same-host peer that has posted (call while all are alive)."""
@@ -340,7 +343,30 @@ class ProcessExits:
         """Whether the kernel will report process p's exit (a same-host peer with a pidfd)."""
         return p in self._fds
 
+    def notice(self, p: int, pid: int) -> bool:
+        """A death notice from process p's host (`deathnote`): p has exited if `pid` is the pid
+        its current incarnation posted (a late notice of an earlier one is ignored). Returns
+        whether it counts."""
+        try:
+            info = json.loads(self.client.key_value_try_get(f"elasjax/proc/{p}"))
+        except JaxRuntimeError:
+            return False
+        if info.get("pid") != pid:
+            return False
+        with self._lock:
+            self._noticed.setdefault(p, time.time())
+        return True
+
+    def how(self, p: int) -> str:
+        """How this process knows p exited: its own pidfd, or a notice from p's host."""
+        fd = self._fds.get(p)
+        if fd is not None and select.select([fd], [], [], 0)[0]:
+            return "pidfd on this host"
+        return "a death notice from its host"
+
     def exited(self, p: int) -> bool:
+        if p in self._noticed:
+            return True
         fd = self._fds.get(p)
         if fd is None:
             return False
@@ -388,6 +414,7 @@ class ProcessExits:
     def forget(self, procs) -> None:
         with self._lock:
             for p in procs:
+                self._noticed.pop(p, None)
                 self._pids.pop(p, None)
                 fd = self._fds.pop(p, None)
                 if fd is None:

@@ -76,6 +76,7 @@ from .collectives import (
 from .dispatch import SETTING
 from .inprocess import DeviceFailure
 from . import membership
+from .deathnote import DeathNotes
 from .liveness import Liveness, ProcessExits, Throttle, arbitrate, peer_state
 from .p2p import TransferLinks
 
@@ -134,6 +135,9 @@ class RuntimeConfig:
         collective timeout (a communicator among survivors may be closed), when a process
         aborted its collectives at an exit, or to retry a step whose collectives failed while
         every process was alive; `always`; `never` (no abort and no retry either).
+      death_notices: every process starts a sidecar that announces its death to every peer
+        from its own host (`deathnote`): a death is proof at once on every host, as the
+        kernel's exit watch is on one; off: only the exit watch and the heartbeat decide.
     """
 
     coordinator: str
@@ -149,6 +153,7 @@ class RuntimeConfig:
     slow: tuple[int, float, int, int] | None = None
     renew_collectives: str = "auto"
     watch_exits: bool = True
+    death_notices: bool = True
 
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator.rpartition(":")
@@ -334,7 +339,10 @@ class MultiControllerRuntime:
         self._in_body = False
         self._aborted: str | None = None  # why this process shut its collectives down
         self._abort_lock = threading.Lock()
-        if rc.platform == "cpu" and rc.renew_collectives != "never":
+        aborts = rc.platform == "cpu" and rc.renew_collectives != "never"
+        self.notes = DeathNotes(self.client, self.me, rc.host,
+                                lambda p, pid: self._on_notice(p, pid, aborts), rc.death_notices)
+        if aborts:
             self.exits.start_watcher(self._on_exit)
             self.liveness.on_silent = self._on_silent
             self.liveness.on_silent_after = SILENCE_ABORT_FACTOR * rc.liveness_timeout_s
@@ -517,6 +525,16 @@ class MultiControllerRuntime:
             self.log(f"process {p} exited (pidfd): shut down {n} collective sockets of this "
                      "process")
 
+    def _on_notice(self, p: int, pid: int, aborts: bool) -> None:
+        """A death notice from process p's host (the notes' listener thread): proof of its
+        death, as the kernel's exit is for a same-host peer (`_on_exit`)."""
+        if not self.exits.notice(p, pid) or not aborts or p not in self.processes():
+            return
+        n = self._abort(f"when a death notice from process {p}'s host arrived")
+        if n is not None:
+            self.log(f"process {p} died (death notice from its host): shut down {n} collective "
+                     "sockets of this process")
+
     def _abort(self, when: str) -> int | None:
         """Inside a guard's block, shut this process's collectives down, once
         (`collectives.abort_collectives`: every connection but the coordination service's), and
@@ -553,6 +571,7 @@ class MultiControllerRuntime:
 
     def _exit_barrier(self, err: BaseException | None, timeout: float, where: str = "exit") -> dict:
         self.exits.watch()  # every process: its exit watcher aborts collectives (`_on_exit`)
+        self.notes.refresh(self.processes())  # where to send this process's death notice
         self._guards += 1
         key = f"elasjax/g/{self._guards}"
         status = "ok" if err is None else "err:" + (str(err).splitlines() or [""])[0][:300]
@@ -578,6 +597,7 @@ class MultiControllerRuntime:
             failed[p] = silence
             if self.exits.exited(p):
                 exited.append(p)
+        how = {str(p): self.exits.how(p) for p in exited}
         if starved:
             self.log(f"{self.liveness.phase} {where} barrier: waited for " + ", ".join(
                 f"process {p} (silent {v:.2f}s, its CPU time advancing)" for p, v in starved.items()
@@ -585,6 +605,7 @@ class MultiControllerRuntime:
         verdict = {
             "failed": sorted(failed),
             "exited": sorted(exited),
+            "exit_how": how,
             "starved_s": {str(p): round(v, 3) for p, v in starved.items()},
             "silent_s": {str(p): round(v, 3) for p, v in failed.items()},
             "errors": {str(p): v[4:] for p, v in statuses.items() if v.startswith("err:")},
@@ -658,10 +679,13 @@ class MultiControllerRuntime:
         by_exit = set(procs) <= set(verdict.get("exited", ()))
         if self._aborted is not None:
             released += f"; {self._aborted}"
-        if by_exit:  # the kernel said so: no timeout was needed
-            detector = "process exit"
-            detected_by = (f"process exit: {', '.join(f'process {p}' for p in procs)} exited "
-                           f"(pidfd on this host) and was absent from {where}; {released}")
+        if by_exit:  # the kernel said so (here, or on its host): no timeout was needed
+            how = verdict.get("exit_how", {})
+            noticed = all("notice" in how.get(str(p), "") for p in procs)
+            detector = "death notice" if noticed else "process exit"
+            detected_by = (f"{detector}: " + ", ".join(
+                f"process {p} exited ({how.get(str(p), 'pidfd on this host')})" for p in procs)
+                + f" and was absent from {where}; {released}")
         else:
             detector = "heartbeat"
             silent = ", ".join(f"process {p} silent {verdict['silent_s'][str(p)]:.2f}s" for p in procs)
@@ -941,12 +965,15 @@ class MultiControllerRuntime:
         wait_ms = (self.rc.collective_timeout_s + 5) * 1000
         return pickle.loads(base64.b64decode(self.client.blocking_key_value_get(key, wait_ms)))
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """End this process's part; `finished`: it is leaving after a normal end (its death
+        notice is withdrawn), else its exit is announced to the peers (`deathnote`)."""
         if self._throttle is not None:
             self._throttle.stop()
             self._throttle = None
         self.liveness.close()
         self.exits.close()
+        self.notes.close(announce=not finished)
         gaps = {p: round(g, 3) for p, g in self.liveness.max_gap.items()}
         self.log(f"longest heartbeat silence seen, by peer: {gaps}")
         if self.liveness.long_gaps:
