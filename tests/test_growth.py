@@ -232,13 +232,17 @@ def test_down_and_back_ends_on_the_eight_device_plan_within_tolerance(exe_cache,
     assert not end["cutover_pending"] and end["notes"] == []
 
 
-def test_growth_cuts_over_at_once_to_a_compiled_earlier_plan_then_to_the_best(exe_cache, tmp_path):
+def test_growth_cuts_over_at_once_to_a_compiled_earlier_plan_then_to_the_best(
+        exe_cache, tmp_path, monkeypatch):
     """The returned devices make the plans the run stood on before possible again (the start
     plan, compiled at step 0, and the 7-device plan of the first recovery) while the best plan
     over them is not compiled: the run cuts over at the join, with no compile wait, to the one
-    of those that ran faster (their measured step times are close here, so either), and to the
-    best plan once that is compiled (by step 8 here, `max_fast_path_steps=2`). Losses within
-    1e-5 of the fault-free run."""
+    of those predicted faster, and to the best plan once that is compiled (by step 8 here,
+    `max_fast_path_steps=2`). Losses within 1e-5 of the fault-free run. The run's measured
+    step times are hidden (`paces`): on 8 fake devices sharing 2 loaded cores they may rank a
+    5-device plan first, and then no cut-over happens at the join (the choice by measured times
+    is tested in test_an_interim_plan_is_chosen_by_measured_step_time)."""
+    monkeypatch.setattr(trainer, "paces", lambda timeline: {})
     steps = ["train.steps=12", "recovery.max_fast_path_steps=2"]
     ref = trainer.run(tiny_config(*steps, "faults=[]"), exe_cache=exe_cache)
     cfg = tiny_config(*steps, DOWN_AND_BACK + "]")
@@ -251,6 +255,10 @@ def test_growth_cuts_over_at_once_to_a_compiled_earlier_plan_then_to_the_best(ex
     seven = run.recoveries[0].to_plan
     interim = join["interim_plan"]
     assert join["grow"] and join["best_plan"] == eight.name and interim in (init.name, seven)
+    seven_plan = planner.replan([0, 1, 2, 4, 5, 6, 7], TOPO, cfg, init, init)
+    assert seven_plan.name == seven
+    # the prediction's pick: the faster of the two by the cost model
+    assert interim == min((init, seven_plan), key=lambda p: planner.predict_step_s(p, cfg)).name
     first, second = run.growths
     assert (first["step"], first["from_n_devices"], first["to_plan"]) == (6, 5, interim)
     assert first["compile_wait_s"] == 0.0 and first["verified"]
@@ -262,6 +270,40 @@ def test_growth_cuts_over_at_once_to_a_compiled_earlier_plan_then_to_the_best(ex
     assert m[6:second["step"]] == [k] * (second["step"] - 6)
     assert m[second["step"]:] == [8] * (12 - second["step"])
     assert run.final_plan.name == eight.name
+
+
+def test_an_interim_plan_is_chosen_by_measured_step_time():
+    """`Cutovers._interim`: among the plans the run stood on that the live devices can run, the
+    one measured fastest against the current plan (every process's slowest time, agreed), if
+    at least `grow_min_gain` faster; the cost model's prediction only where a plan has no
+    measured time."""
+    from elasjax.cutover import Cutovers
+
+    class OneProcess:
+        def agree(self, value):
+            return {0: value}
+
+    cfg = tiny_config("faults=[]")
+    init = planner.initial_plan(TOPO, cfg)
+    five = planner.replan([2, 3, 4, 5, 6], TOPO, cfg, init, init)
+    seven = planner.replan([0, 1, 2, 3, 4, 5, 7], TOPO, cfg, init, init)
+    best = planner.replan(list(range(8)), TOPO, cfg, init, init)
+    measured: dict = {}
+    cut = Cutovers(cfg, OneProcess(), TOPO, init, None, None, paces=lambda: measured)
+    for p in (init, seven, five):
+        cut.note(p)
+    live = frozenset(range(8))
+    measured.update({init.name: 0.050, seven.name: 0.060, five.name: 0.073})
+    assert cut._interim(five, best, live) == init  # the faster one measured
+    measured.update({init.name: 0.070})  # neither 5% faster than the current plan: none
+    measured.update({seven.name: 0.071})
+    assert cut._interim(five, best, live) is None
+    measured.update({seven.name: 0.040})
+    assert cut._interim(five, best, live) == seven
+    measured.clear()  # nothing measured: the prediction ranks them
+    predicted = min((init, seven), key=lambda p: planner.predict_step_s(p, cfg))
+    assert cut._interim(five, best, live) == predicted
+    assert cut._interim(five, best, frozenset(range(7))) is None  # both need device 7
 
 
 @pytest.mark.slow
