@@ -651,13 +651,14 @@ def test_killing_a_process_and_its_buddy_stops_every_survivor_with_the_leaf_name
 @pytest.mark.slow
 def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path):
     """The coordination service runs in a process of its own: process 0 is one worker among
-    others. SIGKILLed in step 4, with the exit watch off (a death as another host sees it): its
-    heartbeat stops, the next live process takes the barrier over and declares it dead, the
+    others. SIGKILLed in step 4, with the exit watch and death notices off (as when its whole host
+    is lost): its heartbeat stops, the next live process takes the barrier over and declares it dead, the
     survivors renew their CPU client without process 0's part in XLA's topology exchange, the
     writer's files pass on, and the run goes on with the fault-free computation."""
     out = tmp_path / "mp_p0"
     rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0",
-                         "--no-watch-exits", "--renew-collectives", "always")
+                         "--no-watch-exits", "--no-death-notices", "--renew-collectives",
+                         "always")
     assert rc == 0, stdout
     assert _ends(out) == {0: "SIGKILL", 1: 0, 2: 0, 3: 0}
     metrics = read_jsonl(out / "metrics.jsonl")
