@@ -121,12 +121,13 @@ class DeathNotes:
                 self.on_notice(int(parts[1]), int(parts[2]))
 
     def refresh(self, peers) -> None:
-        """Tell the sidecar where `peers` listen (read from the key-value store; a peer that has
-        not posted yet is added at a later refresh). Call at every barrier."""
+        """Tell the sidecar where `peers` listen (read from the key-value store once per peer
+        incarnation; one that has not posted yet is added at a later refresh). Call at every
+        barrier."""
         if not self.enabled:
             return
         for p in peers:
-            if p == self.me:
+            if p == self.me or p in self._peers:
                 continue
             try:
                 self._peers[p] = self.client.key_value_try_get(f"{NOTE_KEY}/{p}")
@@ -137,6 +138,11 @@ class DeathNotes:
         if addrs != self._sent:
             self._send(json.dumps(addrs))
             self._sent = addrs
+
+    def forget(self, procs) -> None:
+        """Processes restarted since (admitted again): read their new listeners' addresses."""
+        for p in procs:
+            self._peers.pop(p, None)
 
     def _send(self, line: str) -> None:
         if self.sidecar is None or self.sidecar.poll() is not None:

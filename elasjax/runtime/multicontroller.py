@@ -849,6 +849,7 @@ class MultiControllerRuntime:
         self.rejoined |= set(procs)
         self.liveness.rejoin(procs)
         self.exits.rejoin(procs)
+        self.notes.forget(procs)
         self.links.forget(procs)
         self._new_client(gen)
         self._groups = set()
