@@ -405,6 +405,11 @@ class MultiControllerRuntime:
         t_body = time.time()  # collectives can only wait from here on
         with self._abort_lock:
             self._in_body = True
+        # a peer whose exit was reported after the entry barrier's verdict, before this block
+        # (the report found no block to abort): its collectives would wait for the timeout
+        gone = [p for p in self.processes() if p != self.me and self.exits.exited(p)]
+        if gone and self.rc.platform == "cpu" and self.rc.renew_collectives != "never":
+            self._abort(f"when process {gone[0]} was found exited as the {phase} began")
         try:
             yield
         except Exception as e:  # decided at the barrier, with every other live process
