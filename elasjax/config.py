@@ -390,9 +390,9 @@ class RecoveryConfig:
     cut-over does not wait for a compile (one extra background compile per plan change).
     `grow_interim`: when the best plan is not compiled on every process at the join, but the
     returned devices make possible a plan the run has stood on before (the start plan, one it
-    left at a failure) that ran at least `grow_min_gain` faster (measured; predicted where the
-    run has no step time of it), cut over to that one at once and to the best plan once it is
-    compiled (`elasjax.cutover`).
+    left at a failure) that is predicted faster than the current one, cut over at once to such a
+    plan on the most devices (among as many, the one that ran fastest) and to the best plan once
+    it is compiled (`elasjax.cutover`).
 
     `worker_restarts` (`elasjax launch` only; `--worker-restarts N` sets it): a worker that
     dies is started again, at most this many times in all; the restarted process rejoins the

@@ -86,8 +86,9 @@ class Cutovers:
     def _interim(self, current: Plan, best: Plan, live: frozenset[int]) -> Plan | None:
         """A plan the run has stood on before (its executables were compiled then: a cut-over
         to it needs no compile) that the live devices can run, other than `best` and `current`,
-        and that the cost model predicts at least `recovery.grow_min_gain` faster than
-        `current`, as the growth itself was decided. Among those, the one on the most devices
+        and that the cost model predicts faster than `current` (the growth itself, to `best`,
+        was decided by `recovery.grow_min_gain`; this is its first step, never a slower plan).
+        Among those, the one on the most devices
         (the returned devices put to work: the start plan where it fits); among as many devices,
         the one that ran fastest (the slowest process's step time, agreed), by prediction where
         one has no step time. Measured times do not decide between plans of different sizes: on
@@ -95,7 +96,6 @@ class Cutovers:
         plan, and the run stayed on 5 devices (experiments/RESULTS.md, "Growth to a compiled
         plan"; test_growth.py::test_an_interim_plan_uses_the_most_devices_then_the_measured_time)."""
         cfg = self.cfg
-        need = max(cfg.recovery.grow_min_gain, 0.0)
         now = predict_step_s(current, cfg)
         measured = self._agreed_paces()
         options = []
@@ -105,7 +105,7 @@ class Cutovers:
             if not set(p.device_ids) | set(p.spare_ids) <= live:
                 continue
             s = predict_step_s(p, cfg)
-            if now <= 0 or (now - s) / now <= need:
+            if s >= now:
                 continue
             pace = measured.get(p.name)
             # (more devices first; then measured before predicted, fastest first)

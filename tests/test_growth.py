@@ -264,8 +264,7 @@ def test_growth_cuts_over_at_once_to_a_compiled_earlier_plan_then_to_the_best(ex
 
 def test_an_interim_plan_uses_the_most_devices_then_the_measured_time():
     """`Cutovers._interim`: among the plans the run stood on that the live devices can run and
-    the cost model predicts at least `grow_min_gain` faster than the current plan, the one on the
-    most devices; among as many devices, the one that ran fastest (every process's slowest time,
+    the cost model predicts faster than the current plan, the one on the most devices; among as many devices, the one that ran fastest (every process's slowest time,
     agreed), by prediction where one has no measured time."""
     from elasjax.cutover import Cutovers
 
