@@ -16,8 +16,9 @@ newcomer run at the same point, the step boundary of the admission:
    devices (a local copy per shard, the same transition a recovery after a renewal runs) and
    verify it against its checksums; the snapshot pool starts afresh; then the newcomer's devices
    join the live set as returned devices do in one process (`Cutovers.join`): the planner's best
-   plan over the bigger set becomes the pending growth cut-over, at once where a plan the run
-   stood on fits (compiled everywhere, the newcomer included, by step 2), else once compiled.
+   plan over the bigger set becomes the pending growth cut-over, at once through a plan the run
+   stood on where one fits and is predicted faster (compiled everywhere, the newcomer included,
+   by step 2), else once compiled.
    The cut-over copies the newcomer's shards from live sources and verifies them.
 
 A failure during 2-3 is a failure like any other (the guards are atomic across processes); the

@@ -699,7 +699,8 @@ def test_a_killed_process_is_restarted_rejoins_and_the_job_grows_back(rejoin_ref
     SIGKILLed in step 4 and started again by the launcher. It asks to rejoin; the survivor
     admits it at a step boundary (a new CPU client made with it: no gloo key of the old one
     collides), ships it the compiled executables, and grows back onto its devices (through the
-    start plan, compiled, where that ran faster, else the best plan once compiled). Then process
+    start plan, compiled, predicted faster than the 2-device plan, then the best plan once
+    compiled). Then process
     1, the writer of the run's files, is killed and not restarted (the budget is spent): the
     rejoined process, which was handed what the loop had seen and written, writes on. Every step
     is logged once, with the fault-free computation, and the `end` event is whole."""
