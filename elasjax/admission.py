@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import time
 from typing import Any
 
 import jax
@@ -57,7 +56,6 @@ class Arrival:
     pending: list  # fault events still to fire
     plans: list[str]
     redo_until: int
-    good: dict
 
 
 @dataclasses.dataclass
@@ -107,7 +105,7 @@ class Admissions:
             self.cutovers.note(plan)
         pos = Position(t["step"], t["plan"], None, None, t["good"], frozenset(t["live"]),
                        frozenset(t["lost_hosts"]), t["kept"])
-        return Arrival(pos, t["pending"], t["plans"], t["redo_until"], t["good"])
+        return Arrival(pos, t["pending"], t["plans"], t["redo_until"])
 
     def ship(self, pos: Position, newcomers: list[int], live_after: set[int]) -> Position:
         """The writer sends the newcomers the executables of the current plan and of the plans
@@ -166,8 +164,6 @@ class Admissions:
         event = FaultEvent(pos.step, tuple(admitted["devices"]), "join",
                            f"process{'es' if len(procs) > 1 else ''} {procs} rejoined",
                            hosts=tuple(procs))
-        t0 = time.perf_counter()
         new_pos, jev = self.cutovers.join(
             dataclasses.replace(pos, state=new_state, good=actual), [event])
-        jev.plan_s = time.perf_counter() - t0
         return Welcomed(new_pos, new_pool, jev)

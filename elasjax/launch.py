@@ -481,7 +481,6 @@ class _Restarts:
         self.left, self.backoff_s, self.start = budget, backoff_s, start
         self.due: list[tuple[float, int]] = []  # (when, process id)
         self.count: dict[int, int] = defaultdict(int)
-        self.records: list[dict] = []
 
     def died(self, p: _Proc, now: float) -> str | None:
         """Schedule p's restart if the budget allows; returns the line to say."""
@@ -500,8 +499,6 @@ class _Restarts:
         for when, i in [d for d in self.due if d[0] <= now]:
             self.due.remove((when, i))
             proc = self.start(i, self.count[i])
-            self.records.append({"process": i, "incarnation": self.count[i], "t": now,
-                                 "pid": proc.popen.pid, "log": str(proc.log)})
             started.append(proc)
         return started
 

@@ -400,7 +400,7 @@ class Trainer:
         (`_welcome`)."""
         adm = self.rt.admission
         arr = self.admissions.arrival(adm)
-        self.good = arr.good
+        self.good = arr.pos.good
         ls = LoopState(arr.pos, arr.pending, arr.plans, redo_until=arr.redo_until)
         seen, now = adm["seen"], time.perf_counter()
         self.losses, self.evals, self.digests = seen["losses"], seen["evals"], seen["digests"]

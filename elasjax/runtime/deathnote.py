@@ -133,8 +133,9 @@ class DeathNotes:
                 self._peers[p] = self.client.key_value_try_get(f"{NOTE_KEY}/{p}")
             except JaxRuntimeError:  # not posted (yet)
                 continue
+        live = set(peers)
         addrs = sorted([a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])]
-                       for p, a in self._peers.items() if p in set(peers))
+                       for p, a in self._peers.items() if p in live)
         if addrs != self._sent:
             self._send(json.dumps(addrs))
             self._sent = addrs
