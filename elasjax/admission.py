@@ -160,6 +160,7 @@ class Admissions:
         new_pool = pool.fresh()
         new_pool.configure(new_state, exe.state_shardings, exe.mesh, set(pos.live))
         new_pool.take(new_state, pos.step)
+        rt.commit(new_pool.in_flight())  # a block reports once its programs ended
         procs = admitted["processes"]
         event = FaultEvent(pos.step, tuple(admitted["devices"]), "join",
                            f"process{'es' if len(procs) > 1 else ''} {procs} rejoined",

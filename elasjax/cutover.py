@@ -225,6 +225,7 @@ class Cutovers:
             new_pool = pool.fresh()
             new_pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, set(pos.live))
             new_pool.take(new_state, pos.step)
+            self.rt.commit(new_pool.in_flight())  # a block reports once its programs ended
         self.pending = None
         growth = pc.kind == "growth"
         mig = CutoverEvent(

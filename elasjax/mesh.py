@@ -8,8 +8,6 @@ axis string.
 
 from __future__ import annotations
 
-import functools
-import itertools
 from collections.abc import Sequence
 
 import jax
@@ -63,25 +61,6 @@ def batch_spec(ndim: int, batch_dim: int = 1) -> PartitionSpec:
     return PartitionSpec(*spec)
 
 
-@functools.lru_cache(maxsize=256)
-def collective_groups(shape: tuple[int, ...], device_ids: tuple[int, ...]) -> frozenset:
-    """Every set of devices a collective of a program on this mesh can span (`shape`: the
-    mesh's dims in `MESH_AXES` order, `device_ids` in mesh order): for each set of axes, the
-    devices that vary along them with the other coordinates fixed; single devices left out.
-    A superset of the replica groups XLA partitions the program into, which cannot be asked
-    for before the executable runs (`MultiControllerRuntime.renew_collectives` uses it to
-    tell whether a plan can reach a communicator an earlier plan built)."""
-    grid = np.asarray(device_ids).reshape(shape)
-    axes = range(len(shape))
-    out = set()
-    for k in range(1, len(shape) + 1):
-        for varying in itertools.combinations(axes, k):
-            fixed = [a for a in axes if a not in varying]
-            moved = np.moveaxis(grid, list(varying), list(range(len(fixed), len(shape))))
-            for g in moved.reshape(-1, int(np.prod([shape[a] for a in varying]))):
-                if len(g) > 1:
-                    out.add(frozenset(int(i) for i in g))
-    return frozenset(out)
 
 
 def devices_by_id(ids: Sequence[int]) -> list[jax.Device]:

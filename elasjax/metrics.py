@@ -107,9 +107,6 @@ class RecoveryEvent(RecoveryRecord):
     collectives_renewed: bool = False
     renew_s: float = 0.0
     renew_reasons: str = ""  # which process asked, and why
-    # asked for, but the client was kept: the aborted communicators are ones the new plan
-    # cannot reach (`MultiControllerRuntime.renew_collectives`); why
-    client_kept: str = ""
     detail: dict = dataclasses.field(default_factory=dict)  # what the runtime knows of the cause
 
     @property
@@ -145,7 +142,6 @@ class RecoveryEvent(RecoveryRecord):
             refused_snapshots=self.refused_snapshots + later.refused_snapshots,
             collectives_renewed=self.collectives_renewed or later.collectives_renewed,
             renew_reasons="; ".join(r for r in (self.renew_reasons, later.renew_reasons) if r),
-            client_kept="; ".join(r for r in (self.client_kept, later.client_kept) if r),
             compiles=self.compiles,  # the count at this recovery's start
             detail={**later.detail, **self.detail, "first_step_failure": later.fault},
         )

@@ -48,7 +48,6 @@ from .costmodel import (
     pipelined_plan_cost,
     spmd_step_cost,
 )
-from .mesh import MESH_AXES, collective_groups
 from .partition import minimax_partition
 from .zero import ZeroLayout, evolve, fresh_layout, kept_ranks
 
@@ -137,12 +136,6 @@ class Plan:
         partitioned over mesh positions; the device assignment is bound at load,
         `executables.rebind`)."""
         return dataclasses.replace(self, device_ids=tuple(range(self.n_devices)), spare_ids=())
-
-    @property
-    def collective_groups(self) -> frozenset:
-        """The device sets a collective of this plan's executables can span
-        (`mesh.collective_groups`)."""
-        return collective_groups(tuple(self.mesh_shape[a] for a in MESH_AXES), self.device_ids)
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:

@@ -142,10 +142,7 @@ class PendingCutover:
 
 def host_checksums(rt, sums, exe: Executables) -> dict[str, str]:
     """Stacked device checksums (replicated over `exe`'s plan) -> {key: hex}, on every live
-    process (`runtime.host_values`). Every plan's state is checksummed here before its first
-    step (start, recovery, cut-over): the runtime learns then which collective groups run on
-    its client (`note_collectives`)."""
-    rt.note_collectives(exe.plan.collective_groups)
+    process (`runtime.host_values`)."""
     return checksum.rows_to_host(
         exe.layout.checksum_keys, host_values(rt, sums, exe.plan.device_ids)
     )
@@ -160,18 +157,6 @@ def checkpoint_log(state) -> TransferLog:
             nbytes = x.dtype.itemsize * box_size(box)
             log.entries.append(Transfer(name, box, "checkpoint", d.id, nbytes, "checkpoint"))
     return log
-
-
-def restore_verified(ckpt, step: int, factory, exe: Executables, rt):
-    """(state, metadata) of checkpoint `step` (stored in the form of the plan that saved it)
-    restored onto `exe`'s plan and verified against the checksums it was saved with."""
-    state, meta, _ = restore_onto(
-        ckpt, step, factory, exe, devices=rt.devices, transport=rt, threads=rt.threads,
-    )
-    got = host_checksums(rt, exe.checksum(state), exe)
-    checksum.verify(meta["checksums"], got, f"checkpoint {step} fails its checksums",
-                    "the ones it was saved with")
-    return state, meta
 
 
 class TransitionPlanner:
@@ -350,7 +335,7 @@ class Recoverer:
                 new_plan = optimal
             else:
                 new_plan, optimal = self.contingencies.recovery_plan(pos.plan, survivors)
-            renewal = self._renew_collectives(failure, new_plan)
+            renewal = self._renew_collectives(failure)
             if renewal is not None:
                 renewals.append(renewal)
                 stores[0] = stores[0].map_data(self.rt.current)
@@ -390,6 +375,7 @@ class Recoverer:
             new_pool = pool.fresh()
             new_pool.configure(new_state, exe.state_shardings, exe.mesh, live)
             new_pool.take(new_state, resume_at)
+            self.rt.commit(new_pool.in_flight())  # a block reports once its programs ended
             snapshot_s = time.perf_counter() - t0
         return _Attempt(
             new_plan, optimal, keep, live, exe, got.hit, got.standby_hit, got.wait_s, new_state,
@@ -455,16 +441,15 @@ class Recoverer:
             collectives_renewed=any(r["renewed"] for r in renewals),
             renew_s=sum(r["renew_s"] for r in renewals),
             renew_reasons=" | ".join(r["renew_reasons"] for r in renewals),
-            client_kept=" | ".join(r["kept_client"] for r in renewals if not r["renewed"]),
             detail=detail,
         )
 
-    def _renew_collectives(self, failure: DeviceFailure, plan: Plan) -> dict | None:
-        """Fresh collectives where the failure may have broken some that `plan`, the plan to
-        resume on, could use (`collectives`; every live process decides together). After a
-        renewal, transitions planned for the old client's devices are dropped and executables
-        are reloaded onto the new ones when used (`ExecutableSource.current`)."""
-        renewal = self.rt.renew_collectives(failure, plan.collective_groups)
+    def _renew_collectives(self, failure: DeviceFailure) -> dict | None:
+        """Fresh collectives where the failure interrupted a block (`collectives`; every live
+        process decides together). After a renewal, transitions planned for the old client's
+        devices are dropped and executables are reloaded onto the new ones when used
+        (`ExecutableSource.current`)."""
+        renewal = self.rt.renew_collectives(failure)
         if renewal is not None and renewal["renewed"]:
             self.transitions.cache.clear()
         return renewal
@@ -537,7 +522,11 @@ class Recoverer:
             ck_step = self.ckpt.latest_step()
             if ck_step is None:
                 raise
-            new_state, meta = restore_verified(self.ckpt, ck_step, self.factory, exe, self.rt)
+            # read only: the verify guard checks it against `meta`'s checksums, its entry
+            # barrier right before their collective (a read's time differs between processes)
+            new_state, meta, _ = restore_onto(self.ckpt, ck_step, self.factory, exe,
+                                              devices=self.rt.devices, transport=self.rt,
+                                              threads=self.rt.threads)
             self.ckpt.drop_after(ck_step)
             return _Rebuilt(new_state, checkpoint_log(new_state), "checkpoint", ck_step,
                             meta["checksums"], tinfo)
@@ -573,7 +562,7 @@ def plan_coverage(cfg, plan, topo: Topology, live: Iterable[int], devices, *,
     mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
     abstract = factory.layout(plan).abstract_on(mesh)
     pool = SnapshotPool(cfg.snapshot, topo, _InProcessPlacement(), donated=False)
-    # the loop places copies over the plan's devices and its spares (`Trainer._init_state`)
+    # the loop places copies over the plan's devices and its spares (`Trainer._verify_start`)
     # at start, over every live device after a recovery
     pool.place(abstract, live if live != set(topo.device_ids)
                else set(plan.device_ids) | set(plan.spare_ids))

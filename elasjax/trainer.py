@@ -68,7 +68,6 @@ from .recovery import (
     RecoveryVerificationError,
     TransitionPlanner,
     host_checksums,
-    restore_verified,
 )
 from .report import Progress, join_line, migration_line, print_summary, recovery_line
 from .rng import check_backend_config
@@ -76,7 +75,7 @@ from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
 from .state import StateFactory, check_elementwise, choose_optimizer
 from .tensorboard import TensorBoardWriter
 from .transfer import checksum
-from .transfer.checkpoint import Checkpointer, form_of
+from .transfer.checkpoint import Checkpointer, form_of, restore_onto
 from .transfer.shards import TransferLog
 from .transfer.snapshot import SnapshotPool
 
@@ -735,8 +734,13 @@ class Trainer:
     # -- start ----------------------------------------------------------------------------------
 
     def _start(self, ew: Emitter) -> Position:
-        """The initial position (a fresh start, or a checkpoint resume) on whoever is alive; a
-        failure during the start starts again on the survivors."""
+        """The initial position (a fresh start, or a checkpoint resume) on whoever is alive. A
+        failure during the start starts again on the survivors, on a new CPU client where it
+        interrupted a block (a communicator whose creation failed stays failed for the client's
+        life: `runtime.collectives`). Everything slow (the compiles, the checkpoint's read) is
+        done before the entry barrier of the guard that runs the first collective (the
+        checksums), so every process reaches that collective at once; each start barrier's
+        arrivals are logged (`MultiControllerRuntime`)."""
         failures = []
         while True:
             live = set(self.rt.live)
@@ -747,12 +751,19 @@ class Trainer:
                         survivors = [d for d in self.topo.device_ids if d in live]
                         plan = replan(survivors, self.topo, self.cfg, self.initial, self.initial)
                     exe = self.source.start(plan)
-                with self.rt.guard("start/init"):
-                    step, state, good = self._init_state(exe)
+                    if self.cfg.checkpoint.resume_step is None:
+                        exe.compile_init()
+                with self.rt.guard("start/state"):
+                    step, state, saved = self._load_state(exe)
                     self.rt.commit(state)
+                with self.rt.guard("start/verify"):
+                    good = self._verify_start(exe, step, state, saved)
                 break
             except DeviceFailure as f:
                 failures.append(f)
+                if self.ckpt is not None:
+                    self.ckpt.reopen(self.rt.processes())
+                self.rt.renew_collectives(f)
         self.good = good
         pos = Position(step, plan, exe, state, good, frozenset(live))
         self.source.refresh(
@@ -825,26 +836,36 @@ class Trainer:
         self.source.refresh(pos.plan, self.contingencies.standby_plans(pos.plan, set(pos.live)))
         self.transitions.for_failures(pos, self.pool)
 
-    def _init_state(self, exe: Executables):
-        """(step, state, checksums) of a fresh start or a checkpoint resume."""
+    def _load_state(self, exe: Executables):
+        """(step, state, the checksums it was saved with or None) of a fresh start or a
+        checkpoint resume. The checkpoint's read moves pieces point to point, never by a
+        collective; a fresh state's program was compiled before (`compile_init`)."""
         rs = self.cfg.checkpoint.resume_step
-        live = set(exe.plan.device_ids)
-        if rs is not None:
-            assert self.ckpt is not None
-            step = self.ckpt.latest_step() if rs == -1 else rs
-            if step is None:
-                raise FileNotFoundError(f"checkpoint.resume_step: no checkpoint in {self.ckpt.dir}")
-            state, meta = restore_verified(self.ckpt, step, self.factory, exe, self.rt)
-            self.dropped_checkpoints = self.ckpt.drop_after(step)
-        else:
-            step, state = 0, exe.init()
+        if rs is None:
+            return 0, exe.init(), None
+        assert self.ckpt is not None
+        step = self.ckpt.latest_step() if rs == -1 else rs
+        if step is None:
+            raise FileNotFoundError(f"checkpoint.resume_step: no checkpoint in {self.ckpt.dir}")
+        state, meta, _ = restore_onto(self.ckpt, step, self.factory, exe, devices=self.rt.devices,
+                                      transport=self.rt, threads=self.rt.threads)
+        self.dropped_checkpoints = self.ckpt.drop_after(step)
+        return step, state, meta["checksums"]
+
+    def _verify_start(self, exe: Executables, step: int, state, saved) -> dict[str, str]:
+        """The start state's checksums (the start's first collective), checked against a
+        checkpoint's; the first checkpoint and snapshot of a fresh start."""
         good = host_checksums(self.rt, exe.checksum(state), exe)
-        if rs is None and self.ckpt is not None:
+        if saved is not None:
+            checksum.verify(saved, good, f"checkpoint {step} fails its checksums",
+                            "the ones it was saved with")
+        elif self.ckpt is not None:
             self.ckpt.save(0, state, good, form_of(exe.plan))
-        all_live = live | set(exe.plan.spare_ids)
+        all_live = set(exe.plan.device_ids) | set(exe.plan.spare_ids)
         self.pool.configure(state, exe.state_shardings, exe.mesh, all_live)
         self.pool.take(state, step)  # the initial state is protected too
-        return step, state, good
+        self.rt.commit(self.pool.in_flight())
+        return good
 
     def _eval(self, exe: Executables, plan: Plan, kept, state) -> list:
         """Held-out loss of `state`: the per-batch (sum, count) arrays, read later."""

@@ -91,7 +91,7 @@ def kill_run(args, i: int, out: Path) -> list[dict]:
             "detected_by": e.get("detected_by"), "detector": e.get("detector"),
             "collectives_renewed": e.get("collectives_renewed", False),
             "renew_s": e.get("renew_s", 0.0),
-            "client_kept": bool(e.get("client_kept")),
+            "drain_s": (e.get("detail") or {}).get("drain_s"),
             "mttr_s": e["mttr_s"], "standby_hit": e["standby_hit"], "compiles": e.get("compiles"),
             **{k: e[k] for k in ("detect_s", "retry_s", "plan_s", "compile_s", "transfer_s",
                                  "verify_s", "snapshot_s", "first_step_s", "standby_wait_s")},
@@ -253,22 +253,22 @@ def main(argv=None) -> int:
             "detector: " + ", ".join(f"{d} {sum(r.get('detector') == d for r in rows)}" for d in
                                      sorted({str(r.get('detector')) for r in rows}))
             + f"; new CPU client after the kill (`collectives`): "
-            f"{sum(bool(r.get('collectives_renewed')) for r in rows)} of {len(rows)}; client kept "
-            f"(aborted, the next plan reaches no old communicator): "
-            f"{sum(bool(r.get('client_kept')) for r in rows)} of {len(rows)}",
+            f"{sum(bool(r.get('collectives_renewed')) for r in rows)} of {len(rows)}, in "
+            f"{_stats([r['renew_s'] for r in rows if r.get('collectives_renewed')])}; drain of "
+            f"the interrupted block {_stats([r.get('drain_s') for r in rows])}",
             "",
             f"MTTR, death to first good step: standby hit {_stats([r['mttr_s'] for r in hits])}",
             f"                                 standby miss {_stats([r['mttr_s'] for r in miss])}",
             f"retries (collectives failed while every process was alive, step redone): "
             f"{len(retries)}, MTTR {_stats([r['mttr_s'] for r in retries])}",
             "",
-            "per kill: run step procs hit renewed kept | detect plan compile transfer verify snapshot "
+            "per kill: run step procs hit renewed | detect plan compile transfer verify snapshot "
             "first_step wait | MTTR",
         ]
         for r in every:
             lines.append(
                 f"  {r['run']} {r['step']:>3} {r['failed_processes']} {str(r['standby_hit']):5} "
-                f"{str(bool(r.get('collectives_renewed'))):5} {str(r.get('client_kept', False)):5} | "
+                f"{str(bool(r.get('collectives_renewed'))):5} | "
                 + " ".join(f"{r[k]:.3f}" for k in ("detect_s", "plan_s", "compile_s", "transfer_s",
                                                    "verify_s", "snapshot_s", "first_step_s",
                                                    "standby_wait_s"))

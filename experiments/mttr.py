@@ -312,7 +312,6 @@ def main() -> None:
             f"- launch (real SIGKILL, real detection: {kill['event'].get('detector', 'heartbeat')}"
             f", --collective-timeout {args.collective_timeout} s, standby ready"
             + (", new CPU client" if kill["event"].get("collectives_renewed") else "")
-            + (", client kept after the abort" if kill["event"].get("client_kept") else "")
             + f"): MTTR {kill['total_s']:.3f} s "
             f"(detect {kill['phases']['detect']:.3f} s; kill -> detected "
             f"{_s(kill['kill_to_detect_s'])}); fresh launch of the survivors to its first step "

@@ -213,54 +213,47 @@ def test_xla_flags_replace_device_count_and_timeout():
         RuntimeConfig("localhost", 4, 0)
 
 
-def test_collectives_are_renewed_after_a_wait_that_ran_into_the_collective_timeout():
-    """The vote of one process (`collectives.renewal_reason`): `auto` renews only when its
-    failed block waited about a whole collective timeout (a gloo pair then closed for good, and
-    XLA:CPU would reuse its communicator); a block released within it, or one that completed
-    (a spare, a process that was not blocked), does not ask. Bad modes name the field."""
+def test_every_interrupted_block_renews_the_client_and_an_entry_barrier_failure_keeps_it():
+    """The vote of one process (`collectives.renewal_reason`) under `auto`: a process whose
+    block in the failed guard raised (the runtime sets `interrupted`), that shut its collectives
+    down, or that retries a block asks for a new client, however fast its block failed (a
+    stale message left by a skipped collective needs no timeout: experiments/
+    repro_gloo_stale_message.py); a failure found at an entry barrier, where no block ran, and
+    a block that completed ask nothing. `always` asks every time, `never` and GPU never. Bad
+    modes name the field."""
     from elasjax.runtime.collectives import renewal_reason
     from elasjax.runtime.inprocess import DeviceFailure
 
-    def failure(blocked):
-        return DeviceFailure({2, 3}, "step", detail={"body_to_error_s": blocked})
+    def failure(**detail):
+        return DeviceFailure({2, 3}, "step", detail=detail)
 
-    assert "8.02s" in renewal_reason("auto", "cpu", failure(8.02), 8)
-    assert renewal_reason("auto", "cpu", failure(0.09), 8) is None
-    assert renewal_reason("auto", "cpu", failure(None), 8) is None  # its block completed
-    assert renewal_reason("always", "cpu", failure(None), 8) == "renew_collectives=always"
-    assert renewal_reason("never", "cpu", failure(60.0), 8) is None
-    assert renewal_reason("always", "gpu", failure(60.0), 8) is None  # gloo is the CPU's
+    cut = failure(interrupted="INTERNAL: Gloo all-reduce failed: Connection closed by peer",
+                  body_to_error_s=0.02)
+    assert "its step block was interrupted (INTERNAL: Gloo all-reduce" in renewal_reason(
+        "auto", "cpu", cut)
+    shut = "it shut down its collectives (4 sockets) when process 1 exited (pidfd)"
+    assert renewal_reason("auto", "cpu", failure(), aborted=shut) == shut
+    retry = "a collective failed on process(es) [0] while every process was alive (retry 1 of 3)"
+    assert renewal_reason("auto", "cpu", failure(renew=retry)) == retry
+    assert renewal_reason("auto", "cpu", failure(interrupted=None)) is None  # entry / completed
+    assert renewal_reason("always", "cpu", failure()) == "renew_collectives=always"
+    assert renewal_reason("never", "cpu", cut, aborted=shut) is None
+    assert renewal_reason("always", "gpu", cut) is None  # gloo is the CPU's
     with pytest.raises(ValueError, match="renew_collectives.*auto, always, never"):
         RuntimeConfig("h:1", 2, 0, renew_collectives="sometimes")
 
 
-def test_a_client_is_kept_only_when_the_next_plan_reaches_no_aborted_communicator():
-    """`collectives.keep_client` on the votes of `MultiControllerRuntime.renew_collectives`,
-    with the collective groups of the plans of a launch that loses processes 1, 2, 3 in turn
-    (4 processes x 2 devices, ids 0-7): after the first two aborts the next plan's groups are
-    all new and the client is kept; the 2-device plan on process 0 reuses the tensor pair
-    {0, 1} of the first plan, so that abort renews. Any vote that is not an abort renews."""
-    from elasjax.planner import Plan
-    from elasjax.runtime.collectives import keep_client
+def test_a_drain_waits_for_every_array_and_ignores_their_errors():
+    """`collectives.drain` waits for each array, the failed ones too, and counts them."""
+    from elasjax.runtime.collectives import drain
 
-    def groups(ids, data, tensor):
-        return Plan(ids, data, tensor, 1, -(-32 // data), 32).collective_groups
+    class Failed:
+        def block_until_ready(self):
+            raise RuntimeError("INTERNAL: Gloo all-reduce failed")
 
-    first = groups(tuple(range(8)), 4, 2)
-    assert first == {frozenset(g) for g in ([0, 1], [2, 3], [4, 5], [6, 7], [0, 2, 4, 6],
-                                            [1, 3, 5, 7], range(8))}
-    used = set(first)
-    abort = {"why": "it shut down its collectives (4 sockets) when process 1 exited", "abort": True}
-    for ids, data, keep in [((0, 1, 4, 5, 6, 7), 6, True), ((0, 1, 6, 7), 4, True), ((0, 1), 2, False)]:
-        nxt = groups(ids, data, 1)
-        votes = {p: {**abort, "fresh": not (nxt & used)} for p in range(3)}
-        assert keep_client(votes) is keep, ids
-        used |= nxt
-    fresh = {"why": abort["why"], "abort": True, "fresh": True}
-    assert keep_client({0: fresh, 1: {"why": None, "abort": False, "fresh": True}})
-    for other in ("renew_collectives=always", "its collective failed after 8.02s, at the 8s "
-                  "collective timeout", "a collective failed while every process was alive"):
-        assert not keep_client({0: fresh, 1: {"why": other, "abort": False, "fresh": True}})
+    ready = jax.numpy.arange(3)
+    assert drain([ready, Failed(), ready]) == (3, 1)
+    assert drain([]) == (0, 0)
 
 
 def test_packed_pieces_round_trip_with_mixed_dtypes():
@@ -470,11 +463,11 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     assert sorted(ev["detect_per_process_s"]) == ["0", "1", "3"]
     # the arbiter learned of the death from the kernel (a pidfd: same host), not a timeout
     assert ev["detector"] == "process exit" and "process 2 exited (pidfd" in ev["detected_by"]
-    # the survivors shut their collectives down at the exit; the new 6-device plan's groups
-    # had no communicator, so the client was kept (no reload) and its steps ran on it
+    # the survivors shut their collectives down at the exit: their step was interrupted, so
+    # they continue on a new CPU client (no communicator of the old one is used again)
     assert "when process 2 exited (pidfd)" in ev["renew_reasons"], ev["renew_reasons"]
-    assert not ev["collectives_renewed"] and "no communicator" in ev["client_kept"]
-    assert "kept the CPU client (generation 0)" in (out / "worker0.log").read_text()
+    assert ev["collectives_renewed"] and ev["renew_s"] > 0
+    assert "new CPU client (generation 1" in (out / "worker0.log").read_text()
     assert ev["mttr_s"] == pytest.approx(sum(ev[k] for k in MTTR_PHASES))
     assert events[-1]["type"] == "end" and events[-1]["processes"] == [0, 1, 3]
     assert "recovery at step 4: process 2 killed (SIGKILL)" in stdout
@@ -588,14 +581,14 @@ def test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size(
     its replica from process 0, the state is verified by checksum, and the losses equal the
     fault-free 4-device run (no spare) within 1e-5.
 
-    `--renew-collectives always`: the survivors start a new CPU client after the failure, as
-    `auto` does when a collective ran into its timeout. That case (process 0's tensor-pair
-    communicator closed by the timeout and reused by the new mesh) failed 4 of 20 runs of this
-    launch before renewal existed; forcing renewal makes that path run every time."""
+    Default flags: the mesh keeps its shape, so the new plan reuses process 0's tensor pair;
+    its step was interrupted, so the survivors continue on a new CPU client (that reuse on the
+    old client failed 4 of 20 runs of this launch before renewal existed, and with a renewal
+    only after a timed-out wait, the default failed 4 of 20 as well)."""
     out = tmp_path / "mp_spare"
     rc, stdout = _launch(
         out, "--processes", "2", "--spares", "1", "--devices-per-process", "2", "--kill", "3:1",
-        "--renew-collectives", "always", sets=_SPARES, timeout=240,
+        sets=_SPARES, timeout=240,
     )
     assert rc == 0, stdout
     assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0}
@@ -614,13 +607,12 @@ def test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size(
     assert ev["from_plan"] == "d2t2m2b8+2spare" and ev["to_plan"] == "d2t2m2b8"
     assert ev["rung"] == "replica" and ev["bytes_cross_process"] > 0  # the spare's replica
     assert ev["collectives_renewed"] and ev["renew_s"] > 0
-    # every live process asks; one whose step collective ran into the timeout, or that shut its
-    # collectives down when the kernel reported the exit, says so instead
+    # process 0's step was cut off (its collectives shut down when the kernel reported the
+    # exit, or failed on the dead peer's socket); the spare ran no collective of the mesh
     reasons = dict(part.split(": ", 1) for part in ev["renew_reasons"].split("; "))
-    assert set(reasons) == {"process 0", "process 2"}, ev["renew_reasons"]
-    for why in reasons.values():
-        assert why == "renew_collectives=always" or "at the 8s collective timeout" in why or (
-            "when process 1 exited (pidfd)" in why), why
+    assert "process 0" in reasons, ev["renew_reasons"]
+    assert ("when process 1 exited (pidfd)" in reasons["process 0"]
+            or "its step block was interrupted" in reasons["process 0"]), reasons
     for p in (0, 2):
         assert "new CPU client (generation 1" in (out / f"worker{p}.log").read_text()
     events = read_jsonl(out / "events.jsonl")
@@ -648,18 +640,9 @@ def test_killing_a_process_and_its_buddy_stops_every_survivor_with_the_leaf_name
     assert err and err[0]["error"] == "UnrecoverableStateError" and "opt_state" in err[0]["message"]
 
 
-@pytest.mark.slow
-def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path):
-    """The coordination service runs in a process of its own: process 0 is one worker among
-    others. SIGKILLed in step 4, with the exit watch and death notices off (as when its whole host
-    is lost): its heartbeat stops, the next live process takes the barrier over and declares it dead, the
-    survivors renew their CPU client without process 0's part in XLA's topology exchange, the
-    writer's files pass on, and the run goes on with the fault-free computation."""
-    out = tmp_path / "mp_p0"
-    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0",
-                         "--no-watch-exits", "--no-death-notices", "--renew-collectives",
-                         "always")
-    assert rc == 0, stdout
+def _assert_process_0_survived(out: Path, stdout: str, reference) -> dict:
+    """Process 0 was killed in step 4 and the other three finished with the fault-free
+    computation; returns its recovery event."""
     assert _ends(out) == {0: "SIGKILL", 1: 0, 2: 0, 3: 0}
     metrics = read_jsonl(out / "metrics.jsonl")
     _assert_matches(metrics, reference)  # every step once, though the writer changed
@@ -673,14 +656,40 @@ def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path)
     assert summary["outcome"] == "finished" and summary["message"].startswith("process 1 finished")
     assert summary["coordination"]["running_after_reap"] is False
     assert "recovery at step 4: process 0 killed (SIGKILL)" in stdout
+    assert "new CPU client (generation 1, fresh gloo communicators)" in (
+        out / "worker1.log").read_text()
+    return ev
+
+
+@pytest.mark.slow
+def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path):
+    """The coordination service runs in a process of its own: process 0 is one worker among
+    others. SIGKILLed in step 4 under default flags: the kernel reports its exit to its peers
+    (the same host), the next live process arbitrates, the survivors renew their CPU client
+    without process 0's part in XLA's topology exchange, the writer's files pass on, and the
+    run goes on with the fault-free computation."""
+    out = tmp_path / "mp_p0"
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0")
+    assert rc == 0, stdout
+    ev = _assert_process_0_survived(out, stdout, reference)
+    assert ev["detector"] in ("process exit", "death notice"), ev["detected_by"]
+
+
+@pytest.mark.slow
+def test_process_0_lost_with_its_host_is_found_by_the_heartbeat(reference, tmp_path):
+    """The same death with the exit watch and death notices off (as when its whole host is
+    lost): its heartbeat stops and the next live process declares it dead."""
+    out = tmp_path / "mp_p0_host"
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0",
+                         "--no-watch-exits", "--no-death-notices")
+    assert rc == 0, stdout
+    ev = _assert_process_0_survived(out, stdout, reference)
     assert ev["detector"] == "heartbeat" and "process 0 silent" in ev["detected_by"]
     # the silence releases the survivors blocked in a collective with process 0 (their
     # collectives are shut down), not the collective timeout; the arbiter's death is judged
     # with the liveness timeout, as any peer's would be after a failed step
     assert ev["detect_s"] < COLLECTIVE_TIMEOUT_S / 2, ev
-    log1 = (out / "worker1.log").read_text()
-    assert "the arbiter, process 0, is dead" in log1
-    assert "new CPU client (generation 1, fresh gloo communicators)" in log1
+    assert "the arbiter, process 0, is dead" in (out / "worker1.log").read_text()
 
 
 REJOIN_STEPS = 24  # room for the restarted process to start while the survivors train

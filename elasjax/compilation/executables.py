@@ -52,6 +52,7 @@ class Executables:
     # `compile_s` is then the load); "reloaded" onto a renewed client's devices of the same ids;
     # "shipped": sent compiled to a rejoining process (`admission`)
     origin: str = "compiled"
+    _init: Any = dataclasses.field(default=None, repr=False, compare=False)  # `compile_init`
     _portable: Any = dataclasses.field(default=None, repr=False, compare=False)
     _portable_lock: Any = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
@@ -98,8 +99,16 @@ class Executables:
                 out[k] = jax.make_array_from_callback(v.shape, sh, lambda i, v=v: v[i], dtype=v.dtype)
         return out
 
+    def compile_init(self) -> None:
+        """Compile the fresh state's program now, not at its first run: under `jax.distributed`
+        a program compiled at its run reaches its collectives as late as that process's compile
+        is slow (`Trainer._start`)."""
+        if self._init is None:
+            self._init = jax.jit(self.layout.init_fn, out_shardings=self.state_shardings).lower().compile()
+
     def init(self) -> TrainState:
-        return jax.jit(self.layout.init_fn, out_shardings=self.state_shardings)()
+        self.compile_init()
+        return self._init()
 
     def from_canonical(self, full: TrainState) -> TrainState:
         """A canonical (ZeRO-0, unpipelined) state in this plan's form (checkpoints written

@@ -22,20 +22,28 @@ processes' local topologies (a new client's topology exchange expects every proc
 job). Arrays of the old client stay readable and `jax.device_put` copies them to the new
 client's devices. Executables compiled for the old client do not run on the new devices, but
 need no compile either: `executables.rehome` serializes them and loads them onto the new devices
-(a reload is far cheaper than a compile; figures in experiments/RESULTS.md). The takeover path
-runs with renewal forced on every time in
-tests/test_multiprocess.py::test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size;
-the `auto` vote is tested in
-tests/test_multiprocess.py::test_collectives_are_renewed_after_a_wait_that_ran_into_the_collective_timeout.
+(a reload is far cheaper than a compile; figures in experiments/RESULTS.md).
 
-A renewal after an abort is skipped where it buys nothing (`keep_client`): the abort breaks
-every communicator of the client at once (none is left half-used), and a plan whose collective
-groups (`Plan.collective_groups`) had no communicator on the client creates new ones only. The
-standby's executables then run as built, so the recovery saves the reload of every executable
-and keeps its transitions planned ahead
-(tests/test_multiprocess.py::test_a_client_is_kept_only_when_the_next_plan_reaches_no_aborted_communicator;
-a launch that keeps its client end to end:
-tests/test_multiprocess.py::test_sigkill_one_of_four_processes_matches_the_single_process_run).
+A renewal follows **every interrupted block**, not only a timed-out one. XLA:CPU runs every
+gloo collective of a kind on a communicator under one tag (`gloo_communicator.cc`: "how to do
+tags?") and gloo hands a receive the oldest message of its slot (`transport/tcp/pair.cc`). A
+process that left a block on an error (a dead peer's socket, an abort) skipped collectives that
+its peers may already have posted to; the next collective of that kind on the same communicator
+receives the stale message. Where the sizes differ gloo's size check throws on its own network
+thread, which has no handler: SIGABRT in a healthy survivor; where they match, the stale bytes
+are summed in silently (experiments/repro_gloo_stale_message.py shows both with plain JAX, and a
+renewal avoiding them). The old client cannot be kept "when the next plan's groups are new":
+other programs (checksums, evaluation, a later plan) reach the old communicators, and gloo may
+already hold a stale message in user space where shutting the socket down does not reach it.
+
+What may keep the client: a failure found at a guard's *entry* barrier by every process, none of
+which aborted its collectives. Nothing ran since the last exit barrier, and no process posts
+"done" at an exit barrier before every program it dispatched in the block has finished (the
+block commits what it dispatched; a block that raised is drained, `drain`), so every
+communicator of the client is at rest: each collective posted was matched. Dead processes'
+communicators are never used again (no later plan holds their devices; a rejoin brings a new
+client). Tests: tests/test_multiprocess.py::test_every_interrupted_block_renews_the_client_and_an_entry_barrier_failure_keeps_it
+(the votes), and the launches of that file under default flags.
 
 Two more uses of a renewal. `abort_collectives`: when the kernel reports a same-host peer's
 exit, a process shuts its gloo sockets down, so that no collective waits for the timeout (the
@@ -61,48 +69,42 @@ RENEW_MODES = ("auto", "always", "never")
 GLOO_KEYS = "cpu:gloo"
 LOCAL_TOPOLOGY = "cpu:local_topology"
 GLOBAL_TOPOLOGY = "cpu:global_topology"
-# a block that failed after this fraction of the collective timeout waited that long on a
-# live peer or on a dead one: either way some gloo pair of this process timed out
-TIMED_OUT_FRACTION = 0.9
 
 
-def waited_s(failure: DeviceFailure) -> float | None:
-    """How long this process's failed block ran before its error (from the end of its entry
-    barrier), None when its block did not fail."""
-    return failure.detail.get("body_to_error_s")
-
-
-def renewal_reason(
-    mode: str, platform: str, failure: DeviceFailure, collective_timeout_s: float,
-    aborted: str | None = None,
-) -> str | None:
+def renewal_reason(mode: str, platform: str, failure: DeviceFailure, aborted: str | None = None) -> str | None:
     """This process's vote, with its reason (every live process votes; one reason renews all),
-    or None. A process that shut its collectives' sockets down (`aborted`, see
-    `abort_collectives`) always asks. `auto` asks when the failed block ran into the collective
-    timeout: the evidence that a gloo pair of one of its communicators closed (a block released
-    by a socket error within the timeout leaves no communicator half-used: every wait it had
-    ended with the error). `mode` is `RuntimeConfig.renew_collectives`, checked there."""
+    or None. `auto`: a process that shut its collectives' sockets down (`aborted`, see
+    `abort_collectives`), whose block in the failed guard raised (`failure.detail["interrupted"]`,
+    set by the runtime), or that retries a block (`detail["renew"]`) asks; a failure found at an
+    entry barrier, where no block ran, asks nothing (the module docstring says why that is
+    safe). `always`: every failure. `never`, and off CPU: None. `mode` is
+    `RuntimeConfig.renew_collectives`, checked there."""
     if platform != "cpu" or mode == "never":
         return None
     if aborted:
         return aborted
-    waited = waited_s(failure)
-    if waited is not None and waited >= TIMED_OUT_FRACTION * collective_timeout_s:
-        return (f"its collective failed after {waited:.2f}s, at the "
-                f"{collective_timeout_s:g}s collective timeout")
+    if failure.detail.get("renew"):
+        return failure.detail["renew"]
+    if failure.detail.get("interrupted"):
+        return f"its {failure.phase} block was interrupted ({failure.detail['interrupted']})"
     return "renew_collectives=always" if mode == "always" else None
 
 
-def keep_client(votes: dict[int, dict]) -> bool:
-    """Whether the live processes keep their CPU client although some asked for a renewal:
-    every process that asked did so only because it aborted its collectives at a peer's exit
-    (`abort`: under `auto`; those communicators failed at once, none waits or is half-used),
-    and no process's client has a communicator for any collective group of the next plan
-    (`fresh`): its collectives all form new communicators, and no broken one is reached. A
-    communicator this misses fails at once on its shut sockets, and the step is redone on a
-    renewed client (`MultiControllerRuntime._collective_retry`). `votes`: every live
-    process's {"why": reason or None, "abort": bool, "fresh": bool}."""
-    return all(v["fresh"] and (v["abort"] or not v["why"]) for v in votes.values())
+def drain(arrays) -> tuple[int, int]:
+    """Wait until every array of `arrays` (`jax.live_arrays()`: what every program dispatched
+    so far wrote) is ready or failed, ignoring their errors, so that no program of a block that
+    raised still runs (a collective among them would post to a communicator its peers have left)
+    when the process reports the block. Returns (arrays waited for, how many had failed). A
+    program waiting in a collective with a peer that left returns at its socket's shutdown
+    (`abort_collectives`) or at the collective timeout."""
+    n = failed = 0
+    for x in arrays:
+        n += 1
+        try:
+            x.block_until_ready()
+        except Exception:  # noqa: BLE001 (a failed program's output: it has ended)
+            failed += 1
+    return n, failed
 
 
 def renew_cpu_client(client, live: Iterable[int], generation: int, writer: bool, wait_ms: int) -> list:

@@ -28,10 +28,9 @@ The interface, used by the trainer, the snapshot pool and transitions:
 - `commit(tree)`: wait for `tree` where a guard must see its errors (multi-controller);
 - `exchange(sends, recvs)` and `move(items)`: cross-process pieces, point to point;
 - `agree(value)`: every live process's value; `share(value, src)`: process `src`'s value;
-- `renew_collectives(failure, groups)`: after a failure, start fresh collectives where the old
-  ones may be broken and the next plan (its collective `groups`) could use them (a new CPU client
-  under `jax.distributed`; never in one process); `note_collectives(groups)`: a plan's
-  executables run on the current client; `current(x)`: a buffer on the current client's device;
+- `renew_collectives(failure)`: after a failure that interrupted a block, start fresh
+  collectives (a new CPU client under `jax.distributed`; never in one process); `current(x)`: a
+  buffer on the current client's device;
 - `capture(tree, dead)`: what survives of a state after a failure; `log(msg)`;
   `detection_report(detail)`; `processes()`;
 - `threads`: the copy threads of transitions; `close()`.
@@ -224,10 +223,7 @@ class InProcessRuntime:
     def agree(self, value) -> dict[int, Any]:
         return {0: value}
 
-    def note_collectives(self, groups: frozenset) -> None:
-        pass  # one client for good: nothing to tell it
-
-    def renew_collectives(self, failure: DeviceFailure, groups: frozenset = frozenset()) -> dict | None:
+    def renew_collectives(self, failure: DeviceFailure) -> dict | None:
         return None  # one client, no communicator a dead peer could have broken
 
     def current(self, x):

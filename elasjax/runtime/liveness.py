@@ -167,6 +167,17 @@ def peer_state(p: int, liveness: Liveness, exits: "ProcessExits", limit: float,
     return "dead", silent
 
 
+def post(status: str) -> str:
+    """A barrier post: this process's arrival time (wall clock) and its status ("ok" or
+    "err:<message>"); `read_post` splits it."""
+    return f"{time.time():.3f} {status}"
+
+
+def read_post(raw: str) -> tuple[float, str]:
+    t, _, status = raw.partition(" ")
+    return float(t), status
+
+
 def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Liveness,
               exits: "ProcessExits", fast: float, slow: float, starved_max: float):
     """The arbiter's wait at a barrier: read each pending process's post (`<key>/<p>`) until
@@ -176,8 +187,10 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
     within that limit (`Liveness.working`: starved, waited for up to `starved_max` of silence;
     a start-up compile on loaded cores can silence a live process for seconds:
     experiments/RESULTS.md, "bench_detection").
-    Returns (statuses, failed {p: silence}, exited, starved {p: silence}, the limit applied)."""
-    statuses = dict(statuses)
+    `statuses` and the posts read are `post`s. Returns (statuses {p: status}, arrivals {p: wall
+    clock}, failed {p: silence}, exited, starved {p: silence}, the limit applied)."""
+    arrived = {p: read_post(v)[0] for p, v in statuses.items()}
+    statuses = {p: read_post(v)[1] for p, v in statuses.items()}
     failed: dict[int, float] = {}
     starved: dict[int, float] = {}
     exited: list[int] = []  # dead by the kernel's word, not by a timeout
@@ -186,7 +199,7 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
     while pending:
         for p in list(pending):
             try:
-                statuses[p] = client.blocking_key_value_get(f"{key}/{p}", 20)
+                arrived[p], statuses[p] = read_post(client.blocking_key_value_get(f"{key}/{p}", 20))
                 pending.remove(p)
                 continue
             except JaxRuntimeError:  # not there yet: dead or slow?
@@ -207,7 +220,7 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
             failed[p] = silent
             starved.pop(p, None)  # its CPU time stopped too: dead after all, not waited for
             pending.remove(p)
-    return statuses, failed, exited, starved, used
+    return statuses, arrived, failed, exited, starved, used
 
 
 _THROTTLE = """

@@ -69,7 +69,7 @@ from ..transfer.shards import ShardStore
 from .collectives import (
     RENEW_MODES,
     abort_collectives,
-    keep_client,
+    drain,
     renew_cpu_client,
     renewal_reason,
 )
@@ -77,7 +77,7 @@ from .dispatch import SETTING
 from .inprocess import DeviceFailure
 from . import membership
 from .deathnote import DeathNotes
-from .liveness import Liveness, ProcessExits, Throttle, arbitrate, peer_state
+from .liveness import Liveness, ProcessExits, Throttle, arbitrate, peer_state, post
 from .p2p import TransferLinks
 
 # set by the writer once the job's first guard completed: a process that starts after it is a
@@ -327,9 +327,10 @@ class MultiControllerRuntime:
         if self.admission is not None:
             self._adopt_counters(self.admission["runtime"])
         self.links.start(self.local[0])
-        # device sets whose gloo communicators the current client may hold (every plan whose
-        # executables ran on it, `note_collectives`): after an abort they are all broken
-        self._groups: set[frozenset[int]] = set()
+        self._drained: tuple[float, int, int] | None = None  # the last `_drain`: (s, arrays, failed)
+        # each live process's arrival at the last entry barrier (s after the first), for the
+        # messages of a failure in the block after it (`_arrival_note`)
+        self._arrivals: dict[str, float] = {}
         self.liveness = Liveness(
             self.client, self.me, sorted(self.processes()), rc.liveness_interval_s,
             rc.liveness_timeout_s, cpu_of=self.exits.cpu_s,
@@ -397,6 +398,9 @@ class MultiControllerRuntime:
         # entry barrier: nobody enters a collective while a peer is still busy with local work
         # (a compile): with a short collective timeout that wait would fail the collective
         verdict = self._exit_barrier(None, self.liveness_timeout(phase, at_exit=False), "entry")
+        self._arrivals = verdict.get("arrived", {})
+        if phase.startswith("start") and len(self._arrivals) > 1:
+            self.log(f"{phase} entry barrier: {self._arrival_note()}")
         self._check_fenced(verdict, phase, None)
         if verdict["failed"]:
             raise self._failure(verdict, phase, t_block, None, None)
@@ -417,6 +421,7 @@ class MultiControllerRuntime:
         finally:
             with self._abort_lock:
                 self._in_body = False
+        self._drain(phase, err)
         verdict = self._exit_barrier(err, self.liveness_timeout(phase, at_exit=True))
         self._check_fenced(verdict, phase, err)
         if verdict["failed"]:
@@ -437,7 +442,7 @@ class MultiControllerRuntime:
             )
             raise PeerError(
                 f"{phase}: failed on process(es) {procs} while every process was alive ({msg}); "
-                f"no process is declared dead, the job stops.{hint}"
+                f"no process is declared dead, the job stops ({self._arrival_note()}).{hint}"
             ) from err
         if phase == "step":
             self._retries = 0  # a good step: collective retries start again
@@ -469,7 +474,7 @@ class MultiControllerRuntime:
         why = (f"a collective failed on process(es) {procs} while every process was alive "
                f"(retry {self._retries} of {self.MAX_COLLECTIVE_RETRIES})")
         self.log(f"{phase}: {why}: renewing the collectives and redoing the {phase} "
-                 f"({_errors_by_process(verdict, 160)})")
+                 f"({_errors_by_process(verdict, 160)}; {self._arrival_note()})")
         return DeviceFailure(
             set(), phase, detect_s=time.time() - t_block, cause=why,
             detail={
@@ -480,6 +485,8 @@ class MultiControllerRuntime:
                 "block_to_error_s": None if t_err is None else t_err - t_block,
                 "body_to_error_s": None if t_err is None or t_body is None else t_err - t_body,
                 "error_cause": msgs[0][:300],
+                "interrupted": why,
+                "drain_s": self._drained[0] if self._drained else None,
                 "collective_timeout_s": self.rc.collective_timeout_s,
             },
         )
@@ -497,6 +504,34 @@ class MultiControllerRuntime:
             self._throttle.stop()
             self._throttle = None
             self.log(f"back to full speed after {steps} slowed steps")
+
+    def _arrival_note(self) -> str:
+        """Who arrived last at the last entry barrier, and how long after the first."""
+        if len(self._arrivals) < 2:
+            return "one process at the entry barrier"
+        late = max(self._arrivals, key=self._arrivals.get)
+        order = ", ".join(f"p{p} +{t:.2f}s" for p, t in
+                          sorted(self._arrivals.items(), key=lambda kv: kv[1]))
+        return (f"arrivals at the entry barrier: {order}; process {late} last, "
+                f"{self._arrivals[late]:.2f}s after the first")
+
+    def _drain(self, phase: str, err: BaseException | None) -> None:
+        """Before a block that raised (or whose collectives this process shut down) is reported,
+        wait until every program this process dispatched has ended (`collectives.drain`): one
+        still waiting in a collective would post to a communicator that its peers have left,
+        and the next collective on it would receive that stale message. A block that completed
+        committed what it dispatched (`commit`). The wait is in the failure's detail
+        (`drain_s`)."""
+        self._drained = None
+        if err is None and self._aborted is None:
+            return
+        t0 = time.perf_counter()
+        n, failed = drain(jax.live_arrays())
+        took = time.perf_counter() - t0
+        self._drained = (took, n, failed)
+        if took > 0.05:
+            self.log(f"{phase}: waited {took:.2f}s for {n} arrays ({failed} failed) of the "
+                     "interrupted block's programs before reporting it")
 
     def _check_fenced(self, verdict: dict, phase: str, err) -> None:
         if self.me in verdict["failed"]:  # silent too long while alive: fenced off, leave
@@ -580,7 +615,8 @@ class MultiControllerRuntime:
         self._guards += 1
         key = f"elasjax/g/{self._guards}"
         status = "ok" if err is None else "err:" + (str(err).splitlines() or [""])[0][:300]
-        self.client.key_value_set(f"{key}/{self.me}", status, allow_overwrite=True)
+        mine = post(status)
+        self.client.key_value_set(f"{key}/{self.me}", mine, allow_overwrite=True)
         live = sorted(self.processes())
         slow = max(timeout, float(self.rc.heartbeat_timeout_s))
         # the arbiter is judged as `arbitrate` judges any peer: the fast timeout where this
@@ -594,8 +630,8 @@ class MultiControllerRuntime:
         # collectives, so it is late, not dead: it gets the slow timeout (a live process's
         # heartbeat can stall for a second in a step beside a background compile:
         # experiments/RESULTS.md, "Multi-process observations").
-        statuses, failed, exited, starved, used = arbitrate(
-            self.client, key, {self.me: status}, [p for p in live if p != self.me and p not in gone],
+        statuses, arrived, failed, exited, starved, used = arbitrate(
+            self.client, key, {self.me: mine}, [p for p in live if p != self.me and p not in gone],
             self.liveness, self.exits, timeout, slow, STARVED_MAX_S,
         )
         for p, silence in gone.items():  # arbiters that died before posting a verdict
@@ -616,6 +652,9 @@ class MultiControllerRuntime:
             "errors": {str(p): v[4:] for p, v in statuses.items() if v.startswith("err:")},
             "timeout_s": used,
             "where": where,
+            # when each process posted, in seconds after the first (the start's skew, and the
+            # late process a failure in the block after an entry barrier names)
+            "arrived": {str(p): round(t - min(arrived.values()), 3) for p, t in arrived.items()},
             "t_verdict": time.time(),
         }
         if self.liveness.phase == "step" and where == "exit":  # restarted processes asking
@@ -721,6 +760,9 @@ class MultiControllerRuntime:
                 "body_to_error_s": None if t_err is None or t_body is None else t_err - t_body,
                 "block_to_detect_s": t_known - t_block,
                 "error_cause": cause[:300],
+                # this process's block raised: its collectives were cut off (`renewal_reason`)
+                "interrupted": cause[:160] if err is not None else None,
+                "drain_s": self._drained[0] if self._drained else None,
                 "incident": self.epoch,
                 "collective_timeout_s": self.rc.collective_timeout_s,
                 "liveness_timeout_s": verdict["timeout_s"],
@@ -742,45 +784,22 @@ class MultiControllerRuntime:
                 continue
         return {"detect_per_process_s": per}
 
-    def note_collectives(self, groups: frozenset) -> None:
-        """Executables whose collectives can span `groups` (`Plan.collective_groups`) run on
-        the current client (their communicators may exist in it)."""
-        self._groups |= groups
-
-    def renew_collectives(self, failure: DeviceFailure, groups: frozenset = frozenset()) -> dict | None:
+    def renew_collectives(self, failure: DeviceFailure) -> dict | None:
         """After `failure`, replace every live process's CPU client by one with no gloo
-        communicator when any of them votes so (`collectives.renewal_reason`), unless they may
-        keep it (`collectives.keep_client`: only aborted communicators are broken, and `groups`,
-        the next plan's collective groups, reach none; the transfer server is restarted). Every
-        live process calls it at the same point of a recovery. Returns what happened (for the
-        event), or None when nobody asked. After a renewal the caller drops what names the old
-        devices (planned transitions); executables are reloaded on use (`executables.on_devices`),
-        shard buffers copied over by `current`."""
-        mine = renewal_reason(
-            self.rc.renew_collectives, self.rc.platform, failure, self.rc.collective_timeout_s,
-            self._aborted or failure.detail.get("renew"))
-        votes = self.agree({
-            "why": mine, "fresh": not (groups & self._groups),
-            "abort": mine is not None and mine == self._aborted and self.rc.renew_collectives == "auto",
-        })
+        communicator when any of them votes so (`collectives.renewal_reason`: under `auto`, any
+        process whose block was interrupted or whose collectives were shut down; the module
+        docstring of `collectives` says why no narrower rule is safe). Every live process calls
+        it at the same point (a recovery's plan phase, a start's retry). Returns what happened
+        (for the event), or None when nobody asked. After a renewal the caller drops what names
+        the old devices (planned transitions); executables are reloaded on use
+        (`executables.on_devices`), shard buffers copied over by `current`."""
+        mine = renewal_reason(self.rc.renew_collectives, self.rc.platform, failure, self._aborted)
+        votes = self.agree({"why": mine})
         why = "; ".join(f"process {p}: {v['why']}" for p, v in sorted(votes.items()) if v["why"])
         if not why:
             return None
         t0 = time.perf_counter()
-        if keep_client(votes):
-            self.links.start(self.local[0])  # this process shut its connections down
-            with self._abort_lock:
-                self._aborted = None
-            self.note_collectives(groups)
-            took = time.perf_counter() - t0
-            self.log(f"kept the CPU client (generation {self.generation}): the next plan's "
-                     f"collectives need only new communicators; transfer server restarted in "
-                     f"{took:.3f}s ({why})")
-            return {"renewed": False, "renew_s": took, "renew_reasons": why,
-                    "kept_client": "the next plan's collective groups have no communicator on "
-                                   "the client yet; only the aborted ones were broken"}
         self._new_client(self.generation + 1)
-        self._groups = set(groups)
         took = time.perf_counter() - t0
         self.log(f"new CPU client (generation {self.generation}, fresh gloo communicators) in "
                  f"{took:.3f}s ({why})")
@@ -857,7 +876,6 @@ class MultiControllerRuntime:
         self.notes.forget(procs)
         self.links.forget(procs)
         self._new_client(gen)
-        self._groups = set()
         took = time.perf_counter() - t0
         self.log(f"admitted process(es) {procs} (devices {sorted(added)}): a new CPU client "
                  f"(generation {gen}) with them in {took:.3f}s")
@@ -897,7 +915,14 @@ class MultiControllerRuntime:
         return ShardStore.capture(tree, dead)
 
     def commit(self, tree) -> None:
-        jax.block_until_ready([x for x in jax.tree.leaves(tree) if x is not None])
+        """Wait for `tree`; where one of its programs failed, wait for the others too before
+        raising (`collectives.drain`): a block reports only once nothing it dispatched runs."""
+        leaves = [x for x in jax.tree.leaves(tree) if x is not None]
+        try:
+            jax.block_until_ready(leaves)
+        except Exception:
+            drain(leaves)
+            raise
 
     # -- point-to-point copies (`p2p`) ----------------------------------------------------------
 

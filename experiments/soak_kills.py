@@ -1,0 +1,178 @@
+"""A soak of real deaths under `elasjax launch` with default flags: does one death stay one death?
+
+    PYTHONPATH=. python experiments/soak_kills.py [--launches 40 --seed 0 --steps 14]
+        [--configs configs/demo_zero.yaml,configs/multiprocess.yaml] [--out runs/soak_kills]
+
+Each launch runs four processes x two CPU devices (gloo collectives, loopback) with no flag but
+`--processes`, `--devices-per-process` and the schedule: launch i trains the i-th config of
+`--configs` (round robin) with one or two SIGKILLs drawn from `--seed` and i: a process killed
+right after it dispatched a random step, and for a second kill either another process at a later
+step or another process killed during the first one's recovery (its transfer). Each config's
+fault-free run (one process, 8 fake devices) is the reference.
+
+Printed per launch: the kills, the recoveries, the survivors lost (a process that was not killed
+and did not exit 0: a gloo abort of a healthy survivor shows here as SIGABRT), the launch's exit
+code, and the losses against the fault-free run (max relative deviation; "bitwise" where the run
+was in the deterministic mode and its final state digest equals the reference's). A launch
+passes when it exits 0, loses no survivor, has one recovery per kill that fired, and its losses
+are within 1e-5 (bitwise in the deterministic mode). Every record also goes to
+`<out>/soak.jsonl`. Exit code 1 when a launch fails. Wall-clock figures are this machine's (2
+shared cores). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elasjax.compare import compare_runs  # noqa: E402
+from elasjax.metrics import read_jsonl  # noqa: E402
+
+PROCESSES = 4
+ABORT = "Received data size doesn't match expected size"
+
+
+def draw(i: int, seed: int, steps: int) -> list[dict]:
+    """Launch i's kills: one or two fault entries (`kill_process`, phase step or recovery)."""
+    rng = random.Random(f"{seed}/{i}")
+    first = {"at_step": rng.randrange(1, steps - 3), "kill_process": rng.randrange(PROCESSES)}
+    kills = [first]
+    if rng.random() < 0.5:
+        other = rng.choice([p for p in range(PROCESSES) if p != first["kill_process"]])
+        if rng.random() < 0.5:  # during the first one's recovery
+            kills.append({"at_step": first["at_step"], "kill_process": other, "phase": "recovery"})
+        else:
+            kills.append({"at_step": rng.randrange(first["at_step"] + 1, steps - 1),
+                          "kill_process": other})
+    return kills
+
+
+def spec(k: dict) -> str:
+    return f"{k['at_step']}:{k['kill_process']}" + ("(recovery)" if k.get("phase") == "recovery" else "")
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    t0 = time.time()
+    with log.open("w") as fh:
+        try:
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.time() - t0
+
+
+def reference(config: str, sets: list[str], out: Path, timeout: float) -> Path:
+    ref = out / f"ref_{Path(config).stem}"
+    if not (ref / "metrics.jsonl").exists():
+        cmd = [sys.executable, "-m", "elasjax.cli", "train", config, "--quiet", "--out", str(ref)]
+        for s in [*sets, "faults=[]"]:
+            cmd += ["--set", s]
+        rc, took = run(cmd, out / f"ref_{Path(config).stem}.log", timeout)
+        print(f"reference {config}: exit {rc} in {took:.0f}s", flush=True)
+        if rc != 0:
+            raise SystemExit(f"the fault-free reference of {config} failed (exit {rc})")
+    return ref
+
+
+def judge(i: int, config: str, kills: list[dict], rc: int, took: float, run_dir: Path,
+          ref: Path) -> dict:
+    rec = {"launch": i, "config": config, "kills": [spec(k) for k in kills], "exit": rc,
+           "wall_s": round(took, 1)}
+    try:
+        summary = json.loads((run_dir / "launch.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        summary = {"processes": []}
+    targets = {k["kill_process"] for k in kills}
+    procs = summary.get("processes", [])
+    fired = sorted(s["process"] for s in procs if s.get("signal") == "SIGKILL")
+    lost = sorted(
+        (s["process"], s.get("signal") or s.get("returncode")) for s in procs
+        if s["process"] not in fired and s.get("returncode") not in (0, None))
+    logs = "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("worker*.log")))
+    events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+    recs = [e for e in events if e["type"] == "recovery"]
+    rec.update(
+        fired=fired, survivors_lost=lost, recoveries=len(recs),
+        retries=sum(1 for e in recs if not e.get("failed_processes")),
+        recovered=sorted(p for e in recs for p in e.get("failed_processes", ())),
+        renewed=sum(1 for e in recs if e.get("collectives_renewed")),
+        gloo_aborts=logs.count(ABORT),
+        mttr_s=[round(e["mttr_s"], 2) for e in recs],
+        outcome=summary.get("outcome"), message=(summary.get("message") or "")[:300],
+    )
+    if (run_dir / "metrics.jsonl").exists() and rc == 0:
+        cmp = compare_runs(run_dir, ref)
+        rec["max_rel_dev"] = cmp["all"]["max_rel"]
+        rec["steps"] = cmp["all"]["steps"]
+        rec["same_samples"] = cmp["batches_identical"]
+        rec["bitwise"] = cmp.get("final_state_identical")
+        start = [e for e in events if e["type"] == "start"]
+        rec["deterministic"] = bool(start and start[0].get("deterministic"))
+    ok = (rc == 0 and not lost and rec["recovered"] == fired and set(fired) == targets and rec.get("same_samples") is True
+          and rec.get("max_rel_dev", 1.0) <= 1e-5
+          and (not rec.get("deterministic") or rec.get("bitwise") is True))
+    rec["ok"] = ok
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="configs/demo_zero.yaml,configs/multiprocess.yaml")
+    ap.add_argument("--launches", type=int, default=40)
+    ap.add_argument("--first", type=int, default=0, help="the first launch's index (to resume)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--set", action="append", default=[], dest="sets",
+                    help="a config override for every launch and reference (not a flag)")
+    ap.add_argument("--out", default="runs/soak_kills")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    configs = args.configs.split(",")
+    sets = [f"train.steps={args.steps}", *args.sets]
+    refs = {c: reference(c, sets, out, args.timeout) for c in configs}
+    bad = 0
+    with (out / "soak.jsonl").open("a") as fh:
+        for i in range(args.first, args.first + args.launches):
+            config = configs[i % len(configs)]
+            kills = draw(i, args.seed, args.steps)
+            run_dir = out / f"launch{i:03d}"
+            cmd = [sys.executable, "-m", "elasjax.cli", "launch", config, "--processes",
+                   str(PROCESSES), "--devices-per-process", "2", "--quiet", "--out", str(run_dir),
+                   "--timeout", str(args.timeout - 60)]
+            for s in [*sets, "faults=" + json.dumps(kills)]:
+                cmd += ["--set", s]
+            rc, took = run(cmd, out / f"launch{i:03d}.log", args.timeout)
+            rec = judge(i, config, kills, rc, took, run_dir, refs[config])
+            rec["load"] = round(os.getloadavg()[0], 1)
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            bad += not rec["ok"]
+            dev = rec.get("max_rel_dev")
+            why = "ok" if rec["ok"] else "FAIL: " + re.sub(r"\s+", " ", rec["message"])[:160]
+            print(f"{i:3d} {Path(config).stem:13s} kills {' '.join(rec['kills']):22s} fired "
+                  f"{rec['fired']} recoveries {rec['recoveries']} (retries {rec['retries']}) "
+                  f"survivors lost {len(rec['survivors_lost'])} {rec['survivors_lost'] or ''} exit "
+                  f"{rc} dev {'-' if dev is None else f'{dev:.1e}'}"
+                  f"{' bitwise' if rec.get('bitwise') else ''} gloo-aborts {rec['gloo_aborts']} "
+                  f"{took:.0f}s {why}",
+                  flush=True)
+    print(f"{args.launches - bad} of {args.launches} launches ok", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
