@@ -110,6 +110,9 @@ def judge(i: int, config: str, kills: list[dict], rc: int, took: float, run_dir:
         renewed=sum(1 for e in recs if e.get("collectives_renewed")),
         gloo_aborts=logs.count(ABORT),
         mttr_s=[round(e["mttr_s"], 2) for e in recs],
+        renew_s=[round(e.get("renew_s") or 0.0, 3) for e in recs],
+        drain_s=[(e.get("detail") or {}).get("drain_s") for e in recs],
+        compile_s=[round(e.get("compile_s") or 0.0, 2) for e in recs],
         outcome=summary.get("outcome"), message=(summary.get("message") or "")[:300],
     )
     if (run_dir / "metrics.jsonl").exists() and rc == 0:
