@@ -79,7 +79,11 @@ def _plan(args) -> int:
     topo = Topology(tuple(range(n)), cfg.parallel.devices_per_host)
     if args.coverage:  # the layout needs a device per id: fake CPU ones, before JAX starts
         _ensure_devices(n)
-    fail = {int(x) for x in args.fail.split(",")} if args.fail else set()
+    try:
+        fail = {int(x) for x in args.fail.split(",")} if args.fail else set()
+    except ValueError:
+        raise config.ConfigError(f"--fail {args.fail}: allowed values: comma-separated device "
+                                 f"ids from 0 to {n - 1}, e.g. --fail 3,5") from None
     bad = sorted(fail - set(topo.device_ids))
     if bad:
         raise config.ConfigError(f"--fail names devices {bad}; allowed values: 0 .. {n - 1}")
@@ -183,7 +187,7 @@ def _print_coverage(cfg, plan, topo, live: set[int]) -> None:
 def _compare(args) -> int:
     from .compare import compare_runs, format_report
 
-    print(format_report(compare_runs(args.run, args.reference)))
+    print(format_report(compare_runs(args.run, args.reference, args.common_steps)))
     return 0
 
 
@@ -320,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare", help="loss deviation of a run against a reference run")
     c.add_argument("run")
     c.add_argument("reference")
+    c.add_argument("--common-steps", action="store_true",
+                   help="runs that logged different steps: compare the steps both logged "
+                   "(otherwise refused)")
     s = sub.add_parser("sim", help="cluster-scale simulator (pure numpy; results are simulated)")
     s.add_argument("config")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -403,13 +410,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.cmd == "train":
         _ensure_devices(8)
+    from .compare import RunsDifferError
     from .config import ConfigError
     from .planner import NoPlanError
     from .transfer.shards import UnrecoverableStateError
 
     try:
         return {"train": _train, "plan": _plan, "compare": _compare}[args.cmd](args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, RunsDifferError) as e:
         print(f"elasjax: error: {e}", file=sys.stderr)
         return 2
     except (UnrecoverableStateError, NoPlanError) as e:

@@ -23,12 +23,36 @@ def _digests(run_dir: Path) -> dict[int, str]:
     return out
 
 
-def compare_runs(run: str | Path, reference: str | Path) -> dict:
+class RunsDifferError(ValueError):
+    """Two runs that did not log the same steps (`compare_runs` without `common_steps`)."""
+
+
+def _span(steps) -> str:
+    steps = sorted(steps)
+    if not steps:
+        return "no step"
+    if steps == list(range(steps[0], steps[-1] + 1)):
+        return f"steps {steps[0]}..{steps[-1]}"
+    return f"{len(steps)} steps ({steps[0]}..{steps[-1]}, with gaps)"
+
+
+def compare_runs(run: str | Path, reference: str | Path, common_steps: bool = False) -> dict:
+    """The deviation of `run`'s losses from `reference`'s, step by step. Runs that logged
+    different steps raise `RunsDifferError` naming both spans, unless `common_steps` (then the
+    steps both logged are compared, and the final states only where both ended at one step)."""
     run, reference = Path(run), Path(reference)
     for d in (run, reference):
         if not (d / "metrics.jsonl").exists():
             raise FileNotFoundError(f"{d}/metrics.jsonl not found: is {d} an elasjax output directory?")
     a, ref = losses_by_step(run), losses_by_step(reference)
+    if set(a) != set(ref):
+        if not common_steps:
+            raise RunsDifferError(
+                f"compare: {run} logged {_span(a)} and {reference} logged {_span(ref)}; allowed: "
+                "two runs of the same steps (or --common-steps to compare the steps both logged)")
+        keep = set(a) & set(ref)
+        a = {s: v for s, v in a.items() if s in keep}
+        ref = {s: v for s, v in ref.items() if s in keep}
     out = {"run": str(run), "reference": str(reference), "all": deviation(a, ref)}
     first = _first_recovery(run)
     if first is not None:
@@ -41,12 +65,13 @@ def compare_runs(run: str | Path, reference: str | Path) -> dict:
         [e for e in read_jsonl(d / "events.jsonl") if e.get("type") == "end"] if (d / "events.jsonl").exists() else []
         for d in (run, reference)
     ]
-    if all(ends) and all("state_digest" in e[-1] for e in ends):
+    if (all(ends) and all("state_digest" in e[-1] for e in ends)
+            and ends[0][-1].get("step") == ends[1][-1].get("step")):
         out["final_state_identical"] = ends[0][-1]["state_digest"] == ends[1][-1]["state_digest"]
     da, dref = _digests(run), _digests(reference)
     common = set(da) & set(dref)
     out["batches_identical"] = bool(common) and all(da[s] == dref[s] for s in common)
-    out["steps_only_in_one"] = sorted(set(a) ^ set(ref))
+    out["steps_only_in_one"] = sorted(set(losses_by_step(run)) ^ set(losses_by_step(reference)))
     return out
 
 
@@ -75,5 +100,6 @@ def format_report(r: dict) -> str:
             + ("yes" if r["final_state_identical"] else "no")
         )
     if r["steps_only_in_one"]:
-        lines.append(f"steps logged in only one run: {r['steps_only_in_one'][:10]}")
+        lines.append(f"steps logged in only one run (not compared): {r['steps_only_in_one'][:10]}"
+                     + (" ..." if len(r["steps_only_in_one"]) > 10 else ""))
     return "\n".join(lines)

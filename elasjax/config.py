@@ -663,6 +663,67 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (YAML keeps the last
+    silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: YAML's own error follows
+                continue
+            if first is not key_node.start_mark:
+                raise _DuplicateKey(
+                    None, None, f"key {key!r} given twice (first at line {first.line + 1}); "
+                    "allowed: each key once", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str, where: str) -> Any:
+    """`text` parsed as YAML, keys unique; a syntax error or a repeated key is a `ConfigError`
+    naming `where` (a file, or the `--set` override), the line and the column."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except _DuplicateKey as e:
+        mark = e.problem_mark
+        raise ConfigError(f"{where}: line {mark.line + 1}, column {mark.column + 1}: "
+                          f"{e.problem}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = " ".join(x for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{where}: {at}not valid YAML: {what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A config file's top-level mapping (`read_yaml`); a path that is not a readable file is
+    a `ConfigError` naming it."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{path}: is a directory; allowed: a YAML config file "
+                          "(e.g. configs/demo.yaml)")
+    if not p.exists():
+        raise ConfigError(f"{path}: no such file; allowed: a YAML config file "
+                          "(e.g. configs/demo.yaml)")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read as a text file ({e})") from None
+    raw = read_yaml(text, str(path)) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return raw
+
+
 def apply_override(raw: dict, assignment: str) -> dict:
     """Apply one `a.b.c=value` override to raw config data; the value is parsed as YAML."""
     if "=" not in assignment:
@@ -671,7 +732,7 @@ def apply_override(raw: dict, assignment: str) -> dict:
     keys = path.strip().split(".")
     if not all(keys):
         raise ConfigError(f"override key {path!r} is not a dotted key path")
-    value = yaml.safe_load(text) if text.strip() else None
+    value = read_yaml(text, f"--set {assignment}") if text.strip() else None
     node = raw
     for i, k in enumerate(keys[:-1]):
         child = node.get(k)
@@ -692,12 +753,7 @@ def from_dict(raw: Mapping[str, Any] | None) -> Config:
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load a YAML config (or the defaults when `path` is None) and apply dotted overrides."""
-    raw: dict = {}
-    if path is not None:
-        text = Path(path).read_text()
-        raw = yaml.safe_load(text) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    raw = read_config_file(path) if path is not None else {}
     for o in overrides:
         apply_override(raw, o)
     return from_dict(raw)

@@ -266,8 +266,9 @@ def launch_local(
     `kill_coordinator` (a step): the launcher SIGKILLs the coordination process once that step's
     metrics row is logged, in the first attempt only (the loss of the node it runs on).
     """
-    if processes < 1 or devices_per_process < 1:
-        raise ConfigError("--processes and --devices-per-process must be >= 1")
+    for flag, v in (("--processes", processes), ("--devices-per-process", devices_per_process)):
+        if v < 1:
+            raise ConfigError(f"{flag} {v}: allowed values: an integer >= 1")
     if not isinstance(worker_restarts, int) or worker_restarts < 0:
         raise ConfigError(f"--worker-restarts {worker_restarts!r}: allowed values: an integer "
                           ">= 0 (dead workers started again to rejoin the job; 0: never)")

@@ -773,6 +773,13 @@ class Trainer:
             self._wait_standby(ew, None)
         for f in failures:
             ew.emit(FailureBeforeStart(sorted(f.devices), f.phase, f.cause, dict(f.detail)))
+        if self.dropped_checkpoints:  # a checkpoint is never deleted without a word
+            msg = (f"resumed from checkpoint {step}: deleted the newer checkpoints "
+                   f"{self.dropped_checkpoints} in {self.ckpt.dir} (they belong to the timeline "
+                   "this run abandons; their steps are trained again)")
+            ew.emit(WarningEvent("checkpoint.resume_step", msg), f"warning: {msg}")
+            if self.rt.writer:
+                warnings.warn(msg, stacklevel=2)
         mode = mode_line(self.cfg, self.optimizer_source == "python")
         ew.emit(StartEvent(
             step=step,
@@ -844,12 +851,10 @@ class Trainer:
         if rs is None:
             return 0, exe.init(), None
         assert self.ckpt is not None
-        step = self.ckpt.latest_step() if rs == -1 else rs
-        if step is None:
-            raise FileNotFoundError(f"checkpoint.resume_step: no checkpoint in {self.ckpt.dir}")
+        step = self.ckpt.resolve(rs)
         state, meta, _ = restore_onto(self.ckpt, step, self.factory, exe, devices=self.rt.devices,
                                       transport=self.rt, threads=self.rt.threads)
-        self.dropped_checkpoints = self.ckpt.drop_after(step)
+        self.dropped_checkpoints = self.ckpt.drop_after(step)  # said by `_start`
         return step, state, meta["checksums"]
 
     def _verify_start(self, exe: Executables, step: int, state, saved) -> dict[str, str]:

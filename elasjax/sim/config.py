@@ -16,7 +16,7 @@ from typing import Literal, Optional
 import numpy as np
 import yaml
 
-from ..config import ConfigError, apply_override, build_dataclass
+from ..config import ConfigError, apply_override, build_dataclass, read_config_file
 from .cluster import Layout
 from .dvfs import PowerModel
 from .hardware import Device, presets
@@ -257,11 +257,7 @@ def from_dict(raw: dict | None) -> SimConfig:
 
 def load(path: str | Path | None, overrides: Sequence[str] = ()) -> SimConfig:
     """Load a simulator YAML config and apply dotted `key=value` overrides."""
-    raw: dict = {}
-    if path is not None:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    raw = read_config_file(path) if path is not None else {}
     for o in overrides:
         apply_override(raw, o)
     return from_dict(raw)

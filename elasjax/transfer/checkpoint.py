@@ -19,6 +19,7 @@ hold the canonical (ZeRO-0) form and are still read, through the canonical form.
 from __future__ import annotations
 
 import itertools
+import re
 import types
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,22 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..config import CheckpointConfig
+from ..config import CheckpointConfig, ConfigError
 from ..zero import ZeroLayout
 from .reshard import transition
 from .shards import Shard, ShardStore
+
+
+class CheckpointFormatError(ConfigError):
+    """A checkpoint this run cannot read: another model or shape, a storage format of another
+    elasjax version, damaged files, or a step that is not there. The message names the
+    checkpoint, what was found and what was expected."""
+
+
+def _leaf_key(path) -> tuple[str, ...]:
+    """A leaf's path as its names and indices (Orbax's metadata tree and the state's own tree
+    spell the same path differently: `['params']` and `.params`)."""
+    return tuple(re.findall(r"\w+", jax.tree_util.keystr(path)))
 
 
 class Checkpointer:
@@ -97,15 +110,74 @@ class Checkpointer:
         self.manager.wait_until_finished()
         return self.manager.latest_step()
 
-    def restore(self, step: int, abstract_target: Any) -> tuple[Any, dict]:
-        """(state on the target shardings, metadata {step, checksums})."""
+    def steps(self) -> list[int]:
+        """The committed checkpoints' steps, oldest first."""
         self.manager.wait_until_finished()
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_target), meta=ocp.args.JsonRestore()
-            ),
-        )
+        return sorted(self.manager.all_steps())
+
+    def resolve(self, resume_step: int) -> int:
+        """The step `checkpoint.resume_step` names (-1: the newest), or a `CheckpointFormatError`
+        saying what the directory holds."""
+        have = self.steps()
+        if resume_step == -1 and have:
+            return have[-1]
+        if resume_step in have:
+            return resume_step
+        held = (f"it holds steps {', '.join(map(str, have))}" if have
+                else "it holds no committed checkpoint")
+        allowed = (f"-1 (the newest), {', '.join(map(str, have))}" if have
+                   else "a directory holding a checkpoint, or no resume_step (a fresh start)")
+        raise CheckpointFormatError(
+            f"config 'checkpoint.resume_step' = {resume_step}: no checkpoint "
+            f"{'at all' if resume_step == -1 else resume_step} in {self.dir} ({held}); "
+            f"allowed values: {allowed}")
+
+    def check_fits(self, step: int, abstract_target: Any) -> None:
+        """Checkpoint `step`'s arrays against the target's leaves (shapes and dtypes), before
+        anything is read: a checkpoint of another model or shape is a `CheckpointFormatError`
+        naming the first leaf that differs."""
+        try:
+            stored = ocp.StandardCheckpointHandler().metadata(self.dir / str(step) / "state")
+        except Exception as e:  # noqa: BLE001 (any unreadable metadata: said as such)
+            raise CheckpointFormatError(
+                f"checkpoint {step} in {self.dir}: its array metadata cannot be read "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is damaged or not an "
+                "elasjax checkpoint") from None
+        have = {_leaf_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(stored)[0]}
+        want = {_leaf_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract_target)[0]}
+        for key in sorted(set(want) | set(have)):
+            h, w = have.get(key), want.get(key)
+            name = ".".join(key)
+            if h is None or w is None:
+                where, what = ("this config's state", "the checkpoint") if h is None else (
+                    "the checkpoint", "this config's state")
+                raise CheckpointFormatError(
+                    f"checkpoint {step} in {self.dir} does not fit this config: leaf {name} is in "
+                    f"{where} but not in {what} (a checkpoint of another model or optimizer; "
+                    "allowed: a checkpoint this config saved)")
+            if tuple(h.shape) != tuple(w.shape) or np.dtype(h.dtype) != np.dtype(w.dtype):
+                raise CheckpointFormatError(
+                    f"checkpoint {step} in {self.dir} does not fit this config: leaf {name} is "
+                    f"stored as {tuple(h.shape)} {np.dtype(h.dtype)}, this config needs "
+                    f"{tuple(w.shape)} {np.dtype(w.dtype)} (a checkpoint of another model or "
+                    "shape; allowed: a checkpoint this config saved)")
+
+    def restore(self, step: int, abstract_target: Any) -> tuple[Any, dict]:
+        """(state on the target shardings, metadata {step, checksums}); checked first
+        (`check_fits`); an unreadable checkpoint is a `CheckpointFormatError`."""
+        self.manager.wait_until_finished()
+        self.check_fits(step, abstract_target)
+        try:
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_target), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except (ValueError, OSError, RuntimeError) as e:
+            raise CheckpointFormatError(
+                f"checkpoint {step} in {self.dir} cannot be read: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:300]} (damaged or incomplete files?)") from e
         return out["state"], out["meta"]
 
     def metadata(self, step: int) -> dict:
@@ -155,10 +227,6 @@ def form_of(plan) -> dict:
         },
         "partition": list(plan.partition),
     }
-
-
-class CheckpointFormatError(ValueError):
-    """A checkpoint whose saved form this version of elasjax cannot read."""
 
 
 def _plan_of_form(form: dict):
