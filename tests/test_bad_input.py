@@ -123,6 +123,10 @@ def test_every_wrong_resume_says_what_it_found_and_what_it_needs(saved, tmp_path
             r"checkpoint 2 in .* does not fit this config: leaf opt_state\.1\.0\.mu\.embed\."
             r"embedding is stored as \(256, 32\) float32, this config needs \(256, 64\) float32")):
         _resume(saved, 2, exe_cache, "model.d_model=64")
+    with pytest.raises(CheckpointFormatError, match=(
+            r"checkpoint 2 in .* holds ZeRO stage 0 storage and this config's plan has ZeRO "
+            r"stage 1; allowed: zero.stage = 0 to resume it")):
+        _resume(saved, 2, exe_cache, "zero.stage=1")
     # damaged array files: every file of the step's arrays cut to half its size
     broken = tmp_path / "broken"
     shutil.copytree(saved, broken)

@@ -317,6 +317,14 @@ def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, t
     if meta.get("form") is None:  # an older checkpoint: the canonical form
         full, meta = ckpt.restore(step, factory.abstract_on(exe.mesh))
         return exe.from_canonical(full), meta, {"peak_restore_bytes": None}
+    if meta["form"]["zero_stage"] != exe.plan.zero_stage:
+        # the transition planner moves ZeRO storage between ZeRO plans and plain leaves between
+        # plain ones; no run changes its stage, so nothing converts between the two
+        raise CheckpointFormatError(
+            f"checkpoint {step} in {ckpt.dir} holds ZeRO stage {meta['form']['zero_stage']} "
+            f"storage and this config's plan has ZeRO stage {exe.plan.zero_stage}; allowed: "
+            f"zero.stage = {meta['form']['zero_stage']} to resume it (the data and tensor "
+            "degrees, the device count and the pipeline may change)")
     saved = factory.layout(_plan_of_form(meta["form"]))
     live = sorted(exe.plan.device_ids)
     by_id = devices or {d.id: d for d in jax.devices()}
