@@ -91,7 +91,7 @@ def kill_run(args, i: int, out: Path) -> list[dict]:
             "detected_by": e.get("detected_by"), "detector": e.get("detector"),
             "collectives_renewed": e.get("collectives_renewed", False),
             "renew_s": e.get("renew_s", 0.0),
-            "drain_s": (e.get("detail") or {}).get("drain_s"),
+            "drain_s": e.get("drain_s"),
             "mttr_s": e["mttr_s"], "standby_hit": e["standby_hit"], "compiles": e.get("compiles"),
             **{k: e[k] for k in ("detect_s", "retry_s", "plan_s", "compile_s", "transfer_s",
                                  "verify_s", "snapshot_s", "first_step_s", "standby_wait_s")},

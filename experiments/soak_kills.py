@@ -111,7 +111,7 @@ def judge(i: int, config: str, kills: list[dict], rc: int, took: float, run_dir:
         gloo_aborts=logs.count(ABORT),
         mttr_s=[round(e["mttr_s"], 2) for e in recs],
         renew_s=[round(e.get("renew_s") or 0.0, 3) for e in recs],
-        drain_s=[(e.get("detail") or {}).get("drain_s") for e in recs],
+        drain_s=[e.get("drain_s") for e in recs],
         compile_s=[round(e.get("compile_s") or 0.0, 2) for e in recs],
         outcome=summary.get("outcome"), message=(summary.get("message") or "")[:300],
     )

@@ -15,7 +15,9 @@ The slow tests start real `jax.distributed` jobs (gloo collectives on CPU) and S
   processes); losses equal the fault-free run.
 - A process and its buddy killed together: every survivor stops with `UnrecoverableStateError`
   naming the leaf; no process is left running.
-- Killing process 0 (the coordination service) ends every process with a clear message.
+- Killing process 0, a worker like any other (the coordination service runs in a process of
+  its own): the survivors finish, under default flags and with only the heartbeat to find it;
+  killing the coordination process ends every worker with a clear message.
 - A hot spare (`--processes 2 --spares 1`) takes a killed process's place: the mesh keeps its
   size (4 devices before and after) and the losses equal the fault-free run.
 
@@ -458,8 +460,7 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     assert ev["step"] == 4 and ev["failed_processes"] == [2] and ev["verified"]
     assert ev["rung"] == "replica" and ev["bytes_cross_process"] == 0  # each survivor has a replica
     assert ev["from_plan"].startswith("d4t2") and ev["to_plan"] == metrics[-1]["plan"]
-    # Detection: the survivors' collective fails after the timeout at the latest.
-    assert 0 < ev["kill_to_error_s"] <= COLLECTIVE_TIMEOUT_S + HEARTBEAT_TIMEOUT_S + 5
+    assert ev["kill_to_error_s"] > 0  # timed from the kill (how fast: bench_detection.py)
     assert sorted(ev["detect_per_process_s"]) == ["0", "1", "3"]
     # the arbiter learned of the death from the kernel (a pidfd: same host), not a timeout
     assert ev["detector"] == "process exit" and "process 2 exited (pidfd" in ev["detected_by"]
@@ -685,10 +686,11 @@ def test_process_0_lost_with_its_host_is_found_by_the_heartbeat(reference, tmp_p
     assert rc == 0, stdout
     ev = _assert_process_0_survived(out, stdout, reference)
     assert ev["detector"] == "heartbeat" and "process 0 silent" in ev["detected_by"]
-    # the silence releases the survivors blocked in a collective with process 0 (their
-    # collectives are shut down), not the collective timeout; the arbiter's death is judged
-    # with the liveness timeout, as any peer's would be after a failed step
-    assert ev["detect_s"] < COLLECTIVE_TIMEOUT_S / 2, ev
+    # the survivors blocked in a collective with process 0 are released by its dead sockets or
+    # by the silence (their collectives are shut down), not by the collective timeout; the
+    # arbiter's death is judged with the liveness timeout, as any peer's would be after a
+    # failed step (how fast: bench_detection.py --no-watch-exits --no-death-notices)
+    assert "Timed out" not in ev["renew_reasons"] + ev.get("error_cause", ""), ev
     assert "the arbiter, process 0, is dead" in (out / "worker1.log").read_text()
 
 
@@ -968,7 +970,6 @@ def test_a_death_notice_from_the_dead_process_host_ends_the_wait(tmp_path):
         assert r["slow_ok"] == 3
         assert r["failed"] == [2] and r["procs"] == [2] and r["detector"] == "death notice", r
         assert "process 2 exited (a death notice from its host)" in r["detected_by"]
-        assert r["kill_to_detect_s"] < 1.0  # under the liveness timeout: no silence waited for
         assert r["after"] == 3.0
 
 
