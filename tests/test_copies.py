@@ -76,7 +76,8 @@ def test_two_buddy_copies_survive_device_3_then_devices_0_and_6(copies):
     before = elasjax.state_checksums(new)
     es.simulate_failure([0, 6])
     if copies == 1:
-        with pytest.raises(elasjax.UnrecoverableStateError, match="copies=2"):
+        with pytest.raises(elasjax.UnrecoverableStateError,
+                           match=r"state leaf 'opt/.+' slice \[.+\] has no live copy.*copies=2"):
             es.recover()
     else:
         rec = es.recover()
@@ -134,8 +135,9 @@ def test_coverage_with_two_copies_names_triple_host_losses_it_does_not_survive()
     what = loses(describe_state(es.state), es.pool, es.topology, set(fs))
     assert what is not None and what.startswith("'opt/0/")
     es.simulate_failure(fs)
-    with pytest.raises(elasjax.UnrecoverableStateError):
+    with pytest.raises(elasjax.UnrecoverableStateError, match=r"state leaf 'opt/0/.+' slice \[") as e:
         es.recover()
+    assert what.startswith(f"'{e.value.leaf}' "), (what, e.value)  # the leaf coverage named
     es.close()
 
 

@@ -357,7 +357,8 @@ def test_device_and_its_buddy_fail_together():
     plan = planner.initial_plan(TOPO, cfg)
     lay = f.layout(plan)
     state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(_mesh(plan)))())
-    with pytest.raises(UnrecoverableStateError, match=r"has no live copy"):
+    with pytest.raises(UnrecoverableStateError,
+                       match=r"state leaf 'opt_state/.+' slice \[.+\] has no live copy"):
         _fail_and_recover(cfg, f, plan, state, [3, buddy], set(TOPO.device_ids))
 
 
@@ -367,7 +368,8 @@ def test_host_failure_needs_buddies():
     plan = planner.initial_plan(TOPO, cfg)
     lay = f.layout(plan)
     state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(_mesh(plan)))())
-    with pytest.raises(UnrecoverableStateError):
+    with pytest.raises(UnrecoverableStateError,
+                       match=r"state leaf 'opt_state/.+' slice \[.+\] has no live copy"):
         _fail_and_recover(cfg, f, plan, state, [0, 1], set(TOPO.device_ids), dead_hosts=(0,))
 
 
