@@ -549,6 +549,20 @@ class _InProcessPlacement:
         return 0
 
 
+def _placed(cfg, plan, topo: Topology, live: set[int], devices):
+    """(the described state, its snapshot pool) of the loop on `plan` over `live`, from the
+    state's shapes and the plan's shardings alone (`plan_coverage`)."""
+    factory = StateFactory(cfg, make_optimizer(cfg.train))
+    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
+    abstract = factory.layout(plan).abstract_on(mesh)
+    pool = SnapshotPool(cfg.snapshot, topo, _InProcessPlacement(), donated=False)
+    # the loop places copies over the plan's devices and its spares (`Trainer._verify_start`)
+    # at start, over every live device after a recovery
+    pool.place(abstract, live if live != set(topo.device_ids)
+               else set(plan.device_ids) | set(plan.spare_ids))
+    return describe_state(abstract), pool
+
+
 def plan_coverage(cfg, plan, topo: Topology, live: Iterable[int], devices, *,
                   pairs: bool = True):
     """(coverage, snapshot pool) of the loop's state on `plan` with `cfg.snapshot` (resolved
@@ -558,15 +572,19 @@ def plan_coverage(cfg, plan, topo: Topology, live: Iterable[int], devices, *,
     (any backend; only the layout is read). `live`: the topology's live devices (the rest have
     failed, their whole hosts' memory with them)."""
     live = set(live)
-    factory = StateFactory(cfg, make_optimizer(cfg.train))
-    mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
-    abstract = factory.layout(plan).abstract_on(mesh)
-    pool = SnapshotPool(cfg.snapshot, topo, _InProcessPlacement(), donated=False)
-    # the loop places copies over the plan's devices and its spares (`Trainer._verify_start`)
-    # at start, over every live device after a recovery
-    pool.place(abstract, live if live != set(topo.device_ids)
-               else set(plan.device_ids) | set(plan.spare_ids))
+    described, pool = _placed(cfg, plan, topo, live, devices)
     dead = set(topo.device_ids) - live
-    cov = coverage(describe_state(abstract), pool, topo, live,
-                   dead_hosts=topo.hosts_lost(dead), pairs=pairs)
+    cov = coverage(described, pool, topo, live, dead_hosts=topo.hosts_lost(dead), pairs=pairs)
     return cov, pool
+
+
+def plan_losses(cfg, plan, topo: Topology, live: Iterable[int], dead: Iterable[int],
+                lost_hosts: Iterable[int], devices) -> list[tuple[str, tuple]]:
+    """The slices (stored leaf path, box) of the loop's state on `plan`, its copies placed over
+    `live`, that no live device or snapshot holds after `dead` fail with the memory of
+    `lost_hosts` gone (in-process runtime: a host's memory goes only with a whole host's
+    failure, `Topology.hosts_lost`); [] when the loop recovers. The recovery's own check
+    (`Recoverer._check_recoverable`) from shapes and shardings alone."""
+    described, pool = _placed(cfg, plan, topo, set(live), devices)
+    dead = set(dead)
+    return uncovered(described.without(dead), pool.describe_sources(dead, set(lost_hosts)))

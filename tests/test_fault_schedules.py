@@ -9,9 +9,17 @@ failures at the cut-over step) compile about 4x longer: they run with
 `ELASJAX_FAULT_SCHEDULES=N`, N schedules over all three variants. (In CI, a failure at a
 pipeline's cut-over step is test_pipeline_recovery.py's.)
 
-Each run either matches its fault-free run (the same samples, every loss within 1e-5, every
-recovery verified) or raises `UnrecoverableStateError` naming the state leaf that has no copy.
-Anything else (another exception, a silent divergence) fails the test.
+The outcome is decided before the run, from the coverage rules (`recovery.plan_losses`: the
+recovery's own check from shapes and shardings, `transfer.coverage`): for each failure in
+order, on the plan the loop stands on then, either some slice is left with no copy, and the run
+must raise `UnrecoverableStateError` naming a leaf of those slices, or it recovers onto the
+plan the planner gives. A run that recovers must match its fault-free run (the same samples,
+every loss within 1e-5, every recovery verified) with exactly one recovery per failure step,
+each with that step's failed devices (a failure during a recovery joins it). Where the run
+decides the plan at run time (a pipeline's asynchronous cut-over: when its compile is ready),
+the prediction covers both plans it may stand on, and a failure at the cut-over is matched by
+its devices only. Anything else (another exception, a refused recoverable schedule, a skipped
+failure, a silent divergence) fails the test.
 
 The schedules are derandomised, so CI tries the same ones each time; `pytest -s` prints each
 schedule and its outcome, and a summary of the outcomes.
@@ -26,8 +34,12 @@ from conftest import PIPE, assert_same_computation, tiny_config
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import jax
+
 from elasjax import faults, planner, trainer
 from elasjax.config import FaultConfig
+from elasjax.contingencies import Contingencies
+from elasjax.recovery import plan_losses
 from elasjax.transfer.shards import UnrecoverableStateError
 
 pytestmark = pytest.mark.slow
@@ -110,6 +122,40 @@ def _yaml(events: list[dict]) -> str:
     return "faults=[" + ", ".join(one(e) for e in events) + "]"
 
 
+def expected(variant: str, events: list[dict]) -> tuple[list, set[str] | None]:
+    """The run's outcome by the coverage rules: ([(step or None, failed devices) per recovery],
+    the leaves one of which the refusal must name, or None when every failure recovers). A step
+    is None where the run decides it (a failure at a pipeline's cut-over)."""
+    cfg = tiny_config(*VARIANTS[variant], _yaml(events))
+    init = planner.initial_plan(TOPO, cfg)
+    plans = Contingencies(cfg, TOPO, init, device_failures=True, can_grow=False)
+    devices = {d.id: d for d in jax.devices()}
+    groups: dict = {}  # (step, at the cut-over) -> the failures of one recovery, in order
+    for ev in faults.resolve_schedule(cfg.faults, TOPO, cfg.train.steps):
+        key = (None, ev.at_step) if ev.phase == "cutover" else (ev.at_step, None)
+        groups.setdefault(key, []).append(ev)
+    live, lost = set(TOPO.device_ids), set()
+    stands = [init]  # the plans the loop may stand on now (two between a fast path and its cut-over)
+    recoveries = []
+    for (step, cut), evs in sorted(groups.items(), key=lambda kv: kv[0][0] if kv[0][0] is not None
+                                   else kv[0][1] + 0.5):
+        dead = {d for e in evs for d in e.device_ids} & live
+        for e in evs:
+            lost |= TOPO.hosts_lost(e.device_ids)
+        on = stands[-1:] if cut is not None else stands  # at the cut-over: on the optimal plan
+        missing = [plan_losses(cfg, p, TOPO, live, dead, lost, devices) for p in on]
+        leaves = {path for m in missing for path, _ in m}
+        if all(missing):
+            return recoveries, leaves
+        assert not any(missing), f"the outcome depends on the cut-over's timing: {missing}"
+        live -= dead
+        survivors = plans.survivors(live)
+        fast, optimal = plans.recovery_plan(on[-1], survivors)
+        stands = [fast, optimal] if fast != optimal else [optimal]
+        recoveries.append((step, sorted(dead)))
+    return recoveries, None
+
+
 @pytest.fixture(scope="module")
 def references(exe_cache):
     refs = {}
@@ -135,16 +181,24 @@ def test_a_fault_schedule_recovers_exactly_or_names_the_lost_leaf(exe_cache, ref
                                                                    schedule):
     variant, events = schedule
     ref = references(variant)
-    try:
-        run = trainer.run(tiny_config(*VARIANTS[variant], _yaml(events)), exe_cache=exe_cache)
-    except UnrecoverableStateError as e:
-        assert re.search(r"state leaf '[^']+'", str(e)), str(e)
-        outcome = "UnrecoverableStateError (leaf named)"
+    recoveries, leaves = expected(variant, events)
+    cfg = tiny_config(*VARIANTS[variant], _yaml(events))
+    if leaves is not None:
+        with pytest.raises(UnrecoverableStateError) as e:
+            trainer.run(cfg, exe_cache=exe_cache)
+        named = re.findall(r"'([^']+)'", str(e.value))
+        assert leaves & set(named), (f"the refusal names {named}, the coverage rules lose "
+                                     f"{sorted(leaves)}: {e.value}")
+        outcome = "refused as predicted (UnrecoverableStateError naming a lost leaf)"
     else:
+        run = trainer.run(cfg, exe_cache=exe_cache)
         assert all(r.verified for r in run.recoveries)
-        assert len(run.recoveries) >= 1
+        got = [(r.step, sorted(r.failed_devices)) for r in run.recoveries]
+        assert [d for _, d in got] == [d for _, d in recoveries], (got, recoveries)
+        assert all(s is None or s == g for (s, _), (g, _) in zip(recoveries, got)), (got, recoveries)
         assert_same_computation(run, ref)
         assert sorted(run.losses) == sorted(ref.losses)
-        outcome = "recovered, within 1e-5: " + "/".join(sorted({r.rung for r in run.recoveries}))
+        outcome = ("recovered as predicted, within 1e-5: "
+                   + "/".join(sorted({r.rung for r in run.recoveries})))
     OUTCOMES[outcome] += 1
     print(f"{variant} {_yaml(events)} -> {outcome}")
