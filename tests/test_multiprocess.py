@@ -201,6 +201,55 @@ def test_a_silent_peer_whose_cpu_time_advances_is_working_and_a_stopped_one_is_n
             c.wait()
 
 
+def test_processes_waiting_at_different_barriers_stop_with_a_clear_error():
+    """Each heartbeat says at which barrier its process waits (`Liveness.at_barrier`); a live
+    peer seen waiting at another barrier than this process's, for longer than the bound, means
+    the processes ran different guards and would wait for each other forever: `diverged`
+    raises `DivergedError` naming both barriers. In a block (no barrier), or at the same
+    barrier, or before the bound, nothing is raised."""
+    import time
+
+    from elasjax.runtime.liveness import DivergedError, Liveness, diverged
+
+    class KV:  # a shared store: two Liveness objects beat into it and read each other
+        def __init__(self):
+            self.d = {}
+
+        def key_value_set(self, key, value, allow_overwrite=True):
+            self.d[key] = value
+
+        def key_value_try_get(self, key):
+            if key not in self.d:
+                raise JaxRuntimeError("NOT_FOUND")
+            return self.d[key]
+
+    kv = KV()
+    a = Liveness(kv, 0, [0, 1], interval=0.02, timeout=1.0)
+    b = Liveness(kv, 1, [0, 1], interval=0.02, timeout=1.0)
+    try:
+        a.at_barrier = "#57 cutover entry"
+        b.at_barrier = "#58 step entry"
+        deadline = time.monotonic() + 20
+        while a.barrier_of(1) != "#58 step entry" and time.monotonic() < deadline:
+            a.observe(1)
+            time.sleep(0.02)
+        assert a.barrier_of(1) == "#58 step entry"
+        since = time.time()
+        diverged(1, a, a.at_barrier, since, after_s=60)  # not for long yet: waited for
+        with pytest.raises(DivergedError, match=r"process 1 waits at barrier '#58 step entry' "
+                                                r"while this process \(process 0\) has waited "
+                                                r"\d+s at '#57 cutover entry'"):
+            diverged(1, a, a.at_barrier, since - 61, after_s=60)
+        b.at_barrier = ""  # in a block: not a divergence, however long
+        while a.barrier_of(1) != "" and time.monotonic() < deadline:
+            a.observe(1)
+            time.sleep(0.02)
+        diverged(1, a, a.at_barrier, since - 61, after_s=60)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_xla_flags_replace_device_count_and_timeout():
     rc = RuntimeConfig("127.0.0.1:1234", 4, 1, collective_timeout_s=7)
     flags = xla_flags(

@@ -38,6 +38,10 @@ class Liveness:
         self.client, self.me, self.interval, self.timeout = client, me, interval, timeout
         now = time.time()
         self._last: dict[int, tuple[str | None, float]] = {p: (None, now) for p in peers if p != me}
+        # the barrier this process waits at ("<guard number> <phase> <entry|exit>", "" in a
+        # block), sent with every beat: a peer waiting elsewhere for long is a divergence
+        # (`diverged`), never a silent wait
+        self.at_barrier = ""
         # a same-host peer's CPU time (`cpu_of(p)`: seconds, or None where unknown) and when it
         # last advanced (`working`)
         self.cpu_of = cpu_of
@@ -65,7 +69,8 @@ class Liveness:
         while not self._stop.is_set():
             n += 1
             try:
-                self.client.key_value_set(f"elasjax/hb/{self.me}", str(n), allow_overwrite=True)
+                self.client.key_value_set(f"elasjax/hb/{self.me}", f"{n} {self.at_barrier}",
+                                          allow_overwrite=True)
             except JaxRuntimeError:  # the service is going away (shutdown)
                 return
             self._stop.wait(self.interval)
@@ -113,6 +118,13 @@ class Liveness:
         if report:
             self.on_silent(p, silent)
         return silent
+
+    def barrier_of(self, p: int) -> str:
+        """The barrier process p waited at when its heartbeat was last read ("" in a block or
+        unknown)."""
+        with self._lock:
+            v = self._last.get(p, (None, 0.0))[0]
+        return v.partition(" ")[2] if v else ""
 
     def working(self, p: int, window: float) -> bool:
         """Has process p's CPU time advanced in the last `window` seconds (as last observed)? Known
@@ -167,6 +179,24 @@ def peer_state(p: int, liveness: Liveness, exits: "ProcessExits", limit: float,
     return "dead", silent
 
 
+class DivergedError(RuntimeError):
+    """The live processes wait at different barriers, each for the others: the job cannot go
+    on (a bug of the loop: its guards are not the same sequence on every process)."""
+
+
+def diverged(p: int, liveness: Liveness, mine: str, since: float, after_s: float) -> None:
+    """Raise `DivergedError` when process p, alive, has waited at another barrier than this
+    process's (`mine`) for the last `after_s` seconds of this process's wait (begun at
+    `since`): it will never post at this one."""
+    theirs = liveness.barrier_of(p)
+    if theirs and theirs != mine and time.time() - since > after_s:
+        raise DivergedError(
+            f"the processes diverged: process {p} waits at barrier '{theirs}' while this process "
+            f"(process {liveness.me}) has waited {time.time() - since:.0f}s at '{mine}', each for "
+            "the other; the job stops (a bug: the processes ran different guards; report it "
+            "with every worker's log)")
+
+
 def post(status: str) -> str:
     """A barrier post: this process's arrival time (wall clock) and its status ("ok" or
     "err:<message>"); `read_post` splits it."""
@@ -179,7 +209,8 @@ def read_post(raw: str) -> tuple[float, str]:
 
 
 def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Liveness,
-              exits: "ProcessExits", fast: float, slow: float, starved_max: float):
+              exits: "ProcessExits", fast: float, slow: float, starved_max: float,
+              diverge_after_s: float = float("inf")):
     """The arbiter's wait at a barrier: read each pending process's post (`<key>/<p>`) until
     every one has posted or is dead. A peer is dead when it exited (`exits`), or when its
     heartbeat has been silent past the limit (`fast` once some post reports an error, the
@@ -189,6 +220,7 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
     experiments/RESULTS.md, "bench_detection").
     `statuses` and the posts read are `post`s. Returns (statuses {p: status}, arrivals {p: wall
     clock}, failed {p: silence}, exited, starved {p: silence}, the limit applied)."""
+    t_wait = time.time()
     arrived = {p: read_post(v)[0] for p, v in statuses.items()}
     statuses = {p: read_post(v)[1] for p, v in statuses.items()}
     failed: dict[int, float] = {}
@@ -212,6 +244,7 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
                 pending.remove(p)
                 continue
             if state == "alive":
+                diverged(p, liveness, liveness.at_barrier, t_wait, diverge_after_s)
                 continue
             if state == "starved":
                 starved[p] = silent

@@ -77,7 +77,7 @@ from .dispatch import SETTING
 from .inprocess import DeviceFailure
 from . import membership
 from .deathnote import DeathNotes
-from .liveness import Liveness, ProcessExits, Throttle, arbitrate, peer_state, post
+from .liveness import Liveness, ProcessExits, Throttle, arbitrate, diverged, peer_state, post
 from .p2p import TransferLinks
 
 # set by the writer once the job's first guard completed: a process that starts after it is a
@@ -223,6 +223,10 @@ COORDINATION_HEARTBEAT_S = 30
 # The longest heartbeat silence waited for while a same-host peer's CPU time advances (a starved
 # process, `Liveness.working`); the coordination service would end it soon after anyway
 STARVED_MAX_S = COORDINATION_HEARTBEAT_S
+# A live process seen waiting at another barrier than this process's for this long means the
+# processes ran different guards and wait for each other forever: the job stops with
+# `DivergedError` instead of hanging silently
+DIVERGE_AFTER_S = 120.0
 
 
 def initialize(rc: RuntimeConfig) -> None:
@@ -328,6 +332,10 @@ class MultiControllerRuntime:
             self._adopt_counters(self.admission["runtime"])
         self.links.start(self.local[0])
         self._drained: tuple[float, int, int] | None = None  # the last `_drain`: (s, arrays, failed)
+        # a live peer waiting at another barrier this long is a divergence (`DivergedError`):
+        # far above any skew between processes at one barrier (a start's compile included,
+        # experiments/RESULTS.md "One death stays one death")
+        self.diverge_after_s = max(DIVERGE_AFTER_S, 4.0 * rc.heartbeat_timeout_s)
         # each live process's arrival at the last entry barrier (s after the first), for the
         # messages of a failure in the block after it (`_arrival_note`)
         self._arrivals: dict[str, float] = {}
@@ -616,7 +624,15 @@ class MultiControllerRuntime:
         key = f"elasjax/g/{self._guards}"
         status = "ok" if err is None else "err:" + (str(err).splitlines() or [""])[0][:300]
         mine = post(status)
-        self.client.key_value_set(f"{key}/{self.me}", mine, allow_overwrite=True)
+        self.liveness.at_barrier = f"#{self._guards} {self.liveness.phase} {where}"
+        try:
+            self.client.key_value_set(f"{key}/{self.me}", mine, allow_overwrite=True)
+            return self._verdict(key, mine, err, timeout, where)
+        finally:
+            self.liveness.at_barrier = ""
+
+    def _verdict(self, key: str, mine: str, err, timeout: float, where: str) -> dict:
+        """This barrier's verdict: the arbiter's, or this process's as the arbiter."""
         live = sorted(self.processes())
         slow = max(timeout, float(self.rc.heartbeat_timeout_s))
         # the arbiter is judged as `arbitrate` judges any peer: the fast timeout where this
@@ -632,7 +648,7 @@ class MultiControllerRuntime:
         # experiments/RESULTS.md, "Multi-process observations").
         statuses, arrived, failed, exited, starved, used = arbitrate(
             self.client, key, {self.me: mine}, [p for p in live if p != self.me and p not in gone],
-            self.liveness, self.exits, timeout, slow, STARVED_MAX_S,
+            self.liveness, self.exits, timeout, slow, STARVED_MAX_S, self.diverge_after_s,
         )
         for p, silence in gone.items():  # arbiters that died before posting a verdict
             failed[p] = silence
@@ -678,6 +694,7 @@ class MultiControllerRuntime:
         Returns (the verdict, {}), or (None, {p: silence} of the dead arbiters) when this process
         arbitrates ({} when it was the lowest)."""
         gone: dict[int, float] = {}
+        t_wait = time.time()
         while True:
             arbiter = next(p for p in live if p not in gone)
             if arbiter == self.me:
@@ -687,6 +704,9 @@ class MultiControllerRuntime:
             except JaxRuntimeError:
                 pass
             state, silent = peer_state(arbiter, self.liveness, self.exits, limit, STARVED_MAX_S)
+            if state == "alive":  # but waiting elsewhere, for good: never silence
+                diverged(arbiter, self.liveness, self.liveness.at_barrier, t_wait,
+                         self.diverge_after_s)
             if state in ("exited", "dead"):
                 self.log(f"{self.liveness.phase}: the arbiter, process {arbiter}, is dead "
                          f"(silent {silent:.2f}s); the next live process arbitrates")
