@@ -27,6 +27,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -87,7 +88,7 @@ def reference(config: str, sets: list[str], out: Path, timeout: float) -> Path:
 
 
 def judge(i: int, config: str, kills: list[dict], rc: int, took: float, run_dir: Path,
-          ref: Path) -> dict:
+          ref: Path, restarts: int = 0, steps: int = 0, room: int = 8) -> dict:
     rec = {"launch": i, "config": config, "kills": [spec(k) for k in kills], "exit": rc,
            "wall_s": round(took, 1)}
     try:
@@ -96,15 +97,19 @@ def judge(i: int, config: str, kills: list[dict], rc: int, took: float, run_dir:
         summary = {"processes": []}
     targets = {k["kill_process"] for k in kills}
     procs = summary.get("processes", [])
-    fired = sorted(s["process"] for s in procs if s.get("signal") == "SIGKILL")
+    killed = {(s["process"], s.get("incarnation", 0)) for s in procs if s.get("signal") == "SIGKILL"}
+    fired = sorted(p for p, _ in killed)
     logs = "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("worker*.log")))
     # every survivor stopped with UnrecoverableStateError: the kills took a slice and all its
     # copies (a refusal the snapshot settings explain), not a survivor lost to a fault
+    def survivor(s) -> bool:
+        return (s["process"], s.get("incarnation", 0)) not in killed
+
     refused = (rc != 0 and "UnrecoverableStateError" in logs and all(
-        s.get("returncode") == 1 for s in procs if s["process"] not in fired))
+        s.get("returncode") == 1 for s in procs if survivor(s)))
     lost = [] if refused else sorted(
         (s["process"], s.get("signal") or s.get("returncode")) for s in procs
-        if s["process"] not in fired and s.get("returncode") not in (0, None))
+        if survivor(s) and s.get("returncode") not in (0, None))
     events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
     recs = [e for e in events if e["type"] == "recovery"]
     rec.update(
@@ -127,11 +132,25 @@ def judge(i: int, config: str, kills: list[dict], rc: int, took: float, run_dir:
         rec["bitwise"] = cmp.get("final_state_identical")
         start = [e for e in events if e["type"] == "start"]
         rec["deterministic"] = bool(start and start[0].get("deterministic"))
+    grown_back = True
+    if restarts:  # back to full size after each admission, where a kill left room for it
+        rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        n = {r["step"]: r["n_devices"] for r in rows}
+        full = max(n.values(), default=0)
+        joins = [e["step"] for e in events if e["type"] == "join"]
+        rec["joins"] = joins
+        rec["steps_to_full"] = [
+            next((s - j for s in sorted(n) if s >= j and n[s] == full), None) for j in joins]
+        rec["growth_stall_s"] = [round(e["stall_s"], 3) for e in events if e["type"] == "growth"]
+        rec["final_devices"] = n[max(n)] if n else None
+        last_kill = max(k["at_step"] for k in kills)
+        rec["room"] = steps - last_kill >= room
+        grown_back = not rec["room"] or rec["final_devices"] == full
     ok = (refused and set(fired) == targets) or (
           rc == 0 and not lost and rec["recovered"] == fired and set(fired) == targets
           and rec.get("same_samples") is True
           and rec.get("max_rel_dev", 1.0) <= 1e-5
-          and (not rec.get("deterministic") or rec.get("bitwise") is True))
+          and (not rec.get("deterministic") or rec.get("bitwise") is True) and grown_back)
     rec["ok"] = bool(ok)
     return rec
 
@@ -147,6 +166,10 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], dest="sets",
                     help="a config override for every launch and reference (not a flag)")
     ap.add_argument("--out", default="runs/soak_kills")
+    ap.add_argument("--worker-restarts", type=int, default=0,
+                    help="restart dead workers (they rejoin): the soak of rejoins; a launch "
+                    "whose last kill leaves --room steps must end on all its devices")
+    ap.add_argument("--room", type=int, default=8)
     ap.add_argument("--judge-only", action="store_true",
                     help="judge the launches already under --out again (no launch is run)")
     args = ap.parse_args(argv)
@@ -171,10 +194,13 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, "-m", "elasjax.cli", "launch", config, "--processes",
                        str(PROCESSES), "--devices-per-process", "2", "--quiet", "--out",
                        str(run_dir), "--timeout", str(args.timeout - 60)]
+                if args.worker_restarts:
+                    cmd += ["--worker-restarts", str(args.worker_restarts)]
                 for s in [*sets, "faults=" + json.dumps(kills)]:
                     cmd += ["--set", s]
                 rc, took = run(cmd, out / f"launch{i:03d}.log", args.timeout)
-            rec = judge(i, config, kills, rc, took, run_dir, refs[config])
+            rec = judge(i, config, kills, rc, took, run_dir, refs[config], args.worker_restarts,
+                        args.steps, args.room)
             rec["load"] = round(os.getloadavg()[0], 1)
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
@@ -195,20 +221,31 @@ def line(rec: dict) -> str:
             f"renewed {rec['renewed']}) survivors lost {len(rec['survivors_lost'])} "
             f"{rec['survivors_lost'] or ''} exit {rec['exit']} dev "
             f"{'-' if dev is None else f'{dev:.1e}'}{' bitwise' if rec.get('bitwise') else ''} "
-            f"gloo-aborts {rec['gloo_aborts']} MTTR {rec['mttr_s']} {rec['wall_s']:.0f}s {why}")
+            f"gloo-aborts {rec['gloo_aborts']} MTTR {rec['mttr_s']} {rec['wall_s']:.0f}s"
+            + (f" joins {rec['joins']} steps to full size {rec['steps_to_full']} growth stalls "
+               f"{rec['growth_stall_s']} final devices {rec['final_devices']}"
+               if "joins" in rec else "") + f" {why}")
 
 
 def summarize(recs: list[dict]) -> str:
     lost = sum(len(r["survivors_lost"]) for r in recs)
     devs = [r["max_rel_dev"] for r in recs if r.get("max_rel_dev") is not None]
     det = [r for r in recs if r.get("deterministic") and r.get("max_rel_dev") is not None]
+    back = [s for r in recs for s in r.get("steps_to_full", []) if s is not None]
+    grow = ""
+    if any("joins" in r for r in recs):
+        grow = (f"; joins {sum(len(r['joins']) for r in recs)}, steps from admission to full "
+                f"size median {statistics.median(back) if back else '-'} max "
+                f"{max(back, default='-')}, never back {sum(s is None for r in recs for s in r.get('steps_to_full', []))}; "
+                f"ended on all devices {sum(r['final_devices'] == 8 for r in recs)} of {len(recs)} "
+                f"({sum(r['room'] for r in recs)} with room after the last kill)")
     return (f"{sum(r['ok'] for r in recs)} of {len(recs)} launches ok; survivors lost {lost} "
             f"(in {sum(bool(r['survivors_lost']) for r in recs)} launches); gloo aborts "
             f"{sum(r['gloo_aborts'] for r in recs)}; refused (a slice lost with its copies) "
             f"{sum(r['refused'] for r in recs)}; kills {sum(len(r['fired']) for r in recs)}, "
             f"recoveries {sum(r['recoveries'] for r in recs)}; max rel dev "
             f"{max(devs, default=0):.1e}; bitwise {sum(r.get('bitwise') is True for r in det)} of "
-            f"{len(det)} deterministic")
+            f"{len(det)} deterministic" + grow)
 
 
 if __name__ == "__main__":
