@@ -387,7 +387,11 @@ class RecoveryConfig:
     spare and the `join` event says why. `grow_standby` compiles, in the background while some
     devices are down, the plan growth would pick if every device of the job returned (the
     likeliest growth: the repaired devices come back), so that a join finds it compiled and the
-    cut-over does not wait for a compile (one extra background compile per plan change).
+    cut-over does not wait for a compile (one extra background compile per plan change); left
+    out (null) it is on where dead processes come back by themselves (`worker_restarts` > 0).
+    `grow_wait_steps`: a growth whose plan is still compiling this many steps after the join is
+    waited for (the job stalls for the rest of the compile instead of finishing small; sooner
+    where `max_fast_path_steps` is set and smaller); 0 never waits.
     `grow_interim`: when the best plan is not compiled on every process at the join, but the
     returned devices make possible a plan the run has stood on before (the start plan, one it
     left at a failure) that is predicted faster than the current one, cut over at once to such a
@@ -405,7 +409,10 @@ class RecoveryConfig:
     max_fast_path_steps: int = 0  # async: wait for the optimal plan after this many steps; 0 = never
     prepare_transfers: bool = True
     grow_min_gain: float = 0.05  # joins: the least predicted relative step-time gain to grow
-    grow_standby: bool = False  # compile the every-device plan in the background while some are down
+    # compile the every-device plan in the background while some are down; null: where dead
+    # workers restart (`worker_restarts` > 0, `grows_back`)
+    grow_standby: Optional[bool] = None
+    grow_wait_steps: int = 10  # joins: wait for the growth plan's compile after this many steps
     grow_interim: bool = True  # joins: a compiled earlier plan at once, the best one when compiled
     worker_restarts: int = 0  # launch: dead workers started again to rejoin, at most this many
 
@@ -521,6 +528,13 @@ class Config:
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
+
+
+def grow_standby(cfg: Config) -> bool:
+    """Is the plan of the likeliest growth compiled ahead (`recovery.grow_standby`; left out:
+    where dead workers restart and rejoin, `recovery.worker_restarts` > 0)?"""
+    g = cfg.recovery.grow_standby
+    return cfg.recovery.worker_restarts > 0 if g is None else bool(g)
 
 
 def deterministic_obstacle(cfg: Config, optimizer_object: bool = False) -> str | None:
@@ -1016,6 +1030,9 @@ def _validate_recovery(cfg: Config) -> None:
                  "= 'torchft_like' is implemented for data x tensor plans with zero.stage = 0 and "
                  "train.deterministic = false")
     _require(r.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
+    _require(isinstance(r.grow_wait_steps, int) and r.grow_wait_steps >= 0,
+             "recovery.grow_wait_steps", f"= {r.grow_wait_steps!r}; allowed values: an integer "
+             ">= 0 (0: never wait for a growth plan's compile)")
     _require(isinstance(r.worker_restarts, int) and r.worker_restarts >= 0,
              "recovery.worker_restarts", f"= {r.worker_restarts!r}; allowed values: an integer "
              ">= 0 (under `elasjax launch`: dead workers started again to rejoin; 0: never)")

@@ -5,7 +5,7 @@ planned in the background (`recovery.TransitionPlanner`)."""
 
 from __future__ import annotations
 
-from .config import Config
+from .config import Config, grow_standby
 from .planner import (
     NoPlanError,
     Plan,
@@ -77,7 +77,7 @@ class Contingencies:
                     if p.shape_key not in programs:
                         programs.add(p.shape_key)
                         out.append(p)
-        if self.cfg.recovery.grow_standby and self.can_grow:
+        if grow_standby(self.cfg) and self.can_grow:
             grown = self.growth_candidate(plan, live)
             if grown is not None:
                 out.append(grown)

@@ -163,13 +163,17 @@ class Cutovers:
     def due(self, step: int) -> tuple[bool, CutoverAbandoned | None]:
         """(cut over now?, a `cutover_abandoned` event). Now when the pending plan is compiled
         on every process, or after waiting for it once the run has spent
-        `recovery.max_fast_path_steps` steps on the fast path. If its background compile failed
+        `recovery.max_fast_path_steps` steps on the fast path (a growth: that many, or
+        `recovery.grow_wait_steps` since the join, the sooner). If its background compile failed
         on any process, the cut-over is abandoned (the event, also kept in `abandoned`) and the
         run stays on its plan (which trains the same computation); never raised."""
         pc = self.pending
         sb = self.source.standby
         key = pc.plan.compile_key
-        limit = self.cfg.recovery.max_fast_path_steps
+        r = self.cfg.recovery
+        limit = r.max_fast_path_steps
+        if pc.kind == "growth":  # the sooner of the two bounds that are set
+            limit = min((n for n in (limit, r.grow_wait_steps) if n), default=0)
         try:
             if limit and step - pc.step >= limit and not sb.ready(key):
                 t0 = time.perf_counter()

@@ -41,7 +41,7 @@ from .compilation.executables import ExecutableCache, Executables
 from .compilation.source import ExecutableSource
 from .compilation.standby import StandbyCompiler
 from .compilation.worker import CompileWorker
-from .config import Config, ConfigError, dump, mode_line, with_optimizer_object
+from .config import Config, ConfigError, dump, grow_standby, mode_line, with_optimizer_object
 from .admission import Admissions
 from .contingencies import Contingencies
 from .cutover import Cutovers
@@ -227,7 +227,7 @@ class Trainer:
                 f"config 'recovery.worker_restarts' = {cfg.recovery.worker_restarts} restarts "
                 f"processes of `elasjax launch`; the {self.rt.kind} runtime has none; allowed "
                 "values here: 0")
-        if cfg.recovery.grow_standby and not hasattr(self.rt, "join"):
+        if cfg.recovery.grow_standby is True and not hasattr(self.rt, "join"):
             raise ConfigError(
                 f"config 'recovery.grow_standby' = true needs a runtime where devices can return; "
                 f"the {self.rt.kind} runtime has none yet; allowed values here: false"
@@ -251,7 +251,7 @@ class Trainer:
         self.transfer_logs: list[TransferLog] = []
         self.compiles = CompileCounter()
         # a runtime that admits restarted processes (`admission`) may grow at any step
-        grows = (any(e.is_join for e in self.schedule) or cfg.recovery.grow_standby
+        grows = (any(e.is_join for e in self.schedule) or grow_standby(cfg)
                  or hasattr(self.rt, "joiners"))
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
@@ -411,9 +411,11 @@ class Trainer:
         self._t_run = now - seen["run_s"]
         self._t_done, self._t_first_done = now, now - seen["loop_s"]
         counters = adm["runtime"]
-        admitted = {"processes": [self.rt.me], "generation": counters["generation"],
-                    "devices": sorted(d for d in self.devices
-                                      if self.rt.process_of(d) == self.rt.me), "admit_s": None}
+        # every newcomer of this admission, as the live processes see it (two admitted at one
+        # boundary must not each grow onto its own devices alone: the processes would pend
+        # different plans and never agree on a cut-over)
+        admitted = {"processes": counters["admitted"], "generation": counters["generation"],
+                    "devices": counters["admitted_devices"], "admit_s": None}
         self.rt.log(f"admitted at step {arr.pos.step} (plan {arr.pos.plan.name}, client "
                     f"generation {counters['generation']})")
         try:

@@ -802,6 +802,60 @@ def test_a_killed_process_is_restarted_rejoins_and_the_job_grows_back(rejoin_ref
     assert "process 0 restarted" in stdout
 
 
+TWO_BACK_STEPS = 22
+TWO_BACK = ("parallel.devices=-1", "parallel.devices_per_host=1", "parallel.data=4",
+            "parallel.tensor=1")  # 4 processes x 1 device
+
+
+@pytest.fixture(scope="module")
+def two_back_reference(exe_cache):
+    return trainer.run(tiny_config(f"train.steps={TWO_BACK_STEPS}", "faults=[]",
+                                   "parallel.devices=4", "parallel.devices_per_host=1",
+                                   "parallel.data=4", "parallel.tensor=1"), None,
+                       exe_cache=exe_cache)
+
+
+@pytest.mark.slow
+def test_two_processes_killed_in_one_recovery_rejoin_and_the_job_is_whole_again(
+        two_back_reference, tmp_path):
+    """Process 3 is SIGKILLed in step 3 and process 1 during that recovery's transfer; both are
+    restarted (`--worker-restarts 2`) and ask to rejoin. However they are admitted (together,
+    as their restarts come at once, or one after the other), every process makes the same join
+    (the same processes, devices and plans: newcomers admitted together each learn of the
+    other), the job grows back to all 4 devices before the end, never hangs, and every loss
+    equals the fault-free run's within 1e-5. Before the fix each newcomer grew onto its own
+    devices alone: the processes pended different plans, never agreed on a cut-over and the job
+    ended small (or, cutting over to different plans, hung)."""
+    out = tmp_path / "two_back"
+    faults = ("faults=[{at_step: 3, kill_process: 3}, "
+              "{at_step: 3, kill_process: 1, phase: recovery}]")
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "1",
+                         "--worker-restarts", "2", "--restart-backoff", "0.5",
+                         sets=(f"train.steps={TWO_BACK_STEPS}", *TWO_BACK, faults), timeout=600)
+    assert rc == 0, stdout
+    summary = json.loads((out / "launch.json").read_text())
+    ends = sorted((s["process"], s["incarnation"], s["signal"] or s["returncode"])
+                  for s in summary["processes"])
+    assert ends == [(0, 0, 0), (1, 0, "SIGKILL"), (1, 1, 0), (2, 0, 0), (3, 0, "SIGKILL"),
+                    (3, 1, 0)], ends
+    metrics = read_jsonl(out / "metrics.jsonl")
+    _assert_matches(metrics, two_back_reference, TWO_BACK_STEPS)
+    n = [r["n_devices"] for r in metrics]
+    assert n[:3] == [4] * 3 and n[3] == 2 and n[-1] == 4, n
+    events = read_jsonl(out / "events.jsonl")
+    joins = [e for e in events if e["type"] == "join"]
+    assert sorted(p for j in joins for p in j["rejoined"]["processes"]) == [1, 3], joins
+    # every process, the newcomers included, logged the same joins
+    logs = {f.name: f.read_text() for f in out.glob("worker*.log")}
+    for j in joins:
+        line = next(ln for ln in logs["worker0.log"].splitlines()
+                    if f"step {j['step']}: process" in ln and "rejoined" in ln)
+        said = line.split("] ", 1)[1]
+        for name in ("worker2.log", "worker1.r1.log", "worker3.r1.log"):
+            if f"admitted at step {j['step']}" in logs[name] or name == "worker2.log":
+                assert said in logs[name], (name, said)
+
+
 def test_a_schedule_may_kill_a_restarted_process_again_within_the_restart_budget():
     cfg = tiny_config("train.steps=12", "faults=[]", "recovery.worker_restarts=1")
     out = resolve_config(cfg, 4, 2, [KillSpec(3, 1), KillSpec(8, 1)])

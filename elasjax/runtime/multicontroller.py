@@ -886,6 +886,9 @@ class MultiControllerRuntime:
                 "guards": self._guards, "epoch": self.epoch, "seq": self._seq,
                 "steps": self._steps, "retries": self._retries, "generation": gen,
                 "xfer_started": self.links.started, "rejoined": sorted(self.rejoined | set(procs)),
+                # every process of this admission: newcomers admitted together each learn of
+                # the others (their devices join the live set on every process alike)
+                "admitted": procs, "admitted_devices": sorted(added),
             }
             for p in procs:
                 membership.post_admission(self.client, p, joining[p], {**package, "runtime": counters})
