@@ -392,6 +392,8 @@ class ExecutableCache:
             while len(self._d) > self.max_entries:
                 self._d.pop(next(iter(self._d)))
             if self.map_budget is not None:
+                if (map_usage() or 0.0) > self.map_budget:
+                    gc.collect()  # garbage (cycles of ended runs) first: it holds mappings too
                 while len(self._d) > 1 and (map_usage() or 0.0) > self.map_budget:
                     self._d.pop(next(iter(self._d)))  # the oldest; its mappings go with it
                     self.evicted_for_maps += 1
