@@ -373,9 +373,15 @@ class Trainer:
     def _admit(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> None:
         """Admit the restarted processes that asked to rejoin (`runtime.membership`; the last
         step's verdict named them, so every live process admits at this boundary), unless a
-        recovery or a cut-over is open (then at a later boundary)."""
+        recovery or an async recovery's migration is open (then at a later boundary; a pending
+        growth is re-planned by the join)."""
         procs = self.rt.joiners() if hasattr(self.rt, "joiners") else []
-        if not procs or ls.open_event is not None or self.cutovers.pending is not None:
+        pc = self.cutovers.pending
+        # a pending growth does not hold an admission back: the join re-plans it over every
+        # returned device (`Cutovers.join`, `replaces_pending`); a newcomer waits at most its
+        # `init_timeout_s`, and a growth may stay pending for `recovery.grow_wait_steps` steps
+        # of a loaded job (a second newcomer of one recovery was refused so, never admitted)
+        if not procs or ls.open_event is not None or (pc is not None and pc.kind != "growth"):
             return
         package = self.admissions.package(ls.pos, ls.pending, ls.plans, ls.redo_until, self.good)
         package["seen"] = self._seen(ls, mw, ew)
@@ -502,6 +508,9 @@ class Trainer:
         pos = dataclasses.replace(ls.pos, good=self.good)
         during = [e for e in ls.pending if e.at_step == step and e.phase == "recovery"]
         unfinished = ls.open_event  # a recovery whose first step just failed
+        growing = self.cutovers.pending, self.cutovers.after
+        if growing[0] is None or growing[0].kind != "growth":
+            growing = None
         self.cutovers.clear()  # a new failure re-plans from scratch (returned devices too)
         r = self.recovery.recover(pos, self.pool, failure, during)
         if self.cfg.train.deterministic and r.pos.plan.tensor != pos.plan.tensor:
@@ -516,6 +525,13 @@ class Trainer:
         self.transfer_logs.append(r.log)
         if r.cutover is not None:
             self.cutovers.pend(r.cutover, r.pos)
+        elif growing is not None and r.pos.plan == pos.plan and r.pos.live == pos.live:
+            # a retry (collectives failed, nobody died) keeps the plan, and with it the devices
+            # a join returned idle: their growth stays pending rather than the run finishing
+            # small (a retry at step 19 of a rejoin at 14 did so: experiments/RESULTS.md,
+            # "Two restarted workers")
+            self.cutovers.pend(growing[0], r.pos)
+            self.cutovers.after = growing[1]  # growth's best plan, after an interim one
         else:
             ls.protect_due = True
         if unfinished is None:  # its first step's record comes after it

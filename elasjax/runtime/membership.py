@@ -11,7 +11,8 @@ there. So:
 2. At a step's exit barrier the arbiter lists the requests of processes outside the job in its
    verdict (`pending_requests`); every live process reads the same verdict, so all learn of them
    at the same step.
-3. At the next step boundary where no recovery or cut-over is open, every live process admits
+3. At the next step boundary where no recovery or migration is open (a pending growth is
+   re-planned by the join), every live process admits
    them together (`MultiControllerRuntime.admit`): the writer posts each newcomer's admission,
    `elasjax/admit/<p>/<nonce>` (the runtime's counters and the trainer's position), then every
    live process and the newcomer create a new CPU client at once
@@ -92,7 +93,7 @@ def await_admission(client, me: int, nonce: str, wait_s: float) -> dict[str, Any
         raise NotAdmittedError(
             f"process {me} asked to rejoin the running job and was not admitted within "
             f"{wait_s:g}s (the job admits a newcomer at a step boundary with no recovery or "
-            "cut-over under way; a job that has ended admits none)"
+            "migration under way; a job that has ended admits none)"
         ) from e
     client.key_value_delete(f"{ADMIT_DIR}/{me}/{nonce}")
     return pickle.loads(base64.b64decode(raw))
