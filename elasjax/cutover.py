@@ -63,9 +63,22 @@ class Cutovers:
         """The run stands on `plan` now (start, recovery, cut-over)."""
         self.history.setdefault(plan.compile_key, plan)
 
-    def clear(self) -> None:
-        """A failure re-plans from scratch (returned devices too): nothing stays pending."""
+    def clear(self) -> tuple[PendingCutover, PendingCutover | None] | None:
+        """A failure re-plans from scratch (returned devices too): nothing stays pending.
+        Returns a pending growth and its follow-up (`after`), for `resume_growth`."""
+        growth = (self.pending, self.after) if self.pending is not None \
+            and self.pending.kind == "growth" else None
         self.pending = self.after = None
+        return growth
+
+    def resume_growth(self, growth: tuple[PendingCutover, PendingCutover | None],
+                      pos: Position) -> None:
+        """A growth `clear` returned, pending again from `pos`: a retry (collectives failed,
+        nobody died) keeps the plan, and with it the devices a join returned idle, which would
+        otherwise stay so (a retry at step 19 of a rejoin at 14 ended a run on 4 of 8 devices:
+        experiments/RESULTS.md, "Two restarted workers")."""
+        self.pend(growth[0], pos)
+        self.after = growth[1]
 
     def _ready_everywhere(self, plan: Plan) -> bool:
         """Is `plan` compiled on every live process (they agree, so all decide alike)?"""

@@ -508,10 +508,7 @@ class Trainer:
         pos = dataclasses.replace(ls.pos, good=self.good)
         during = [e for e in ls.pending if e.at_step == step and e.phase == "recovery"]
         unfinished = ls.open_event  # a recovery whose first step just failed
-        growing = self.cutovers.pending, self.cutovers.after
-        if growing[0] is None or growing[0].kind != "growth":
-            growing = None
-        self.cutovers.clear()  # a new failure re-plans from scratch (returned devices too)
+        growing = self.cutovers.clear()  # a failure re-plans from scratch (returned devices too)
         r = self.recovery.recover(pos, self.pool, failure, during)
         if self.cfg.train.deterministic and r.pos.plan.tensor != pos.plan.tensor:
             # `planner.replan`: a mode only the default chose gives way rather than end the run
@@ -526,12 +523,7 @@ class Trainer:
         if r.cutover is not None:
             self.cutovers.pend(r.cutover, r.pos)
         elif growing is not None and r.pos.plan == pos.plan and r.pos.live == pos.live:
-            # a retry (collectives failed, nobody died) keeps the plan, and with it the devices
-            # a join returned idle: their growth stays pending rather than the run finishing
-            # small (a retry at step 19 of a rejoin at 14 did so: experiments/RESULTS.md,
-            # "Two restarted workers")
-            self.cutovers.pend(growing[0], r.pos)
-            self.cutovers.after = growing[1]  # growth's best plan, after an interim one
+            self.cutovers.resume_growth(growing, r.pos)  # a retry: the growth stays pending
         else:
             ls.protect_due = True
         if unfinished is None:  # its first step's record comes after it

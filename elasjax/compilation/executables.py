@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import threading
 import time
 import weakref
@@ -27,7 +26,7 @@ from ..state import StateFactory, StateLayout, TrainState
 from ..step import abstract_batch, make_eval_step, make_train_step
 from ..transfer.checksum import rebind_checksums
 from ..transfer.shards import index_to_box
-from ..counters import CompileCounter, map_usage
+from ..counters import CompileCounter, within_map_budget
 
 
 @dataclasses.dataclass
@@ -392,12 +391,9 @@ class ExecutableCache:
             while len(self._d) > self.max_entries:
                 self._d.pop(next(iter(self._d)))
             if self.map_budget is not None:
-                if (map_usage() or 0.0) > self.map_budget:
-                    gc.collect()  # garbage (cycles of ended runs) first: it holds mappings too
-                while len(self._d) > 1 and (map_usage() or 0.0) > self.map_budget:
+                while len(self._d) > 1 and not within_map_budget(self.map_budget):
                     self._d.pop(next(iter(self._d)))  # the oldest; its mappings go with it
-                    self.evicted_for_maps += 1
-                    gc.collect()  # unless something else still holds it
+                    self.evicted_for_maps += 1  # (unless something else still holds it)
             if program_key is not None:
                 self._programs.pop(program_key, None)
                 self._programs[program_key] = exe

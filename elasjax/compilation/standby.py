@@ -18,7 +18,6 @@ a program it does not need (`drop_queued`), so that its own build has the cores.
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 import time
@@ -26,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..counters import map_usage
+from ..counters import within_map_budget
 from .worker import CompileCancelled
 
 
@@ -307,24 +306,11 @@ class StandbyCompiler:
         evicting ready plans that are no longer submitted if needed?"""
         if self.map_budget is None:
             return True
-        usage = map_usage()
-        collected = False
-        while usage is not None and usage > self.map_budget:
-            stale = [p for p in self._ready if p not in self._wanted]
+        while not within_map_budget(self.map_budget):  # (a dropped executable's mappings go
+            stale = [p for p in self._ready if p not in self._wanted]  # at the collection)
             if not stale:
-                if collected:
-                    return False
-                # executables no longer referenced but held in reference cycles (runs that
-                # ended earlier in this process) keep their mappings until a collection:
-                # counted as in use they would stop the standby (tests/test_standby_baselines.py
-                # ::test_garbage_executables_do_not_count_against_the_mapping_budget)
-                gc.collect()
-                collected = True
-            else:
-                self._ready.pop(stale[0])
-                gc.collect()  # a dropped executable's mappings go with its last reference
-                collected = True
-            usage = map_usage()
+                return False
+            self._ready.pop(stale[0])
         return True
 
     def _next(self) -> Any:
