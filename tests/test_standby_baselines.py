@@ -211,6 +211,54 @@ def test_the_executable_cache_drops_its_oldest_entries_past_the_mapping_budget()
     assert list(unbounded._d) == ["a", "b", "c"] and unbounded.evicted_for_maps == 0
 
 
+def test_a_full_executable_cache_gives_way_to_the_standby():
+    """A cache bounded by the same `map_budget` fills the process up to it (a test worker's
+    shared cache did: the standby then built nothing, and CI's
+    test_standby_hit_recovers_without_compiling failed). Over budget, the standby asks the cache
+    to shed its oldest entries (never the newest) before it drops its queue. The entries here
+    hold anonymous memory maps; the same standby without `shed` drops its queue."""
+    import mmap
+
+    from elasjax.compilation.executables import ExecutableCache
+
+    if map_usage() is None:
+        pytest.skip("no /proc memory-mapping counts on this platform")
+
+    class Entry:  # an executable's mappings: freed with the entry
+        def __init__(self):  # alternating protections: neighbours never merge into one mapping
+            self.maps = [mmap.mmap(-1, 4096, prot=mmap.PROT_READ if i % 2 else
+                                   mmap.PROT_READ | mmap.PROT_WRITE) for i in range(300)]
+
+    def full_cache():
+        cache = ExecutableCache(map_budget=None)
+        for k in "abc":
+            cache._put(k, Entry())
+        return cache
+
+    before = map_usage()
+    cache = full_cache()
+    full = map_usage()
+    budget = before + (full - before) / 2  # the oldest two entries must go, the newest stays
+    sb = StandbyCompiler(lambda p: f"exe:{p}", map_budget=budget, shed=cache.shed)
+    try:
+        sb.submit(["x"])
+        assert sb.wait_all(timeout=10)
+        assert sb.over_budget == 0 and sb.get("x") == "exe:x"
+        assert list(cache._d) == ["c"] and cache.evicted_for_maps == 2
+    finally:
+        sb.close()
+    del cache
+
+    cache = full_cache()
+    sb = StandbyCompiler(lambda p: f"exe:{p}", map_budget=budget)
+    try:
+        sb.submit(["x"])
+        assert sb.wait_all(timeout=10)
+        assert sb.over_budget == 1 and sb.get("x") is None and list(cache._d) == ["a", "b", "c"]
+    finally:
+        sb.close()
+
+
 def test_background_builds_stop_at_the_mapping_budget_but_a_needed_plan_is_built():
     """Over `map_budget` (here: any use at all), ready plans no longer submitted are evicted,
     then the queue is dropped and counted in `over_budget`; a plan recovery waits for is still

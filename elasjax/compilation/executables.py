@@ -391,14 +391,28 @@ class ExecutableCache:
             while len(self._d) > self.max_entries:
                 self._d.pop(next(iter(self._d)))
             if self.map_budget is not None:
-                while len(self._d) > 1 and not within_map_budget(self.map_budget):
-                    self._d.pop(next(iter(self._d)))  # the oldest; its mappings go with it
-                    self.evicted_for_maps += 1  # (unless something else still holds it)
+                self._shed(self.map_budget)
             if program_key is not None:
                 self._programs.pop(program_key, None)
                 self._programs[program_key] = exe
                 while len(self._programs) > self.max_programs:
                     self._programs.pop(next(iter(self._programs)))
+
+    def shed(self, budget: float) -> bool:
+        """Drop the oldest entries (never the newest) until the process is within `budget` of
+        its mapping limit; is it now? A standby over budget asks this before it gives up: plans
+        kept for reuse are worth less than the plan of the next failure
+        (tests/test_standby_baselines.py::test_a_full_executable_cache_gives_way_to_the_standby)."""
+        with self._lock:
+            return self._shed(budget)
+
+    def _shed(self, budget: float) -> bool:
+        while not within_map_budget(budget):
+            if len(self._d) <= 1:
+                return False
+            self._d.pop(next(iter(self._d)))  # the oldest; its mappings go with it
+            self.evicted_for_maps += 1  # (unless something else still holds it)
+        return True
 
     def __contains__(self, item) -> bool:
         return item in self._d

@@ -69,6 +69,7 @@ class ExecutableSource:
             cheap=self.rebindable,
             map_budget=cfg.standby.map_budget,
             cancel=self.worker.kill if self.worker is not None else None,
+            shed=self.exe_cache.shed,
         )
 
     # -- getting a plan's executables -----------------------------------------------------------

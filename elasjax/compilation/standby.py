@@ -49,6 +49,7 @@ class StandbyCompiler:
         cheap: Callable[[Any], bool] | None = None,
         map_budget: float | None = None,
         cancel: Callable[[], bool] | None = None,
+        shed: Callable[[float], bool] | None = None,
     ):
         """`cheap(plan)`: can `plan` be built now without an XLA compile (`executables.rebind`)?
         Such plans are built first; a plan made urgent (`expedite`, `wait`, `submit(front=)`)
@@ -58,9 +59,11 @@ class StandbyCompiler:
         the process. Over budget, ready plans no longer submitted are evicted first; then the
         rest of the queue is dropped and counted in `over_budget` (an urgent plan is still
         built). `cancel`: ends the build under way (the worker process it runs in), making
-        `compile_fn` raise `CompileCancelled`; None where a build cannot be ended."""
+        `compile_fn` raise `CompileCancelled`; None where a build cannot be ended. `shed(budget)`:
+        frees mappings held elsewhere for reuse (`ExecutableCache.shed`), asked over budget after
+        the stale ready plans and before the queue is dropped."""
         self.compile_fn, self.max_plans, self.cheap = compile_fn, max_plans, cheap
-        self.cancel_fn = cancel
+        self.cancel_fn, self.shed_fn = cancel, shed
         self.cancelled = 0  # builds ended by `drop_queued`
         self._waiting: dict = {}  # plan -> callers blocked in `wait` for it
         self.map_budget = map_budget
@@ -309,7 +312,7 @@ class StandbyCompiler:
         while not within_map_budget(self.map_budget):  # (a dropped executable's mappings go
             stale = [p for p in self._ready if p not in self._wanted]  # at the collection)
             if not stale:
-                return False
+                return self.shed_fn is not None and self.shed_fn(self.map_budget)
             self._ready.pop(stale[0])
         return True
 
