@@ -23,15 +23,21 @@ def map_usage() -> float | None:
     return used / limit if limit > 0 else None
 
 
-def within_map_budget(budget: float) -> bool:
+def within_map_budget(budget: float, collect: bool = True) -> bool:
     """Is this process within `budget` (a fraction) of its memory-mapping limit? Where it is not,
-    garbage is collected first and the use measured again: executables of ended runs held only
-    by reference cycles keep their mappings until a collection, and are not in use
-    (tests/test_standby_baselines.py::test_garbage_executables_do_not_count_against_the_mapping_budget).
+    garbage is collected (unless `collect` is False) and the use measured again: executables of
+    ended runs held only by reference cycles keep their mappings until a collection, and are not
+    in use (tests/test_standby_baselines.py::test_garbage_executables_do_not_count_against_the_mapping_budget).
+    A full collection of a large heap takes up to a second: a caller that frees mappings in a
+    loop collects once, not at every turn. Never while the collector is held (`gc.disable`: a
+    recovery holds it until its first good step, tests/test_trainer.py::
+    test_no_garbage_collection_runs_from_a_failure_to_its_first_good_step).
     True where the platform does not say."""
     usage = map_usage()
     if usage is None or usage <= budget:
         return True
+    if not (collect and gc.isenabled()):
+        return False
     gc.collect()
     usage = map_usage()
     return usage is None or usage <= budget

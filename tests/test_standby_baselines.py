@@ -211,6 +211,35 @@ def test_the_executable_cache_drops_its_oldest_entries_past_the_mapping_budget()
     assert list(unbounded._d) == ["a", "b", "c"] and unbounded.evicted_for_maps == 0
 
 
+def test_the_mapping_check_collects_once_and_never_while_the_collector_is_held():
+    """`within_map_budget` over budget runs one collection, none with `collect=False` and none
+    while the collector is held (a recovery holds it until its first good step: a collection
+    there stops the loop)."""
+    import gc
+
+    from elasjax.counters import within_map_budget
+
+    if map_usage() is None:
+        pytest.skip("no /proc memory-mapping counts on this platform")
+    runs = []
+
+    def count(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+
+    was = gc.isenabled()
+    gc.callbacks.append(count)
+    try:
+        gc.enable()
+        assert not within_map_budget(1e-9) and runs == [2]
+        assert not within_map_budget(1e-9, collect=False) and runs == [2]
+        gc.disable()
+        assert not within_map_budget(1e-9) and runs == [2]
+    finally:
+        gc.callbacks.remove(count)
+        (gc.enable if was else gc.disable)()
+
+
 def test_a_full_executable_cache_gives_way_to_the_standby():
     """A cache bounded by the same `map_budget` fills the process up to it (a test worker's
     shared cache did: the standby then built nothing, and CI's
@@ -300,6 +329,7 @@ def test_garbage_executables_do_not_count_against_the_mapping_budget():
                             mmap.PROT_READ | mmap.PROT_WRITE))
         with_garbage = map_usage()
         assert with_garbage > before, (before, with_garbage)
+        gc.enable()  # a held collector is never run by the check (a recovery holds it)
         sb = StandbyCompiler(lambda p: f"exe:{p}", map_budget=(before + with_garbage) / 2)
         try:
             sb.submit(["a"])
@@ -620,6 +650,24 @@ def test_standby_hit_recovers_without_compiling(exe_cache):
     # a fresh executable cache: nothing of the recovery plan can be compiled already
     cold = trainer.run(tiny_config("train.steps=5", "faults=[{at_step: 3, devices: [1]}]"))
     assert not cold.recoveries[0].standby_hit and cold.recoveries[0].compiles > 0
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::elasjax.compilation.standby.StandbyCoverageWarning")  # max_plans=1
+def test_a_transition_prepared_before_the_failure_is_the_one_the_recovery_runs(exe_cache):
+    """`recovery.prepare_transfers` (on by default, off in the suite's TINY): with the standby
+    waited for at start, the loss of device 0 at step 3 finds its transition planned
+    (`transfer_plan_hit`), and that transition moves the same pieces and bytes as the one a run
+    without preparation plans at the failure, to the same losses."""
+    common = ["train.steps=5", "standby.enabled=true", "standby.max_plans=1",
+              "standby.wait_at_start=true", "faults=[{at_step: 3, devices: [0]}]"]
+    prepared = trainer.run(tiny_config(*common, "recovery.prepare_transfers=true"), exe_cache=exe_cache)
+    cold = trainer.run(tiny_config(*common), exe_cache=exe_cache)
+    (ev,), (ev0,) = prepared.recoveries, cold.recoveries
+    assert ev.transfer_plan_hit and not ev0.transfer_plan_hit, (ev, prepared.notes)
+    assert ev.bytes_moved == ev0.bytes_moved > 0 and ev.transfers == ev0.transfers > 0
+    assert ev.verified and ev.to_plan == ev0.to_plan
+    assert prepared.losses == cold.losses and prepared.checksums == cold.checksums
 
 
 @pytest.mark.slow

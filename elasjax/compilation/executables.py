@@ -407,12 +407,14 @@ class ExecutableCache:
             return self._shed(budget)
 
     def _shed(self, budget: float) -> bool:
-        while not within_map_budget(budget):
-            if len(self._d) <= 1:
-                return False
+        if within_map_budget(budget):  # (collects garbage once where over)
+            return True
+        while len(self._d) > 1:
             self._d.pop(next(iter(self._d)))  # the oldest; its mappings go with it
             self.evicted_for_maps += 1  # (unless something else still holds it)
-        return True
+            if within_map_budget(budget, collect=False):
+                return True
+        return within_map_budget(budget)  # what only a collection frees
 
     def __contains__(self, item) -> bool:
         return item in self._d

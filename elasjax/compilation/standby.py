@@ -309,8 +309,10 @@ class StandbyCompiler:
         evicting ready plans that are no longer submitted if needed?"""
         if self.map_budget is None:
             return True
-        while not within_map_budget(self.map_budget):  # (a dropped executable's mappings go
-            stale = [p for p in self._ready if p not in self._wanted]  # at the collection)
+        collect = True  # garbage collected once, at the first check
+        while not within_map_budget(self.map_budget, collect):
+            collect = False
+            stale = [p for p in self._ready if p not in self._wanted]
             if not stale:
                 return self.shed_fn is not None and self.shed_fn(self.map_budget)
             self._ready.pop(stale[0])
