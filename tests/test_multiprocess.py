@@ -532,9 +532,10 @@ def test_launch_standby_makes_a_sigkill_a_hit_that_compiles_nothing(reference, t
     the losses stay within 1e-5 of the fault-free run.
 
     Not yet asserted, because it does not hold: no XLA compile from detection to the first good
-    step. The compile counter saw 2 compiles (1.88 s of a 4.45 s MTTR) in the one run of this
-    test (experiments/RESULTS.md, "A standby hit under launch compiles twice"): the renewed
-    client's first step compiles what the standby's executables do not carry."""
+    step. The compile counter saw 2 compiles: two small programs the renewed client had not run
+    (`jit(stage)`, `jit(_threefry_seed)`, 0.04 s together); the "compile" phase's 1.4-1.9 s is
+    mostly the reload of the standby's executables onto the new client (experiments/RESULTS.md,
+    "a standby hit under launch compiles twice")."""
     out = tmp_path / "mp_standby"
     rc, stdout = _launch(
         out, "--processes", "4", "--devices-per-process", "2", "--standby", "--kill", "4:2",
