@@ -525,7 +525,7 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
 
 
 @pytest.mark.slow
-def test_launch_standby_makes_a_sigkill_a_hit_that_compiles_nothing(reference, tmp_path):
+def test_launch_standby_makes_a_sigkill_a_standby_hit(reference, tmp_path):
     """`elasjax launch --standby` (the README's headline recovery): the plan of every single
     device and host failure is built before step 0; process 2 (a host of two devices) is
     SIGKILLed at step 4. The recovery is a standby hit on a renewed CPU client, verified, and

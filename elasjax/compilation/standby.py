@@ -313,8 +313,8 @@ class StandbyCompiler:
         while not within_map_budget(self.map_budget, collect):
             collect = False
             stale = [p for p in self._ready if p not in self._wanted]
-            if not stale:
-                return self.shed_fn is not None and self.shed_fn(self.map_budget)
+            if not stale:  # (without a cache to shed: one more collection, for the dropped)
+                return (self.shed_fn or within_map_budget)(self.map_budget)
             self._ready.pop(stale[0])
         return True
 
