@@ -326,9 +326,13 @@ def make_eval_step(
     loss_fn = make_loss_fn(cfg, model, deterministic=True, layout=layout, mesh=mesh)
 
     pipelined = layout is not None and layout.stage_layout is not None
-    key = rng.root_key(0)
 
     def eval_step(params, batch):
+        # the key is made in the trace: made here, outside it, it is two small programs
+        # (`jnp.asarray`, the threefry seed) compiled on whatever client is current, which on
+        # a renewed CPU client are a standby hit's only compiles (tests/test_multiprocess.py::
+        # test_launch_standby_makes_a_sigkill_a_standby_hit)
+        key = rng.root_key(0)
         n_tokens = normaliser(batch)
         if cfg.train.deterministic and pipelined:
             per = pipeline_slot_losses(

@@ -18,9 +18,13 @@ The slow tests start real `jax.distributed` jobs (gloo collectives on CPU) and S
 - Killing process 0, a worker like any other (the coordination service runs in a process of
   its own): the survivors finish, under default flags and with only the heartbeat to find it;
   killing the coordination process ends every worker with a clear message.
-- `--standby`: a SIGKILL at step 4 is a standby hit (its recovery still compiles: the test says).
+- `--standby`: a SIGKILL at step 4 is a standby hit that compiles nothing.
 - A hot spare (`--processes 2 --spares 1`) takes a killed process's place: the mesh keeps its
   size (4 devices before and after) and the losses equal the fault-free run.
+- What launch claims, one launch each: ZeRO-3 with two buddy copies and evaluation (two
+  processes killed together), the checkpoint rung (a partition with no live copy), a pipeline's
+  async migration, and the deterministic ZeRO-1 mode with XLA's optimisations on (bitwise, the
+  same state digest).
 
 Bounded: each job runs under the launcher's own timeout, inside a subprocess timeout; workers
 die with the launcher (PR_SET_PDEATHSIG) and `finally` SIGKILLs any worker pid still alive.
@@ -41,7 +45,7 @@ import jax
 import numpy as np
 import pytest
 from jax.errors import JaxRuntimeError
-from conftest import TINY, tiny_config
+from conftest import PIPE, TINY, optimised_compiles, tiny_config
 
 from elasjax import planner, trainer
 from elasjax.config import ConfigError
@@ -51,7 +55,7 @@ from elasjax.metrics import MTTR_PHASES, read_jsonl
 from elasjax.runtime import membership
 from elasjax.runtime.multicontroller import RuntimeConfig, xla_flags
 from elasjax.state import StateFactory, make_optimizer
-from elasjax.transfer import copies
+from elasjax.transfer import checksum, copies
 from elasjax.transfer.copies import pack, packed_size, unpack
 from elasjax.transfer.reshard import plan_transition
 from elasjax.transfer.shards import ShardStore, buffers, describe
@@ -440,7 +444,7 @@ def _launch(out: Path, *args: str, sets=(), timeout: int = 300, env=None) -> tup
         "--collective-timeout", str(COLLECTIVE_TIMEOUT_S),
         "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), *args,
     ]
-    env = dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="1", **(env or {}))
+    env = {**os.environ, "JAX_DISABLE_MOST_OPTIMIZATIONS": "1", **(env or {})}
     p = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
         start_new_session=True,
@@ -528,14 +532,11 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
 def test_launch_standby_makes_a_sigkill_a_standby_hit(reference, tmp_path):
     """`elasjax launch --standby` (the README's headline recovery): the plan of every single
     device and host failure is built before step 0; process 2 (a host of two devices) is
-    SIGKILLed at step 4. The recovery is a standby hit on a renewed CPU client, verified, and
-    the losses stay within 1e-5 of the fault-free run.
-
-    Not yet asserted, because it does not hold: no XLA compile from detection to the first good
-    step. The compile counter saw 2 compiles: two small programs the renewed client had not run
-    (`jit(stage)`, `jit(_threefry_seed)`, 0.04 s together); the "compile" phase's 1.4-1.9 s is
-    mostly the reload of the standby's executables onto the new client (experiments/RESULTS.md,
-    "a standby hit under launch compiles twice")."""
+    SIGKILLed at step 4. The recovery is a standby hit on a renewed CPU client that compiles
+    nothing (the compile counter, not a time: the executables are reloaded onto the new client),
+    verified, and the losses stay within 1e-5 of the fault-free run. Before the eval key moved
+    into its trace (step.make_eval_step), the reload compiled two small programs
+    (experiments/RESULTS.md, "a standby hit under launch compiles twice")."""
     out = tmp_path / "mp_standby"
     rc, stdout = _launch(
         out, "--processes", "4", "--devices-per-process", "2", "--standby", "--kill", "4:2",
@@ -548,7 +549,7 @@ def test_launch_standby_makes_a_sigkill_a_standby_hit(reference, tmp_path):
     assert any(e["type"] == "standby_ready" for e in events)
     (ev,) = [e for e in events if e["type"] == "recovery"]
     assert ev["step"] == 4 and ev["failed_processes"] == [2] and ev["verified"]
-    assert ev["standby_hit"] and ev["compiles"] >= 0, ev  # counted (not -1); see the docstring
+    assert ev["standby_hit"] and ev["compiles"] == 0, ev
 
 
 @pytest.mark.slow
@@ -970,6 +971,134 @@ def test_losing_the_coordination_process_ends_every_worker_with_a_clear_error(tm
     assert summary["left_running_after_reap"] == []
     assert all(_worker_ended(s["pid"]) for s in summary["processes"])  # every worker reaped
     assert "the job cannot continue" in stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# What launch claims to run (launch.py's docstring), each under a real SIGKILL: ZeRO-3 with two
+# buddy copies and evaluation, the checkpoint rung, a pipeline's async migration, the
+# deterministic mode optimised.
+
+# 4 processes x 1 device, data 4 (each process a host)
+_ONE_EACH = ("parallel.devices=4", "parallel.devices_per_host=1", "parallel.data=4",
+             "parallel.tensor=1")
+_LAUNCH_ONE_EACH = ("--processes", "4", "--devices-per-process", "1")
+
+
+def _reference(exe_cache, *overrides: str):
+    return trainer.run(tiny_config(f"train.steps={STEPS}", "faults=[]", *overrides), None,
+                       exe_cache=exe_cache)
+
+
+def _recovery(out) -> dict:
+    (ev,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "recovery"]
+    return ev
+
+
+ZERO3 = (*_ONE_EACH, "zero.stage=3", "snapshot.buddy=true", "snapshot.copies=2",
+         "train.eval_every=4")
+
+
+@pytest.mark.slow
+def test_zero3_with_two_copies_survives_two_processes_killed_together_and_evaluates(
+        exe_cache, tmp_path):
+    """ZeRO-3 (parameters and optimizer state partitioned over 4 processes), two buddy copies
+    of each partition on two other processes; processes 1 and 2 are SIGKILLed in step 3. Every
+    lost partition has a copy on process 0 or 3: rung `buddy`, bytes across processes, verified;
+    held-out losses at steps 3, 7 and 11 and every training loss within 1e-5."""
+    ref = _reference(exe_cache, *ZERO3)
+    out = tmp_path / "zero3"
+    rc, stdout = _launch(out, *_LAUNCH_ONE_EACH, "--kill", "3:1", "--kill", "3:2",
+                         sets=("parallel.devices=-1", *ZERO3[1:]), timeout=480)
+    assert rc == 0, stdout
+    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: "SIGKILL", 3: 0}
+    ev = _recovery(out)
+    assert ev["step"] == 3 and ev["failed_processes"] == [1, 2] and ev["verified"], ev
+    assert ev["rung"] == "buddy" and ev["bytes_cross_process"] > 0 and ".z3" in ev["to_plan"]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    _assert_matches(metrics, ref)
+    assert [r["n_processes"] for r in metrics] == [4] * 3 + [2] * (STEPS - 3)
+    evals = {r["step"]: r["eval_loss"] for r in metrics if "eval_loss" in r}
+    assert sorted(evals) == sorted(ref.eval_losses) == [3, 7, 11]
+    for s, v in evals.items():
+        assert abs(v - ref.eval_losses[s]) <= LOSS_RTOL * ref.eval_losses[s], (s, v)
+
+
+CHECKPOINTED = (*_ONE_EACH, "zero.stage=1", "snapshot.buddy=false", "snapshot.host=false",
+                "checkpoint.every=2", "checkpoint.keep=10")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::elasjax.trainer.UnprotectedStateWarning")
+def test_a_partition_with_no_live_copy_comes_back_from_the_checkpoint(exe_cache, tmp_path):
+    """ZeRO-1 with snapshots opted out: process 1 is SIGKILLed in step 5 and its optimizer
+    partition has no live copy. The survivors restore the step-4 checkpoint onto their 3
+    devices (Orbax over the live processes), verify it against its recorded checksums and redo
+    step 4; every loss, the redone step's included, within 1e-5."""
+    ref = _reference(exe_cache, *CHECKPOINTED)
+    out = tmp_path / "ckpt"
+    rc, stdout = _launch(out, *_LAUNCH_ONE_EACH, "--kill", "5:1",
+                         sets=("parallel.devices=-1", *CHECKPOINTED[1:],
+                               f"checkpoint.dir={tmp_path / 'ck'}"), timeout=480)
+    assert rc == 0, stdout
+    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0, 3: 0}
+    ev = _recovery(out)
+    assert (ev["rung"], ev["resumed_at_step"], ev["steps_lost"], ev["verified"]) == (
+        "checkpoint", 4, 1, True), ev
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if r.get("redo")] == [4]
+    _assert_matches([r for r in rows if not r.get("redo")], ref)
+    for r in rows:
+        assert abs(r["loss"] - ref.losses[r["step"]]) <= LOSS_RTOL * ref.losses[r["step"]], r
+
+
+PIPELINE = (*PIPE, f"train.steps={STEPS}")
+
+
+@pytest.mark.slow
+def test_a_pipeline_resumes_on_the_fast_path_and_cuts_over_under_launch(exe_cache, tmp_path):
+    """data 2 x stage 4 over 4 processes of 2 devices, `recovery.migration: async`: process 1
+    (two devices, of two stages) is SIGKILLed in step 3; the survivors resume at once on a plan
+    that moves no layer, compile the re-partitioned plan in the background and cut over to it
+    at a step boundary; every loss within 1e-5 of the fault-free pipeline."""
+    ref = _reference(exe_cache, *PIPELINE)
+    out = tmp_path / "pipe"
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "3:1",
+                         sets=(*PIPELINE, "recovery.migration=async"), timeout=480)
+    assert rc == 0, stdout
+    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0, 3: 0}
+    ev = _recovery(out)
+    assert ev["step"] == 3 and ev["verified"] and ev["migration"] == "async", ev
+    events = read_jsonl(out / "events.jsonl")
+    (mig,) = [e for e in events if e["type"] == "migration"]
+    assert mig["from_plan"] == ev["to_plan"] and mig["step"] > 3 and mig["verified"], mig
+    metrics = read_jsonl(out / "metrics.jsonl")
+    _assert_matches(metrics, ref)
+    assert metrics[-1]["plan"] == mig["to_plan"]
+
+
+DETERMINISTIC_ZERO1 = ("train.deterministic=true", "zero.stage=1")
+
+
+@pytest.mark.slow
+def test_deterministic_zero1_optimised_is_bitwise_under_launch(tmp_path):
+    """The deterministic ZeRO-1 mode, every process compiling with XLA's optimisations on (as
+    users run it; the suite's default is off, conftest.py): process 2 is SIGKILLed at step 4;
+    every loss and the final state's digest equal the single-process fault-free run's, bit for
+    bit."""
+    with optimised_compiles() as cache:
+        ref = _reference(cache, *DETERMINISTIC_ZERO1)
+    out = tmp_path / "det"
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:2",
+                         sets=DETERMINISTIC_ZERO1, timeout=480,
+                         env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"})
+    assert rc == 0, stdout
+    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
+    assert _recovery(out)["verified"]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert {r["step"]: r["loss"] for r in metrics} == ref.losses
+    end = read_jsonl(out / "events.jsonl")[-1]
+    assert end["type"] == "end" and end["state_digest"] == checksum.digest(ref.checksums)
+    assert jax.config.values["jax_disable_most_optimizations"]  # the suite's setting is back
 
 
 # ---------------------------------------------------------------------------------------------
