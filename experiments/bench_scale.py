@@ -5,18 +5,36 @@
 
 For each GPT size of the ladder (the demo's 137k parameters, ~3M, ~25M, ~100M; `--sizes` also
 takes `dD:LL` for d_model D and LL layers), on 8 fake CPU devices as data 4 x tensor 2 (hosts of
-2 devices), with the same global batch (32 sequences of 64 tokens, 2 micro-batches), optimizer
-(AdamW after global-norm clipping) and data, in one process:
+2 devices), with the same global batch (32 sequences of 64 tokens, 2 micro-batches) and
+optimizer (AdamW after global-norm clipping), in one process; the data is elasjax's data pipeline
+but for the plain JAX loops (random tokens from numpy):
 
-  plain replicated     a jitted train step, the state laid out by annotation (ZeRO-0)
-  plain ZeRO-1         the same, the optimizer state also sharded over `data` by annotation (on
-                       the first dimension `data` divides): XLA's ZeRO-1, what plain JAX gives
-  plain ZeRO-3         the parameters sharded over `data` too
-  ... undonated        the same loop without donating its state (on XLA:CPU donation can make
-                       the step slower; elasjax's loop there does not donate when snapshots run
-                       beside the step): a ratio's plain reference is the faster of the two
-  elasjax ZeRO-k ...   `trainer.Trainer` (the whole loop: batches, step, checksums read two steps
-                       late, snapshots as configured), no faults, no evaluation
+  plain JAX replicated  `user_loop.py`: the loop a JAX/Flax user writes. Of elasjax only the
+                        model (`elasjax.models.gpt`) and the config's sizes; its own mesh,
+                        logical-axis rules, optax AdamW, loss (`GPT.apply`, cross-entropy, mean
+                        over the step's tokens), micro-batch `lax.scan`, dropout keys and numpy
+                        batches; the state laid out by annotation (ZeRO-0)
+  plain JAX ZeRO-1      the same, the optimizer state also sharded over `data` by annotation (on
+                        the first dimension `data` divides): XLA's ZeRO-1, what plain JAX gives
+  plain JAX ZeRO-3      the parameters sharded over `data` too
+  elasjax grad + plain loop replicated / ZeRO-1 / ZeRO-3
+                        the same annotations and optimizer update in a plain jitted loop, around
+                        elasjax's gradient function (`step.make_grad_fn`: per-sample weights and
+                        normaliser counts, host-made key ids, sharding constraints on each
+                        micro-batch and on the accumulator), state factory, data pipeline and
+                        batch shardings: no checksums, no ZeRO storage layout, no snapshots.
+                        Against `plain JAX` it isolates the gradient function's cost from the
+                        loop's (before issue 46 these rows were named `plain replicated`, `plain
+                        ZeRO-1`, `plain ZeRO-3`; `--modes` still takes those names)
+  ... undonated         either plain loop without donating its state (on XLA:CPU donation can
+                        make the step slower; elasjax's loop there does not donate when
+                        snapshots run beside the step): a ratio's plain reference is the faster
+                        of the two
+  elasjax ZeRO-k ...    `trainer.Trainer` (the whole loop: batches, step, checksums read two steps
+                        late, snapshots as configured), no faults, no evaluation
+
+The headline ratios are elasjax's loops against the `plain JAX` loops; beside them the same
+loops against the `elasjax grad + plain loop` ones, and those against `plain JAX`.
 
 In every round each loop runs twice, a whole run of S1 and of S2 steps (`--steps S1,S2`; a run
 builds its state and, for elasjax, takes its snapshots and plans its likely transitions before
@@ -31,6 +49,10 @@ of each step executable gives its per-device bytes (arguments, outputs, temporar
 recovery phases, the time lost per failure and the goodput (`metrics.failure_costs`), the bytes
 moved against a memcpy of as many bytes on this machine, and the standby build with
 `--standby`.
+
+`--check` runs `user_loop`'s step and elasjax's (`compile_plan`) on the same parameters and the
+same batches at the demo size and compares the losses, parameters and optimizer states
+(`--check-cases`: ZeRO stage:dropout pairs).
 
 `--one-device` runs every loop on the default backend's first device alone (a GPU where one is
 at hand; data 1 x tensor 1, so ZeRO stages shard nothing), `--seq-len` and `--global-batch` size
@@ -56,6 +78,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # user_loop
 
 import jax  # noqa: E402
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
@@ -64,13 +87,14 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from elasjax import config, trainer  # noqa: E402
-from elasjax.compilation.executables import ExecutableCache
+from elasjax.compilation.executables import ExecutableCache, compile_plan  # noqa: E402
 from elasjax.data import DataPipeline  # noqa: E402
 from elasjax.mesh import DATA, make_mesh, replicated  # noqa: E402
 from elasjax.planner import Topology, initial_plan  # noqa: E402
 from elasjax.sharding import batch_shardings  # noqa: E402
 from elasjax.state import StateFactory, TrainState, make_optimizer  # noqa: E402
 from elasjax.step import abstract_batch, make_grad_fn  # noqa: E402
+from user_loop import UserLoop  # noqa: E402
 
 SIZES = {  # name -> (d_model, layers, heads)
     "demo": (64, 2, 4),
@@ -87,14 +111,21 @@ JOB = {"devices": 8, "per_host": 2, "data": 4, "tensor": 2, "seq_len": 64, "batc
 # spread (a few hundred ms) is small against them
 LENGTHS = {"demo": (5, 205), "3m": (2, 52), "25m": (2, 10), "100m": (2, 5)}
 
-# loop -> (kind, config overrides)
+# loop -> (kind, arguments): "user" and "plain" take (ZeRO stage, donate), "elasjax" config
+# overrides
 MODES = {
-    "plain replicated": ("plain", (0, True)),
-    "plain ZeRO-1": ("plain", (1, True)),
-    "plain ZeRO-3": ("plain", (3, True)),
-    "plain replicated undonated": ("plain", (0, False)),
-    "plain ZeRO-1 undonated": ("plain", (1, False)),
-    "plain ZeRO-3 undonated": ("plain", (3, False)),
+    "plain JAX replicated": ("user", (0, True)),
+    "plain JAX ZeRO-1": ("user", (1, True)),
+    "plain JAX ZeRO-3": ("user", (3, True)),
+    "plain JAX replicated undonated": ("user", (0, False)),
+    "plain JAX ZeRO-1 undonated": ("user", (1, False)),
+    "plain JAX ZeRO-3 undonated": ("user", (3, False)),
+    "elasjax grad + plain loop replicated": ("plain", (0, True)),
+    "elasjax grad + plain loop ZeRO-1": ("plain", (1, True)),
+    "elasjax grad + plain loop ZeRO-3": ("plain", (3, True)),
+    "elasjax grad + plain loop replicated undonated": ("plain", (0, False)),
+    "elasjax grad + plain loop ZeRO-1 undonated": ("plain", (1, False)),
+    "elasjax grad + plain loop ZeRO-3 undonated": ("plain", (3, False)),
     "elasjax ZeRO-0": ("elasjax", ["zero.stage=0"]),
     "elasjax ZeRO-1 no snapshots": ("elasjax", ["zero.stage=1", "snapshot.buddy=false",
                                                    "snapshot.host=false"]),
@@ -104,21 +135,48 @@ MODES = {
     "elasjax deterministic": ("elasjax", ["zero.stage=0", "train.deterministic=true"]),
     "elasjax deterministic ZeRO-1": ("elasjax", ["zero.stage=1", "train.deterministic=true"]),
 }
+# the names the `elasjax grad + plain loop` rows had before issue 46 (RESULTS.md's commands)
+OLD_NAMES = {
+    f"plain {z}{u}": f"elasjax grad + plain loop {z}{u}"
+    for z in ("replicated", "ZeRO-1", "ZeRO-3") for u in ("", " undonated")
+}
 # the ratios the table reports: (loop, its reference). A plain reference is the faster of the
 # plain loop that donates its state (`donate_argnums`, what a JAX user writes) and the same loop
 # without donation, per round, where both ran: on XLA:CPU donation can make the step slower (its
 # in-place updates add copies), and elasjax's default loop on the CPU backend does not donate
-# (`SnapshotPool.thread_helps`).
+# (`SnapshotPool.thread_helps`). The headline: elasjax's loops against the plain JAX loops;
+# then the same against elasjax's gradient function in a plain loop, and that against plain JAX
+# (the gradient function's own cost).
 RATIOS = [
-    ("elasjax ZeRO-0", "plain replicated"),
-    ("elasjax ZeRO-1 no snapshots", "plain ZeRO-1"),
-    ("elasjax ZeRO-1", "plain ZeRO-1"),
-    ("elasjax ZeRO-2", "plain ZeRO-1"),
-    ("elasjax ZeRO-3", "plain ZeRO-3"),
+    ("elasjax ZeRO-0", "plain JAX replicated"),
+    ("elasjax ZeRO-1 no snapshots", "plain JAX ZeRO-1"),
+    ("elasjax ZeRO-1", "plain JAX ZeRO-1"),
+    ("elasjax ZeRO-2", "plain JAX ZeRO-1"),
+    ("elasjax ZeRO-3", "plain JAX ZeRO-3"),
+    ("elasjax ZeRO-0", "elasjax grad + plain loop replicated"),
+    ("elasjax ZeRO-1 no snapshots", "elasjax grad + plain loop ZeRO-1"),
+    ("elasjax ZeRO-1", "elasjax grad + plain loop ZeRO-1"),
+    ("elasjax ZeRO-2", "elasjax grad + plain loop ZeRO-1"),
+    ("elasjax ZeRO-3", "elasjax grad + plain loop ZeRO-3"),
+    ("elasjax grad + plain loop replicated", "plain JAX replicated"),
+    ("elasjax grad + plain loop ZeRO-1", "plain JAX ZeRO-1"),
+    ("elasjax grad + plain loop ZeRO-3", "plain JAX ZeRO-3"),
     ("elasjax ZeRO-1", "elasjax ZeRO-1 no snapshots"),
     ("elasjax deterministic", "elasjax ZeRO-0"),
     ("elasjax deterministic ZeRO-1", "elasjax ZeRO-1"),
 ]
+
+
+def mode_names(text: str) -> list[str]:
+    """`--modes`, `--rss-modes`: comma-separated loop names (the old names of the `elasjax grad
+    + plain loop` rows too), or 'all'; an unknown name is an error naming the allowed ones."""
+    if text == "all":
+        return list(MODES)
+    names = [OLD_NAMES.get(m, m) for m in text.split(",")]
+    unknown = [m for m in names if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown {unknown}; allowed: {', '.join(MODES)}")
+    return names
 
 
 def size_config(size: str, steps: int, extra=()) -> config.Config:
@@ -152,8 +210,9 @@ def _with_data(sh: NamedSharding, shape) -> NamedSharding:
 
 
 class Plain:
-    """A plain jitted loop over the same model, batches and optimizer; ZeRO by annotation.
-    One program per run length (the learning-rate schedule depends on it)."""
+    """elasjax's gradient function (`make_grad_fn`), state factory and data in a plain jitted
+    loop; ZeRO by annotation (the `elasjax grad + plain loop` rows). One program per run length
+    (the learning-rate schedule depends on it)."""
 
     def __init__(self, size: str, zero: int, lengths: tuple[int, ...], donate: bool = True):
         self.runs = {n: self._build(size_config(size, n), zero, donate) for n in lengths}
@@ -258,6 +317,8 @@ class Elastic:
 
 def build(mode: str, size: str, lengths: tuple[int, ...], cache: ExecutableCache):
     kind, arg = MODES[mode]
+    if kind == "user":
+        return UserLoop({n: size_config(size, n) for n in lengths}, arg[0], arg[1])
     if kind == "plain":
         return Plain(size, arg[0], lengths, arg[1])
     return Elastic(size, arg, lengths, cache)
@@ -277,7 +338,7 @@ def child(mode: str, size: str, steps: int) -> None:
     compiled: the compiler's own peak is not the loop's), and the resident size before the run.
     Every loop has made one whole run before (an elasjax loop compiles in one)."""
     loop = build(mode, size, (steps,), ExecutableCache())
-    if isinstance(loop, Plain):
+    if isinstance(loop, (Plain, UserLoop)):
         loop.wall(steps)  # as an elasjax loop's build does: one whole run first
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
@@ -451,6 +512,62 @@ def failures_text(size: str, f: dict) -> str:
     return "\n".join(lines)
 
 
+def check(cases: str = "0:0,1:0,3:0,1:0.1", steps: int = 3) -> bool:
+    """`user_loop`'s step against elasjax's (`compile_plan`, the trainer's executable) at the demo
+    size, for each `ZERO:DROPOUT` case: both start from elasjax's initial parameters (and fresh
+    AdamW states) and take the same batches, `steps` of them (elasjax's data pipeline; the user
+    loop gets each step's samples in global sample order, so the dropout keys match too). Per
+    step: the two losses (relative difference <= 1e-5), then the parameters and optimizer
+    states after it (allclose, rtol 1e-4). The learning rate warms up from 0, so step 0 leaves
+    the parameters as they were: the parameter comparisons that test the update come after
+    step 1 and later. Prints a line per step; returns whether every case agreed."""
+    import user_loop
+
+    ok = True
+    devices = {d.id: d for d in jax.devices()}
+    for case in cases.split(","):
+        zero, dropout = case.split(":")
+        cfg = size_config("demo", 10, [f"zero.stage={zero}", f"model.dropout={dropout}"])
+        B, T = cfg.train.global_batch, cfg.model.seq_len
+        plan = initial_plan(Topology(tuple(range(cfg.parallel.devices)),
+                                     cfg.parallel.devices_per_host), cfg)
+        exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg.train)), plan, devices,
+                           donate=False)
+        canonical = jax.jit(exe.layout.to_canonical)
+        user = user_loop.UserLoop({10: cfg}, int(zero), donate=False).runs[10]
+        e_state = exe.init()
+        u_state = user["init"]()
+        u_state["params"] = jax.device_put(canonical(e_state).params,
+                                           user["state_sh"]["params"])
+        data = DataPipeline(cfg.data, cfg.model, cfg.rng, B)
+        print(f"ZeRO-{zero}, dropout {dropout}, plan {plan.name}:", flush=True)
+        for s in range(steps):
+            hb = data.batch(s, plan)
+            order = np.argsort(hb.sample_ids.reshape(-1))
+            assert (hb.sample_ids.reshape(-1)[order] == s * B + np.arange(B)).all()
+            assert (hb.weights == 1).all()
+            u_batch = {k: hb.fields[k].reshape(B, T)[order] for k in ("inputs", "targets")}
+            e_state, met = exe.train(e_state, exe.put_batch(hb.arrays()))
+            u_state, u_loss = user["train"](u_state, jax.device_put(u_batch, user["batch_sh"]))
+            el, ul = float(met["loss"]), float(u_loss)
+            rel = abs(el - ul) / abs(el)
+            e = canonical(e_state)
+            line = [f"  step {s}: loss elasjax {el:.7f} user {ul:.7f} rel diff {rel:.1e}"]
+            good = rel <= 1e-5
+            for name, x, y in (("params", e.params, u_state["params"]),
+                               ("opt state", e.opt_state, u_state["opt"])):
+                xs = [np.asarray(a) for a in jax.tree.leaves(x)]
+                ys = [np.asarray(a) for a in jax.tree.leaves(y)]
+                assert [a.shape for a in xs] == [a.shape for a in ys], name
+                close = all(np.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(xs, ys))
+                diff = max(float(np.max(np.abs(a - b), initial=0)) for a, b in zip(xs, ys))
+                line.append(f"{name} after it: max |diff| {diff:.1e}, allclose {close}")
+                good = good and close
+            print(", ".join(line) + ("" if good else "  <- DIFFERS"), flush=True)
+            ok = ok and good
+    return ok
+
+
 def where() -> str:
     if JOB["devices"] == 1:
         return f"one device: {jax.devices()[0].device_kind}"
@@ -488,7 +605,8 @@ def main(argv=None) -> int:
                     help="S1,S2: the two run lengths (default: per size, LENGTHS)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rss", action="store_true")
-    ap.add_argument("--rss-modes", default="plain ZeRO-1,elasjax ZeRO-1 no snapshots,elasjax ZeRO-1",
+    ap.add_argument("--rss-modes",
+                    default="plain JAX ZeRO-1,elasjax ZeRO-1 no snapshots,elasjax ZeRO-1",
                     help="the loops --rss measures (each alone in a process)")
     ap.add_argument("--failures", action="store_true")
     ap.add_argument("--standby", action="store_true")
@@ -498,18 +616,28 @@ def main(argv=None) -> int:
                     help="the default backend's first device alone (data 1 x tensor 1)")
     ap.add_argument("--seq-len", type=int, default=JOB["seq_len"])
     ap.add_argument("--global-batch", type=int, default=JOB["batch"])
+    ap.add_argument("--check", action="store_true",
+                    help="compare user_loop's step with elasjax's on the same parameters and "
+                         "batches (demo size) and exit")
+    ap.add_argument("--check-cases", default="0:0,1:0,3:0,1:0.1",
+                    help="--check: comma-separated ZERO:DROPOUT pairs")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     JOB.update(seq_len=args.seq_len, batch=args.global_batch)
     if args.one_device:
         JOB.update(devices=1, per_host=1, data=1, tensor=1)
+    if args.check:
+        ok = check(args.check_cases)
+        print("user loop and elasjax agree" if ok else "user loop and elasjax DIFFER")
+        return 0 if ok else 1
     if args.child:
-        child(args.child, args.sizes, int((args.steps or "2,4").split(",")[-1]))
+        child(mode_names(args.child)[0], args.sizes, int((args.steps or "2,4").split(",")[-1]))
         return 0
-    modes = list(MODES) if args.modes == "all" else args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        ap.error(f"--modes: unknown {unknown}; allowed: {', '.join(MODES)}")
+    try:
+        modes = mode_names(args.modes)
+        rss_modes = mode_names(args.rss_modes)
+    except ValueError as e:
+        ap.error(f"--modes/--rss-modes: {e}")
     os.makedirs(args.out, exist_ok=True)
     results = []
     for size in args.sizes.split(","):
@@ -518,7 +646,7 @@ def main(argv=None) -> int:
                        else LENGTHS.get(size, (2, 6)))
         r = measure_size(size, modes, short, long, args.rounds)
         if args.rss:
-            r["rss"] = rss_rows(size, args.rss_modes.split(","), long)
+            r["rss"] = rss_rows(size, rss_modes, long)
         if args.failures:
             r["failures"] = failures(size, args.failure_steps, args.standby)
         results.append(r)
