@@ -28,7 +28,8 @@ The slow tests start real `jax.distributed` jobs (gloo collectives on CPU) and S
 
 Bounded: each job runs under the launcher's own timeout, inside a subprocess timeout; workers
 die with the launcher (PR_SET_PDEATHSIG) and `finally` SIGKILLs any worker pid still alive.
-Workers run with `JAX_DISABLE_MOST_OPTIMIZATIONS=1`, as this process does (conftest).
+Workers run with `JAX_DISABLE_MOST_OPTIMIZATIONS=1`, as this process does (conftest), but for the
+optimised deterministic launch, which runs as users compile.
 """
 
 import json
