@@ -94,7 +94,7 @@ from elasjax.planner import Topology, initial_plan  # noqa: E402
 from elasjax.sharding import batch_shardings  # noqa: E402
 from elasjax.state import StateFactory, TrainState, make_optimizer  # noqa: E402
 from elasjax.step import abstract_batch, make_grad_fn  # noqa: E402
-from user_loop import UserLoop  # noqa: E402
+from user_loop import UserLoop, memory_mb, timed_run  # noqa: E402
 
 SIZES = {  # name -> (d_model, layers, heads)
     "demo": (64, 2, 4),
@@ -252,39 +252,25 @@ class Plain:
                 "data": DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)}
 
     def wall(self, steps: int) -> float:
-        """Seconds for a whole run of `steps` steps: a fresh state, each step's batch built and
-        placed, the losses read two steps late."""
+        """Seconds for a whole run of `steps` steps (`user_loop.timed_run`)."""
         r = self.runs[steps]
-        t0 = time.perf_counter()
-        state = r["init"]()
-        pending = []
-        for s in range(steps):
-            batch = {k: jax.device_put(v, r["bsh"][k])
-                     for k, v in r["data"].batch(s, r["plan"]).arrays().items()}
+
+        def train(state, batch):
             state, met = r["train"](state, batch)
-            pending.append(met["loss"])
-            if len(pending) > 2:
-                float(pending.pop(0))
-        [float(x) for x in pending]
-        jax.block_until_ready(state)
-        return time.perf_counter() - t0
+            return state, met["loss"]
+
+        def batch_at(s):
+            return {k: jax.device_put(v, r["bsh"][k])
+                    for k, v in r["data"].batch(s, r["plan"]).arrays().items()}
+
+        return timed_run(r["init"], train, batch_at, steps)
 
     @property
     def compile_s(self) -> float:
         return max(r["compile_s"] for r in self.runs.values())
 
     def memory(self) -> dict:
-        return _memory(next(iter(self.runs.values()))["train"])
-
-
-def _memory(compiled) -> dict:
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    return {"args_mb": m.argument_size_in_bytes / 2**20,
-            "out_mb": m.output_size_in_bytes / 2**20,
-            "temp_mb": m.temp_size_in_bytes / 2**20,
-            "alias_mb": m.alias_size_in_bytes / 2**20}
+        return memory_mb(next(iter(self.runs.values()))["train"])
 
 
 class Elastic:
@@ -312,7 +298,7 @@ class Elastic:
         return self.exe.compile_s
 
     def memory(self) -> dict:
-        return _memory(self.exe.train)
+        return memory_mb(self.exe.train)
 
 
 def build(mode: str, size: str, lengths: tuple[int, ...], cache: ExecutableCache):

@@ -164,32 +164,42 @@ class UserLoop:
                 "state_sh": state_sh, "batch_sh": batch_sh}
 
     def wall(self, steps: int) -> float:
-        """Seconds for a whole run of `steps` steps: a fresh state, each step's batch built and
-        placed, the losses read two steps late."""
+        """Seconds for a whole run of `steps` steps (`timed_run`)."""
         r = self.runs[steps]
-        t0 = time.perf_counter()
-        state = r["init"]()
-        pending = []
-        for s in range(steps):
-            batch = jax.device_put(make_batch(r["cfg"], s), r["batch_sh"])
-            state, loss = r["train"](state, batch)
-            pending.append(loss)
-            if len(pending) > 2:
-                float(pending.pop(0))
-        [float(x) for x in pending]
-        jax.block_until_ready(state)
-        return time.perf_counter() - t0
+        return timed_run(r["init"], r["train"],
+                         lambda s: jax.device_put(make_batch(r["cfg"], s), r["batch_sh"]), steps)
 
     @property
     def compile_s(self) -> float:
         return max(r["compile_s"] for r in self.runs.values())
 
     def memory(self) -> dict:
-        """XLA's per-device bytes of the step executable, in MB."""
-        m = next(iter(self.runs.values()))["train"].memory_analysis()
-        if m is None:
-            return {}
-        return {"args_mb": m.argument_size_in_bytes / 2**20,
-                "out_mb": m.output_size_in_bytes / 2**20,
-                "temp_mb": m.temp_size_in_bytes / 2**20,
-                "alias_mb": m.alias_size_in_bytes / 2**20}
+        return memory_mb(next(iter(self.runs.values()))["train"])
+
+
+def timed_run(init, train, batch_at, steps: int) -> float:
+    """Seconds for a whole run of `steps` steps: a fresh state (`init()`), each step's batch
+    built and placed (`batch_at(step)`), `train(state, batch) -> (state, loss)`, the losses
+    read two steps late."""
+    t0 = time.perf_counter()
+    state = init()
+    pending = []
+    for s in range(steps):
+        state, loss = train(state, batch_at(s))
+        pending.append(loss)
+        if len(pending) > 2:
+            float(pending.pop(0))
+    [float(x) for x in pending]
+    jax.block_until_ready(state)
+    return time.perf_counter() - t0
+
+
+def memory_mb(compiled) -> dict:
+    """XLA's per-device bytes of a compiled program, in MB."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    return {"args_mb": m.argument_size_in_bytes / 2**20,
+            "out_mb": m.output_size_in_bytes / 2**20,
+            "temp_mb": m.temp_size_in_bytes / 2**20,
+            "alias_mb": m.alias_size_in_bytes / 2**20}
