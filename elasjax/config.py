@@ -97,11 +97,17 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 10
     eval_batches: int = 2
-    # bitwise-reproducible across plans (see `step`); null (the default): on wherever the rest
-    # of the config allows it (`Config.__post_init__`, `deterministic_obstacle`)
-    deterministic: Optional[bool] = None
+    # bitwise-reproducible across plans (see `step`): true, false, or "auto" (the default; null
+    # means the same): on wherever the rest of the config allows it (`deterministic_obstacle`).
+    # What the config asks for; the mode in force is `Config.deterministic`. A run's config.yaml
+    # keeps "auto", so rerunning it decides the same way (test_config.py)
+    deterministic: Union[bool, Literal["auto"], None] = "auto"
     canonical_micro_batch: int = 0  # deterministic mode: samples per canonical micro-batch
     optimizer: str = ""  # "" = built-in AdamW; MODULE:ATTR = a user's optax optimizer
+
+    def __post_init__(self):
+        if self.deterministic is None:  # null: the same as "auto", written as "auto"
+            object.__setattr__(self, "deterministic", "auto")
 
 
 # the TrainConfig fields that configure the built-in optimizer (`state.make_optimizer`) only
@@ -115,7 +121,7 @@ def unused_optimizer_fields(t: TrainConfig) -> list[str]:
     return [
         f"train.{name}" for name in BUILTIN_OPTIMIZER_FIELDS
         if getattr(t, name) != getattr(defaults, name)
-        and not (name == "grad_clip" and t.deterministic)
+        and not (name == "grad_clip" and t.deterministic is True)
     ]
 
 
@@ -519,12 +525,13 @@ class Config:
     hardware: HardwareConfig = HardwareConfig()
     metrics: MetricsConfig = MetricsConfig()
 
-    def __post_init__(self):
-        # `train.deterministic: null` is decided here, once, from the config alone: every
-        # consumer (planner, step, workers under `launch`, `config.yaml`) sees a bool
-        if self.train.deterministic is None:
-            object.__setattr__(self, "train", _decided_by_default(
-                self.train, deterministic_obstacle(self) is None))
+    @property
+    def deterministic(self) -> bool:
+        """The mode in force: `train.deterministic` where it says true or false; where it says
+        "auto", on exactly where `deterministic_obstacle` finds nothing in the config alone (so
+        every process under `launch` decides the same)."""
+        asked = self.train.deterministic
+        return asked if isinstance(asked, bool) else deterministic_obstacle(self) is None
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
@@ -539,7 +546,7 @@ def grow_standby(cfg: Config) -> bool:
 
 def deterministic_obstacle(cfg: Config, optimizer_object: bool = False) -> str | None:
     """Why `cfg` cannot train in deterministic mode, or None where it can. With
-    `train.deterministic` left unset (null) the mode is on exactly where this is None.
+    `train.deterministic: auto` (the default) the mode is on exactly where this is None.
     `optimizer_object`: the run is given an optax optimizer object (`trainer.run(...,
     optimizer=tx)`), which the config does not name."""
     p = cfg.parallel
@@ -555,34 +562,29 @@ def deterministic_obstacle(cfg: Config, optimizer_object: bool = False) -> str |
     return None
 
 
-def _decided_by_default(t: TrainConfig, deterministic: bool) -> TrainConfig:
-    """`t` with the mode the default chose, marked so (`deterministic_by_default`)."""
-    t = dataclasses.replace(t, deterministic=deterministic)
-    object.__setattr__(t, "_deterministic_by_default", True)
-    return t
-
-
 def deterministic_by_default(cfg: Config) -> bool:
-    """Was `cfg`'s mode decided by the default (`train.deterministic` left unset)?"""
-    return getattr(cfg.train, "_deterministic_by_default", False)
+    """Is `cfg`'s mode decided by the default (`train.deterministic: auto`)?"""
+    return cfg.train.deterministic in ("auto", None)
 
 
 def with_optimizer_object(cfg: Config) -> Config:
-    """`cfg` for a run given an optax optimizer object: a deterministic mode that only the
-    default chose is turned off (`deterministic_obstacle`); one the config asks for stays."""
-    if not (cfg.train.deterministic and deterministic_by_default(cfg)):
+    """`cfg` for a run given an optax optimizer object, which the config does not name: a
+    deterministic mode that only the default chose is turned off, written as
+    `train.deterministic: false` (`deterministic_obstacle`); one the config asks for stays."""
+    if not (cfg.deterministic and deterministic_by_default(cfg)):
         return cfg
-    return cfg.replace(train=_decided_by_default(cfg.train, False))
+    return cfg.replace(train=dataclasses.replace(cfg.train, deterministic=False))
 
 
 def mode_line(cfg: Config, optimizer_object: bool = False) -> str:
     """One line that says which mode `cfg` trains in, and why where the default decided it."""
     auto = deterministic_by_default(cfg)
-    if cfg.train.deterministic:
+    if cfg.deterministic:
         return ("deterministic mode: every loss and the state bitwise equal to the fault-free "
                 "run's across re-plans (the tensor degree is kept)"
                 + (" (the default; train.deterministic=false turns it off)" if auto else ""))
-    why = deterministic_obstacle(cfg, optimizer_object) if auto else None
+    # an optimizer object turned the default off (`with_optimizer_object`): say why
+    why = deterministic_obstacle(cfg, optimizer_object) if auto or optimizer_object else None
     return ("default mode: losses within 1e-5 of the fault-free run's per step"
             + (f" (not deterministic: {why})" if why else " (train.deterministic = false)"))
 
@@ -593,6 +595,17 @@ def mode_line(cfg: Config, optimizer_object: bool = False) -> str:
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
+
+
+def _describe(tp: Any) -> str:
+    """How an error names the values of one alternative of a union."""
+    if tp is bool:
+        return "true, false"
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is Literal:
+        return ", ".join(repr(a) for a in typing.get_args(tp))
+    return f"a {_type_name(tp)}"
 
 
 def build_dataclass(tp: Any, value: Any, key: str = "") -> Any:
@@ -632,7 +645,16 @@ def build_dataclass(tp: Any, value: Any, key: str = "") -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return build_dataclass(inner[0], value, key)
+        if len(inner) == 1:
+            return build_dataclass(inner[0], value, key)
+        for alternative in inner:  # e.g. `true | false | "auto"`: the first that takes it
+            try:
+                return build_dataclass(alternative, value, key)
+            except ConfigError:
+                pass
+        allowed = [_describe(a) for a in args]
+        raise ConfigError(f"config '{key}' = {value!r} is not allowed; allowed values: "
+                          f"{', '.join(allowed)}")
     if origin is tuple:
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
             if args and args[-1] is Ellipsis and not isinstance(value, (str, bytes)):
@@ -783,7 +805,7 @@ def dump(cfg: Config, optimizer: str | None = None) -> str:
         d["train"]["optimizer"] = optimizer
     if d["train"]["optimizer"]:
         for name in BUILTIN_OPTIMIZER_FIELDS:
-            if not (name == "grad_clip" and cfg.train.deterministic):
+            if not (name == "grad_clip" and cfg.deterministic):
                 del d["train"][name]
     return yaml.safe_dump(d, sort_keys=False)
 
@@ -1026,7 +1048,7 @@ def _validate_recovery(cfg: Config) -> None:
         _require(cfg.checkpoint.dir is not None, "recovery.strategy",
                  "= 'checkpoint_restart' needs checkpoint.dir")
     if r.strategy == "torchft_like":
-        _require(p.stage == 1 and cfg.zero.stage == 0 and not t.deterministic, "recovery.strategy",
+        _require(p.stage == 1 and cfg.zero.stage == 0 and not cfg.deterministic, "recovery.strategy",
                  "= 'torchft_like' is implemented for data x tensor plans with zero.stage = 0 and "
                  "train.deterministic = false")
     _require(r.max_fast_path_steps >= 0, "recovery.max_fast_path_steps", "must be >= 0")
@@ -1057,7 +1079,7 @@ def _validate_deterministic(cfg: Config) -> None:
     against the stage bounds."""
     t, p = cfg.train, cfg.parallel
     _require(t.canonical_micro_batch >= 0, "train.canonical_micro_batch", "must be >= 0")
-    if t.deterministic:
+    if cfg.deterministic:
         top = p.max_stage or p.stage
         _require(
             top <= 1 or (p.stage >= 2 and p.min_stage >= 2),

@@ -107,7 +107,7 @@ class StartEvent(Record):
     compile_s: float
     n_params: int
     optimizer: str  # "builtin adamw", "MODULE:ATTR" (train.optimizer), or the object passed
-    deterministic: bool  # train.deterministic as run (null in the config: decided by it)
+    deterministic: bool  # the mode in force (`Config.deterministic`; "auto": decided by it)
     mode: str  # which mode, and why where the default decided it (`config.mode_line`)
     snapshot_bytes_per_step: int
     snapshot: dict  # the snapshot copies taken: {"buddy", "host", "copies", "auto", "cost"}

@@ -267,7 +267,7 @@ def _make(
     B = cfg.train.global_batch
     per_replica = ceil_div(B, data)
     partition = layer_partition(layer_count(cfg.model), stage, previous_partition)
-    canon = canonical_size(cfg) if cfg.train.deterministic else 0
+    canon = canonical_size(cfg) if cfg.deterministic else 0
     if canon:
         # Deterministic mode: micro-batches are the canonical ones, dealt over the replicas.
         m, b = ceil_div(ceil_div(B, canon), data), canon
@@ -524,7 +524,7 @@ def replan(
         t for t in allowed_tensor_degrees(cfg.model) if t != previous.tensor]
     keep = cfg.parallel.replan == "keep_tensor"
     # deterministic mode: a different tensor degree reduces in a different order
-    tensors = [previous.tensor] if keep or cfg.train.deterministic else allowed
+    tensors = [previous.tensor] if keep or cfg.deterministic else allowed
     mmb = cfg.train.max_micro_batch or initial.micro_batch
 
     def ranked_over(tensors):
@@ -534,13 +534,13 @@ def replan(
         )
 
     ranked = ranked_over(tensors)
-    if not ranked and not keep and cfg.train.deterministic and deterministic_by_default(cfg):
+    if not ranked and not keep and cfg.deterministic and deterministic_by_default(cfg):
         # a mode only the default chose gives way rather than end the run: the loop says that
         # bitwise equality ends here (`Trainer._on_failure`; test_config.py, the tensor test)
         ranked = ranked_over(allowed)
     if not ranked:
         why = (" and train.deterministic = true, which keeps the tensor degree"
-               if cfg.train.deterministic and not keep else "")
+               if cfg.deterministic and not keep else "")
         raise NoPlanError(
             f"no layout fits {len(live_ids)} live devices with tensor degree in {tensors} "
             f"(parallel.replan = {cfg.parallel.replan!r}{why})"

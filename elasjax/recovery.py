@@ -552,7 +552,7 @@ class _InProcessPlacement:
 def _placed(cfg, plan, topo: Topology, live: set[int], devices):
     """(the described state, its snapshot pool) of the loop on `plan` over `live`, from the
     state's shapes and the plan's shardings alone (`plan_coverage`)."""
-    factory = StateFactory(cfg, make_optimizer(cfg.train))
+    factory = StateFactory(cfg, make_optimizer(cfg))
     mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
     abstract = factory.layout(plan).abstract_on(mesh)
     pool = SnapshotPool(cfg.snapshot, topo, _InProcessPlacement(), donated=False)

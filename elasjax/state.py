@@ -62,9 +62,11 @@ class TrainState:
 BUILTIN_OPTIMIZER = "builtin adamw"  # how the start event and reports name the default
 
 
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """The run's optimizer by config: the user's `train.optimizer` (`load_optimizer`) if set,
-    else the built-in AdamW with linear warmup and cosine decay, after global-norm clipping."""
+    else the built-in AdamW with linear warmup and cosine decay, after global-norm clipping
+    (in the step instead where the mode in force, `cfg.deterministic`, is deterministic)."""
+    t = cfg.train
     if t.optimizer:
         return load_optimizer(t.optimizer)
     sched = optax.warmup_cosine_decay_schedule(
@@ -78,7 +80,7 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     if t.grad_clip > 0:
         # deterministic mode clips in the step with a layout-independent norm
         # (`StateLayout.fixed_order_norm`); identity keeps the optimizer state's structure
-        clip = optax.identity() if t.deterministic else optax.clip_by_global_norm(t.grad_clip)
+        clip = optax.identity() if cfg.deterministic else optax.clip_by_global_norm(t.grad_clip)
         parts.append(clip)
     parts.append(optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=t.weight_decay))
     return optax.chain(*parts)
@@ -153,7 +155,7 @@ def choose_optimizer(
         return optimizer, label, "python"
     if t.optimizer:
         return load_optimizer(t.optimizer), t.optimizer, "config"
-    return make_optimizer(t), BUILTIN_OPTIMIZER, "builtin"
+    return make_optimizer(cfg), BUILTIN_OPTIMIZER, "builtin"
 
 
 def _is_tag(x) -> bool:

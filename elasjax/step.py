@@ -78,10 +78,10 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
     accumulator is partitioned) and ZeRO-3 (the gradient of the storage itself)."""
     stage = layout.stage if layout is not None else 0
     if layout is not None and layout.stage_layout is not None:
-        if cfg.train.deterministic:
+        if cfg.deterministic:
             return _deterministic_pipelined_grad_fn(cfg, mesh, state_sh, layout)
         return _pipelined_grad_fn(cfg, mesh, layout)
-    if cfg.train.deterministic:
+    if cfg.deterministic:
         return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout)
     loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout, mesh=mesh)
     micro_sh = NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"]))
@@ -283,14 +283,14 @@ def make_train_step(
 ):
     tx = layout.tx
     grad_fn = make_grad_fn(cfg, model, mesh, state_sh, layout)
-    if cfg.train.deterministic:
+    if cfg.deterministic:
         grad_fn = functools.partial(grad_fn, plan=plan)
     stage = layout.stage
     clip = cfg.train.grad_clip
 
     def train_step(state: TrainState, batch: dict):
         loss, grads = grad_fn(state.params, batch, state.step)
-        if cfg.train.deterministic:
+        if cfg.deterministic:
             # the optimizer's own clipping is off in this mode (`make_optimizer`): its global
             # norm reduces in an order that depends on the layout; this one does not
             norm = layout.fixed_order_norm(grads)
@@ -300,10 +300,10 @@ def make_train_step(
                 )
         # the gradient comes in parameter form for ZeRO-0/1 and in deterministic mode
         # (`_deterministic_grad_fn`), else in the ZeRO storage (`make_grad_fn`)
-        whole = stage < 2 or cfg.train.deterministic
+        whole = stage < 2 or cfg.deterministic
         p_opt = state.params if stage in (0, 3) else layout.to_storage(state.params, mesh)
         g_opt = layout.to_storage(grads, mesh) if stage > 0 and whole else grads
-        if cfg.train.deterministic and stage > 0:
+        if cfg.deterministic and stage > 0:
             new_p, opt_state = _apply_apart(tx, g_opt, state.opt_state, p_opt, state.step)
         else:
             updates, opt_state = tx.update(g_opt, state.opt_state, p_opt)
@@ -312,7 +312,7 @@ def make_train_step(
         new = TrainState(state.step + 1, params, opt_state)
         metrics = {
             "loss": loss,
-            "grad_norm": norm if cfg.train.deterministic else optax.tree.norm(g_opt),
+            "grad_norm": norm if cfg.deterministic else optax.tree.norm(g_opt),
             "checksums": layout.stacked_checksums(new, mesh),
         }
         return new, metrics
@@ -334,13 +334,13 @@ def make_eval_step(
         # test_launch_standby_makes_a_sigkill_a_standby_hit)
         key = rng.root_key(0)
         n_tokens = normaliser(batch)
-        if cfg.train.deterministic and pipelined:
+        if cfg.deterministic and pipelined:
             per = pipeline_slot_losses(
                 params, batch, key, cfg.model, layout.stage_layout, mesh, mesh.shape[DATA],
                 copies=False, deterministic=True,
             )
             return fixed_order_sum(per, canonical_order(plan), replicated(mesh)), n_tokens
-        if cfg.train.deterministic:
+        if cfg.deterministic:
             D = mesh.shape[DATA]
 
             def slot_sums(mb):

@@ -510,7 +510,7 @@ class Trainer:
         unfinished = ls.open_event  # a recovery whose first step just failed
         growing = self.cutovers.clear()  # a failure re-plans from scratch (returned devices too)
         r = self.recovery.recover(pos, self.pool, failure, during)
-        if self.cfg.train.deterministic and r.pos.plan.tensor != pos.plan.tensor:
+        if self.cfg.deterministic and r.pos.plan.tensor != pos.plan.tensor:
             # `planner.replan`: a mode only the default chose gives way rather than end the run
             msg = (f"step {step}: no plan with tensor degree {pos.plan.tensor} fits the "
                    f"{len(r.pos.live)} live devices; the run goes on as {r.pos.plan.name}, no "
@@ -802,7 +802,7 @@ class Trainer:
             compile_s=exe.compile_s,
             n_params=self.factory.n_params,
             optimizer=self.optimizer_name,
-            deterministic=bool(self.cfg.train.deterministic),
+            deterministic=bool(self.cfg.deterministic),
             mode=mode,
             snapshot_bytes_per_step=self.pool.bytes_per_step,
             snapshot={"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,

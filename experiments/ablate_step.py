@@ -73,7 +73,7 @@ def elasjax(size: str, zero: int, parts: tuple[str, ...] = ()):
     cfg = bench_scale.size_config(size, 100, [f"zero.stage={zero}"])
     plan = initial_plan(Topology(tuple(range(8)), 2), cfg)
     with without(parts):
-        exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg.train)), plan,
+        exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg)), plan,
                            {d.id: d for d in jax.devices()}, donate=False)
     data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
     return exe.train, exe.init(), exe.put_batch(data.batch(0, plan).arrays())

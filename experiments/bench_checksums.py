@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = size_config(args.size, 2, [f"zero.stage={args.zero}"])
     plan = initial_plan(Topology(tuple(range(8)), cfg.parallel.devices_per_host), cfg)
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     exe = compile_plan(cfg, f, plan, {d.id: d for d in jax.devices()})
     state = exe.init()
     jax.block_until_ready(exe.checksum(state))

@@ -42,7 +42,7 @@ def setup(path: str, deterministic: bool):
     devs = {d.id: d for d in jax.devices()}
     topo = planner.Topology(tuple(range(8)), cfg.parallel.devices_per_host)
     plan = planner.initial_plan(topo, cfg)
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     exe = compile_plan(cfg, f, plan, devs)
     return cfg, plan, exe, exe.init()
 

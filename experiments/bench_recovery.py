@@ -122,7 +122,7 @@ def recovery_rows(args, layout: str):
     cfg = build(args, layout)
     devs = {d.id: d for d in jax.devices()}
     topo = planner.Topology(tuple(range(8)), 2)
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     plan = planner.initial_plan(topo, cfg)
     rows = []
     live = set(topo.device_ids)
@@ -199,7 +199,7 @@ def snapshot_cost(args):
     cfg = build(args, "interleaved")
     devs = {d.id: d for d in jax.devices()}
     topo = planner.Topology(tuple(range(8)), 2)
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     plan = planner.initial_plan(topo, cfg)
     exe = compile_plan(cfg, f, plan, devs)
     state = exe.init()
@@ -243,7 +243,7 @@ def main():
     ap.add_argument("--skip-snapshot-cost", action="store_true")
     args = ap.parse_args()
     cfg = build(args, "interleaved")
-    n = StateFactory(cfg, make_optimizer(cfg.train)).n_params
+    n = StateFactory(cfg, make_optimizer(cfg)).n_params
     print(f"# bench_recovery: ZeRO-1 state of a {n / 1e6:.1f}M-parameter GPT on 8 fake CPU devices "
           f"(4 hosts x 2), jax {jax.__version__}; wall-clock on 2 shared cores\n")
     rows = []

@@ -221,7 +221,7 @@ class Plain:
     def _build(cfg: config.Config, zero: int, donate: bool) -> dict:
         topo = Topology(tuple(range(cfg.parallel.devices)), cfg.parallel.devices_per_host)
         plan = initial_plan(topo, cfg)
-        f = StateFactory(cfg, make_optimizer(cfg.train))
+        f = StateFactory(cfg, make_optimizer(cfg))
         devs = {d.id: d for d in jax.devices()}
         mesh = make_mesh(plan.mesh_shape, [devs[i] for i in plan.device_ids])
         ab = abstract_batch(plan, f.model)
@@ -343,7 +343,7 @@ def measure_size(size: str, modes: list[str], short: int, long: int, rounds: int
         t0 = time.perf_counter()
         loops[m] = build(m, size, (short, long), cache)
         print(f"  built {m} in {time.perf_counter() - t0:.1f}s", flush=True)
-    f = StateFactory(size_config(size, short), make_optimizer(size_config(size, short).train))
+    f = StateFactory(size_config(size, short), make_optimizer(size_config(size, short)))
     times: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(rounds):
         for m in modes:
@@ -517,7 +517,7 @@ def check(cases: str = "0:0,1:0,3:0,1:0.1", steps: int = 3) -> bool:
         B, T = cfg.train.global_batch, cfg.model.seq_len
         plan = initial_plan(Topology(tuple(range(cfg.parallel.devices)),
                                      cfg.parallel.devices_per_host), cfg)
-        exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg.train)), plan, devices,
+        exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg)), plan, devices,
                            donate=False)
         canonical = jax.jit(exe.layout.to_canonical)
         user = user_loop.UserLoop({10: cfg}, int(zero), donate=False).runs[10]

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ])
     dev = jax.devices()[0]
     plan = initial_plan(Topology((dev.id,), 1), cfg)
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     mesh = make_mesh(plan.mesh_shape, [dev])
     layout = f.layout(plan)
     sh = layout.shardings(mesh)

@@ -155,7 +155,7 @@ def profile(size: str, reps: int, donates: list[bool], deterministic: bool) -> d
         plan = initial_plan(Topology(tuple(range(8)), 2), cfg)
         devices = {d.id: d for d in jax.devices()}
         with compiles() as got:
-            exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg.train)), plan, devices,
+            exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg)), plan, devices,
                                donate=False)
         (tl, tc, ts), (cl, cc, cs) = got  # train, then checksum
         assert tc is exe.train and cc is exe.checksum

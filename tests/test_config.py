@@ -126,17 +126,23 @@ def test_features_not_yet_available_are_refused():
 
 
 def test_the_deterministic_mode_is_the_default_where_a_config_allows_it():
-    """`train.deterministic` left out (null): on, unless the config has an obstacle
-    (`config.deterministic_obstacle`), which the run's mode line names. An explicit value is
-    kept; the resolved value is what config.yaml records."""
+    """`train.deterministic` left out ("auto"; null the same): on, unless the config has an
+    obstacle (`config.deterministic_obstacle`), which the run's mode line names. An explicit
+    value is kept. config.yaml records what was asked ("auto"), so a rerun from it decides the
+    same way (test_trainer.py reruns one where the default gave way)."""
     import yaml
 
     cfg = config.load(None)
-    assert cfg.train.deterministic is True and config.deterministic_by_default(cfg)
+    assert cfg.deterministic is True and config.deterministic_by_default(cfg)
+    assert cfg.train.deterministic == "auto"
+    assert config.load(None, ["train.deterministic=null"]).train.deterministic == "auto"
     assert "(the default; train.deterministic=false turns it off)" in config.mode_line(cfg)
-    assert yaml.safe_load(config.dump(cfg))["train"]["deterministic"] is True
+    assert yaml.safe_load(config.dump(cfg))["train"]["deterministic"] == "auto"
     explicit = config.load(None, ["train.deterministic=false"])
-    assert explicit.train.deterministic is False and not config.deterministic_by_default(explicit)
+    assert explicit.deterministic is False and not config.deterministic_by_default(explicit)
+    with pytest.raises(ConfigError, match=r"'train.deterministic' = 'maybe' is not allowed; "
+                       r"allowed values: true, false, 'auto', null"):
+        config.load(None, ["train.deterministic=maybe"])
     assert config.mode_line(explicit).endswith("(train.deterministic = false)")
 
     pipe = ["model.n_layers=4", "parallel.data=2", "parallel.stage=4", "parallel.tensor=1",
@@ -148,18 +154,18 @@ def test_the_deterministic_mode_is_the_default_where_a_config_allows_it():
     }
     for over, why in obstacles.items():
         c = config.load(None, list(over))
-        assert c.train.deterministic is False, over
+        assert c.deterministic is False, over
         assert why in config.mode_line(c), (over, config.mode_line(c))
     for zero in (0, 1):
         assert config.load(None, [*pipe, "parallel.min_stage=2",
-                                  f"zero.stage={zero}"]).train.deterministic is True
+                                  f"zero.stage={zero}"]).deterministic is True
     # asked for explicitly, the mode stays on with a named optimizer (the step clips first)
     assert config.load(None, ["train.optimizer=optax:sgd",
-                              "train.deterministic=true"]).train.deterministic is True
+                              "train.deterministic=true"]).deterministic is True
 
     # an optimizer object given to the run turns off only a mode the default chose
     off = config.with_optimizer_object(cfg)
-    assert off.train.deterministic is False
+    assert off.deterministic is False
     assert "a custom optimizer's own reductions" in config.mode_line(off, optimizer_object=True)
     on = config.load(None, ["train.deterministic=true"])
     assert config.with_optimizer_object(on) is on
@@ -167,6 +173,6 @@ def test_the_deterministic_mode_is_the_default_where_a_config_allows_it():
     # the shipped configs: the ZeRO demo trains deterministically by default (its plans are the
     # default mode's); the others state the default mode (their re-plans change the tensor
     # degree); the pipeline demo's pipelines may re-plan to one stage
-    assert config.load("configs/demo_zero.yaml").train.deterministic is True
+    assert config.load("configs/demo_zero.yaml").deterministic is True
     for name in ("demo", "demo_grow", "demo_mtbf", "multiprocess", "demo_pipeline"):
-        assert config.load(f"configs/{name}.yaml").train.deterministic is False, name
+        assert config.load(f"configs/{name}.yaml").deterministic is False, name

@@ -29,7 +29,7 @@ def _temp_bytes(*over: str) -> tuple[int, int]:
     cfg = tiny_config("train.global_batch=64", "train.canonical_micro_batch=4", *over)
     topo = planner.Topology(tuple(range(8)), cfg.parallel.devices_per_host)
     plan = planner.initial_plan(topo, cfg)
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     exe = compile_plan(cfg, f, plan, {d.id: d for d in jax.devices()})
     grad = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(f.abstract.params))
     return exe.train.memory_analysis().temp_size_in_bytes, grad

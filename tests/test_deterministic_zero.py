@@ -36,7 +36,7 @@ def reference(exe_cache):
 
 def _canonical(r):
     cfg = tiny_config(*COMMON)
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     return jax.device_get(jax.jit(f.layout(r.final_plan).to_canonical)(r.state))
 
 

@@ -24,7 +24,7 @@ STEP = 3
 
 @pytest.fixture(scope="module")
 def setup():
-    f = StateFactory(CFG, make_optimizer(CFG.train))
+    f = StateFactory(CFG, make_optimizer(CFG))
     dp = DataPipeline(CFG.data, CFG.model, CFG.rng, CFG.train.global_batch)
     params = jax.device_get(f.init(make_mesh({"data": 1}, [DEVS[0]])).params)
     return f, dp, params

@@ -365,7 +365,7 @@ def test_cross_process_transition_moves_exactly_the_planned_pieces():
     topo = planner.Topology(tuple(range(8)), 2)
     devs = {d.id: d for d in jax.devices()}
     where = lambda d: int(d.split(":")[1]) if isinstance(d, str) else d % 4  # noqa: E731
-    factory = StateFactory(cfg, make_optimizer(cfg.train))
+    factory = StateFactory(cfg, make_optimizer(cfg))
     init = planner.initial_plan(topo, cfg)
     state = factory.init(make_mesh(init.mesh_shape, [devs[i] for i in init.device_ids]))
     survivors = [0, 1, 3, 4, 5, 7]

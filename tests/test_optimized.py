@@ -110,7 +110,7 @@ def test_deterministic_async_and_blocking_migrations_are_bitwise_equal(exe_cache
     for run in (blocking, asyn):
         assert all(3 not in log.sources() for log in run.transfer_logs)
     assert sum(log.bytes_moved for log in asyn.transfer_logs) == mig["bytes_moved"]
-    f = StateFactory(tiny_config(*det), make_optimizer(tiny_config(*det).train))
+    f = StateFactory(tiny_config(*det), make_optimizer(tiny_config(*det)))
 
     def canonical(run):  # the final plans differ (4 vs 3 stages): compare layer by layer
         return jax.device_get(jax.jit(f.layout(run.final_plan).to_canonical)(run.state))

@@ -50,7 +50,7 @@ def test_layer_partition_is_minimax_and_prefers_fewer_moves():
 @pytest.fixture(scope="module")
 def model_and_batch():
     cfg = tiny_config("model.n_layers=5", "parallel.tensor=1", "parallel.data=8")
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     params = jax.device_get(jax.jit(f._init_params)())
     dp = DataPipeline(cfg.data, cfg.model, cfg.rng, 32)
     key = rng.step_key(rng.root_key(0), 2)
@@ -110,7 +110,7 @@ def _rebuild(f, lay, state, new, snapshots=None):
 
 def test_partition_change_moves_layers_exactly():
     cfg = tiny_config(*PIPE)
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     plan = planner.initial_plan(TOPO, cfg)
     assert plan.name.startswith("d2s4") and plan.partition == (1, 1, 1, 1)
     lay = f.layout(plan)
@@ -133,7 +133,7 @@ def test_zero1_on_a_pipeline_round_trips_and_restores_lost_partitions():
     round-trips exactly, and after device 3 fails every target (the fast path, a re-partitioned
     pipeline, an unpipelined plan) is rebuilt from live shards and buddy snapshots only."""
     cfg = tiny_config(*PIPE, "zero.stage=1", "snapshot.buddy=true")
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     plan = planner.initial_plan(TOPO, cfg)
     assert plan.zero_stage == 1 and plan.stage == 4
     lay, plain = f.layout(plan), f.layout(dataclasses.replace(plan, zero_stage=0, zero=None))

@@ -194,7 +194,7 @@ def test_a_default_deterministic_mode_gives_way_where_its_tensor_degree_fits_no_
     topo = Topology((0, 1), 2)
     by_default = config.load(None, ["parallel.devices=2", "parallel.devices_per_host=2",
                                     "parallel.data=1", "parallel.tensor=2"])
-    assert by_default.train.deterministic
+    assert by_default.deterministic
     init = initial_plan(topo, by_default)
     assert replan([0, 1], topo, by_default, init, init).tensor == 2  # kept while it fits
     assert replan([0], topo, by_default, init, init).tensor == 1

@@ -20,7 +20,7 @@ DEVS = {d.id: d for d in jax.devices()}
 
 @pytest.fixture(scope="module")
 def factory():
-    return StateFactory(CFG, make_optimizer(CFG.train))
+    return StateFactory(CFG, make_optimizer(CFG))
 
 
 def _mesh(plan):

@@ -12,7 +12,7 @@ import pytest
 from conftest import LOSS_RTOL, assert_params_close, assert_same_computation, tiny_config
 
 import elasjax
-from elasjax import trainer
+from elasjax import config, trainer
 from elasjax.config import ConfigError
 from elasjax.faults import FaultEvent
 from elasjax.metrics import MTTR_PHASES, read_jsonl
@@ -164,13 +164,19 @@ def test_a_default_deterministic_run_goes_on_when_its_tensor_degree_no_longer_fi
 ):
     """Deterministic by default (`train.deterministic` left out) on tensor 2 x data 1: when one
     device is left, no plan keeps the tensor degree; the run re-plans to tensor 1 and warns
-    that bitwise equality with the fault-free run ends there, rather than stopping."""
+    that bitwise equality with the fault-free run ends there, rather than stopping. Its
+    config.yaml says "auto", so a rerun from it does the same (had it said `true`, the rerun
+    would end in a NoPlanError at the failure)."""
     cfg = tiny_config("train.deterministic=null", "train.steps=4", "parallel.devices=2",
                       "parallel.data=1", "parallel.tensor=2", "faults=[{at_step: 2, devices: [1]}]")
-    assert cfg.train.deterministic
-    r = trainer.run(cfg, tmp_path, exe_cache=exe_cache)
+    assert cfg.deterministic
+    r = trainer.run(cfg, tmp_path / "run", exe_cache=exe_cache)
+    again = config.load(tmp_path / "run" / "config.yaml")
+    assert again == cfg and again.train.deterministic == "auto"
+    rerun = trainer.run(again, tmp_path / "rerun", exe_cache=exe_cache)
+    assert rerun.final_plan == r.final_plan and rerun.losses == r.losses
     assert r.recoveries[0].from_plan.startswith("d1t2") and r.final_plan.tensor == 1
-    warns = [e for e in read_jsonl(tmp_path / "events.jsonl")
+    warns = [e for e in read_jsonl(tmp_path / "run" / "events.jsonl")
              if e["type"] == "warning" and e["field"] == "train.deterministic"]
     assert len(warns) == 1 and "no longer bitwise equal" in warns[0]["message"], warns
     assert sorted(r.losses) == [0, 1, 2, 3]

@@ -80,7 +80,7 @@ def test_evolve_relayouts_when_a_group_changes():
 def test_codec_round_trip_and_layer_gather(kind, tensor):
     cfg = tiny_config("zero.stage=3", f"zero.layout={kind}", f"parallel.tensor={tensor}",
                       f"parallel.data={8 // tensor}")
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     plan = planner.initial_plan(TOPO, cfg)
     lay = plan.zero
     if kind == "interleaved":
@@ -107,7 +107,7 @@ def _setup(stage, kind, *, buddy=True, host=True):
         f"zero.stage={stage}", f"zero.layout={kind}", "parallel.tensor=1", "parallel.data=8",
         f"snapshot.buddy={str(buddy).lower()}", f"snapshot.host={str(host).lower()}",
     )
-    f = StateFactory(cfg, make_optimizer(cfg.train))
+    f = StateFactory(cfg, make_optimizer(cfg))
     return cfg, f
 
 

@@ -252,7 +252,7 @@ def restart_child(
     if bad:
         raise ValueError(f"failed devices {bad} are not in the job; allowed: {sorted(job)}")
     topo = Topology(tuple(job), cfg.parallel.devices_per_host)
-    factory = StateFactory(cfg, make_optimizer(cfg.train))
+    factory = StateFactory(cfg, make_optimizer(cfg))
     initial = initial_plan(topo, cfg)
     survivors = [d for d in topo.device_ids if d not in set(failed)]
     plan = replan(survivors, topo, cfg, initial, initial)

@@ -229,7 +229,7 @@ def main() -> int:
         jax.config.update(name, value)
 
     cfg = setup["cfg"]
-    factory = StateFactory(cfg, make_optimizer(cfg.train))
+    factory = StateFactory(cfg, make_optimizer(cfg))
     devices = {d.id: d for d in jax.devices()}
     pickle.dump(("ready",), out, protocol=pickle.HIGHEST_PROTOCOL)
     out.flush()
