@@ -21,7 +21,7 @@ from .planner import (
 class Contingencies:
     """The next failures and plans of a job on `topo` started on `initial`. `device_failures`:
     can one device fail alone (the in-process runtime), or only a whole process's devices;
-    `can_grow`: can devices return (the runtime has `join`)."""
+    `can_grow`: can devices return (`Runtime.devices_return`)."""
 
     def __init__(self, cfg: Config, topo: Topology, initial: Plan, *, device_failures: bool,
                  can_grow: bool):

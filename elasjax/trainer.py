@@ -72,6 +72,7 @@ from .recovery import (
 from .report import Progress, join_line, migration_line, print_summary, recovery_line
 from .rng import check_backend_config
 from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
+from .runtime.base import Runtime
 from .state import StateFactory, check_elementwise, choose_optimizer
 from .tensorboard import TensorBoardWriter
 from .transfer import checksum
@@ -200,7 +201,7 @@ class Trainer:
         cfg: Config,
         out_dir: str | Path | None = None,
         *,
-        runtime=None,
+        runtime: Runtime | None = None,
         progress: bool = False,
         exe_cache: ExecutableCache | None = None,
         optimizer: optax.GradientTransformation | None = None,
@@ -222,12 +223,12 @@ class Trainer:
         self.topo = self.rt.topology
         self.schedule = resolve_schedule(cfg.faults, self.topo, cfg.train.steps, self.rt.kind,
                                          cfg.recovery.worker_restarts)
-        if cfg.recovery.worker_restarts and not hasattr(self.rt, "joiners"):
+        if cfg.recovery.worker_restarts and not self.rt.rejoins:
             raise ConfigError(
                 f"config 'recovery.worker_restarts' = {cfg.recovery.worker_restarts} restarts "
                 f"processes of `elasjax launch`; the {self.rt.kind} runtime has none; allowed "
                 "values here: 0")
-        if cfg.recovery.grow_standby is True and not hasattr(self.rt, "join"):
+        if cfg.recovery.grow_standby is True and not self.rt.devices_return:
             raise ConfigError(
                 f"config 'recovery.grow_standby' = true needs a runtime where devices can return; "
                 f"the {self.rt.kind} runtime has none yet; allowed values here: false"
@@ -252,7 +253,7 @@ class Trainer:
         self.compiles = CompileCounter()
         # a runtime that admits restarted processes (`admission`) may grow at any step
         grows = (any(e.is_join for e in self.schedule) or grow_standby(cfg)
-                 or hasattr(self.rt, "joiners"))
+                 or self.rt.rejoins)
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
             background=cfg.standby.enabled or cfg.recovery.migration == "async" or grows,
@@ -262,7 +263,7 @@ class Trainer:
         )
         self.contingencies = Contingencies(cfg, self.topo, self.initial,
                                            device_failures=self.rt.device_failures,
-                                           can_grow=hasattr(self.rt, "join"))
+                                           can_grow=self.rt.devices_return)
         self.transitions = TransitionPlanner(cfg, self.factory, self.devices, self.contingencies,
                                              where=self.rt.process_of)
         self.recovery = Recoverer(cfg, self.rt, self.topo, self.factory, self.source,
@@ -338,7 +339,7 @@ class Trainer:
 
     def _run(self, mw: JsonlWriter, ew: Emitter) -> RunSummary:
         T = self.cfg.train.steps
-        if getattr(self.rt, "admission", None) is not None:  # a restarted process rejoins
+        if self.rt.admission is not None:  # a restarted process rejoins
             ls = self._rejoin(mw, ew)
         else:
             pos = self._start(ew)
@@ -375,7 +376,7 @@ class Trainer:
         step's verdict named them, so every live process admits at this boundary), unless a
         recovery or an async recovery's migration is open (then at a later boundary; a pending
         growth is re-planned by the join)."""
-        procs = self.rt.joiners() if hasattr(self.rt, "joiners") else []
+        procs = self.rt.joiners()
         pc = self.cutovers.pending
         # a pending growth does not hold an admission back: the join re-plans it over every
         # returned device (`Cutovers.join`, `replaces_pending`); a newcomer waits at most its
@@ -912,7 +913,7 @@ def run(
     *,
     progress: bool = False,
     exe_cache: ExecutableCache | None = None,
-    runtime=None,
+    runtime: Runtime | None = None,
     optimizer: optax.GradientTransformation | None = None,
     hooks: Sequence[Hook] = (),
 ) -> RunSummary:

@@ -173,7 +173,8 @@ def test_grow_standby_queues_the_every_device_plan_while_devices_are_down():
     off = trainer.Trainer(tiny_config())
     assert off.standby is None  # nothing to compile in the background for this run
     off.rt.close()
-    fake = types.SimpleNamespace(writer=True, devices={}, topology=TOPO, kind="multi-controller")
+    fake = types.SimpleNamespace(writer=True, devices={}, topology=TOPO, kind="multi-controller",
+                                 devices_return=False, rejoins=False)
     with pytest.raises(ConfigError, match=r"'recovery.grow_standby' = true needs a runtime where "
                                           r"devices can return.*allowed values here: false"):
         trainer.Trainer(cfg, runtime=fake)

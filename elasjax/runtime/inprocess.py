@@ -13,27 +13,7 @@ process with fake devices and a real multi-host job is this object:
 | agreement | trivial | the coordination service's key-value store |
 | outputs | this process | the lowest live process |
 
-The interface, used by the trainer, the snapshot pool and transitions:
-
-- `kind`, `failure_simulation` (what a failure is here; written into every recovery event),
-  `donate` (whether executables may donate their input state: not where a step can fail midway
-  and its input must stay readable), `device_failures` (can one device fail alone?);
-- `devices` (every device of the job, by id), `topology`, `live`, `me`, `process_of(device)`
-  (an int id or "host:<h>"), `writer`, `host_copies_off_host` (host memory dies with its host);
-- `guard(phase)`: a block whose end every live process reaches together; a failure inside it
-  raises `DeviceFailure` on every survivor, naming the same devices;
-- `inject(events, point, trees)`: make scheduled failures happen at `point` ("before_step",
-  "after_dispatch", "transfer"); each runtime acts at the points where its failures happen;
-- `join(devices)` (one process only, for now): failed devices return, empty;
-- `commit(tree)`: wait for `tree` where a guard must see its errors (multi-controller);
-- `exchange(sends, recvs)` and `move(items)`: cross-process pieces, point to point;
-- `agree(value)`: every live process's value; `share(value, src)`: process `src`'s value;
-- `renew_collectives(failure)`: after a failure that interrupted a block, start fresh
-  collectives (a new CPU client under `jax.distributed`; never in one process); `current(x)`: a
-  buffer on the current client's device;
-- `capture(tree, dead)`: what survives of a state after a failure; `log(msg)`;
-  `detection_report(detail)`; `processes()`;
-- `threads`: the copy threads of transitions; `close()`.
+The interface both implement, with the capabilities each declares, is `base.Runtime`.
 """
 
 from __future__ import annotations
@@ -128,8 +108,11 @@ class InProcessRuntime:
     donate = True
     device_failures = True
     host_copies_off_host = False
+    devices_return = True  # a fault schedule's `join`
+    rejoins = False  # one process: nothing restarts
     me = 0
     writer = True
+    admission = None
 
     def __init__(self, cfg: Config | None = None, *, topology: Topology | None = None):
         # before the first device is used: "set", "already" or "too late" (`runtime.dispatch`)
@@ -199,6 +182,12 @@ class InProcessRuntime:
         if not ids <= set(self.devices):
             raise ValueError(f"devices {sorted(ids - set(self.devices))} are not the job's")
         self.live |= ids
+
+    def joiners(self) -> list[int]:
+        return []
+
+    def admit(self, package: dict) -> dict:
+        raise AssertionError("a single process has no restarted processes to admit")
 
     def capture(self, tree, dead: Iterable[int]) -> ShardStore:
         """Every live shard of `tree` (its surviving buffers, if a failure was injected under it)."""

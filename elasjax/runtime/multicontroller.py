@@ -294,6 +294,8 @@ class MultiControllerRuntime:
     donate = False  # a step a death interrupts must leave its input state readable
     device_failures = False  # a device cannot fail alone: its process goes with it
     host_copies_off_host = True  # a process's host memory dies with it
+    devices_return = True  # a restarted process rejoins (`admit`)
+    rejoins = True
 
     def __init__(self, rc: RuntimeConfig):
         self.rc = rc

@@ -1,0 +1,48 @@
+"""The runtime interface (`elasjax.runtime.base.Runtime`): both runtimes define every member it
+lists, and the trainer decides by declared capabilities, never by probing for a method."""
+
+import inspect
+import typing
+from pathlib import Path
+
+from elasjax.planner import Topology
+from elasjax.runtime.base import Runtime
+from elasjax.runtime.inprocess import InProcessRuntime
+from elasjax.runtime.multicontroller import MultiControllerRuntime
+
+CAPABILITIES = ("kind", "failure_simulation", "donate", "device_failures", "step_sync",
+                "host_copies_off_host", "devices_return", "rejoins")
+
+
+def _members() -> tuple[set[str], set[str]]:
+    methods = {n for n, v in vars(Runtime).items()
+               if callable(v) and not n.startswith("_")}
+    fields = set(typing.get_type_hints(Runtime))
+    return methods, fields
+
+
+def test_both_runtimes_define_every_member_of_the_protocol():
+    methods, fields = _members()
+    assert set(CAPABILITIES) <= fields
+    assert {"guard", "inject", "joiners", "admit", "renew_collectives", "move"} <= methods
+    for cls in (InProcessRuntime, MultiControllerRuntime):
+        for name in methods:
+            assert callable(getattr(cls, name, None)), (cls.__name__, name)
+            ours = inspect.signature(getattr(Runtime, name)).parameters
+            theirs = inspect.signature(getattr(cls, name)).parameters
+            assert list(ours)[: len(ours)] == list(theirs)[: len(ours)], (cls.__name__, name)
+        for name in CAPABILITIES:  # declared on the class, not discovered at run time
+            assert name in vars(cls), (cls.__name__, name)
+    # instance fields are set in __init__: the in-process runtime can be built here
+    rt = InProcessRuntime(topology=Topology((0, 1), 2))
+    try:
+        assert isinstance(rt, Runtime)
+        assert rt.rejoins is False and rt.joiners() == [] and rt.admission is None
+    finally:
+        rt.close()
+    assert MultiControllerRuntime.rejoins is True
+
+
+def test_the_trainer_asks_the_runtime_by_capability_not_by_hasattr():
+    src = (Path(__file__).parents[1] / "elasjax" / "trainer.py").read_text()
+    assert "hasattr(self.rt" not in src and "getattr(self.rt" not in src
