@@ -46,3 +46,16 @@ def test_both_runtimes_define_every_member_of_the_protocol():
 def test_the_trainer_asks_the_runtime_by_capability_not_by_hasattr():
     src = (Path(__file__).parents[1] / "elasjax" / "trainer.py").read_text()
     assert "hasattr(self.rt" not in src and "getattr(self.rt" not in src
+
+
+def test_a_verdict_crosses_the_key_value_store_unchanged():
+    """The verdict is typed in the runtime and JSON in the store: process numbers come back as
+    ints, tuples as tuples, every field as posted."""
+    from elasjax.runtime.verdict import Verdict
+
+    v = Verdict(failed=(1, 3), exited=(3,), exit_how={3: "pidfd on this host"},
+                starved_s={2: 1.25}, silent_s={1: 2.5, 3: 0.1}, errors={0: "Gloo: boom"},
+                timeout_s=1.0, where="exit", arrived={0: 0.0, 2: 0.31}, t_verdict=12.5,
+                joining={1: "nonce-a"})
+    assert Verdict.from_json(v.to_json()) == v
+    assert v.errors_line(4) == "process 0: Gloo"

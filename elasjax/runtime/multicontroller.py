@@ -78,6 +78,7 @@ from .inprocess import DeviceFailure
 from . import membership
 from .deathnote import DeathNotes
 from .liveness import Liveness, ProcessExits, Throttle, arbitrate, diverged, peer_state, post
+from .verdict import Verdict
 from .p2p import TransferLinks
 
 # set by the writer once the job's first guard completed: a process that starts after it is a
@@ -266,12 +267,6 @@ def kv_float(client, key: str) -> float | None:
         return None
 
 
-def _errors_by_process(verdict: dict, width: int) -> str:
-    """The errors a barrier's verdict reports, each process's cut to `width` characters."""
-    return "; ".join(f"process {p}: {m[:width]}" for p, m in
-                     sorted(verdict["errors"].items(), key=lambda kv: int(kv[0])))
-
-
 class DeclaredDeadError(RuntimeError):
     """This process was declared dead (a heartbeat silence) while alive: it must leave."""
 
@@ -408,11 +403,11 @@ class MultiControllerRuntime:
         # entry barrier: nobody enters a collective while a peer is still busy with local work
         # (a compile): with a short collective timeout that wait would fail the collective
         verdict = self._exit_barrier(None, self.liveness_timeout(phase, at_exit=False), "entry")
-        self._arrivals = verdict.get("arrived", {})
+        self._arrivals = verdict.arrived
         if phase.startswith("start") and len(self._arrivals) > 1:
             self.log(f"{phase} entry barrier: {self._arrival_note()}")
         self._check_fenced(verdict, phase, None)
-        if verdict["failed"]:
+        if verdict.failed:
             raise self._failure(verdict, phase, t_block, None, None)
         err: BaseException | None = None
         t_err = None
@@ -434,13 +429,13 @@ class MultiControllerRuntime:
         self._drain(phase, err)
         verdict = self._exit_barrier(err, self.liveness_timeout(phase, at_exit=True))
         self._check_fenced(verdict, phase, err)
-        if verdict["failed"]:
+        if verdict.failed:
             raise self._failure(verdict, phase, t_block, t_err, err, t_body) from err
-        if verdict["errors"]:
+        if verdict.errors:
             if err is not None and not isinstance(err, JaxRuntimeError):
                 raise err  # this process's own error (every process raises; none is dead)
-            procs = sorted(int(p) for p in verdict["errors"])
-            msg = _errors_by_process(verdict, 300)
+            procs = sorted(verdict.errors)
+            msg = verdict.errors_line(300)
             retry = self._collective_retry(verdict, phase, t_block, t_err, t_body, err)
             if retry is not None:
                 raise retry from err
@@ -456,7 +451,7 @@ class MultiControllerRuntime:
             ) from err
         if phase == "step":
             self._retries = 0  # a good step: collective retries start again
-            self._joining = {int(p): n for p, n in verdict.get("joining", {}).items()}
+            self._joining = dict(verdict.joining)
         if not self._started:  # a process restarted from now on is a rejoin (see __init__)
             self._started = True
             if self.writer:
@@ -465,14 +460,15 @@ class MultiControllerRuntime:
     # consecutive collective failures among live processes retried before the job stops
     MAX_COLLECTIVE_RETRIES = 3
 
-    def _collective_retry(self, verdict, phase, t_block, t_err, t_body, err) -> DeviceFailure | None:
+    def _collective_retry(self, verdict: Verdict, phase, t_block, t_err, t_body,
+                          err) -> DeviceFailure | None:
         """A block whose collectives failed while every process was alive (a gloo wait for a
         slow peer ran into the collective timeout and closed its pair) is retried: a
         `DeviceFailure` of no device, whose recovery renews every process's client and redoes
         the step from the state before it (nothing was lost). None where it cannot be: not on
         CPU, `renew_collectives: never`, an error that is not a collective's, or
         `MAX_COLLECTIVE_RETRIES` in a row without a good step."""
-        msgs = list(verdict["errors"].values())
+        msgs = list(verdict.errors.values())
         collective = all("Gloo" in m or "Timed out" in m or "collective" in m.lower() for m in msgs)
         if (
             self.rc.platform != "cpu" or self.rc.renew_collectives == "never" or not collective
@@ -480,11 +476,11 @@ class MultiControllerRuntime:
         ):
             return None
         self._retries += 1
-        procs = sorted(int(p) for p in verdict["errors"])
+        procs = sorted(verdict.errors)
         why = (f"a collective failed on process(es) {procs} while every process was alive "
                f"(retry {self._retries} of {self.MAX_COLLECTIVE_RETRIES})")
         self.log(f"{phase}: {why}: renewing the collectives and redoing the {phase} "
-                 f"({_errors_by_process(verdict, 160)}; {self._arrival_note()})")
+                 f"({verdict.errors_line(160)}; {self._arrival_note()})")
         return DeviceFailure(
             set(), phase, detect_s=time.time() - t_block, cause=why,
             detail={
@@ -543,12 +539,12 @@ class MultiControllerRuntime:
             self.log(f"{phase}: waited {took:.2f}s for {n} arrays ({failed} failed) of the "
                      "interrupted block's programs before reporting it")
 
-    def _check_fenced(self, verdict: dict, phase: str, err) -> None:
-        if self.me in verdict["failed"]:  # silent too long while alive: fenced off, leave
+    def _check_fenced(self, verdict: Verdict, phase: str, err) -> None:
+        if self.me in verdict.failed:  # silent too long while alive: fenced off, leave
             raise DeclaredDeadError(
                 f"{phase}: process {self.me} was declared dead by the arbiter (its heartbeat "
-                f"was silent {verdict['silent_s'][str(self.me)]:.2f}s > liveness timeout "
-                f"{verdict['timeout_s']:g}s and it had not reached the barrier); the "
+                f"was silent {verdict.silent_s[self.me]:.2f}s > liveness timeout "
+                f"{verdict.timeout_s:g}s and it had not reached the barrier); the "
                 "survivors go on without it. Raise --liveness-timeout on a loaded machine"
             ) from err
 
@@ -619,7 +615,8 @@ class MultiControllerRuntime:
             self.log(f"process {p} silent {silent:.2f}s (heartbeat): shut down {n} collective "
                      "sockets of this process")
 
-    def _exit_barrier(self, err: BaseException | None, timeout: float, where: str = "exit") -> dict:
+    def _exit_barrier(self, err: BaseException | None, timeout: float,
+                      where: str = "exit") -> Verdict:
         self.exits.watch()  # every process: its exit watcher aborts collectives (`_on_exit`)
         self.notes.refresh(self.processes())  # where to send this process's death notice
         self._guards += 1
@@ -633,7 +630,7 @@ class MultiControllerRuntime:
         finally:
             self.liveness.at_barrier = ""
 
-    def _verdict(self, key: str, mine: str, err, timeout: float, where: str) -> dict:
+    def _verdict(self, key: str, mine: str, err, timeout: float, where: str) -> Verdict:
         """This barrier's verdict: the arbiter's, or this process's as the arbiter."""
         live = sorted(self.processes())
         slow = max(timeout, float(self.rc.heartbeat_timeout_s))
@@ -656,41 +653,43 @@ class MultiControllerRuntime:
             failed[p] = silence
             if self.exits.exited(p):
                 exited.append(p)
-        how = {str(p): self.exits.how(p) for p in exited}
+        how = {p: self.exits.how(p) for p in exited}
         if starved:
             self.log(f"{self.liveness.phase} {where} barrier: waited for " + ", ".join(
                 f"process {p} (silent {v:.2f}s, its CPU time advancing)" for p, v in starved.items()
             ) + ": starved, not dead")
-        verdict = {
-            "failed": sorted(failed),
-            "exited": sorted(exited),
-            "exit_how": how,
-            "starved_s": {str(p): round(v, 3) for p, v in starved.items()},
-            "silent_s": {str(p): round(v, 3) for p, v in failed.items()},
-            "errors": {str(p): v[4:] for p, v in statuses.items() if v.startswith("err:")},
-            "timeout_s": used,
-            "where": where,
-            # when each process posted, in seconds after the first (the start's skew, and the
-            # late process a failure in the block after an entry barrier names)
-            "arrived": {str(p): round(t - min(arrived.values()), 3) for p, t in arrived.items()},
-            "t_verdict": time.time(),
-        }
+        joining = {}
         if self.liveness.phase == "step" and where == "exit":  # restarted processes asking
             outside = set(range(self.rc.num_processes)) - set(live) - set(failed)
-            verdict["joining"] = {str(p): n for p, n in
-                                  membership.pending_requests(
-                                      self.client, outside, self.rc.init_timeout_s).items()}
+            joining = membership.pending_requests(self.client, outside, self.rc.init_timeout_s)
+        verdict = Verdict(
+            failed=tuple(sorted(failed)),
+            exited=tuple(sorted(exited)),
+            exit_how=how,
+            starved_s={p: round(v, 3) for p, v in starved.items()},
+            silent_s={p: round(v, 3) for p, v in failed.items()},
+            errors={p: v[4:] for p, v in statuses.items() if v.startswith("err:")},
+            timeout_s=used,
+            where=where,
+            # when each process posted, in seconds after the first (the start's skew, and the
+            # late process a failure in the block after an entry barrier names)
+            arrived={p: round(t - min(arrived.values()), 3) for p, t in arrived.items()},
+            t_verdict=time.time(),
+            joining=dict(joining),
+        )
         try:  # the first verdict posted is everyone's (an arbiter thought dead may post late)
-            self.client.key_value_set(f"{key}/verdict", json.dumps(verdict))
+            self.client.key_value_set(f"{key}/verdict", verdict.to_json())
         except JaxRuntimeError:
-            verdict = json.loads(self.client.blocking_key_value_get(f"{key}/verdict", 10_000))
+            verdict = Verdict.from_json(
+                self.client.blocking_key_value_get(f"{key}/verdict", 10_000))
         if self._guards > 100:  # keep the store small; a fenced process still finds its verdict
             old = f"elasjax/g/{self._guards - 100}"
             with contextlib.suppress(JaxRuntimeError):
                 self.client.key_value_delete(old)  # the directory: every post and the verdict
         return verdict
 
-    def _await_verdict(self, key: str, live: list[int], limit: float) -> tuple[dict | None, dict]:
+    def _await_verdict(self, key: str, live: list[int],
+                       limit: float) -> tuple[Verdict | None, dict]:
         """Wait for the verdict of the lowest live process; when it dies first (`peer_state` with
         `limit`), the next one arbitrates, and so on.
         Returns (the verdict, {}), or (None, {p: silence} of the dead arbiters) when this process
@@ -702,7 +701,8 @@ class MultiControllerRuntime:
             if arbiter == self.me:
                 return None, gone
             try:  # the arbiter waits for slow processes, so may we
-                return json.loads(self.client.blocking_key_value_get(f"{key}/verdict", 200)), {}
+                return Verdict.from_json(
+                    self.client.blocking_key_value_get(f"{key}/verdict", 200)), {}
             except JaxRuntimeError:
                 pass
             state, silent = peer_state(arbiter, self.liveness, self.exits, limit, STARVED_MAX_S)
@@ -715,10 +715,11 @@ class MultiControllerRuntime:
                 gone[arbiter] = silent
 
     def _failure(
-        self, verdict: dict, phase: str, t_block: float, t_err, err, t_body: float | None = None
+        self, verdict: Verdict, phase: str, t_block: float, t_err, err,
+        t_body: float | None = None
     ) -> DeviceFailure:
         t_known = time.time()
-        procs = list(verdict["failed"])
+        procs = list(verdict.failed)
         failed = {d for d in self.live if self.devices[d].process_index in procs}
         kills = [kv_float(self.client, f"elasjax/kill/{p}") for p in procs]
         kills = [t for t in kills if t is not None]
@@ -741,22 +742,22 @@ class MultiControllerRuntime:
                         f"timeout is {self.rc.collective_timeout_s}s)")
         else:
             released = f"its block raised {type(err).__name__} after {t_err - t_block:.2f}s"
-        where = f"the {phase} {verdict.get('where', 'exit')} barrier"
-        by_exit = set(procs) <= set(verdict.get("exited", ()))
+        where = f"the {phase} {verdict.where} barrier"
+        by_exit = set(procs) <= set(verdict.exited)
         if self._aborted is not None:
             released += f"; {self._aborted}"
         if by_exit:  # the kernel said so (here, or on its host): no timeout was needed
-            how = verdict.get("exit_how", {})
-            noticed = all("notice" in how.get(str(p), "") for p in procs)
+            how = verdict.exit_how
+            noticed = all("notice" in how.get(p, "") for p in procs)
             detector = "death notice" if noticed else "process exit"
             detected_by = (f"{detector}: " + ", ".join(
-                f"process {p} exited ({how.get(str(p), 'pidfd on this host')})" for p in procs)
+                f"process {p} exited ({how.get(p, 'pidfd on this host')})" for p in procs)
                 + f" and was absent from {where}; {released}")
         else:
             detector = "heartbeat"
-            silent = ", ".join(f"process {p} silent {verdict['silent_s'][str(p)]:.2f}s" for p in procs)
+            silent = ", ".join(f"process {p} silent {verdict.silent_s[p]:.2f}s" for p in procs)
             detected_by = (f"heartbeat: {silent} and absent from {where} "
-                           f"(liveness timeout {verdict['timeout_s']:g}s); {released}")
+                           f"(liveness timeout {verdict.timeout_s:g}s); {released}")
         self.client.key_value_set(
             f"elasjax/detect/{self.epoch}/{self.me}",
             json.dumps({"kill_to_error_s": k2e, "kill_to_detect_s": k2d, "kill_to_silent_s": k2s}),
@@ -787,7 +788,7 @@ class MultiControllerRuntime:
                 "drain_s": self._drained[0] if self._drained else None,
                 "incident": self.epoch,
                 "collective_timeout_s": self.rc.collective_timeout_s,
-                "liveness_timeout_s": verdict["timeout_s"],
+                "liveness_timeout_s": verdict.timeout_s,
                 "heartbeat_timeout_s": self.rc.heartbeat_timeout_s,
             },
         )
