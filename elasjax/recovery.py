@@ -42,6 +42,7 @@ from .contingencies import Contingencies
 from .mesh import make_mesh
 from .metrics import RecoveryEvent
 from .planner import Plan, Topology, same_shape, torchft_kept, torchft_plan
+from .runtime.collectives import Renewal
 from .runtime.inprocess import DeviceFailure, host_values
 from .sharding import path_str
 from .state import StateFactory, make_optimizer
@@ -280,7 +281,7 @@ class Recoverer:
         if self.ckpt is not None:
             self.ckpt.reopen(self.rt.processes())
         t_setup = time.perf_counter() - t_first  # counted in the plan phase
-        renewals: list[dict] = []
+        renewals: list[Renewal] = []
         attempts = 0
         while True:
             attempts += 1
@@ -311,7 +312,7 @@ class Recoverer:
         return Recovered(new, ev, a.pool, a.log, cutover)
 
     def _attempt(self, pos: Position, pool, failure: DeviceFailure, dead: set[int],
-                 lost_hosts: set[int], stores: list[ShardStore], renewals: list[dict],
+                 lost_hosts: set[int], stores: list[ShardStore], renewals: list[Renewal],
                  during: list) -> _Attempt:
         """One attempt: plan, executables, transfer, verify, the new plan's snapshot pool, each
         phase in a guard of its own (a failure in any of them raises `DeviceFailure`). `stores`
@@ -384,7 +385,7 @@ class Recoverer:
         )
 
     def _event(self, pos: Position, a: _Attempt, failures: list, dead: set[int],
-               renewals: list[dict], attempts: int, retry_s: float, refused: list,
+               renewals: list[Renewal], attempts: int, retry_s: float, refused: list,
                compiles_before: int) -> RecoveryEvent:
         """The `recovery` event of a recovery whose last attempt `a` succeeded."""
         first, log, new_plan = failures[0], a.log, a.plan
@@ -438,19 +439,19 @@ class Recoverer:
             }) if self.cfg.parallel.spares and same_shape(pos.plan, new_plan) else [],
             from_n_devices=pos.plan.n_devices,
             to_n_devices=new_plan.n_devices,
-            collectives_renewed=any(r["renewed"] for r in renewals),
-            renew_s=sum(r["renew_s"] for r in renewals),
-            renew_reasons=" | ".join(r["renew_reasons"] for r in renewals),
+            collectives_renewed=bool(renewals),
+            renew_s=sum(r.renew_s for r in renewals),
+            renew_reasons=" | ".join(r.reasons for r in renewals),
             detail=detail,
         )
 
-    def _renew_collectives(self, failure: DeviceFailure) -> dict | None:
+    def _renew_collectives(self, failure: DeviceFailure) -> Renewal | None:
         """Fresh collectives where the failure interrupted a block (`collectives`; every live
         process decides together). After a renewal, transitions planned for the old client's
         devices are dropped and executables are reloaded onto the new ones when used
         (`ExecutableSource.current`)."""
         renewal = self.rt.renew_collectives(failure)
-        if renewal is not None and renewal["renewed"]:
+        if renewal is not None:
             self.transitions.cache.clear()
         return renewal
 

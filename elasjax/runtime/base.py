@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import jax
 
 from ..planner import Topology
+from .collectives import Renewal
 
 
 @runtime_checkable
@@ -61,7 +62,7 @@ class Runtime(Protocol):
 
     def detection_report(self, detail: dict) -> dict: ...
 
-    def renew_collectives(self, failure) -> dict | None:
+    def renew_collectives(self, failure) -> Renewal | None:
         """After a failure that interrupted a block: fresh collectives (a new CPU client under
         `jax.distributed`; never in one process)."""
 

@@ -55,6 +55,7 @@ tests/test_multiprocess.py::test_a_collective_that_times_out_among_live_processe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterable
@@ -69,6 +70,16 @@ RENEW_MODES = ("auto", "always", "never")
 GLOO_KEYS = "cpu:gloo"
 LOCAL_TOPOLOGY = "cpu:local_topology"
 GLOBAL_TOPOLOGY = "cpu:global_topology"
+
+
+@dataclasses.dataclass(frozen=True)
+class Renewal:
+    """Every live process's CPU client replaced at once (`Runtime.renew_collectives`): the new
+    client's generation, how long the replacement took here, and each voter's reason."""
+
+    generation: int
+    renew_s: float
+    reasons: str
 
 
 def renewal_reason(mode: str, platform: str, failure: DeviceFailure, aborted: str | None = None) -> str | None:

@@ -212,7 +212,7 @@ class InProcessRuntime:
     def agree(self, value) -> dict[int, Any]:
         return {0: value}
 
-    def renew_collectives(self, failure: DeviceFailure) -> dict | None:
+    def renew_collectives(self, failure: DeviceFailure) -> None:
         return None  # one client, no communicator a dead peer could have broken
 
     def current(self, x):

@@ -68,6 +68,7 @@ from ..transfer.copies import CopyThreads, pack, packed_size, unpack
 from ..transfer.shards import ShardStore
 from .collectives import (
     RENEW_MODES,
+    Renewal,
     abort_collectives,
     drain,
     renew_cpu_client,
@@ -807,7 +808,7 @@ class MultiControllerRuntime:
                 continue
         return {"detect_per_process_s": per}
 
-    def renew_collectives(self, failure: DeviceFailure) -> dict | None:
+    def renew_collectives(self, failure: DeviceFailure) -> Renewal | None:
         """After `failure`, replace every live process's CPU client by one with no gloo
         communicator when any of them votes so (`collectives.renewal_reason`: under `auto`, any
         process whose block was interrupted or whose collectives were shut down; the module
@@ -826,8 +827,7 @@ class MultiControllerRuntime:
         took = time.perf_counter() - t0
         self.log(f"new CPU client (generation {self.generation}, fresh gloo communicators) in "
                  f"{took:.3f}s ({why})")
-        return {"renewed": True, "generation": self.generation, "renew_s": took,
-                "renew_reasons": why}
+        return Renewal(self.generation, took, why)
 
     def _new_client(self, generation: int) -> None:
         """Replace the CPU client by a new one, every live process at once (`renew_cpu_client`)."""
