@@ -42,10 +42,47 @@ from .cutover import Cutovers
 from .events import JoinEvent
 from .faults import FaultEvent
 from .recovery import Position, TransitionPlanner, host_checksums
+from .runtime.membership import Admission, Admitted
 from .state import StateFactory
 from .transfer import checksum
 from .transfer.reshard import transition
 from .transfer.shards import ShardStore, is_key
+
+
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """What the loop has seen and written so far (`Trainer._seen`): a newcomer may become the
+    writer later, and its files and `end` event then go on from here."""
+
+    losses: dict
+    evals: dict
+    digests: dict
+    timeline: Any
+    recoveries: list
+    joins: list
+    growths: list
+    migrations: list
+    lines: tuple[int, int]  # lines written to metrics.jsonl and events.jsonl
+    run_s: float
+    loop_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPackage:
+    """What a newcomer needs of the loop at the admission's boundary (`Admissions.package`;
+    pickled with the runtime's counters, `membership.Admission`)."""
+
+    step: int
+    plan: Any
+    good: dict  # the state's last verified checksums
+    live: tuple[int, ...]
+    lost_hosts: tuple[int, ...]
+    kept: Any
+    pending: list  # fault events still to fire
+    plans: list[str]  # every plan the run stood on
+    history: list  # the plans of `Cutovers.history`
+    redo_until: int
+    seen: Seen
 
 
 @dataclasses.dataclass
@@ -89,23 +126,23 @@ class Admissions:
         self.transitions, self.cutovers = transitions, cutovers
 
     def package(self, pos: Position, pending: list, plans: list[str], redo_until: int,
-                good: dict) -> dict:
+                good: dict, seen: Seen) -> LoopPackage:
         """What a newcomer needs of the loop at this boundary (pickled with its admission)."""
-        return {"trainer": {
-            "step": pos.step, "plan": pos.plan, "good": good, "live": sorted(pos.live),
-            "lost_hosts": sorted(pos.lost_hosts), "kept": pos.kept, "pending": list(pending),
-            "plans": list(plans), "history": list(self.cutovers.history.values()),
-            "redo_until": redo_until,
-        }}
+        return LoopPackage(
+            step=pos.step, plan=pos.plan, good=good, live=tuple(sorted(pos.live)),
+            lost_hosts=tuple(sorted(pos.lost_hosts)), kept=pos.kept, pending=list(pending),
+            plans=list(plans), history=list(self.cutovers.history.values()),
+            redo_until=redo_until, seen=seen,
+        )
 
-    def arrival(self, admission: dict) -> Arrival:
+    def arrival(self, admission: Admission) -> Arrival:
         """The newcomer's view of the loop, from its admission."""
-        t = admission["trainer"]
-        for plan in t["history"]:
+        t: LoopPackage = admission.loop
+        for plan in t.history:
             self.cutovers.note(plan)
-        pos = Position(t["step"], t["plan"], None, None, t["good"], frozenset(t["live"]),
-                       frozenset(t["lost_hosts"]), t["kept"])
-        return Arrival(pos, t["pending"], t["plans"], t["redo_until"])
+        pos = Position(t.step, t.plan, None, None, t.good, frozenset(t.live),
+                       frozenset(t.lost_hosts), t.kept)
+        return Arrival(pos, t.pending, t.plans, t.redo_until)
 
     def ship(self, pos: Position, newcomers: list[int], live_after: set[int]) -> Position:
         """The writer sends the newcomers the executables of the current plan and of the plans
@@ -144,7 +181,7 @@ class Admissions:
             exe = self.source.get(pos.plan).exe
         return dataclasses.replace(pos, exe=exe, state=held_elsewhere(exe))
 
-    def settle(self, pos: Position, pool, admitted: dict) -> Welcomed:
+    def settle(self, pos: Position, pool, admitted: Admitted) -> Welcomed:
         """The state on the new client's devices (verified), a fresh snapshot pool, and the
         newcomers' devices live, a growth pending (every process calls it)."""
         rt, exe = self.rt, pos.exe
@@ -161,8 +198,8 @@ class Admissions:
         new_pool.configure(new_state, exe.state_shardings, exe.mesh, set(pos.live))
         new_pool.take(new_state, pos.step)
         rt.commit(new_pool.in_flight())  # a block reports once its programs ended
-        procs = admitted["processes"]
-        event = FaultEvent(pos.step, tuple(admitted["devices"]), "join",
+        procs = list(admitted.processes)
+        event = FaultEvent(pos.step, tuple(admitted.devices), "join",
                            f"process{'es' if len(procs) > 1 else ''} {procs} rejoined",
                            hosts=tuple(procs))
         new_pos, jev = self.cutovers.join(

@@ -42,7 +42,8 @@ from .compilation.source import ExecutableSource
 from .compilation.standby import StandbyCompiler
 from .compilation.worker import CompileWorker
 from .config import Config, ConfigError, dump, grow_standby, mode_line, with_optimizer_object
-from .admission import Admissions
+from .admission import Admissions, Seen
+from .runtime.membership import Admitted
 from .contingencies import Contingencies
 from .cutover import Cutovers
 from .data import DataPipeline
@@ -384,21 +385,19 @@ class Trainer:
         # of a loaded job (a second newcomer of one recovery was refused so, never admitted)
         if not procs or ls.open_event is not None or (pc is not None and pc.kind != "growth"):
             return
-        package = self.admissions.package(ls.pos, ls.pending, ls.plans, ls.redo_until, self.good)
-        package["seen"] = self._seen(ls, mw, ew)
+        package = self.admissions.package(ls.pos, ls.pending, ls.plans, ls.redo_until,
+                                          self.good, self._seen(ls, mw, ew))
         self._welcome(ls, self.rt.admit(package), ew)
 
-    def _seen(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> dict:
-        """What the loop has seen and written so far: a newcomer may become the writer later,
-        and its files and `end` event then go on from here."""
+    def _seen(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> Seen:
+        """What the loop has seen and written so far (`admission.Seen`)."""
         now = time.perf_counter()
-        return {
-            "losses": self.losses, "evals": self.evals, "digests": self.digests,
-            "timeline": self.timeline, "recoveries": ls.recoveries, "joins": ls.joins,
-            "growths": ls.growths, "migrations": ls.migrations,
-            "lines": (mw.lines, ew.writer.lines), "run_s": now - self._t_run,
-            "loop_s": self.loop_s,
-        }
+        return Seen(
+            losses=self.losses, evals=self.evals, digests=self.digests, timeline=self.timeline,
+            recoveries=ls.recoveries, joins=ls.joins, growths=ls.growths,
+            migrations=ls.migrations, lines=(mw.lines, ew.writer.lines),
+            run_s=now - self._t_run, loop_s=self.loop_s,
+        )
 
     def _rejoin(self, mw: JsonlWriter, ew: Emitter) -> LoopState:
         """A restarted process's start: the loop as its admission describes it (what it has
@@ -408,23 +407,23 @@ class Trainer:
         arr = self.admissions.arrival(adm)
         self.good = arr.pos.good
         ls = LoopState(arr.pos, arr.pending, arr.plans, redo_until=arr.redo_until)
-        seen, now = adm["seen"], time.perf_counter()
-        self.losses, self.evals, self.digests = seen["losses"], seen["evals"], seen["digests"]
-        self.timeline = seen["timeline"]
-        ls.recoveries, ls.joins = seen["recoveries"], seen["joins"]
-        ls.growths, ls.migrations = seen["growths"], seen["migrations"]
-        mw.continue_at(seen["lines"][0])
-        ew.writer.continue_at(seen["lines"][1])
-        self._t_run = now - seen["run_s"]
-        self._t_done, self._t_first_done = now, now - seen["loop_s"]
-        counters = adm["runtime"]
+        seen, now = adm.loop.seen, time.perf_counter()
+        self.losses, self.evals, self.digests = seen.losses, seen.evals, seen.digests
+        self.timeline = seen.timeline
+        ls.recoveries, ls.joins = seen.recoveries, seen.joins
+        ls.growths, ls.migrations = seen.growths, seen.migrations
+        mw.continue_at(seen.lines[0])
+        ew.writer.continue_at(seen.lines[1])
+        self._t_run = now - seen.run_s
+        self._t_done, self._t_first_done = now, now - seen.loop_s
+        counters = adm.counters
         # every newcomer of this admission, as the live processes see it (two admitted at one
         # boundary must not each grow onto its own devices alone: the processes would pend
         # different plans and never agree on a cut-over)
-        admitted = {"processes": counters["admitted"], "generation": counters["generation"],
-                    "devices": counters["admitted_devices"], "admit_s": None}
+        admitted = Admitted(counters.admitted, counters.admitted_devices, counters.generation,
+                            None)
         self.rt.log(f"admitted at step {arr.pos.step} (plan {arr.pos.plan.name}, client "
-                    f"generation {counters['generation']})")
+                    f"generation {counters.generation})")
         try:
             self._welcome(ls, admitted, ew)
         except DeviceFailure as f:  # it holds nothing of the loop yet: it cannot recover
@@ -433,27 +432,27 @@ class Trainer:
                 f"({f.cause}); it leaves the job (a restart may ask again)") from f
         return ls
 
-    def _welcome(self, ls: LoopState, admitted: dict, ew: Emitter) -> None:
+    def _welcome(self, ls: LoopState, admitted: Admitted, ew: Emitter) -> None:
         """The admission's steps on every process (`admission`): executables shipped to the
         newcomers, the state onto the new client, the newcomers' devices live (a growth
         pending). Its time is a training pause."""
         t0 = time.perf_counter()
-        procs = admitted["processes"]
+        procs = list(admitted.processes)
         here = dataclasses.replace(ls.pos, good=self.good)  # the state's last verified checksums
         with self.rt.guard("admit/ship"):
-            pos = self.admissions.ship(here, procs, set(here.live) | set(admitted["devices"]))
+            pos = self.admissions.ship(here, procs, set(here.live) | set(admitted.devices))
         t1 = time.perf_counter()
         with self.rt.guard("admit/state"):
             done = self.admissions.settle(pos, self.pool, admitted)
         ls.pos, self.pool = done.pos, done.pool
         t2 = time.perf_counter()
         jev = done.event
-        jev.rejoined = {"processes": procs, "generation": admitted["generation"],
-                        "admit_s": admitted["admit_s"], "ship_s": t1 - t0, "settle_s": t2 - t1}
+        jev.rejoined = {"processes": procs, "generation": admitted.generation,
+                        "admit_s": admitted.admit_s, "ship_s": t1 - t0, "settle_s": t2 - t1}
         if not jev.grow and self.cutovers.pending is None:
             ls.protect_due = True
         ls.joins.append(jev)
-        self.timeline.pause(t2 - t0 + (admitted["admit_s"] or 0.0))
+        self.timeline.pause(t2 - t0 + (admitted.admit_s or 0.0))
         ew.emit(jev, join_line(jev))
 
     def _cutover_if_due(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> bool:

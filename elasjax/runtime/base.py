@@ -14,6 +14,7 @@ import jax
 
 from ..planner import Topology
 from .collectives import Renewal
+from .membership import Admission, Admitted
 
 
 @runtime_checkable
@@ -43,7 +44,7 @@ class Runtime(Protocol):
     writer: bool  # does this process write the run's outputs
     # a restarted process's admission (the runtime's counters and the trainer's position), or
     # None: this process started with the job
-    admission: dict | None
+    admission: Admission | None
 
     def process_of(self, device) -> int: ...
 
@@ -83,7 +84,8 @@ class Runtime(Protocol):
         """The restarted processes to admit at this step boundary (every live process reads
         the same list; empty where the runtime does not rejoin)."""
 
-    def admit(self, package: dict) -> dict: ...
+    def admit(self, package) -> Admitted:
+        """Admit the processes `joiners` named, handing each `package` (the loop's part)."""
 
     # -- data between processes ----------------------------------------------------------------
     def exchange(self, sends: dict, recvs: dict) -> dict: ...

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import pickle
@@ -44,6 +45,46 @@ from jax.errors import JaxRuntimeError
 
 JOIN_DIR = "elasjax/join"
 ADMIT_DIR = "elasjax/admit"
+
+
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    """The live processes' runtime counters at an admission: a newcomer's numbered exchanges
+    (guards, agreements, copies, transfer servers) continue where theirs do."""
+
+    live: tuple[int, ...]  # live devices, the newcomers' included
+    processes: tuple[int, ...]  # live processes, the newcomers included
+    guards: int
+    epoch: int
+    seq: int
+    steps: int
+    retries: int
+    generation: int  # of the CPU client made with the newcomers
+    xfer_started: int
+    rejoined: tuple[int, ...]
+    # every process of this admission: newcomers admitted together each learn of the others
+    # (their devices join the live set on every process alike)
+    admitted: tuple[int, ...]
+    admitted_devices: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What the writer posts to one newcomer (pickled): the live processes' counters and the
+    loop's package (`elasjax.admission.LoopPackage`)."""
+
+    counters: Counters
+    loop: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """An admission as each of its processes sees it (`MultiControllerRuntime.admit`)."""
+
+    processes: tuple[int, ...]
+    devices: tuple[int, ...]
+    generation: int
+    admit_s: float | None  # the live processes' time in `admit` (None on a newcomer)
 
 
 class NotAdmittedError(RuntimeError):
@@ -77,13 +118,13 @@ def pending_requests(client, outside: set[int], max_age_s: float) -> dict[int, s
     return out
 
 
-def post_admission(client, p: int, nonce: str, body: dict[str, Any]) -> None:
+def post_admission(client, p: int, nonce: str, body: Admission) -> None:
     """The writer's part: process p's admission (pickled), then its request removed."""
     client.key_value_set(f"{ADMIT_DIR}/{p}/{nonce}", base64.b64encode(pickle.dumps(body)).decode())
     client.key_value_delete(f"{JOIN_DIR}/{p}")
 
 
-def await_admission(client, me: int, nonce: str, wait_s: float) -> dict[str, Any]:
+def await_admission(client, me: int, nonce: str, wait_s: float) -> Admission:
     """The newcomer's part: its admission, or `NotAdmittedError` after `wait_s` seconds."""
     try:
         raw = client.blocking_key_value_get(f"{ADMIT_DIR}/{me}/{nonce}", int(wait_s * 1000))

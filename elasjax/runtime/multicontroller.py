@@ -299,7 +299,7 @@ class MultiControllerRuntime:
         self.client = kv_client()
         # a restarted process rejoins the running job (`membership`): what its admission said
         # (the counters below, the trainer's position), else None
-        self.admission: dict | None = None
+        self.admission: membership.Admission | None = None
         self.rejoined: set[int] = set()  # processes admitted into the running job
         self._joining: dict[int, str] = {}  # requests named by the last step's verdict
         # every process posts its pid first: live peers watch a newcomer's exit from admission on
@@ -327,7 +327,7 @@ class MultiControllerRuntime:
         self._retries = 0  # collective failures among live processes since the last good step
         self.links = TransferLinks(self.client, self.me, rc.host, max(30, rc.collective_timeout_s))
         if self.admission is not None:
-            self._adopt_counters(self.admission["runtime"])
+            self._adopt_counters(self.admission.counters)
         self.links.start(self.local[0])
         self._drained: tuple[float, int, int] | None = None  # the last `_drain`: (s, arrays, failed)
         # a live peer waiting at another barrier this long is a divergence (`DivergedError`):
@@ -851,18 +851,18 @@ class MultiControllerRuntime:
         self.log(f"restarted into a running job: asked to rejoin (pid {os.getpid()})")
         self.admission = membership.await_admission(
             self.client, self.me, nonce, self.rc.init_timeout_s)
-        counters = self.admission["runtime"]
-        renew_cpu_client(self.client, sorted(counters["processes"]), counters["generation"],
+        counters = self.admission.counters
+        renew_cpu_client(self.client, sorted(counters.processes), counters.generation,
                          False, (self.rc.collective_timeout_s + 30) * 1000)
 
-    def _adopt_counters(self, c: dict) -> None:
+    def _adopt_counters(self, c: membership.Counters) -> None:
         """The live processes' counters at the admission: every numbered exchange (guards,
         agreements, copies, transfer servers) continues where theirs do."""
-        self.live = set(c["live"])
-        self._guards, self.epoch, self._seq = c["guards"], c["epoch"], c["seq"]
-        self._steps, self._retries, self.generation = c["steps"], c["retries"], c["generation"]
-        self.links.started = c["xfer_started"]
-        self.rejoined = set(c["rejoined"])
+        self.live = set(c.live)
+        self._guards, self.epoch, self._seq = c.guards, c.epoch, c.seq
+        self._steps, self._retries, self.generation = c.steps, c.retries, c.generation
+        self.links.started = c.xfer_started
+        self.rejoined = set(c.rejoined)
         self._started = True
 
     def joiners(self) -> list[int]:
@@ -870,7 +870,7 @@ class MultiControllerRuntime:
         same list)."""
         return sorted(self._joining)
 
-    def admit(self, package: dict) -> dict:
+    def admit(self, package) -> membership.Admitted:
         """Admit the processes `joiners` names into the job (every live process calls it at the
         same step boundary): the writer posts each one's admission (the runtime's counters and
         `package`, the trainer's position), then every live process and the newcomers create a
@@ -884,17 +884,16 @@ class MultiControllerRuntime:
         live = self.live | added
         gen = self.generation + 1
         if self.writer:
-            counters = {
-                "live": sorted(live), "processes": sorted(self.processes() | set(procs)),
-                "guards": self._guards, "epoch": self.epoch, "seq": self._seq,
-                "steps": self._steps, "retries": self._retries, "generation": gen,
-                "xfer_started": self.links.started, "rejoined": sorted(self.rejoined | set(procs)),
-                # every process of this admission: newcomers admitted together each learn of
-                # the others (their devices join the live set on every process alike)
-                "admitted": procs, "admitted_devices": sorted(added),
-            }
+            counters = membership.Counters(
+                live=tuple(sorted(live)), processes=tuple(sorted(self.processes() | set(procs))),
+                guards=self._guards, epoch=self.epoch, seq=self._seq, steps=self._steps,
+                retries=self._retries, generation=gen, xfer_started=self.links.started,
+                rejoined=tuple(sorted(self.rejoined | set(procs))), admitted=tuple(procs),
+                admitted_devices=tuple(sorted(added)),
+            )
             for p in procs:
-                membership.post_admission(self.client, p, joining[p], {**package, "runtime": counters})
+                membership.post_admission(self.client, p, joining[p],
+                                          membership.Admission(counters, package))
         self.live = live
         self.rejoined |= set(procs)
         self.liveness.rejoin(procs)
@@ -905,8 +904,7 @@ class MultiControllerRuntime:
         took = time.perf_counter() - t0
         self.log(f"admitted process(es) {procs} (devices {sorted(added)}): a new CPU client "
                  f"(generation {gen}) with them in {took:.3f}s")
-        return {"processes": procs, "devices": sorted(added), "generation": gen,
-                "admit_s": took}
+        return membership.Admitted(tuple(procs), tuple(sorted(added)), gen, took)
 
     def join(self, device_ids) -> None:
         """Devices return: under this runtime only a newcomer's, admitted already (`admit`)."""
