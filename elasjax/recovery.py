@@ -389,8 +389,9 @@ class Recoverer:
                compiles_before: int) -> RecoveryEvent:
         """The `recovery` event of a recovery whose last attempt `a` succeeded."""
         first, log, new_plan = failures[0], a.log, a.plan
-        procs = sorted({p for f in failures for p in f.detail.get("failed_processes", [])})
-        detail = {k: v for k, v in first.detail.items() if k not in ("failed_processes", "bytes_lost")}
+        procs = sorted({p for f in failures for p in f.report.failed_processes})
+        detail = {k: v for k, v in first.report.as_dict().items()
+                  if k not in ("failed_processes", "bytes_lost")}
         return RecoveryEvent(
             step=pos.step,
             failed_devices=sorted(dead),
@@ -401,7 +402,7 @@ class Recoverer:
             bytes_moved=log.bytes_moved,
             transfers=log.transfers,
             max_transfers_per_device=log.max_per_device(),
-            bytes_lost=sum(f.detail.get("bytes_lost", 0) for f in failures),
+            bytes_lost=sum(f.report.bytes_lost for f in failures),
             steps_lost=pos.step - a.resume_at,
             detect_s=first.detect_s,
             retry_s=retry_s,

@@ -572,7 +572,7 @@ class Trainer:
         ls.recoveries.append(ev)
         self.timeline.items.insert(self._recovery_at, ("recovery", ev))
         if self.rt.writer:
-            ev.detail.update(self.rt.detection_report(ev.detail))
+            ev.detail.update(self.rt.detection_report(ev.detail.get("incident")))
         ew.emit(ev, recovery_line(ev))
         self._release_gc()
 
@@ -782,7 +782,7 @@ class Trainer:
         if self.cfg.standby.wait_at_start:
             self._wait_standby(ew, None)
         for f in failures:
-            ew.emit(FailureBeforeStart(sorted(f.devices), f.phase, f.cause, dict(f.detail)))
+            ew.emit(FailureBeforeStart(sorted(f.devices), f.phase, f.cause, f.report.as_dict()))
         if self.dropped_checkpoints:  # a checkpoint is never deleted without a word
             msg = (f"resumed from checkpoint {step}: deleted the newer checkpoints "
                    f"{self.dropped_checkpoints} in {self.ckpt.dir} (they belong to the timeline "

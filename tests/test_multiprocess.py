@@ -279,10 +279,10 @@ def test_every_interrupted_block_renews_the_client_and_an_entry_barrier_failure_
     a block that completed ask nothing. `always` asks every time, `never` and GPU never. Bad
     modes name the field."""
     from elasjax.runtime.collectives import renewal_reason
-    from elasjax.runtime.inprocess import DeviceFailure
+    from elasjax.runtime.inprocess import DeviceFailure, FailureReport
 
-    def failure(**detail):
-        return DeviceFailure({2, 3}, "step", detail=detail)
+    def failure(**report):
+        return DeviceFailure({2, 3}, "step", report=FailureReport(**report))
 
     cut = failure(interrupted="INTERNAL: Gloo all-reduce failed: Connection closed by peer",
                   body_to_error_s=0.02)
@@ -1175,9 +1175,9 @@ except DeclaredDeadError as e:
     print("RESULT " + json.dumps({"fenced": str(e)}), flush=True)
     os._exit(0)
 except DeviceFailure as e:
-    out.update(failed=sorted({rt.process_of(d) for d in e.devices}), detector=e.detail["detector"],
-               kill_to_detect_s=e.detail["kill_to_detect_s"],
-               detected_by=e.detail["detected_by"], procs=e.detail["failed_processes"])
+    out.update(failed=sorted({rt.process_of(d) for d in e.devices}), detector=e.report.detector,
+               kill_to_detect_s=e.report.kill_to_detect_s,
+               detected_by=e.report.detected_by, procs=list(e.report.failed_processes))
 live = [d for d in devs if d.id in rt.live]
 f, x = step_fn(live)  # the survivors go on over their own devices
 with rt.guard("step"):

@@ -61,7 +61,8 @@ class Runtime(Protocol):
         """Make scheduled failures happen at `point` ("before_step", "after_dispatch",
         "transfer"); each runtime acts at the points where its failures happen."""
 
-    def detection_report(self, detail: dict) -> dict: ...
+    def detection_report(self, incident: int | None) -> dict:
+        """Every survivor's detection time of failure `incident` (`FailureReport.incident`)."""
 
     def renew_collectives(self, failure) -> Renewal | None:
         """After a failure that interrupted a block: fresh collectives (a new CPU client under

@@ -85,8 +85,8 @@ class Renewal:
 def renewal_reason(mode: str, platform: str, failure: DeviceFailure, aborted: str | None = None) -> str | None:
     """This process's vote, with its reason (every live process votes; one reason renews all),
     or None. `auto`: a process that shut its collectives' sockets down (`aborted`, see
-    `abort_collectives`), whose block in the failed guard raised (`failure.detail["interrupted"]`,
-    set by the runtime), or that retries a block (`detail["renew"]`) asks; a failure found at an
+    `abort_collectives`), whose block in the failed guard raised (`failure.report.interrupted`,
+    set by the runtime), or that retries a block (`report.renew`) asks; a failure found at an
     entry barrier, where no block ran, asks nothing (the module docstring says why that is
     safe). `always`: every failure. `never`, and off CPU: None. `mode` is
     `RuntimeConfig.renew_collectives`, checked there."""
@@ -94,10 +94,10 @@ def renewal_reason(mode: str, platform: str, failure: DeviceFailure, aborted: st
         return None
     if aborted:
         return aborted
-    if failure.detail.get("renew"):
-        return failure.detail["renew"]
-    if failure.detail.get("interrupted"):
-        return f"its {failure.phase} block was interrupted ({failure.detail['interrupted']})"
+    if failure.report.renew:
+        return failure.report.renew
+    if failure.report.interrupted:
+        return f"its {failure.phase} block was interrupted ({failure.report.interrupted})"
     return "renew_collectives=always" if mode == "always" else None
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -35,18 +36,52 @@ from ..transfer.shards import ShardStore
 from .dispatch import require_sync_cpu_dispatch
 
 
+@dataclasses.dataclass(frozen=True)
+class FailureReport:
+    """What a runtime knows of a failure's cause beyond its devices (`DeviceFailure.report`): in
+    one process, the bytes the simulated failure deleted; under `launch`, who died, how the
+    death was detected, and the timings (docs/multiprocess.md, "Detection"). The recovery event
+    carries the fields that are known, flat (`as_dict`)."""
+
+    failed_processes: tuple[int, ...] = ()
+    bytes_lost: int = 0
+    detector: str | None = None  # "process exit", "death notice", "heartbeat", ...
+    detected_by: str | None = None  # the detector's account, in words
+    kill_to_detect_s: float | None = None  # from the kill (posted by the victim) to the verdict
+    kill_to_silent_s: float | None = None
+    kill_to_error_s: float | None = None
+    block_to_error_s: float | None = None
+    # from the end of the entry barrier: how long the block's collectives could wait
+    body_to_error_s: float | None = None
+    block_to_detect_s: float | None = None
+    error_cause: str | None = None
+    # this process's block raised: its collectives were cut off (`collectives.renewal_reason`)
+    interrupted: str | None = None
+    renew: str | None = None  # a block retried on fresh collectives, no process dead: why
+    drain_s: float | None = None  # the wait for the interrupted block's programs
+    incident: int | None = None  # the runtime's failure count (`detection_report`)
+    collective_timeout_s: float | None = None
+    liveness_timeout_s: float | None = None
+    heartbeat_timeout_s: float | None = None
+
+    def as_dict(self) -> dict:
+        """The known fields (None left out), for the event."""
+        return {k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
 class DeviceFailure(Exception):
     """Devices were lost. Every live process raises it with the same `devices` (the runtime
-    agrees on them); `detect_s` is how long the runtime took to know, `detail` what it knows
-    of the cause (killed processes, timings)."""
+    agrees on them); `detect_s` is how long the runtime took to know, `report` what it knows
+    of the cause (`FailureReport`: killed processes, timings)."""
 
     def __init__(
         self, devices: Iterable[int], phase: str, *, detect_s: float = 0.0,
-        cause: str = "", detail: dict | None = None,
+        cause: str = "", report: FailureReport | None = None,
     ):
         self.devices = frozenset(devices)
         self.phase, self.detect_s, self.cause = phase, detect_s, cause
-        self.detail = detail or {}
+        self.report = report if report is not None else FailureReport()
         self.t_known = time.perf_counter()
         super().__init__(f"devices {sorted(self.devices)} failed during {phase}")
 
@@ -147,7 +182,7 @@ class InProcessRuntime:
     def log(self, msg: str) -> None:
         pass  # the progress bar prints here
 
-    def detection_report(self, detail: dict) -> dict:
+    def detection_report(self, incident: int | None) -> dict:
         return {}
 
     @contextlib.contextmanager
@@ -173,7 +208,7 @@ class InProcessRuntime:
         self.live -= ids
         raise DeviceFailure(
             ids, point, detect_s=time.perf_counter() - t0,
-            cause="; ".join(e.spec for e in events), detail={"bytes_lost": lost},
+            cause="; ".join(e.spec for e in events), report=FailureReport(bytes_lost=lost),
         )
 
     def join(self, device_ids: Iterable[int]) -> None:

@@ -75,7 +75,7 @@ from .collectives import (
     renewal_reason,
 )
 from .dispatch import SETTING
-from .inprocess import DeviceFailure
+from .inprocess import DeviceFailure, FailureReport
 from . import membership
 from .deathnote import DeathNotes
 from .liveness import Liveness, ProcessExits, Throttle, arbitrate, diverged, peer_state, post
@@ -484,18 +484,17 @@ class MultiControllerRuntime:
                  f"({verdict.errors_line(160)}; {self._arrival_note()})")
         return DeviceFailure(
             set(), phase, detect_s=time.time() - t_block, cause=why,
-            detail={
-                "failed_processes": [],
-                "detected_by": f"collective error, no process died: {why}",
-                "detector": "collective error (no process died)",
-                "renew": why,
-                "block_to_error_s": None if t_err is None else t_err - t_block,
-                "body_to_error_s": None if t_err is None or t_body is None else t_err - t_body,
-                "error_cause": msgs[0][:300],
-                "interrupted": why,
-                "drain_s": self._drained[0] if self._drained else None,
-                "collective_timeout_s": self.rc.collective_timeout_s,
-            },
+            report=FailureReport(
+                detected_by=f"collective error, no process died: {why}",
+                detector="collective error (no process died)",
+                renew=why,
+                block_to_error_s=None if t_err is None else t_err - t_block,
+                body_to_error_s=None if t_err is None or t_body is None else t_err - t_body,
+                error_cause=msgs[0][:300],
+                interrupted=why,
+                drain_s=self._drained[0] if self._drained else None,
+                collective_timeout_s=self.rc.collective_timeout_s,
+            ),
         )
 
     def _slow_step(self) -> None:
@@ -772,37 +771,35 @@ class MultiControllerRuntime:
         )
         return DeviceFailure(
             failed, phase, detect_s=k2d if k2d is not None else t_known - t_block, cause=what,
-            detail={
-                "failed_processes": procs,
-                "detected_by": detected_by,
-                "detector": detector,
-                "kill_to_detect_s": k2d,
-                "kill_to_silent_s": k2s,
-                "kill_to_error_s": k2e,
-                "block_to_error_s": None if t_err is None else t_err - t_block,
-                # from the end of the entry barrier: how long the block's collectives could wait
-                "body_to_error_s": None if t_err is None or t_body is None else t_err - t_body,
-                "block_to_detect_s": t_known - t_block,
-                "error_cause": cause[:300],
-                # this process's block raised: its collectives were cut off (`renewal_reason`)
-                "interrupted": cause[:160] if err is not None else None,
-                "drain_s": self._drained[0] if self._drained else None,
-                "incident": self.epoch,
-                "collective_timeout_s": self.rc.collective_timeout_s,
-                "liveness_timeout_s": verdict.timeout_s,
-                "heartbeat_timeout_s": self.rc.heartbeat_timeout_s,
-            },
+            report=FailureReport(
+                failed_processes=tuple(procs),
+                detected_by=detected_by,
+                detector=detector,
+                kill_to_detect_s=k2d,
+                kill_to_silent_s=k2s,
+                kill_to_error_s=k2e,
+                block_to_error_s=None if t_err is None else t_err - t_block,
+                body_to_error_s=None if t_err is None or t_body is None else t_err - t_body,
+                block_to_detect_s=t_known - t_block,
+                error_cause=cause[:300],
+                interrupted=cause[:160] if err is not None else None,
+                drain_s=self._drained[0] if self._drained else None,
+                incident=self.epoch,
+                collective_timeout_s=self.rc.collective_timeout_s,
+                liveness_timeout_s=verdict.timeout_s,
+                heartbeat_timeout_s=self.rc.heartbeat_timeout_s,
+            ),
         )
 
-    def detection_report(self, detail: dict) -> dict:
-        """Every survivor's kill -> error time of a failure (`detail` of its event)."""
-        if "incident" not in detail:
+    def detection_report(self, incident: int | None) -> dict:
+        """Every survivor's kill -> detected time of failure `incident` (`FailureReport`)."""
+        if incident is None:
             return {}
         per = {}
         for p in sorted(self.processes()):
             try:
                 v = json.loads(self.client.blocking_key_value_get(
-                    f"elasjax/detect/{detail['incident']}/{p}", 5000))
+                    f"elasjax/detect/{incident}/{p}", 5000))
                 per[str(p)] = v.get("kill_to_detect_s")
             except JaxRuntimeError:  # that process never reported
                 continue
