@@ -182,7 +182,11 @@ def test_a_silent_peer_whose_cpu_time_advances_is_working_and_a_stopped_one_is_n
             raise JaxRuntimeError("NOT_FOUND")
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # the sleeper says when it has started: its interpreter's start-up is CPU time too, and on
+    # loaded cores it can run past the silence below (then the child was working, rightly)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); "
+                             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert idle.stdout.readline().strip() == "up"
     pids = {1: busy.pid, 2: idle.pid}
     lv = Liveness(KV(), 0, [0, 1, 2, 3], interval=0.05, timeout=0.2,
                   cpu_of=lambda p: cpu_s(pids[p]) if p in pids else None)
@@ -197,6 +201,8 @@ def test_a_silent_peer_whose_cpu_time_advances_is_working_and_a_stopped_one_is_n
         # both silent past the timeout
         assert within(lambda: lv.silent_s(1) > 0.5 and lv.silent_s(2) > 0.5)
         assert within(lambda: lv.working(1, 0.3))  # its CPU time advances once it is scheduled
+        # asleep: once its last print is 0.3 s behind it, and from then on
+        assert within(lambda: not lv.working(2, 0.3))
         assert not lv.working(2, 0.3) and not lv.working(3, 0.3)
         os.kill(busy.pid, signal.SIGSTOP)
         assert within(lambda: not lv.working(1, 0.3))

@@ -3,6 +3,7 @@ that makes a process slow on purpose (benchmarks of false positives)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -318,6 +319,24 @@ def _start_ticks(pid: int) -> str | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Incarnation:
+    """What each process posts at start (`elasjax/proc/<p>`): its host's boot id, its pid and
+    the pid's start time, which tell a same-host peer (`ProcessExits.watch`) and a death notice
+    (`ProcessExits.notice`) which incarnation of process p is meant."""
+
+    boot: str
+    pid: int
+    start: str | None  # the pid's start time in clock ticks (None where unreadable)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Incarnation":
+        return cls(**json.loads(text))
+
+
 class ProcessExits:
     """Peers' exits from the kernel, for peers on this host (Linux `pidfd_open`): a pidfd turns
     readable the moment its process exits (a SIGKILL included), before its parent reaps it.
@@ -346,8 +365,8 @@ class ProcessExits:
         self.boot = _boot_id()
         # posted whether or not this process watches exits: a death notice names the pid
         # (`notice`), and a restarted incarnation is told from an earlier one by it
-        info = {"boot": self.boot, "pid": os.getpid(), "start": _start_ticks(os.getpid())}
-        client.key_value_set(f"elasjax/proc/{me}", json.dumps(info), allow_overwrite=True)
+        info = Incarnation(self.boot, os.getpid(), _start_ticks(os.getpid()))
+        client.key_value_set(f"elasjax/proc/{me}", info.to_json(), allow_overwrite=True)
 
     def watch(self) -> None:
         """Open a pidfd for every same-host peer that has posted (call while all are alive)."""
@@ -360,22 +379,22 @@ class ProcessExits:
                 raw = self.client.key_value_try_get(f"elasjax/proc/{p}")
             except JaxRuntimeError:  # not posted yet: try again at the next barrier
                 continue
-            info = json.loads(raw)
-            if info.get("boot") != self.boot or not self.boot:
+            info = Incarnation.from_json(raw)
+            if info.boot != self.boot or not self.boot:
                 self._remote.add(p)
                 continue
             try:
-                fd = os.pidfd_open(info["pid"])
+                fd = os.pidfd_open(info.pid)
             except OSError:  # gone already, or not ours to watch: the heartbeat decides
                 self._remote.add(p)
                 continue
-            if _start_ticks(info["pid"]) != info.get("start"):  # the pid was reused
+            if _start_ticks(info.pid) != info.start:  # the pid was reused
                 os.close(fd)
                 self._remote.add(p)
                 continue
             with self._lock:
                 self._fds[p] = fd
-                self._pids[p] = info["pid"]
+                self._pids[p] = info.pid
 
     def cpu_s(self, p: int) -> float | None:
         """CPU seconds a watched same-host peer has used (`cpu_s`); None for other peers and
@@ -394,10 +413,10 @@ class ProcessExits:
         its current incarnation posted (a late notice of an earlier one is ignored). Returns
         whether it counts."""
         try:
-            info = json.loads(self.client.key_value_try_get(f"elasjax/proc/{p}"))
+            info = Incarnation.from_json(self.client.key_value_try_get(f"elasjax/proc/{p}"))
         except JaxRuntimeError:
             return False
-        if info.get("pid") != pid:
+        if info.pid != pid:
             return False
         with self._lock:
             self._noticed.setdefault(p, time.time())

@@ -91,14 +91,21 @@ class NotAdmittedError(RuntimeError):
     """A restarted process asked to rejoin and was not admitted within its wait."""
 
 
+@dataclasses.dataclass(frozen=True)
+class JoinRequest:
+    """A restarted process's request to rejoin (`elasjax/join/<p>`)."""
+
+    nonce: str  # ties the admission to this incarnation
+    pid: int
+    t: float  # when it was posted (time.time())
+
+
 def request(client, me: int) -> str:
     """Post this process's request to rejoin; returns its nonce."""
-    nonce = uuid.uuid4().hex
-    client.key_value_set(
-        f"{JOIN_DIR}/{me}", json.dumps({"nonce": nonce, "pid": os.getpid(), "t": time.time()}),
-        allow_overwrite=True,
-    )
-    return nonce
+    req = JoinRequest(uuid.uuid4().hex, os.getpid(), time.time())
+    client.key_value_set(f"{JOIN_DIR}/{me}", json.dumps(dataclasses.asdict(req)),
+                         allow_overwrite=True)
+    return req.nonce
 
 
 def pending_requests(client, outside: set[int], max_age_s: float) -> dict[int, str]:
@@ -112,9 +119,9 @@ def pending_requests(client, outside: set[int], max_age_s: float) -> dict[int, s
     out = {}
     for key, value in entries:
         p = int(key.rsplit("/", 1)[1])
-        req = json.loads(value)
-        if p in outside and time.time() - req["t"] < max_age_s:
-            out[p] = req["nonce"]
+        req = JoinRequest(**json.loads(value))
+        if p in outside and time.time() - req.t < max_age_s:
+            out[p] = req.nonce
     return out
 
 

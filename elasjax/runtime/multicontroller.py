@@ -336,7 +336,7 @@ class MultiControllerRuntime:
         self.diverge_after_s = max(DIVERGE_AFTER_S, 4.0 * rc.heartbeat_timeout_s)
         # each live process's arrival at the last entry barrier (s after the first), for the
         # messages of a failure in the block after it (`_arrival_note`)
-        self._arrivals: dict[str, float] = {}
+        self._arrivals: dict[int, float] = {}
         self.liveness = Liveness(
             self.client, self.me, sorted(self.processes()), rc.liveness_interval_s,
             rc.liveness_timeout_s, cpu_of=self.exits.cpu_s,
@@ -758,11 +758,9 @@ class MultiControllerRuntime:
             silent = ", ".join(f"process {p} silent {verdict.silent_s[p]:.2f}s" for p in procs)
             detected_by = (f"heartbeat: {silent} and absent from {where} "
                            f"(liveness timeout {verdict.timeout_s:g}s); {released}")
-        self.client.key_value_set(
-            f"elasjax/detect/{self.epoch}/{self.me}",
-            json.dumps({"kill_to_error_s": k2e, "kill_to_detect_s": k2d, "kill_to_silent_s": k2s}),
-            allow_overwrite=True,
-        )
+        # this survivor's kill -> detected time, for the writer's `detection_report`
+        self.client.key_value_set(f"elasjax/detect/{self.epoch}/{self.me}", json.dumps(k2d),
+                                  allow_overwrite=True)
         what = ", ".join(f"process {p} " + ("killed (SIGKILL)" if kills else "failed") for p in procs)
         self.log(
             f"{phase}: {what} (devices {sorted(failed)}) detected by {detected_by}; kill -> "
@@ -798,9 +796,8 @@ class MultiControllerRuntime:
         per = {}
         for p in sorted(self.processes()):
             try:
-                v = json.loads(self.client.blocking_key_value_get(
+                per[str(p)] = json.loads(self.client.blocking_key_value_get(
                     f"elasjax/detect/{incident}/{p}", 5000))
-                per[str(p)] = v.get("kill_to_detect_s")
             except JaxRuntimeError:  # that process never reported
                 continue
         return {"detect_per_process_s": per}
@@ -815,8 +812,8 @@ class MultiControllerRuntime:
         the old devices (planned transitions); executables are reloaded on use
         (`executables.on_devices`), shard buffers copied over by `current`."""
         mine = renewal_reason(self.rc.renew_collectives, self.rc.platform, failure, self._aborted)
-        votes = self.agree({"why": mine})
-        why = "; ".join(f"process {p}: {v['why']}" for p, v in sorted(votes.items()) if v["why"])
+        votes = self.agree(mine)  # each live process's reason, or None
+        why = "; ".join(f"process {p}: {v}" for p, v in sorted(votes.items()) if v)
         if not why:
             return None
         t0 = time.perf_counter()
