@@ -41,10 +41,9 @@ from .config import Config
 from .cutover import Cutovers
 from .events import JoinEvent
 from .faults import FaultEvent
-from .recovery import Position, TransitionPlanner, host_checksums
+from .recovery import Position, TransitionPlanner, protect_moved
 from .runtime.membership import Admission, Admitted
 from .state import StateFactory
-from .transfer import checksum
 from .transfer.reshard import transition
 from .transfer.shards import ShardStore, is_key
 
@@ -192,12 +191,9 @@ class Admissions:
             plans=self.transitions.cache, transport=rt, threads=rt.threads,
         )
         rt.commit(new_state)
-        actual = host_checksums(rt, exe.checksum(new_state), exe)
-        checksum.verify(pos.good, actual, "admission", "the state before it")
-        new_pool = pool.fresh()
-        new_pool.configure(new_state, exe.state_shardings, exe.mesh, set(pos.live))
-        new_pool.take(new_state, pos.step)
-        rt.commit(new_pool.in_flight())  # a block reports once its programs ended
+        done = protect_moved(rt, exe, new_state, pos.good, "admission", "the state before it",
+                             pool, pos.step, pos.live)
+        actual, new_pool = done.actual, done.pool
         procs = list(admitted.processes)
         event = FaultEvent(pos.step, tuple(admitted.devices), "join",
                            f"process{'es' if len(procs) > 1 else ''} {procs} rejoined",

@@ -26,8 +26,7 @@ from .compilation.source import ExecutableSource
 from .config import Config
 from .events import CutoverAbandoned, CutoverEvent, JoinEvent
 from .planner import Plan, Topology, growth_plan, predict_step_s
-from .recovery import PendingCutover, Position, TransitionPlanner, host_checksums
-from .transfer import checksum
+from .recovery import PendingCutover, Position, TransitionPlanner, protect_moved
 from .transfer.reshard import transition
 from .transfer.shards import ShardStore, TransferLog
 
@@ -235,14 +234,9 @@ class Cutovers:
             raise AssertionError(f"a cut-over read {log.sources() - set(pos.plan.device_ids)}, "
                                  f"outside {pos.plan.name}")
         with self.rt.guard("cutover/verify"):
-            t0 = time.perf_counter()
-            actual = host_checksums(self.rt, new_exe.checksum(new_state), new_exe)
-            checksum.verify(pos.good, actual, "cut-over", "the state before it")
-            verify_s = time.perf_counter() - t0
-            new_pool = pool.fresh()
-            new_pool.configure(new_state, new_exe.state_shardings, new_exe.mesh, set(pos.live))
-            new_pool.take(new_state, pos.step)
-            self.rt.commit(new_pool.in_flight())  # a block reports once its programs ended
+            done = protect_moved(self.rt, new_exe, new_state, pos.good, "cut-over",
+                                 "the state before it", pool, pos.step, pos.live)
+        actual, new_pool, verify_s = done.actual, done.pool, done.verify_s
         self.pending = None
         growth = pc.kind == "growth"
         mig = CutoverEvent(

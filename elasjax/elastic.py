@@ -62,6 +62,7 @@ from .transfer.shards import (
     key_data_sharding,
 )
 from .transfer.snapshot import SnapshotPool
+from .transfer.verified import verify_and_protect
 
 PyTree = Any
 
@@ -610,24 +611,29 @@ class ElasticState:
         # (compiled for the shardings of `mesh`, which a checkpoint restore may not give)
         same = all(x.sharding.is_equivalent_to(sh, x.ndim) for x, sh in zip(
             jax.tree.leaves(new), jax.tree.leaves(self.shardings(mesh))))
-        got = checksum.to_host((sums_fn if same else _checksums)(new))
-        checksum.verify(good, got, "recovered state", f"the state of step {step}")
-        t3 = time.perf_counter()
+
+        def configure(pool):  # the new mesh's snapshots and the shardings `commit` checks against
+            self._want = jax.tree.leaves(
+                self.shardings(mesh), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+            pool.configure(_unwrap_keys(new), self._raw_shardings(mesh), mesh, self.live)
+
+        done = verify_and_protect(  # the previous state and pool are untouched if this raises
+            new, checksums=lambda s: checksum.to_host((sums_fn if same else _checksums)(s)),
+            expected=good, what="recovered state", against=f"the state of step {step}",
+            pool=self.pool, configure=configure, step=step, take=_unwrap_keys(new))
         rec = Recovery(
             step=step, failed_devices=sorted(self._failed),
             from_mesh=dict(self.mesh.shape), to_mesh=dict(mesh.shape),
             spares=[d.id for d in spare], rung=rung, bytes_moved=moved,
             transfers=transfers, verified=True, plan_s=plan_s, transfer_s=t2 - t1,
-            verify_s=t3 - t2, refused_snapshots=self.pool.refusals[refusals_before:],
+            verify_s=done.verify_s, refused_snapshots=self.pool.refusals[refusals_before:],
             steps_lost=self.step - step, unrecoverable=why, standby_hit=hit,
             compile_s=compile_s,
         )
         self.step = step
         self.state, self.mesh, self.spares = new, mesh, rec.spares
         self._survivors, self._failed = None, set()
-        self.pool = self.pool.fresh()
-        self._configure_pool()
-        self.pool.take(_unwrap_keys(new), self.step)  # the new layout is protected at once
+        self.pool = done.pool  # the new layout is protected at once
         self.recoveries.append(rec)
         if self._standby is not None:
             self._exe = exe

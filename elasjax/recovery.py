@@ -64,6 +64,7 @@ from .transfer.shards import (
     uncovered,
 )
 from .transfer.snapshot import SnapshotPool
+from .transfer.verified import Protected, verify_and_protect
 
 
 # the loop's earlier name for the one error of a state that does not verify
@@ -146,6 +147,17 @@ def host_checksums(rt, sums, exe: Executables) -> dict[str, str]:
     process (`runtime.host_values`)."""
     return checksum.rows_to_host(
         exe.layout.checksum_keys, host_values(rt, sums, exe.plan.device_ids)
+    )
+
+
+def protect_moved(rt, exe: Executables, state, expected: dict[str, str], what: str,
+                  against: str, pool, step: int, live) -> Protected:
+    """The loop's moves (recovery, cut-over, admission) end here: `verify_and_protect` with the
+    checksums of `exe`'s plan on every live process and a pool over its shardings and mesh."""
+    return verify_and_protect(
+        state, checksums=lambda s: host_checksums(rt, exe.checksum(s), exe), expected=expected,
+        what=what, against=against, pool=pool, step=step, commit=rt.commit,
+        configure=lambda p: p.configure(state, exe.state_shardings, exe.mesh, set(live)),
     )
 
 
@@ -362,22 +374,15 @@ class Recoverer:
             transfer_s = time.perf_counter() - t0
         # a new guard: processes finish their copies at different times, and the checksums
         # below are a collective that must not wait for a slow one's copies
+        if any(t.src in dead for t in built.log.entries):
+            raise AssertionError("a transfer read a failed device")  # invariant
         with self.rt.guard("recovery/verify"):
-            t0 = time.perf_counter()
-            actual = host_checksums(self.rt, exe.checksum(new_state), exe)
-            checksum.verify(built.expected, actual, "recovered state",
-                            f"the last good state (step {resume_at})")
-            if any(t.src in dead for t in built.log.entries):
-                raise AssertionError("a transfer read a failed device")  # invariant
-            verify_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
             # the new plan's pool replaces the old one only once this attempt succeeds: a retry
             # still needs the old plan's copies
-            new_pool = pool.fresh()
-            new_pool.configure(new_state, exe.state_shardings, exe.mesh, live)
-            new_pool.take(new_state, resume_at)
-            self.rt.commit(new_pool.in_flight())  # a block reports once its programs ended
-            snapshot_s = time.perf_counter() - t0
+            done = protect_moved(self.rt, exe, new_state, built.expected, "recovered state",
+                                 f"the last good state (step {resume_at})", pool, resume_at, live)
+        actual, new_pool = done.actual, done.pool
+        verify_s, snapshot_s = done.verify_s, done.snapshot_s
         return _Attempt(
             new_plan, optimal, keep, live, exe, got.hit, got.standby_hit, got.wait_s, new_state,
             built.log, built.rung, resume_at, actual, new_pool, early, built.tinfo, plan_s,
