@@ -1,7 +1,7 @@
 """Recovery as a plan transition (growth and cut-over: `elasjax.cutover`).
 
 One recovery path for both runtimes (the trainer is given a runtime, `elasjax.runtime`). A
-recovery is the timeline of DESIGN section 4, each phase timed:
+recovery is the timeline of ARCHITECTURE.md, section 1, each phase timed:
 
 `detect` (the runtime reports the failed devices) -> `plan` (the planner over the survivors) ->
 `compile` (the new plan's executables: a standby hit, a wait for a background compile, or a

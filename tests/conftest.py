@@ -84,7 +84,7 @@ def tiny_config(*overrides: str) -> config.Config:
     return config.load(None, [*TINY, *overrides])
 
 
-# The consistency contract (DESIGN.md): per-step training and held-out losses within relative 1e-5
+# The consistency contract (ARCHITECTURE.md, rule 3): per-step training and held-out losses within relative 1e-5
 # of the fault-free run (f32, reduction order differs between meshes; measured ~1e-7), the same
 # samples; final parameters allclose(rtol=1e-4, atol=1e-6) (measured max |dp| 1.2e-7 after 12
 # steps, parameters of scale ~1e-2).

@@ -67,7 +67,7 @@ LOSS_RTOL = 1e-5
 STEPS = 12  # the same run as test_trainer's reference, so the compiled plan is shared
 COLLECTIVE_TIMEOUT_S = 8  # generous: CI shares 2 cores between the test workers
 HEARTBEAT_TIMEOUT_S = 5
-RECOVERY_FIELDS = {  # DESIGN section 7, and what `elasjax train` writes too
+RECOVERY_FIELDS = {  # docs/reference.md, "Output files", and what `elasjax train` writes too
     "type", "step", "failed_devices", "from_plan", "to_plan", "rung", "bytes_moved", "transfers",
     "detect_s", "plan_s", "compile_s", "standby_hit", "transfer_s", "verify_s", "first_step_s",
     "mttr_s", "verified", "snapshot_s", "retry_s", "attempts", "transfer_plan_hit", "runtime",

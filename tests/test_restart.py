@@ -31,7 +31,7 @@ def test_restart_process_restores_and_reproduces_the_step(tmp_path, exe_cache):
     assert timing.exit_s >= timing.total_s
     assert 3 not in timing.devices and timing.checkpoint_step == 2
     # same samples, same keys, state restored bit for bit: the loss of step 2 agrees with the
-    # fault-free run to f32 reduction order (DESIGN section 3: relative 1e-5)
+    # fault-free run to f32 reduction order (ARCHITECTURE.md, rule 3: relative 1e-5)
     assert math.isclose(timing.loss, ref.losses[2], rel_tol=1e-5)
 
 

@@ -1,4 +1,4 @@
-"""Where a job runs: the runtime object the trainer is given (DESIGN section 8).
+"""Where a job runs: the runtime object the trainer is given (ARCHITECTURE.md, section 4).
 
 There is one training loop and one recovery path (`elasjax.trainer`). What differs between one
 process with fake devices and a real multi-host job is this object:
