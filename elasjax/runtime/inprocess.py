@@ -40,7 +40,7 @@ from .dispatch import require_sync_cpu_dispatch
 class FailureReport:
     """What a runtime knows of a failure's cause beyond its devices (`DeviceFailure.report`): in
     one process, the bytes the simulated failure deleted; under `launch`, who died, how the
-    death was detected, and the timings (docs/multiprocess.md, "Detection"). The recovery event
+    death was detected, and the timings (docs/launch-internals.md, "Detecting a death"). The recovery event
     carries the fields that are known, flat (`as_dict`)."""
 
     failed_processes: tuple[int, ...] = ()

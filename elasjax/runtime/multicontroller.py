@@ -38,7 +38,7 @@ tolerance; this module wires them up:
   boundary and create a new CPU client together with it (a fresh gloo communicator generation:
   `admit`), and the trainer grows onto its devices.
 
-Limits (see docs/multiprocess.md): the coordination process's death ends the job (every training
+Limits (see docs/limits.md): the coordination process's death ends the job (every training
 process needs the service); rejoining is implemented on CPU/gloo only.
 """
 
@@ -308,7 +308,7 @@ class MultiControllerRuntime:
             if rc.platform != "cpu":
                 raise RejoinUnsupportedError(
                     f"process {self.me} was restarted into a running job: rejoining is "
-                    "implemented on CPU/gloo only (see docs/multiprocess.md, 'Rejoin')")
+                    "implemented on CPU/gloo only (see docs/multiprocess.md, 'Restarted workers rejoin')")
             self._await_admission()
         devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.devices = {d.id: d for d in devs}
