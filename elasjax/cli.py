@@ -232,14 +232,7 @@ def _launch(args) -> int:
             devices_per_process=args.devices_per_process,
             out=args.out,
             kills=kills,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            collective_timeout_s=args.collective_timeout,
-            liveness_interval_s=args.liveness_interval,
-            liveness_timeout_s=args.liveness_timeout,
             slow=args.slow,
-            renew_collectives=args.renew_collectives,
-            watch_exits=args.watch_exits,
-            death_notices=args.death_notices,
             imports=args.imports,
             hooks=args.hooks,
             timeout_s=args.timeout,
@@ -249,6 +242,7 @@ def _launch(args) -> int:
             restart_backoff_s=args.restart_backoff,
             kill_coordinator=args.kill_coordinator,
             worker_restarts=args.worker_restarts,
+            **launch.settings_of(args),
         )
     if args.kill_coordinator is not None:
         raise launch.ConfigError(
@@ -272,19 +266,7 @@ def _launch(args) -> int:
         args.set = [*args.set, f"parallel.spares={spares}"]
     if args.num_processes is None or args.process_id is None:  # join a cluster as one process
         raise launch.ConfigError("--coordinator needs --num-processes and --process-id")
-    from .runtime.multicontroller import RuntimeConfig
-
-    rc = RuntimeConfig(
-        args.coordinator, args.num_processes, args.process_id, args.platform,
-        args.devices_per_process, args.heartbeat_timeout, args.collective_timeout,
-        liveness_interval_s=args.liveness_interval, liveness_timeout_s=args.liveness_timeout,
-        slow=launch.parse_slow(args.slow, args.num_processes) if args.slow else None,
-        renew_collectives=args.renew_collectives,
-        watch_exits=args.watch_exits,
-        death_notices=args.death_notices,
-    )
-    launch.import_modules(args.imports)
-    return launch.run_worker(args.config, args.set, rc, args.out, kills, args.hooks)
+    return launch.worker_main(args)  # the one worker entry point
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,13 +45,15 @@ from .faults import MULTI_CONTROLLER, resolve_schedule
 from .metrics import read_jsonl
 from .planner import Topology, initial_plan
 from .runtime import coordinator
-from .runtime.collectives import RENEW_MODES
 from .runtime.multicontroller import (
     COORDINATION_HEARTBEAT_S,
+    SETTINGS,
     MultiControllerRuntime,
     RejoinUnsupportedError,
     RuntimeConfig,
+    add_setting_flags,
     initialize,
+    settings_of,
     xla_flags,
 )
 from .state import load_optimizer
@@ -225,14 +227,7 @@ def launch_local(
     devices_per_process: int = 2,
     out: str | Path | None = None,
     kills: Sequence[KillSpec] = (),
-    heartbeat_timeout_s: int = 5,
-    collective_timeout_s: int = 8,
-    liveness_interval_s: float = 0.1,
-    liveness_timeout_s: float = 1.0,
     slow: str | None = None,
-    renew_collectives: str = "auto",
-    watch_exits: bool = True,
-    death_notices: bool = True,
     timeout_s: float = 900.0,
     quiet: bool = False,
     imports: Sequence[str] = (),
@@ -242,9 +237,12 @@ def launch_local(
     restart_backoff_s: float = 2.0,
     kill_coordinator: int | None = None,
     worker_restarts: int = 0,
+    **settings,
 ) -> int:
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
-    (None: the config's `parallel.spares`), wait for them, reap them.
+    (None: the config's `parallel.spares`), wait for them, reap them. `settings`: the
+    detector's (`multicontroller.SETTINGS`, by field name, e.g. `collective_timeout_s=1`), the
+    rest at their defaults.
 
     Returns 0 when a worker finished the run (the others survived as deaths), 3 when the
     coordination process died (the job cannot continue), 1 on any other failure or on
@@ -272,6 +270,10 @@ def launch_local(
     if not isinstance(worker_restarts, int) or worker_restarts < 0:
         raise ConfigError(f"--worker-restarts {worker_restarts!r}: allowed values: an integer "
                           ">= 0 (dead workers started again to rejoin the job; 0: never)")
+    unknown = sorted(set(settings) - {s.field for s in SETTINGS})
+    if unknown:
+        raise TypeError(f"launch_local got {unknown}; allowed settings: "
+                        + ", ".join(s.field for s in SETTINGS))
     policy = RestartPolicy(max_restarts, restart_backoff_s)
     # Fail fast, before any process starts: config, kill schedule and initial plan (pure).
     import_modules(imports)
@@ -302,14 +304,8 @@ def launch_local(
             processes,
             process_id=0,
             devices_per_process=devices_per_process,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            collective_timeout_s=collective_timeout_s,
-            liveness_interval_s=liveness_interval_s,
-            liveness_timeout_s=liveness_timeout_s,
             slow=parse_slow(slow, processes) if slow else None,
-            renew_collectives=renew_collectives,
-            watch_exits=watch_exits,
-            death_notices=death_notices,
+            **settings,
         ),
         slow,
     )
@@ -406,18 +402,7 @@ class _Job:
             str(process),
             "--devices-per-process",
             str(self.devices_per_process),
-            "--heartbeat-timeout",
-            str(rc.heartbeat_timeout_s),
-            "--collective-timeout",
-            str(rc.collective_timeout_s),
-            "--liveness-interval",
-            str(rc.liveness_interval_s),
-            "--liveness-timeout",
-            str(rc.liveness_timeout_s),
-            "--renew-collectives",
-            rc.renew_collectives,
-            "--watch-exits" if rc.watch_exits else "--no-watch-exits",
-            "--death-notices" if rc.death_notices else "--no-death-notices",
+            *rc.settings_argv(),
             *(["--slow", self.slow] if self.slow else []),
             "--out",
             str(self.out),
@@ -793,26 +778,7 @@ def _print_recoveries(out: Path, quiet: bool) -> None:
 def add_process_flags(ap: argparse.ArgumentParser) -> None:
     """The flags every process of a job takes (`elasjax launch` and its workers alike):
     detection timeouts, the benchmark throttle, and modules to import first."""
-    ap.add_argument("--heartbeat-timeout", type=int, default=5, metavar="S",
-                    help="the detector's slow timeout (the coordination service's own "
-                    "heartbeat timeout is this, 30 s at least)")
-    ap.add_argument("--collective-timeout", type=int, default=8, metavar="S",
-                    help="a CPU collective waiting longer fails: the backstop that releases "
-                    "survivors blocked in a collective (1 for the fast path)")
-    ap.add_argument("--liveness-interval", type=float, default=0.1, metavar="S",
-                    help="heartbeat period through the key-value store (the detector)")
-    ap.add_argument("--liveness-timeout", type=float, default=1.0, metavar="S",
-                    help="a process silent this long and absent from a guard's barrier is dead")
-    ap.add_argument("--watch-exits", action=argparse.BooleanOptionalAction, default=True,
-                    help="the arbiter also learns of a same-host process's death from the kernel "
-                    "(a pidfd turns readable at its exit), with no timeout")
-    ap.add_argument("--death-notices", action=argparse.BooleanOptionalAction, default=True,
-                    help="a sidecar on each process's host announces its death to every peer at "
-                    "once (UDP), so a death on another host needs no heartbeat timeout")
-    ap.add_argument("--renew-collectives", choices=RENEW_MODES, default="auto",
-                    help="after a failure, start a new CPU client with fresh gloo communicators: "
-                    "auto (when a survivor's collective ran into the collective timeout, which "
-                    "may have closed a communicator among survivors), always, never")
+    add_setting_flags(ap)  # the detector's settings: `multicontroller.SETTINGS`
     ap.add_argument("--slow", default=None, metavar="P:FACTOR:FROM_STEP:STEPS",
                     help="benchmark: make process P FACTOR times slower for STEPS steps")
     ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -849,20 +815,13 @@ def import_modules(names: Sequence[str]) -> None:
 
 
 def worker_main(args: argparse.Namespace) -> int:
+    """One process of a job (`python -m elasjax.launch ...`, which the local launcher starts,
+    and `elasjax launch --coordinator ...` on a cluster): join it and train."""
     rc = RuntimeConfig(
-        args.coordinator,
-        args.num_processes,
-        args.process_id,
-        args.platform,
+        args.coordinator, args.num_processes, args.process_id, args.platform,
         args.devices_per_process,
-        args.heartbeat_timeout,
-        args.collective_timeout,
-        liveness_interval_s=args.liveness_interval,
-        liveness_timeout_s=args.liveness_timeout,
         slow=parse_slow(args.slow, args.num_processes) if args.slow else None,
-        renew_collectives=args.renew_collectives,
-        watch_exits=args.watch_exits,
-        death_notices=args.death_notices,
+        **settings_of(args),
     )
     kills = [KillSpec.parse(k) for k in args.kill]
     import_modules(args.imports)

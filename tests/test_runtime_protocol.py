@@ -59,3 +59,27 @@ def test_a_verdict_crosses_the_key_value_store_unchanged():
                 joining={1: "nonce-a"})
     assert Verdict.from_json(v.to_json()) == v
     assert v.errors_line(4) == "process 0: Gloo"
+
+
+def test_each_detector_setting_is_defined_once_and_reaches_the_worker_unchanged():
+    """`multicontroller.SETTINGS` makes the flags of `elasjax launch` and of its workers, and
+    the worker's argv: a non-default value of every setting survives the trip launcher ->
+    argv -> worker parser -> RuntimeConfig."""
+    import dataclasses
+
+    from elasjax.launch import worker_parser
+    from elasjax.runtime.multicontroller import SETTINGS, RuntimeConfig
+
+    rc = RuntimeConfig("127.0.0.1:1234", 4, 2, heartbeat_timeout_s=7, collective_timeout_s=3,
+                       liveness_interval_s=0.2, liveness_timeout_s=1.5, watch_exits=False,
+                       death_notices=False, renew_collectives="always")
+    defaults = RuntimeConfig("127.0.0.1:1234", 4, 2)
+    assert all(getattr(rc, s.field) != getattr(defaults, s.field) for s in SETTINGS)
+    args = worker_parser().parse_args(["--coordinator", rc.coordinator, "--num-processes", "4",
+                                       "--process-id", "2", *rc.settings_argv()])
+    from elasjax.launch import settings_of
+
+    again = RuntimeConfig(args.coordinator, args.num_processes, args.process_id,
+                          **settings_of(args))
+    assert again == rc
+    assert {f.name for f in dataclasses.fields(RuntimeConfig)} >= {s.field for s in SETTINGS}

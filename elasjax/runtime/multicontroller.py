@@ -48,6 +48,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import typing
 import os
 import pickle
 import signal
@@ -98,6 +99,39 @@ class RejoinUnsupportedError(RuntimeError):
 # a peer silent this many liveness timeouts inside a step has this process's collectives shut
 # down (`MultiControllerRuntime._on_silent`, which says why not 1)
 SILENCE_ABORT_FACTOR = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A setting every process of a job takes: a `RuntimeConfig` field (its default and type are
+    the field's) and the flag that sets it, on `elasjax launch` and on its workers alike."""
+
+    field: str
+    flag: str
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+
+def add_setting_flags(ap) -> None:
+    """`SETTINGS` as flags of an argparse parser (defaults and types from `RuntimeConfig`)."""
+    import argparse
+
+    hints = typing.get_type_hints(RuntimeConfig)
+    defaults = {f.name: f.default for f in dataclasses.fields(RuntimeConfig)}
+    for s in SETTINGS:
+        default, tp = defaults[s.field], hints[s.field]
+        if tp is bool:
+            ap.add_argument(s.flag, dest=s.field, action=argparse.BooleanOptionalAction,
+                            default=default, help=s.help)
+        else:
+            ap.add_argument(s.flag, dest=s.field, type=tp, default=default, metavar=s.metavar,
+                            choices=s.choices, help=s.help)
+
+
+def settings_of(args) -> dict[str, Any]:
+    """The `SETTINGS` values parsed by `add_setting_flags`, by field name."""
+    return {s.field: getattr(args, s.field) for s in SETTINGS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,9 +230,44 @@ class RuntimeConfig:
                     "from_step >= 0, steps >= 1)"
                 )
 
+    def settings_argv(self) -> list[str]:
+        """This config's `SETTINGS` as the flags a worker is started with."""
+        out = []
+        for s in SETTINGS:
+            v = getattr(self, s.field)
+            if isinstance(v, bool):
+                out.append(s.flag if v else "--no-" + s.flag[2:])
+            else:
+                out += [s.flag, str(v)]
+        return out
+
     @property
     def host(self) -> str:
         return self.coordinator.rpartition(":")[0]
+
+
+SETTINGS = (
+    Setting("heartbeat_timeout_s", "--heartbeat-timeout",
+            "the detector's slow timeout (the coordination service's own heartbeat timeout is "
+            "this, 30 s at least)", "S"),
+    Setting("collective_timeout_s", "--collective-timeout",
+            "a CPU collective waiting longer fails: the backstop that releases survivors "
+            "blocked in a collective (1 for the fast path)", "S"),
+    Setting("liveness_interval_s", "--liveness-interval",
+            "heartbeat period through the key-value store (the detector)", "S"),
+    Setting("liveness_timeout_s", "--liveness-timeout",
+            "a process silent this long and absent from a guard's barrier is dead", "S"),
+    Setting("watch_exits", "--watch-exits",
+            "the arbiter also learns of a same-host process's death from the kernel (a pidfd "
+            "turns readable at its exit), with no timeout"),
+    Setting("death_notices", "--death-notices",
+            "a sidecar on each process's host announces its death to every peer at once (UDP), "
+            "so a death on another host needs no heartbeat timeout"),
+    Setting("renew_collectives", "--renew-collectives",
+            "after a failure, start a new CPU client with fresh gloo communicators: auto (when a "
+            "block was interrupted or collectives were shut down), always, never",
+            choices=RENEW_MODES),
+)
 
 
 def xla_flags(rc: RuntimeConfig, existing: str = "") -> str:
