@@ -186,6 +186,17 @@ class LoopState:
     # the standby and the prepared transitions follow the plan after the next good step (after
     # a recovery or a join; not sooner: their compiles would compete with that step)
     protect_due: bool = False
+    # the checksums of the newest step read: `pos.state`'s once no step is in flight
+    good: dict[str, str] | None = None
+    # dispatched steps whose metrics are not read yet (`Trainer._read`), oldest first
+    inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+    def verified(self) -> Position:
+        """`pos` with its state's checksums, for a move that verifies against them (a
+        recovery, a cut-over, an admission): every step in flight must have been read."""
+        if self.inflight:
+            raise AssertionError(f"{len(self.inflight)} steps still in flight: read them first")
+        return dataclasses.replace(self.pos, good=self.good)
 
 
 class UnprotectedStateWarning(UserWarning):
@@ -277,7 +288,6 @@ class Trainer:
         self.losses: dict[int, float] = {}
         self.evals: dict[int, float] = {}
         self.digests: dict[int, str] = {}
-        self._inflight: collections.deque[_InFlight] = collections.deque()
         self.timeline = Timeline()  # for the failures' whole cost (`metrics.failure_costs`)
         self._t_run = 0.0
         self._recovery_at: int | None = None  # where an open recovery goes in the timeline
@@ -344,7 +354,7 @@ class Trainer:
             ls = self._rejoin(mw, ew)
         else:
             pos = self._start(ew)
-            ls = LoopState(pos, list(self.schedule), [pos.plan.name])
+            ls = LoopState(pos, list(self.schedule), [pos.plan.name], good=pos.good)
             self.cutovers.note(pos.plan)
         bar = ew.display = Progress(T, enabled=self.progress)
         with bar:
@@ -386,7 +396,7 @@ class Trainer:
         if not procs or ls.open_event is not None or (pc is not None and pc.kind != "growth"):
             return
         package = self.admissions.package(ls.pos, ls.pending, ls.plans, ls.redo_until,
-                                          self.good, self._seen(ls, mw, ew))
+                                          ls.good, self._seen(ls, mw, ew))
         self._welcome(ls, self.rt.admit(package), ew)
 
     def _seen(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> Seen:
@@ -405,8 +415,8 @@ class Trainer:
         (`_welcome`)."""
         adm = self.rt.admission
         arr = self.admissions.arrival(adm)
-        self.good = arr.pos.good
-        ls = LoopState(arr.pos, arr.pending, arr.plans, redo_until=arr.redo_until)
+        ls = LoopState(arr.pos, arr.pending, arr.plans, redo_until=arr.redo_until,
+                       good=arr.pos.good)
         seen, now = adm.loop.seen, time.perf_counter()
         self.losses, self.evals, self.digests = seen.losses, seen.evals, seen.digests
         self.timeline = seen.timeline
@@ -438,7 +448,7 @@ class Trainer:
         pending). Its time is a training pause."""
         t0 = time.perf_counter()
         procs = list(admitted.processes)
-        here = dataclasses.replace(ls.pos, good=self.good)  # the state's last verified checksums
+        here = ls.verified()
         with self.rt.guard("admit/ship"):
             pos = self.admissions.ship(here, procs, set(here.live) | set(admitted.devices))
         t1 = time.perf_counter()
@@ -468,8 +478,8 @@ class Trainer:
                 f"abandoned, its compile failed: {abandoned.errors}"))
         if not due_now:
             return False
-        self._flush(mw, ew.display)
-        done = self.cutovers.cutover(dataclasses.replace(ls.pos, good=self.good), self.pool)
+        self._flush(ls, mw, ew.display)
+        done = self.cutovers.cutover(ls.verified(), self.pool)
         ls.pos, self.pool, mig = done.pos, done.pool, done.event
         self.transfer_logs.append(done.log)
         if self.cutovers.pending is None:  # (else the next cut-over's plan is all that matters)
@@ -504,8 +514,8 @@ class Trainer:
         t_failed = time.perf_counter() - failure.detect_s
         self._hold_gc()
         self.pool.abort(step + 1)  # that step's snapshot, if it was taken
-        self._flush(mw, self.emit.display)  # the checksums of the state recovery rebuilds
-        pos = dataclasses.replace(ls.pos, good=self.good)
+        self._flush(ls, mw, self.emit.display)  # the checksums of the state recovery rebuilds
+        pos = ls.verified()
         during = [e for e in ls.pending if e.at_step == step and e.phase == "recovery"]
         unfinished = ls.open_event  # a recovery whose first step just failed
         growing = self.cutovers.clear()  # a failure re-plans from scratch (returned devices too)
@@ -546,23 +556,23 @@ class Trainer:
         good step, refresh the standby after one, checkpoint when due."""
         T = self.cfg.train.steps
         pos = ls.pos = dataclasses.replace(ls.pos, step=step + 1, state=new_state, good=None)
-        self._inflight.append(flight)
-        while len(self._inflight) > self.READ_BEHIND:  # the oldest has finished by now
-            self._read(self._inflight.popleft(), mw, ew.display)
+        ls.inflight.append(flight)
+        while len(ls.inflight) > self.READ_BEHIND:  # the oldest has finished by now
+            self._read(ls, ls.inflight.popleft(), mw, ew.display)
         if (self.rt.step_sync or ls.open_event is not None or flight.evals is not None
                 or pos.step == T or (self.ckpt is not None and self.ckpt.due(pos.step))):
-            self._flush(mw, ew.display)
+            self._flush(ls, mw, ew.display)
         if ls.open_event is not None:
             self._close_recovery(ls, ew)
         elif ls.protect_due:
             self._protect(pos)
             ls.protect_due = False
             if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
-                self._flush(mw, ew.display)
+                self._flush(ls, mw, ew.display)
                 self._wait_standby(ew, pos.step)
         if self.ckpt is not None and self.ckpt.due(pos.step):
             with self.rt.guard("checkpoint"):
-                self.ckpt.save(pos.step, pos.state, self.good, form_of(pos.exe.plan))
+                self.ckpt.save(pos.step, pos.state, ls.good, form_of(pos.exe.plan))
 
     def _close_recovery(self, ls: LoopState, ew: Emitter) -> None:
         """The recovery's first step was read: its MTTR ends here (batch and dispatch included)."""
@@ -579,7 +589,7 @@ class Trainer:
     def _finish(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> RunSummary:
         """The last reads, the failures' costs, the `end` event, the printed summary."""
         T, pos = self.cfg.train.steps, ls.pos
-        self._flush(mw, ew.display)
+        self._flush(ls, mw, ew.display)
         self.pool.complete()  # the last step's snapshot, taken beside the loop, is filed
         notes = self._end_notes(ls)
         costs, goodput = failure_costs(
@@ -594,7 +604,7 @@ class Trainer:
             plan=pos.plan.name,
             # digest of every leaf's layout-independent checksum: equal digests = bitwise equal
             # final parameters and optimizer state
-            state_digest=checksum.digest(self.good),
+            state_digest=checksum.digest(ls.good),
             transfer_plans_prepared=self.transitions.done,
             transfer_plan_errors=self.transitions.errors[:5],
             standby_errors=self.source.errors[:5],
@@ -609,7 +619,7 @@ class Trainer:
             print_summary(ls.recoveries, self.losses, self.evals, pos.plan, self.out_dir, notes,
                           ls.growths, costs, goodput)
         return RunSummary(
-            self.out_dir, self.losses, self.evals, ls.recoveries, ls.plans, pos.plan, self.good,
+            self.out_dir, self.losses, self.evals, ls.recoveries, ls.plans, pos.plan, ls.good,
             self.digests, pos.state, ls.migrations, self.transfer_logs, notes, ls.joins,
             ls.growths, costs, goodput,
         )
@@ -693,18 +703,18 @@ class Trainer:
         )
         return new_state, flight
 
-    def _flush(self, mw: JsonlWriter, bar: Progress) -> None:
+    def _flush(self, ls: LoopState, mw: JsonlWriter, bar: Progress) -> None:
         """Read the steps in flight and log them."""
-        while self._inflight:
-            self._read(self._inflight.popleft(), mw, bar)
+        while ls.inflight:
+            self._read(ls, ls.inflight.popleft(), mw, bar)
 
-    def _read(self, f: _InFlight, mw: JsonlWriter, bar: Progress) -> None:
+    def _read(self, ls: LoopState, f: _InFlight, mw: JsonlWriter, bar: Progress) -> None:
         scalars = host_values(
             self.rt, (f.met["loss"], f.met["grad_norm"], f.met["checksums"], f.evals),
             f.plan.device_ids,
         )
         loss, gnorm = float(scalars[0]), float(scalars[1])
-        self.good = checksum.rows_to_host(f.keys, scalars[2])
+        ls.good = checksum.rows_to_host(f.keys, scalars[2])
         # a step's time: from its dispatch (or the end of the step before) to when it had run
         t_read = time.perf_counter()
         t_done = self.clock.finished(f.seq) if f.seq is not None else None
@@ -774,7 +784,6 @@ class Trainer:
                 if self.ckpt is not None:
                     self.ckpt.reopen(self.rt.processes())
                 self.rt.renew_collectives(f)
-        self.good = good
         pos = Position(step, plan, exe, state, good, frozenset(live))
         self.source.refresh(
             plan, self.contingencies.standby_plans(plan, set(live) | set(plan.spare_ids)))
