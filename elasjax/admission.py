@@ -184,7 +184,9 @@ class Admissions:
         """The state on the new client's devices (verified), a fresh snapshot pool, and the
         newcomers' devices live, a growth pending (every process calls it)."""
         rt, exe = self.rt, pos.exe
-        self.transitions.cache.clear()  # planned for the old client's devices
+        # the likely failures change with the newcomers: their transitions are planned again
+        # once the job has grown (`Trainer._protect`)
+        self.transitions.cache.clear()
         new_state, _ = transition(
             ShardStore.capture(pos.state).map_data(rt.current), exe.state_shardings,
             devices=rt.devices, old_layout=exe.layout, new_layout=exe.layout,

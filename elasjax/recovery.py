@@ -453,13 +453,10 @@ class Recoverer:
 
     def _renew_collectives(self, failure: DeviceFailure) -> Renewal | None:
         """Fresh collectives where the failure interrupted a block (`collectives`; every live
-        process decides together). After a renewal, transitions planned for the old client's
-        devices are dropped and executables are reloaded onto the new ones when used
-        (`ExecutableSource.current`)."""
-        renewal = self.rt.renew_collectives(failure)
-        if renewal is not None:
-            self.transitions.cache.clear()
-        return renewal
+        process decides together). After a renewal, executables are reloaded onto the new
+        client's devices when used (`ExecutableSource.current`); transitions planned before it
+        stay valid (they name devices by id: `reshard._sharding_key`)."""
+        return self.rt.renew_collectives(failure)
 
     def _check_recoverable(self, pos: Position, pool, store, dead, lost_hosts, plan: Plan,
                            strategy: str) -> dict:

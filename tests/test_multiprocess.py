@@ -502,6 +502,8 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     rc, stdout = _launch(
         out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:2",
         "--hook", "user_hooks:count",
+        # the default (conftest's TINY turns it off to save the suite's CPU)
+        sets=("recovery.prepare_transfers=true",),
         env={"PYTHONPATH": str(ROOT / "tests"), "ELASJAX_TEST_HOOK_OUT": str(hooks)},
     )
     assert rc == 0, stdout
@@ -531,6 +533,9 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     assert ev["collectives_renewed"] and ev["renew_s"] > 0
     assert "new CPU client (generation 1" in (out / "worker0.log").read_text()
     assert ev["mttr_s"] == pytest.approx(sum(ev[k] for k in MTTR_PHASES))
+    # the transition was planned before the kill and still served on the new client (it names
+    # devices by id); planned at the failure it would not be a hit
+    assert ev["transfer_plan_hit"], ev
     assert events[-1]["type"] == "end" and events[-1]["processes"] == [0, 1, 3]
     assert "recovery at step 4: process 2 killed (SIGKILL)" in stdout
 

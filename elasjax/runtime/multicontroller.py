@@ -877,8 +877,7 @@ class MultiControllerRuntime:
         process whose block was interrupted or whose collectives were shut down; the module
         docstring of `collectives` says why no narrower rule is safe). Every live process calls
         it at the same point (a recovery's plan phase, a start's retry). Returns what happened
-        (for the event), or None when nobody asked. After a renewal the caller drops what names
-        the old devices (planned transitions); executables are reloaded on use
+        (for the event), or None when nobody asked. After a renewal, executables are reloaded on use
         (`executables.on_devices`), shard buffers copied over by `current`."""
         mine = renewal_reason(self.rc.renew_collectives, self.rc.platform, failure, self._aborted)
         votes = self.agree(mine)  # each live process's reason, or None

@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from . import copies
 from .copies import Copy, CopyThreads, DstShard
@@ -344,9 +345,21 @@ def _signature(store: ShardStore, refs: frozenset, target_flat, old_layout, new_
     """What a transition plan depends on: the layouts, the target shardings, the leaves and the
     exact set of sources."""
     return (
-        _form(old_layout), _form(new_layout), tuple(target_flat), tuple(store.paths),
-        tuple(store.shapes), tuple(str(d) for d in store.dtypes), refs,
+        _form(old_layout), _form(new_layout), tuple(_sharding_key(s) for s in target_flat),
+        tuple(store.paths), tuple(store.shapes), tuple(str(d) for d in store.dtypes), refs,
     )
+
+
+def _sharding_key(sh) -> Any:
+    """A target sharding as a plan depends on it: its devices' ids, the mesh's shape and axes,
+    the spec; not the client the devices belong to. A plan prepared before a renewed CPU client
+    (`runtime.collectives`) then serves the same shardings on the new client: it names devices
+    by id, and `TransitionPlan.execute` builds on the shardings it is given."""
+    if isinstance(sh, NamedSharding):
+        m = sh.mesh
+        return ("named", tuple(d.id for d in m.devices.flat), m.devices.shape,
+                tuple(m.axis_names), sh.spec, sh.memory_kind)
+    return sh
 
 
 def _form(layout) -> Any:
@@ -383,15 +396,17 @@ class TransitionPlan:
 
     def execute(
         self, data: dict, devices: dict[int, jax.Device], *, transport=None,
-        threads: CopyThreads | None = None,
+        threads: CopyThreads | None = None, target_flat: list | None = None,
     ) -> tuple[PyTree, TransferLog]:
         """Build this process's part of the new state (`data`: the buffers it holds, by
-        `SourceRef`); pieces held by other processes come through `transport`."""
+        `SourceRef`); pieces held by other processes come through `transport`. `target_flat`:
+        the target shardings on the current client's devices (default: the ones planned)."""
         built, sent, received = copies.execute(
             self.dsts, devices, data, transport=transport, threads=threads
         )
         leaves = []
-        for li, (sh, shape, dtype) in enumerate(zip(self.target_flat, self.shapes, self.dtypes)):
+        shardings = self.target_flat if target_flat is None else target_flat
+        for li, (sh, shape, dtype) in enumerate(zip(shardings, self.shapes, self.dtypes)):
             dmap = sh.addressable_devices_indices_map(shape)
             leaves.append(
                 copies.assemble(shape, sh, dmap, [built[(li, d.id)] for d in dmap], dtype)
@@ -504,7 +519,8 @@ def transition(
     if info is not None:
         info.update(plan_hit=hit, plan_s=0.0 if hit else plan.plan_s, bytes_written=plan.bytes_written)
     state, log = plan.execute(
-        buffers(store, extra_sources), devices, transport=transport, threads=threads
+        buffers(store, extra_sources), devices, transport=transport, threads=threads,
+        target_flat=target_flat,
     )
     if store.key_dtypes:
         state = _wrap_keys(store, state)
