@@ -8,7 +8,7 @@ process with fake devices and a real multi-host job is this object:
 | devices | this process's devices | `jax.devices()` of every `jax.distributed` process |
 | a host | `devices_per_host` consecutive devices | a process |
 | a failure | `inject` deletes the failed devices' buffers | the targeted process SIGKILLs itself |
-| detection | the injector reports it (simulated) | heartbeats in the key-value store, process 0 arbitrates each guard's exit barrier |
+| detection | the injector reports it (simulated) | heartbeats in the key-value store, the lowest live process arbitrates each guard's barriers |
 | cross-process copies | none | point-to-point pulls (`exchange`, `move`) |
 | agreement | trivial | the coordination service's key-value store |
 | outputs | this process | the lowest live process |

@@ -21,8 +21,8 @@ class Liveness:
 
     A thread writes `elasjax/hb/<me>` (a counter) every `interval` seconds; another polls every
     peer's key every `interval / 2` and records when each value last changed. A process whose key
-    has not changed for `timeout` seconds is *silent*; process 0 (the arbiter of every guard's
-    exit barrier, see `MultiControllerRuntime.guard`) declares a process dead only when it is
+    has not changed for `timeout` seconds is *silent*; the arbiter of every guard's
+    barrier (the lowest live process, see `MultiControllerRuntime.guard`) declares a process dead only when it is
     silent *and* has not reached the barrier. A slow process keeps beating (its heartbeat thread
     does not wait for its computation), so it is waited for, never declared dead. A same-host
     peer whose heartbeat is silent while its CPU time advances (`cpu_of`, `working`) is starved,

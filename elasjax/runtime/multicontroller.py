@@ -154,7 +154,7 @@ class RuntimeConfig:
         coordination service's key-value store this often (the fast detector, see `Liveness`).
       liveness_timeout_s: a process that has not reached a step's exit barrier, whose
         heartbeat key has not changed for this long, while the step failed on a process that
-        did reach it, is declared dead by process 0 (the arbiter); without such a failure, and
+        did reach it, is declared dead by the arbiter (the lowest live process); without such a failure, and
         at the other barriers, `heartbeat_timeout_s` applies (compiles starve heartbeat threads). It never
         fires on a process that is merely slow: such a process keeps beating, and a same-host
         one whose heartbeat starves is waited for while its CPU time advances (`STARVED_MAX_S`).
@@ -458,8 +458,8 @@ class MultiControllerRuntime:
         where all agree on what happened.
 
         The barrier goes through the key-value store: each process posts whether its block
-        raised; process 0 (the arbiter: its death ends the job anyway) waits for every live
-        process's post and declares dead exactly the processes that are silent (`Liveness`)
+        raised; the arbiter (the lowest live process; when it dies, the next one takes over,
+        `_await_verdict`) waits for every live process's post and declares dead exactly the processes that are silent (`Liveness`)
         and never posted, then posts the verdict every process reads. So every survivor raises
         `DeviceFailure` with the same processes. A block that raised while nobody died raises
         on every process (`PeerError` where the block itself succeeded): the guard stays atomic.
