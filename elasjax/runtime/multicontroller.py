@@ -79,8 +79,8 @@ from .dispatch import SETTING
 from .inprocess import DeviceFailure, FailureReport
 from . import membership
 from .deathnote import DeathNotes
-from .liveness import Liveness, ProcessExits, Throttle, arbitrate, diverged, peer_state, post
-from .verdict import Verdict
+from .liveness import Liveness, ProcessExits, Throttle
+from .verdict import Barriers, Verdict
 from .p2p import TransferLinks
 
 # set by the writer once the job's first guard completed: a process that starts after it is a
@@ -391,7 +391,6 @@ class MultiControllerRuntime:
         self.epoch, self._seq = 0, 0
         self._started = False
         self.generation = 0  # CPU clients replaced so far (`renew_collectives`, `admit`)
-        self._guards = 0  # guards run: every live process runs the same sequence
         self._steps = 0  # step guards entered (for `rc.slow`)
         self._retries = 0  # collective failures among live processes since the last good step
         self.links = TransferLinks(self.client, self.me, rc.host, max(30, rc.collective_timeout_s))
@@ -410,6 +409,11 @@ class MultiControllerRuntime:
             self.client, self.me, sorted(self.processes()), rc.liveness_interval_s,
             rc.liveness_timeout_s, cpu_of=self.exits.cpu_s,
         )
+        # the guards' barriers and their verdicts (`verdict.Barriers`)
+        self.barriers = Barriers(self.client, self.me, self.liveness, self.exits, self.log,
+                                 rc.heartbeat_timeout_s, rc.num_processes, rc.init_timeout_s,
+                                 self.diverge_after_s, STARVED_MAX_S,
+                                 self.admission.counters.guards if self.admission else 0)
         # a same-host peer's exit aborts this process's collectives at once (they would wait
         # for the collective timeout), when a renewed client can replace them
         self._in_body = False
@@ -458,9 +462,10 @@ class MultiControllerRuntime:
         where all agree on what happened.
 
         The barrier goes through the key-value store: each process posts whether its block
-        raised; the arbiter (the lowest live process; when it dies, the next one takes over,
-        `_await_verdict`) waits for every live process's post and declares dead exactly the processes that are silent (`Liveness`)
-        and never posted, then posts the verdict every process reads. So every survivor raises
+        raised; the arbiter (the lowest live process; when it dies, the next one takes over:
+        `verdict.Barriers`) waits for every live process's post and declares dead exactly the
+        processes that are silent (`Liveness`) and never posted, then posts the verdict every
+        process reads. So every survivor raises
         `DeviceFailure` with the same processes. A block that raised while nobody died raises
         on every process (`PeerError` where the block itself succeeded): the guard stays atomic.
         A survivor blocked in a collective with a dead peer is released by the collective
@@ -688,100 +693,7 @@ class MultiControllerRuntime:
                       where: str = "exit") -> Verdict:
         self.exits.watch()  # every process: its exit watcher aborts collectives (`_on_exit`)
         self.notes.refresh(self.processes())  # where to send this process's death notice
-        self._guards += 1
-        key = f"elasjax/g/{self._guards}"
-        status = "ok" if err is None else "err:" + (str(err).splitlines() or [""])[0][:300]
-        mine = post(status)
-        self.liveness.at_barrier = f"#{self._guards} {self.liveness.phase} {where}"
-        try:
-            self.client.key_value_set(f"{key}/{self.me}", mine, allow_overwrite=True)
-            return self._verdict(key, mine, err, timeout, where)
-        finally:
-            self.liveness.at_barrier = ""
-
-    def _verdict(self, key: str, mine: str, err, timeout: float, where: str) -> Verdict:
-        """This barrier's verdict: the arbiter's, or this process's as the arbiter."""
-        live = sorted(self.processes())
-        slow = max(timeout, float(self.rc.heartbeat_timeout_s))
-        # the arbiter is judged as `arbitrate` judges any peer: the fast timeout where this
-        # process's own block failed (evidence of a failure), else the slow one
-        verdict, gone = self._await_verdict(key, live, timeout if err is not None else slow)
-        if verdict is not None:
-            return verdict  # the arbiter's
-        # this process arbitrates: it is the lowest live process, or every lower one died here
-        # the fast timeout needs evidence of a failure: a block that failed on a process that
-        # got here. A peer absent while every block succeeded took part in all their
-        # collectives, so it is late, not dead: it gets the slow timeout (a live process's
-        # heartbeat can stall for a second in a step beside a background compile:
-        # experiments/RESULTS.md, "Multi-process observations").
-        statuses, arrived, failed, exited, starved, used = arbitrate(
-            self.client, key, {self.me: mine}, [p for p in live if p != self.me and p not in gone],
-            self.liveness, self.exits, timeout, slow, STARVED_MAX_S, self.diverge_after_s,
-        )
-        for p, silence in gone.items():  # arbiters that died before posting a verdict
-            failed[p] = silence
-            if self.exits.exited(p):
-                exited.append(p)
-        how = {p: self.exits.how(p) for p in exited}
-        if starved:
-            self.log(f"{self.liveness.phase} {where} barrier: waited for " + ", ".join(
-                f"process {p} (silent {v:.2f}s, its CPU time advancing)" for p, v in starved.items()
-            ) + ": starved, not dead")
-        joining = {}
-        if self.liveness.phase == "step" and where == "exit":  # restarted processes asking
-            outside = set(range(self.rc.num_processes)) - set(live) - set(failed)
-            joining = membership.pending_requests(self.client, outside, self.rc.init_timeout_s)
-        verdict = Verdict(
-            failed=tuple(sorted(failed)),
-            exited=tuple(sorted(exited)),
-            exit_how=how,
-            starved_s={p: round(v, 3) for p, v in starved.items()},
-            silent_s={p: round(v, 3) for p, v in failed.items()},
-            errors={p: v[4:] for p, v in statuses.items() if v.startswith("err:")},
-            timeout_s=used,
-            where=where,
-            # when each process posted, in seconds after the first (the start's skew, and the
-            # late process a failure in the block after an entry barrier names)
-            arrived={p: round(t - min(arrived.values()), 3) for p, t in arrived.items()},
-            t_verdict=time.time(),
-            joining=dict(joining),
-        )
-        try:  # the first verdict posted is everyone's (an arbiter thought dead may post late)
-            self.client.key_value_set(f"{key}/verdict", verdict.to_json())
-        except JaxRuntimeError:
-            verdict = Verdict.from_json(
-                self.client.blocking_key_value_get(f"{key}/verdict", 10_000))
-        if self._guards > 100:  # keep the store small; a fenced process still finds its verdict
-            old = f"elasjax/g/{self._guards - 100}"
-            with contextlib.suppress(JaxRuntimeError):
-                self.client.key_value_delete(old)  # the directory: every post and the verdict
-        return verdict
-
-    def _await_verdict(self, key: str, live: list[int],
-                       limit: float) -> tuple[Verdict | None, dict]:
-        """Wait for the verdict of the lowest live process; when it dies first (`peer_state` with
-        `limit`), the next one arbitrates, and so on.
-        Returns (the verdict, {}), or (None, {p: silence} of the dead arbiters) when this process
-        arbitrates ({} when it was the lowest)."""
-        gone: dict[int, float] = {}
-        t_wait = time.time()
-        while True:
-            arbiter = next(p for p in live if p not in gone)
-            if arbiter == self.me:
-                return None, gone
-            try:  # the arbiter waits for slow processes, so may we
-                return Verdict.from_json(
-                    self.client.blocking_key_value_get(f"{key}/verdict", 200)), {}
-            except JaxRuntimeError:
-                pass
-            state, silent = peer_state(arbiter, self.liveness, self.exits, limit, STARVED_MAX_S)
-            if state == "alive":  # but waiting elsewhere, for good: never silence
-                diverged(arbiter, self.liveness, self.liveness.at_barrier, t_wait,
-                         self.diverge_after_s)
-            if state in ("exited", "dead"):
-                self.log(f"{self.liveness.phase}: the arbiter, process {arbiter}, is dead "
-                         f"(silent {silent:.2f}s); the next live process arbitrates")
-                gone[arbiter] = silent
+        return self.barriers.barrier(err, timeout, where, sorted(self.processes()))
 
     def _failure(
         self, verdict: Verdict, phase: str, t_block: float, t_err, err,
@@ -921,7 +833,7 @@ class MultiControllerRuntime:
         """The live processes' counters at the admission: every numbered exchange (guards,
         agreements, copies, transfer servers) continues where theirs do."""
         self.live = set(c.live)
-        self._guards, self.epoch, self._seq = c.guards, c.epoch, c.seq
+        self.epoch, self._seq = c.epoch, c.seq  # (the guards' count: `Barriers`, below)
         self._steps, self._retries, self.generation = c.steps, c.retries, c.generation
         self.links.started = c.xfer_started
         self.rejoined = set(c.rejoined)
@@ -948,7 +860,7 @@ class MultiControllerRuntime:
         if self.writer:
             counters = membership.Counters(
                 live=tuple(sorted(live)), processes=tuple(sorted(self.processes() | set(procs))),
-                guards=self._guards, epoch=self.epoch, seq=self._seq, steps=self._steps,
+                guards=self.barriers.guards, epoch=self.epoch, seq=self._seq, steps=self._steps,
                 retries=self._retries, generation=gen, xfer_started=self.links.started,
                 rejoined=tuple(sorted(self.rejoined | set(procs))), admitted=tuple(procs),
                 admitted_devices=tuple(sorted(added)),
