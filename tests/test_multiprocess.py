@@ -1255,7 +1255,7 @@ def test_the_sidecar_announces_its_parents_death_and_not_a_normal_exit():
     (`dead <process> <pid>`, three copies); after `bye` the parent's exit is not. A notice counts
     only for the pid the process's current incarnation posted."""
     from elasjax.runtime import deathnote
-    from elasjax.runtime.liveness import ProcessExits
+    from elasjax.runtime.liveness import Incarnation, ProcessExits
 
     listen = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     listen.bind(("127.0.0.1", 0))
@@ -1284,7 +1284,9 @@ def test_the_sidecar_announces_its_parents_death_and_not_a_normal_exit():
     listen.close()
     kv = _KV()
     exits = ProcessExits(kv, 0, range(2), enabled=False)  # posts its own pid, watches nothing
-    kv.key_value_set("elasjax/proc/1", json.dumps({"pid": 4242}), allow_overwrite=True)
+    # process 1's incarnation as it posts it at start (`liveness.Incarnation`)
+    kv.key_value_set("elasjax/proc/1", Incarnation("another-host", 4242, None).to_json(),
+                     allow_overwrite=True)
     assert not exits.notice(1, 4241) and not exits.exited(1)  # an earlier incarnation's
     assert exits.notice(1, 4242) and exits.exited(1)
     assert exits.how(1) == "a death notice from its host"
