@@ -72,14 +72,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    # the config's device count follows the processes (configs/multiprocess.yaml says 8)
+    # the config's device count follows the processes (configs/multiprocess.yaml says 8, data 4)
     sets = [f"train.steps={args.steps}", "faults=[]",
-            f"parallel.devices={2 * args.processes}", "checkpoint.every=2"]
+            f"parallel.devices={2 * args.processes}", "parallel.data=-1", "checkpoint.every=2"]
     ref = out / "ref"
     if not (ref / "metrics.jsonl").exists():
         cmd = [sys.executable, "-m", "elasjax.cli", "train", args.config, "--quiet", "--out",
                str(ref)]
-        for s in sets[:3]:
+        for s in sets[:4]:
             cmd += ["--set", s]
         rc, took = run(cmd, out / "ref.log", args.timeout)
         print(f"reference: exit {rc} in {took:.0f}s", flush=True)
