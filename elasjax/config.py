@@ -564,7 +564,7 @@ def deterministic_obstacle(cfg: Config, optimizer_object: bool = False) -> str |
 
 def deterministic_by_default(cfg: Config) -> bool:
     """Is `cfg`'s mode decided by the default (`train.deterministic: auto`)?"""
-    return cfg.train.deterministic in ("auto", None)
+    return cfg.train.deterministic == "auto"
 
 
 def with_optimizer_object(cfg: Config) -> Config:

@@ -327,7 +327,7 @@ class ElasticState:
         self._standby: PiecesStandby | None = None
         self._exe = None
         self.state = jax.device_put(state, self.shardings())
-        self._configure_pool()
+        self._configure_pool(self.pool, self.state, self.mesh)
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -342,14 +342,13 @@ class ElasticState:
             is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
         )
 
-    def _configure_pool(self) -> None:
-        """Set up the current mesh's snapshots and the shardings `commit` checks against."""
+    def _configure_pool(self, pool, state, mesh: Mesh) -> None:
+        """Set up `pool` for `state` on `mesh`'s snapshots, and the shardings `commit` checks
+        against."""
         self._want = jax.tree.leaves(
-            self.shardings(), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+            self.shardings(mesh), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
         )
-        self.pool.configure(
-            _unwrap_keys(self.state), self._raw_shardings(self.mesh), self.mesh, self.live
-        )
+        pool.configure(_unwrap_keys(state), self._raw_shardings(mesh), mesh, self.live)
 
     def coverage(self, pairs: bool = True) -> Coverage:
         """Which failures of the live devices the committed state survives, with this pool's
@@ -612,15 +611,11 @@ class ElasticState:
         same = all(x.sharding.is_equivalent_to(sh, x.ndim) for x, sh in zip(
             jax.tree.leaves(new), jax.tree.leaves(self.shardings(mesh))))
 
-        def configure(pool):  # the new mesh's snapshots and the shardings `commit` checks against
-            self._want = jax.tree.leaves(
-                self.shardings(mesh), is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-            pool.configure(_unwrap_keys(new), self._raw_shardings(mesh), mesh, self.live)
-
         done = verify_and_protect(  # the previous state and pool are untouched if this raises
             new, checksums=lambda s: checksum.to_host((sums_fn if same else _checksums)(s)),
             expected=good, what="recovered state", against=f"the state of step {step}",
-            pool=self.pool, configure=configure, step=step, take=_unwrap_keys(new))
+            pool=self.pool, configure=lambda p: self._configure_pool(p, new, mesh), step=step,
+            take=_unwrap_keys(new))
         rec = Recovery(
             step=step, failed_devices=sorted(self._failed),
             from_mesh=dict(self.mesh.shape), to_mesh=dict(mesh.shape),
