@@ -259,7 +259,7 @@ class EndEvent(Record):
     type: ClassVar[str] = "end"
     goodput: dict
     step: int
-    final_loss: float
+    final_loss: float | None  # None: no step was left to train (a resume from the last step)
     plan: str
     state_digest: str
     transfer_plans_prepared: int

@@ -768,7 +768,12 @@ def _print_recoveries(out: Path, quiet: bool) -> None:
                     flush=True,
                 )
         elif e.get("type") == "end":
-            print(f"final loss {e['final_loss']:.6f} at step {e['step'] - 1}; plan {e['plan']}")
+            if e["final_loss"] is None:
+                print(f"no step left to train: resumed at step {e['step']}, the run's end; "
+                      f"plan {e['plan']}")
+            else:
+                print(f"final loss {e['final_loss']:.6f} at step {e['step'] - 1}; "
+                      f"plan {e['plan']}")
 
 
 # ---------------------------------------------------------------------------------------------

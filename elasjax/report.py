@@ -170,8 +170,11 @@ def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), grow
         con.print(t)
     for note in notes:
         con.print(note)
-    last = max(losses)
-    msg = f"final loss {losses[last]:.4f} at step {last}; final plan {plan.describe()}"
+    if losses:
+        last = max(losses)
+        msg = f"final loss {losses[last]:.4f} at step {last}; final plan {plan.describe()}"
+    else:  # resumed from the checkpoint of the run's last step
+        msg = f"no step left to train; final plan {plan.describe()}"
     if evals:
         k = max(evals)
         msg += f"; held-out loss {evals[k]:.4f}"

@@ -123,8 +123,9 @@ class RunSummary:
     goodput: dict = dataclasses.field(default_factory=dict)
 
     @property
-    def final_loss(self) -> float:
-        return self.losses[max(self.losses)]
+    def final_loss(self) -> float | None:
+        """The last trained step's loss; None when no step was left to train."""
+        return self.losses[max(self.losses)] if self.losses else None
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -600,7 +601,7 @@ class Trainer:
         ew.emit(EndEvent(
             goodput=goodput,
             step=pos.step,
-            final_loss=self.losses[T - 1],
+            final_loss=self.losses.get(T - 1),  # None: resumed at the run's end
             plan=pos.plan.name,
             # digest of every leaf's layout-independent checksum: equal digests = bitwise equal
             # final parameters and optimizer state

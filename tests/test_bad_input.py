@@ -14,6 +14,7 @@ import pytest
 from conftest import tiny_config
 
 from elasjax import cli, trainer
+from elasjax.metrics import read_jsonl
 from elasjax.transfer.checkpoint import CheckpointFormatError
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
@@ -150,3 +151,20 @@ def test_a_resume_deletes_the_newer_checkpoints_and_says_so(saved, tmp_path, exe
         run = _resume(ck, 2, exe_cache)
     assert min(run.losses) == 2
     assert sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()) == [2, 4]  # 4 saved again
+
+
+def test_a_resume_from_the_last_steps_checkpoint_ends_with_nothing_to_train(saved, tmp_path,
+                                                                             exe_cache):
+    """A supervised restart can resume from the checkpoint saved after the run's last step (the
+    job died while shutting down): the run ends at once, its `end` event says there was no loss
+    to report, and nothing is deleted."""
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    out = tmp_path / "out"
+    run = trainer.run(tiny_config("train.steps=4", "faults=[]", f"checkpoint.dir={ck}",
+                                  "checkpoint.every=2", "checkpoint.resume_step=-1"),
+                      out, exe_cache=exe_cache)
+    assert run.losses == {} and run.final_loss is None
+    (end,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "end"]
+    assert end["final_loss"] is None and end["step"] == 4
+    assert sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit()) == [2, 4]

@@ -301,6 +301,32 @@ def test_losing_the_coordination_process_restarts_the_job_from_its_newest_checkp
 
 
 @pytest.mark.slow
+def test_a_lone_survivors_checkpoints_resume_the_job(reference, tmp_path):
+    """Process 0 is SIGKILLed after step 1 (`--kill 1:0`): process 1 trains on alone, on its own
+    two devices, and saves the next checkpoints itself (a single-process child
+    writes them: transfer/lone_writer.py). Then the coordination process is killed after step 2:
+    the job restarts on two processes from the newest checkpoint, one that the lone survivor
+    wrote, and finishes with the fault-free losses. Until the writer existed such a checkpoint
+    was a commit marker over no data and every such resume failed (experiments/RESULTS.md,
+    2026-11-28: 10 of 20 supervised resumes)."""
+    out, ck = tmp_path / "lone", tmp_path / "ck"
+    rc, stdout = _supervised(out, ck, "--max-restarts", "1", "--kill", "1:0",
+                             "--kill-coordinator", "2")
+    print(stdout)
+    assert rc == 0, f"{stdout}\n{_worker_logs(out)}"
+    records = read_jsonl(out / "supervisor.jsonl")
+    assert [r["type"] for r in records] == ["restart", "end"], records
+    resumed = records[0]["from_step"]
+    assert resumed >= 2 and records[0]["resumed_from_checkpoint"], records[0]
+    # the checkpoint resumed from was written after process 0's death, by process 1 alone
+    before = read_jsonl(out / "attempt0" / "metrics.jsonl")
+    assert any(e["type"] == "recovery" for e in read_jsonl(out / "attempt0" / "events.jsonl"))
+    _assert_losses(before, reference, range(len(before)))
+    _assert_losses(read_jsonl(out / "metrics.jsonl"), reference, range(resumed, STEPS))
+    assert records[-1]["outcome"] == "finished"
+
+
+@pytest.mark.slow
 def test_a_failure_that_recurs_spends_the_budget_and_the_launch_stops_with_the_reason(tmp_path):
     fail_step = 2  # checkpoint 2 holds the state before step 2: each attempt fails there again
     out, ck = tmp_path / "spent", tmp_path / "ck"

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..config import CheckpointConfig, ConfigError
 from ..zero import ZeroLayout
+from .lone_writer import LoneWriter
 from .reshard import transition
 from .shards import Shard, ShardStore
 
@@ -57,7 +58,15 @@ class Checkpointer:
         self.cfg = cfg
         self.dir = Path(cfg.dir).absolute()
         self.generation = 0
+        self.lone: LoneWriter | None = None  # a lone survivor's writer, from its first save
         self.manager = self._open(processes)
+
+    def _sync(self) -> None:
+        """Wait for the lone survivor's writer, if there is one, and let the manager see what
+        it wrote (a `CheckpointWriteError` if a save failed)."""
+        if self.lone is not None and self.lone.pending:
+            self.lone.wait()
+            self.manager.reload()
 
     def _open(self, processes: set[int] | None):
         mp = ocp.options.MultiprocessingOptions()
@@ -67,12 +76,24 @@ class Checkpointer:
                 barrier_sync_key_prefix=f"elasjax-ckpt-{self.generation}",
             )
         self.dir.mkdir(parents=True, exist_ok=True)  # Orbax will not, over a subset of processes
+        # The item handlers are given the same options: a handler the manager builds itself
+        # keeps the default primary host, process 0, and writes its files (the JSON record,
+        # the array metadata) only there, so once process 0 is gone every checkpoint was a
+        # commit marker over nothing (tests/test_checkpoint_multiprocess.py).
+        registry = ocp.DefaultCheckpointHandlerRegistry()
+        state = ocp.StandardCheckpointHandler(multiprocessing_options=mp)
+        meta = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
+        for item, handler, kinds in (("state", state, (ocp.args.StandardSave, ocp.args.StandardRestore)),
+                                     ("meta", meta, (ocp.args.JsonSave, ocp.args.JsonRestore))):
+            for kind in kinds:
+                registry.add(item, kind, handler)
         return ocp.CheckpointManager(
             self.dir,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=self.cfg.keep, enable_async_checkpointing=True,
                 multiprocessing_options=mp, create=False,
             ),
+            handler_registry=registry,
         )
 
     def reopen(self, processes: set[int] | None) -> None:
@@ -81,6 +102,9 @@ class Checkpointer:
         (closing waits on those barriers too); what it had committed stays on disk."""
         if processes is None:
             return
+        if self.lone is not None:  # the job grew again: the job's processes save from now on
+            self.lone.close()
+            self.lone = None
         self.generation += 1
         self.manager = self._open(processes)
 
@@ -91,27 +115,35 @@ class Checkpointer:
     def save(self, step: int, state: Any, checksums: dict[str, str], form: dict | None = None) -> None:
         """Save `state` as it is; `form` (`form_of(plan)`) says which plan's form that is (None:
         the canonical form)."""
+        meta = {"step": step, "checksums": checksums, "form": form}
         if jax.process_count() > 1 and all(
             x.is_fully_addressable for x in jax.tree.leaves(state)
         ):
-            # the plan lives in this process alone (a lone survivor): Orbax refuses
-            # process-local arrays in a multi-process job, so save their host values
-            state = jax.device_get(state)
+            # the plan lives in this process alone (a lone survivor): Orbax cannot write that
+            # from inside a multi-process job; a single-process child does (lone_writer.py)
+            if self.lone is None:
+                self.manager.wait_until_finished()  # the job's own saves land first
+                self.lone = LoneWriter(self.dir, self.cfg.keep)
+            self.lone.save(step, jax.device_get(state), meta)
+            return
+        self._sync()
         self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave({"step": step, "checksums": checksums, "form": form}),
+                meta=ocp.args.JsonSave(meta),
             ),
             force=True,
         )
 
     def latest_step(self) -> int | None:
+        self._sync()
         self.manager.wait_until_finished()
         return self.manager.latest_step()
 
     def steps(self) -> list[int]:
         """The committed checkpoints' steps, oldest first."""
+        self._sync()
         self.manager.wait_until_finished()
         return sorted(self.manager.all_steps())
 
@@ -165,6 +197,7 @@ class Checkpointer:
     def restore(self, step: int, abstract_target: Any) -> tuple[Any, dict]:
         """(state on the target shardings, metadata {step, checksums}); checked first
         (`check_fits`); an unreadable checkpoint is a `CheckpointFormatError`."""
+        self._sync()
         self.manager.wait_until_finished()
         self.check_fits(step, abstract_target)
         try:
@@ -182,12 +215,14 @@ class Checkpointer:
 
     def metadata(self, step: int) -> dict:
         """The JSON record of checkpoint `step` alone: {step, checksums, form}."""
+        self._sync()
         self.manager.wait_until_finished()
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def drop_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (an abandoned timeline after resuming from
         `step`); returns the steps deleted."""
+        self._sync()
         self.manager.wait_until_finished()
         newer = [s for s in self.manager.all_steps() if s > step]
         for s in newer:
@@ -195,6 +230,10 @@ class Checkpointer:
         return newer
 
     def close(self) -> None:
+        if self.lone is not None:
+            self.lone.close()
+            self.lone = None
+            self.manager.reload()
         self.manager.wait_until_finished()
         self.manager.close()
 
