@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default="runs/soak_resume")
+    ap.add_argument("--judge-only", action="store_true",
+                    help="judge the launches already in --out again; run nothing")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
             return 1
     losses = {r["step"]: r["loss"] for r in read_jsonl(ref / "metrics.jsonl")}
     bad, worst = 0, 0.0
-    with (out / "soak.jsonl").open("a") as fh:
+    with (out / ("judged.jsonl" if args.judge_only else "soak.jsonl")).open("a") as fh:
         for i in range(args.launches):
             rng = random.Random(f"{args.seed}/{i}")
             at = rng.randrange(3, args.steps - 2)
@@ -101,7 +103,11 @@ def main(argv=None) -> int:
                 cmd += ["--kill", f"{kill0}:0"]
             for s in [*sets, f"checkpoint.dir={ck}"]:
                 cmd += ["--set", s]
-            rc, took = run(cmd, out / f"launch{i:03d}.log", args.timeout)
+            if args.judge_only:  # the launch as it ran: its exit code from its summary
+                summary = json.loads((run_dir / "launch.json").read_text())
+                rc, took = (0 if summary.get("outcome") == "finished" else 1), 0.0
+            else:
+                rc, took = run(cmd, out / f"launch{i:03d}.log", args.timeout)
             records = (read_jsonl(run_dir / "supervisor.jsonl")
                        if (run_dir / "supervisor.jsonl").exists() else [])
             restarts = [r for r in records if r["type"] == "restart"]
@@ -109,11 +115,15 @@ def main(argv=None) -> int:
             sk = skews(run_dir / f"worker{1 if kill0 is not None and args.processes > 1 else 0}.log")
             if not sk:
                 sk = skews(run_dir / "worker1.log")
-            rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+            # every step's loss, from the ended attempt and the resumed job (which trains nothing
+            # when it resumes from the checkpoint saved after the last step)
+            rows = [r for d in (run_dir / "attempt0", run_dir) if (d / "metrics.jsonl").exists()
+                    for r in read_jsonl(d / "metrics.jsonl")]
             dev = max((abs(r["loss"] - losses[r["step"]]) / losses[r["step"]] for r in rows),
                       default=None)
             ok = (rc == 0 and end.get("outcome") == "finished" and len(restarts) == 1
-                  and rows and rows[-1]["step"] == args.steps - 1 and dev is not None and dev <= 1e-5)
+                  and {r["step"] for r in rows} == set(range(args.steps))
+                  and dev is not None and dev <= 1e-5)
             bad += not ok
             top = max((v[1] for v in sk.values()), default=0.0)
             worst = max(worst, top)
