@@ -18,7 +18,7 @@ LAYERS = [
     ("runtime", ["faults", "runtime"]),
     ("compile", ["compilation"]),
     ("loop", ["recovery", "cutover", "admission", "trainer", "elastic", "report", "tensorboard"]),
-    ("entry points", ["", "cli", "launch", "supervisor", "bench", "sim", "compare"]),
+    ("entry points", ["", "cli", "launch", "supervisor", "bench", "sim", "compare", "reference"]),
 ]
 
 
