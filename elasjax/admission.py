@@ -144,8 +144,9 @@ class Admissions:
         return Arrival(pos, t.pending, t.plans, t.redo_until)
 
     def ship(self, pos: Position, newcomers: list[int], live_after: set[int]) -> Position:
-        """The writer sends the newcomers the executables of the current plan and of the plans
-        the run stood on that `live_after` can run and that it holds compiled (every process
+        """The writer sends the newcomers the executables of the current plan, of the plans the
+        run stood on that `live_after` can run and that it holds compiled, and of the standby's
+        plans over exactly `live_after` (every process
         calls it; on a live process the current plan's are reloaded onto the new client).
         Returns `pos` with this process's executables and, on a newcomer, its view of the
         state (`held_elsewhere`)."""
@@ -158,6 +159,15 @@ class Admissions:
                 if p.compile_key != pos.plan.compile_key and self.source.compiled(p)
                 and set(p.device_ids) | set(p.spare_ids) <= live_after
             ]
+            # and the standby's plans over exactly the grown set: the growth's likely target,
+            # compiled ahead (`Contingencies.rejoin_plans`), which the newcomer then need not
+            # compile before the job can grow
+            sb = self.source.standby
+            for exe in sb.ready_values() if sb is not None else ():
+                p = exe.plan
+                if (set(p.device_ids) | set(p.spare_ids) == live_after
+                        and all(p.compile_key != q.compile_key for q in plans)):
+                    plans.append(p)
             shipped = []
             for p in plans:
                 exe = self.source.compiled(p) if p is not pos.plan else pos.exe

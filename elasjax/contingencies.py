@@ -61,7 +61,8 @@ class Contingencies:
         """The compile keys of the plans recovery would need after the likeliest next failures
         of `plan` (`failures`): their optimal plans with `standby.enabled`; the no-movement
         fast paths with `recovery.migration: async`; and with `recovery.grow_standby`, the plan
-        of the likeliest growth (every down device returns). With `standby.depth: 2`, also one
+        of the likeliest growth (every down device returns; with none down, the plans a rejoin
+        after the likeliest failures would grow to: `rejoin_plans`). With `standby.depth: 2`, also one
         plan of each new program (`Plan.shape_key`) needed after a second failure of each of
         those: after a recovery, the standby set of the new plan then needs no compile, only
         loads (`executables.rebind`). One per program, not every device set: a loaded CPU
@@ -81,7 +82,32 @@ class Contingencies:
             grown = self.growth_candidate(plan, live)
             if grown is not None:
                 out.append(grown)
+            else:
+                out += self.rejoin_plans(plan, live)
         return list(dict.fromkeys(p.compile_key for p in out))
+
+    def rejoin_plans(self, plan: Plan, live: set[int]) -> list[Plan]:
+        """With every device live, the plans a job would grow back to after one of `plan`'s
+        likeliest failures and the return of what it lost (a restarted worker's rejoin), where
+        that is not `plan` itself: compiled ahead, a rejoin late in a run grows at once instead
+        of waiting for a compile it has no steps left for (experiments/RESULTS.md, the issue-45
+        soak). Usually one plan: the best one over every device."""
+        if not set(self.topo.device_ids) <= set(live):
+            return []
+        out: dict = {}
+        everyone = list(self.topo.device_ids)
+        for gone, _ in self.failures(plan, live):
+            survivors = self.survivors(live - gone)
+            if not survivors:
+                continue
+            try:
+                after = replan(survivors, self.topo, self.cfg, plan, self.initial)
+                back = growth_plan(everyone, self.topo, self.cfg, after, self.initial)
+            except NoPlanError:
+                continue
+            if back.grow and back.best.compile_key != plan.compile_key:
+                out.setdefault(back.best.compile_key, back.best)
+        return list(out.values())
 
     def _next_plans(self, plan: Plan, live: set[int]) -> list[tuple[Plan, set[int]]]:
         """(plan, its live devices) after each of `plan`'s likeliest next failures."""

@@ -32,7 +32,7 @@ def recovery_line(ev) -> str:
 
 def join_line(ev: dict) -> str:
     then = (f"growing to {ev['best_plan']} (predicted {ev['predicted_gain']:.0%} faster), "
-            "compiling in the background" if ev["grow"] else f"staying on {ev['plan']}: "
+            "once it is compiled on every process" if ev["grow"] else f"staying on {ev['plan']}: "
             f"{ev['reason']}")
     return f"step {ev['step']}: {ev['spec']} -> devices {ev['devices']} returned; {then}"
 

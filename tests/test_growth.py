@@ -9,6 +9,8 @@ Tolerances: default mode, training losses within relative 1e-5 of the fault-free
 test_optimized.py), bitwise equal losses and final state checksums.
 """
 
+from pathlib import Path
+
 import jax
 import pytest
 from conftest import assert_same_computation, tiny_config
@@ -16,10 +18,12 @@ from conftest import assert_same_computation, tiny_config
 from elasjax import config, faults, planner, trainer
 from elasjax.compilation.executables import ExecutableCache
 from elasjax.config import ConfigError
+from elasjax.contingencies import Contingencies
 from elasjax.metrics import read_jsonl
 from elasjax.transfer import checksum
 
 TOPO = planner.Topology(tuple(range(8)), 2)
+ROOT = Path(__file__).resolve().parents[1]
 
 # 8 -> 7 (device 3) -> 5 (host 0: devices 0, 1) -> both return -> 8 devices
 DOWN_AND_BACK = (
@@ -155,8 +159,9 @@ def test_planner_grows_only_when_the_cost_model_predicts_a_gain():
 
 def test_grow_standby_queues_the_every_device_plan_while_devices_are_down():
     """`recovery.grow_standby`: the standby set of a plan on a shrunk job includes the plan
-    growth would pick if every down device returned; not when all are live, not when off, and
-    a runtime where devices cannot return refuses the option."""
+    growth would pick if every down device returned; with all live, the plans a rejoin after a
+    likely failure would grow to; nothing when off; and a runtime where devices cannot return
+    refuses the option."""
     import types
 
     cfg = tiny_config("recovery.grow_standby=true")
@@ -166,13 +171,29 @@ def test_grow_standby_queues_the_every_device_plan_while_devices_are_down():
         five = planner.replan([2, 4, 5, 6, 7], TOPO, cfg, init, init)
         want = planner.growth_plan(list(range(8)), TOPO, cfg, five, init).best.compile_key
         assert t.contingencies.standby_plans(five, {2, 4, 5, 6, 7}) == [want]
-        assert t.contingencies.standby_plans(init, set(range(8))) == []
+        # with every device live: the plans a rejoin after the likeliest failures grows to,
+        # each the best plan over every device where that is not the current one
+        back = t.contingencies.rejoin_plans(init, set(range(8)))
+        assert t.contingencies.standby_plans(init, set(range(8))) == [p.compile_key for p in back]
+        for p in back:
+            assert p.device_ids == tuple(range(8)) and p.compile_key != init.compile_key
     finally:
         t.standby.close()
         t.rt.close()
     off = trainer.Trainer(tiny_config())
     assert off.standby is None  # nothing to compile in the background for this run
     off.rt.close()
+    # the demo's start plan (data 4 x tensor 2, as configured) is not the best over 8 devices:
+    # a rejoin grows to the best one, compiled ahead from the start
+    demo = config.load(str(ROOT / "configs" / "demo.yaml"), ["recovery.worker_restarts=2"])
+    c = Contingencies(demo, TOPO, planner.initial_plan(TOPO, demo), device_failures=False,
+                      can_grow=True)
+    start = c.initial
+    (back,) = c.rejoin_plans(start, set(range(8)))
+    six = planner.replan([0, 1, 2, 3, 4, 5], TOPO, demo, start, start)
+    assert back.compile_key == planner.growth_plan(
+        list(range(8)), TOPO, demo, six, start).best.compile_key != start.compile_key
+    assert c.standby_plans(start, set(range(8))) == [back.compile_key]
     fake = types.SimpleNamespace(writer=True, devices={}, topology=TOPO, kind="multi-controller",
                                  devices_return=False, rejoins=False)
     with pytest.raises(ConfigError, match=r"'recovery.grow_standby' = true needs a runtime where "
