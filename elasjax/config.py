@@ -392,9 +392,12 @@ class RecoveryConfig:
     gain (0.05: at least 5% faster) for which the run grows; below it the returned devices stay
     spare and the `join` event says why. `grow_standby` compiles, in the background while some
     devices are down, the plan growth would pick if every device of the job returned (the
-    likeliest growth: the repaired devices come back), so that a join finds it compiled and the
-    cut-over does not wait for a compile (one extra background compile per plan change); left
-    out (null) it is on where dead processes come back by themselves (`worker_restarts` > 0).
+    likeliest growth: the repaired devices come back), and while every device is live the plan
+    a rejoin after one of the likeliest failures would grow to (where that is not the current
+    plan: `Contingencies.rejoin_plans`), so that a join finds it compiled (and a rejoining
+    process is sent it) and the cut-over does not wait for a compile (one extra background
+    compile per plan change); left out (null) it is on where dead processes come back by
+    themselves (`worker_restarts` > 0).
     `grow_wait_steps`: a growth whose plan is still compiling this many steps after the join is
     waited for (the job stalls for the rest of the compile instead of finishing small; sooner
     where `max_fast_path_steps` is set and smaller); 0 never waits.
