@@ -45,11 +45,10 @@ from .faults import MULTI_CONTROLLER, resolve_schedule
 from .metrics import read_jsonl
 from .planner import Topology, initial_plan
 from .runtime import coordinator
-from .runtime.multicontroller import (
+from .runtime.multicontroller import MultiControllerRuntime, RejoinUnsupportedError
+from .runtime.startup import (
     COORDINATION_HEARTBEAT_S,
     SETTINGS,
-    MultiControllerRuntime,
-    RejoinUnsupportedError,
     RuntimeConfig,
     add_setting_flags,
     initialize,
@@ -241,7 +240,7 @@ def launch_local(
 ) -> int:
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
     (None: the config's `parallel.spares`), wait for them, reap them. `settings`: the
-    detector's (`multicontroller.SETTINGS`, by field name, e.g. `collective_timeout_s=1`), the
+    detector's (`startup.SETTINGS`, by field name, e.g. `collective_timeout_s=1`), the
     rest at their defaults.
 
     Returns 0 when a worker finished the run (the others survived as deaths), 3 when the
@@ -783,7 +782,7 @@ def _print_recoveries(out: Path, quiet: bool) -> None:
 def add_process_flags(ap: argparse.ArgumentParser) -> None:
     """The flags every process of a job takes (`elasjax launch` and its workers alike):
     detection timeouts, the benchmark throttle, and modules to import first."""
-    add_setting_flags(ap)  # the detector's settings: `multicontroller.SETTINGS`
+    add_setting_flags(ap)  # the detector's settings: `startup.SETTINGS`
     ap.add_argument("--slow", default=None, metavar="P:FACTOR:FROM_STEP:STEPS",
                     help="benchmark: make process P FACTOR times slower for STEPS steps")
     ap.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",

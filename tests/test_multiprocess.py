@@ -54,7 +54,7 @@ from elasjax.launch import KillSpec, parse_spares, resolve_config
 from elasjax.mesh import make_mesh
 from elasjax.metrics import MTTR_PHASES, read_jsonl
 from elasjax.runtime import membership
-from elasjax.runtime.multicontroller import RuntimeConfig, xla_flags
+from elasjax.runtime.startup import RuntimeConfig, xla_flags
 from elasjax.state import StateFactory, make_optimizer
 from elasjax.transfer import checksum, copies
 from elasjax.transfer.copies import pack, packed_size, unpack
@@ -1141,7 +1141,8 @@ def test_liveness_knobs_and_slow_option_are_checked():
 _GUARD_WORKER = r"""
 import json, os, signal, sys, time
 port, me, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-from elasjax.runtime.multicontroller import RuntimeConfig, initialize, MultiControllerRuntime, kv_client
+from elasjax.runtime.multicontroller import MultiControllerRuntime
+from elasjax.runtime.startup import RuntimeConfig, initialize, kv_client
 rc = RuntimeConfig(f"127.0.0.1:{port}", 3, me, devices_per_process=1,
                    collective_timeout_s=1 if mode == "fence" else 8,
                    heartbeat_timeout_s=5, liveness_timeout_s=1.0,

@@ -62,13 +62,13 @@ def test_a_verdict_crosses_the_key_value_store_unchanged():
 
 
 def test_each_detector_setting_is_defined_once_and_reaches_the_worker_unchanged():
-    """`multicontroller.SETTINGS` makes the flags of `elasjax launch` and of its workers, and
+    """`startup.SETTINGS` makes the flags of `elasjax launch` and of its workers, and
     the worker's argv: a non-default value of every setting survives the trip launcher ->
     argv -> worker parser -> RuntimeConfig."""
     import dataclasses
 
     from elasjax.launch import worker_parser
-    from elasjax.runtime.multicontroller import SETTINGS, RuntimeConfig
+    from elasjax.runtime.startup import SETTINGS, RuntimeConfig
 
     rc = RuntimeConfig("127.0.0.1:1234", 4, 2, heartbeat_timeout_s=7, collective_timeout_s=3,
                        liveness_interval_s=0.2, liveness_timeout_s=1.5, watch_exits=False,

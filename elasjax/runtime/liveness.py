@@ -26,7 +26,7 @@ class Liveness:
     silent *and* has not reached the barrier. A slow process keeps beating (its heartbeat thread
     does not wait for its computation), so it is waited for, never declared dead. A same-host
     peer whose heartbeat is silent while its CPU time advances (`cpu_of`, `working`) is starved,
-    not dead: the arbiter waits for it too (up to `multicontroller.STARVED_MAX_S`).
+    not dead: the arbiter waits for it too (up to `startup.STARVED_MAX_S`).
 
     Why a heartbeat of its own: gloo surfaces a death only at the collective timeout (its socket
     errors 'Connection closed/reset by peer' are reported when the timed-out receive returns),

@@ -1,0 +1,253 @@
+"""How a process joins a multi-controller job: the settings every process of a job takes (each
+defined once, `SETTINGS`: the flags of `elasjax launch` and of its workers, and the argv a worker
+is started with), `RuntimeConfig`, the XLA flags, and `initialize` (`jax.distributed` through the
+coordination process, `runtime.coordinator`). The runtime itself is
+`multicontroller.MultiControllerRuntime`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any
+
+import jax
+from jax.errors import JaxRuntimeError
+
+from .. import jaxcompat
+from .collectives import RENEW_MODES
+from .dispatch import SETTING
+
+# set by the writer once the job's first guard completed: a process that starts after it is a
+# restarted one, which rejoins (`membership`) instead of creating a CPU client at once
+STARTED = "elasjax/started"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A setting every process of a job takes: a `RuntimeConfig` field (its default and type are
+    the field's) and the flag that sets it, on `elasjax launch` and on its workers alike."""
+
+    field: str
+    flag: str
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+
+def add_setting_flags(ap) -> None:
+    """`SETTINGS` as flags of an argparse parser (defaults and types from `RuntimeConfig`)."""
+    import argparse
+
+    hints = typing.get_type_hints(RuntimeConfig)
+    defaults = {f.name: f.default for f in dataclasses.fields(RuntimeConfig)}
+    for s in SETTINGS:
+        default, tp = defaults[s.field], hints[s.field]
+        if tp is bool:
+            ap.add_argument(s.flag, dest=s.field, action=argparse.BooleanOptionalAction,
+                            default=default, help=s.help)
+        else:
+            ap.add_argument(s.flag, dest=s.field, type=tp, default=default, metavar=s.metavar,
+                            choices=s.choices, help=s.help)
+
+
+def settings_of(args) -> dict[str, Any]:
+    """The `SETTINGS` values parsed by `add_setting_flags`, by field name."""
+    return {s.field: getattr(args, s.field) for s in SETTINGS}
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How one process joins the job.
+
+    Attributes:
+      coordinator: `host:port` of the coordination service (process 0 binds it).
+      num_processes: processes in the job.
+      process_id: this process, 0 .. num_processes - 1.
+      platform: `cpu` (gloo collectives, `devices_per_process` fake devices) or `gpu`.
+      devices_per_process: CPU devices per process (ignored on GPU).
+      heartbeat_timeout_s: a process missing heartbeats this long is declared dead at the slow
+        barriers (below); the coordination service's own timeout is at least
+        `COORDINATION_HEARTBEAT_S`.
+      collective_timeout_s: a CPU collective waiting longer fails (`--xla_cpu_collective_timeout_
+        seconds`); it bounds detection of a peer that died inside a collective.
+      init_timeout_s: how long `initialize` waits for every process to connect.
+      liveness_interval_s: every process writes its heartbeat key (`elasjax/hb/<p>`) to the
+        coordination service's key-value store this often (the fast detector, see `Liveness`).
+      liveness_timeout_s: a process that has not reached a step's exit barrier, whose
+        heartbeat key has not changed for this long, while the step failed on a process that
+        did reach it, is declared dead by the arbiter (the lowest live process); without such a failure, and
+        at the other barriers, `heartbeat_timeout_s` applies (compiles starve heartbeat threads). It never
+        fires on a process that is merely slow: such a process keeps beating, and a same-host
+        one whose heartbeat starves is waited for while its CPU time advances (`STARVED_MAX_S`).
+      slow: `(process, factor, from_step, steps)`: make `process` `factor` times slower (it is
+        stopped and resumed by SIGSTOP/SIGCONT, a slow host) for `steps` steps from step
+        `from_step` (benchmarks of false positives); None: off.
+      watch_exits: every process learns of a same-host peer's death from the kernel (a pidfd
+        turns readable when the process exits; `liveness.ProcessExits`): the arbiter declares it
+        dead with no timeout, and on CPU (unless `renew_collectives` is `never`) a process inside
+        a guard's block shuts its collectives down at once (`collectives.abort_collectives`) and
+        renews them in the recovery; off: the heartbeat and the collective timeout decide.
+      renew_collectives: after a failure, replace the CPU client by one with fresh gloo
+        communicators (`elasjax.runtime.collectives`): `auto` when a survivor's collective ran into the
+        collective timeout (a communicator among survivors may be closed), when a process
+        aborted its collectives at an exit, or to retry a step whose collectives failed while
+        every process was alive; `always`; `never` (no abort and no retry either).
+      death_notices: every process starts a sidecar that announces its death to every peer
+        from its own host (`deathnote`): a death is proof at once on every host, as the
+        kernel's exit watch is on one; off: only the exit watch and the heartbeat decide.
+    """
+
+    coordinator: str
+    num_processes: int
+    process_id: int
+    platform: str = "cpu"
+    devices_per_process: int = 2
+    heartbeat_timeout_s: int = 5
+    collective_timeout_s: int = 8
+    init_timeout_s: int = 120
+    liveness_interval_s: float = 0.1
+    liveness_timeout_s: float = 1.0
+    slow: tuple[int, float, int, int] | None = None
+    renew_collectives: str = "auto"
+    watch_exits: bool = True
+    death_notices: bool = True
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"coordinator {self.coordinator!r} must look like HOST:PORT")
+        if self.num_processes < 1:
+            raise ValueError(f"num_processes = {self.num_processes} must be >= 1")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"process_id = {self.process_id}; allowed values: 0 .. {self.num_processes - 1}"
+            )
+        if self.platform not in ("cpu", "gpu"):
+            raise ValueError(f"platform {self.platform!r}; allowed values: 'cpu', 'gpu'")
+        if self.platform == "cpu" and self.devices_per_process < 1:
+            raise ValueError(f"devices_per_process = {self.devices_per_process} must be >= 1")
+        for name in ("heartbeat_timeout_s", "collective_timeout_s", "init_timeout_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)} must be >= 1")
+        if not 0.01 <= self.liveness_interval_s <= 5:
+            raise ValueError(
+                f"liveness_interval_s = {self.liveness_interval_s}; allowed values: 0.01 .. 5 (s)"
+            )
+        if self.liveness_timeout_s < 3 * self.liveness_interval_s:
+            raise ValueError(
+                f"liveness_timeout_s = {self.liveness_timeout_s} must be >= 3 x "
+                f"liveness_interval_s ({3 * self.liveness_interval_s:g}): a heartbeat or two may be late"
+            )
+        if self.renew_collectives not in RENEW_MODES:
+            raise ValueError(
+                f"renew_collectives = {self.renew_collectives!r}; allowed values: "
+                + ", ".join(RENEW_MODES)
+            )
+        if self.slow is not None:
+            proc, factor, start, steps = self.slow
+            if not (0 <= proc < self.num_processes and factor >= 1 and start >= 0 and steps >= 1):
+                raise ValueError(
+                    f"slow = {self.slow}: (process 0 .. {self.num_processes - 1}, factor >= 1, "
+                    "from_step >= 0, steps >= 1)"
+                )
+
+    def settings_argv(self) -> list[str]:
+        """This config's `SETTINGS` as the flags a worker is started with."""
+        out = []
+        for s in SETTINGS:
+            v = getattr(self, s.field)
+            if isinstance(v, bool):
+                out.append(s.flag if v else "--no-" + s.flag[2:])
+            else:
+                out += [s.flag, str(v)]
+        return out
+
+    @property
+    def host(self) -> str:
+        return self.coordinator.rpartition(":")[0]
+
+
+SETTINGS = (
+    Setting("heartbeat_timeout_s", "--heartbeat-timeout",
+            "the detector's slow timeout (the coordination service's own heartbeat timeout is "
+            "this, 30 s at least)", "S"),
+    Setting("collective_timeout_s", "--collective-timeout",
+            "a CPU collective waiting longer fails: the backstop that releases survivors "
+            "blocked in a collective (1 for the fast path)", "S"),
+    Setting("liveness_interval_s", "--liveness-interval",
+            "heartbeat period through the key-value store (the detector)", "S"),
+    Setting("liveness_timeout_s", "--liveness-timeout",
+            "a process silent this long and absent from a guard's barrier is dead", "S"),
+    Setting("watch_exits", "--watch-exits",
+            "the arbiter also learns of a same-host process's death from the kernel (a pidfd "
+            "turns readable at its exit), with no timeout"),
+    Setting("death_notices", "--death-notices",
+            "a sidecar on each process's host announces its death to every peer at once (UDP), "
+            "so a death on another host needs no heartbeat timeout"),
+    Setting("renew_collectives", "--renew-collectives",
+            "after a failure, start a new CPU client with fresh gloo communicators: auto (when a "
+            "block was interrupted or collectives were shut down), always, never",
+            choices=RENEW_MODES),
+)
+
+
+def xla_flags(rc: RuntimeConfig, existing: str = "") -> str:
+    """XLA_FLAGS for a worker: the caller's flags without a fake-device count (the count is
+    `jax_num_cpu_devices`) or an older collective timeout, plus this job's timeout flags."""
+    drop = ("--xla_force_host_platform_device_count", "--xla_cpu_collective_timeout_seconds")
+    kept = [f for f in existing.split() if not f.startswith(drop)]
+    if rc.platform == "cpu":
+        kept.append(f"--xla_cpu_collective_timeout_seconds={rc.collective_timeout_s}")
+    else:  # GPU: do not abort the process on a NCCL error; let live_devices handle it
+        kept += ["--xla_gpu_nccl_terminate_on_error=false", "--xla_gpu_nccl_async_execution=true"]
+    return " ".join(kept)
+
+
+# The coordination service's own heartbeat timeout, at least: it is not the detector (the
+# liveness heartbeat and the exit watch are), and a live process it times out is terminated
+# (SIGABRT, "Unexpected heartbeat request from an already-in-error task") with no chance to
+# recover, so it must stay well above any silence a live process can show: compiles on loaded
+# cores starve heartbeat threads for seconds (a 5 s timeout killed live processes:
+# experiments/RESULTS.md, "Multi-process observations"). The detector's own slow timeout
+# (`--heartbeat-timeout`) decides deaths; a starved process is waited for up to this bound
+# (tests/test_multiprocess.py::test_a_silent_peer_whose_cpu_time_advances_is_working_and_a_stopped_one_is_not).
+COORDINATION_HEARTBEAT_S = 30
+# The longest heartbeat silence waited for while a same-host peer's CPU time advances (a starved
+# process, `Liveness.working`); the coordination service would end it soon after anyway
+STARVED_MAX_S = COORDINATION_HEARTBEAT_S
+def initialize(rc: RuntimeConfig) -> None:
+    """Join the job. Must run before anything creates a JAX backend in this process."""
+    os.environ["XLA_FLAGS"] = xla_flags(rc, os.environ.get("XLA_FLAGS", ""))
+    if rc.platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.config.update("jax_num_cpu_devices", rc.devices_per_process)
+    else:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE", "1")
+    jax.config.update("jax_enable_recoverability", True)
+    jax.config.update(SETTING, False)  # before the CPU client starts (`runtime.dispatch`)
+    # the service runs in a coordination process of its own (`runtime.coordinator`), so that
+    # no training process is irreplaceable
+    jaxcompat.join_coordination_service(
+        rc.coordinator, rc.process_id, rc.num_processes, rc.init_timeout_s,
+        max(rc.heartbeat_timeout_s, COORDINATION_HEARTBEAT_S),
+    )
+    if kv_float(kv_client(), STARTED) is not None:
+        return  # a restarted process: no CPU client until the job admits it (`membership`)
+    if jax.process_count() != rc.num_processes:
+        raise RuntimeError(
+            f"jax.distributed reports {jax.process_count()} processes, expected {rc.num_processes}"
+        )
+
+
+def kv_client():
+    """The coordination service client (key-value store), or an error if not initialised."""
+    return jaxcompat.distributed_client()
+
+
+def kv_float(client, key: str) -> float | None:
+    try:
+        return float(client.key_value_try_get(key))
+    except JaxRuntimeError:  # NOT_FOUND: the key was never set
+        return None
