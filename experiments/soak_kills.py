@@ -97,13 +97,26 @@ def judge(i: int, config: str, kills: list[dict], rc: int, took: float, run_dir:
         summary = {"processes": []}
     targets = {k["kill_process"] for k in kills}
     procs = summary.get("processes", [])
-    killed = {(s["process"], s.get("incarnation", 0)) for s in procs if s.get("signal") == "SIGKILL"}
+    # the schedule's kills (`scheduled_kill`); a restarted worker the launcher reaped because the
+    # job ended before it was admitted is not one
+    killed = {(s["process"], s.get("incarnation", 0)) for s in procs
+              if s.get("signal") == "SIGKILL" and s.get("scheduled_kill")}
     fired = sorted(p for p, _ in killed)
     logs = "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("worker*.log")))
     # every survivor stopped with UnrecoverableStateError: the kills took a slice and all its
     # copies (a refusal the snapshot settings explain), not a survivor lost to a fault
+    def unadmitted(s) -> bool:
+        """A restarted worker still waiting to rejoin when the job ended (the launcher reaps
+        it): not a survivor, since it never held any state."""
+        if not s.get("incarnation") or s.get("signal") != "SIGKILL":
+            return False
+        try:
+            return " admitted at step " not in Path(s["log"]).read_text(errors="replace")
+        except OSError:
+            return False
+
     def survivor(s) -> bool:
-        return (s["process"], s.get("incarnation", 0)) not in killed
+        return (s["process"], s.get("incarnation", 0)) not in killed and not unadmitted(s)
 
     refused = (rc != 0 and "UnrecoverableStateError" in logs and all(
         s.get("returncode") == 1 for s in procs if survivor(s)))
