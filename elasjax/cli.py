@@ -285,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--tensorboard", default=None, metavar="DIR", help=TENSORBOARD_HELP)
     t.add_argument(
         "--standby", action="store_true",
-        help="sub-second recovery: build the plan of every likely failure before step 0 and "
-        "again after each recovery, training paused meanwhile (= --set standby.enabled=true "
+        help="wait for the standby: build the plan of every likely failure before step 0 and "
+        "again after each recovery, training paused meanwhile (the default builds them in the "
+        "background without pausing: standby.enabled auto; = --set standby.enabled=true "
         "--set standby.wait_at_start=true --set standby.wait_after_recovery=true); each pause "
         "lasts as long as building those plans (figures for configs/demo.yaml: "
         "experiments/RESULTS.md)",
@@ -351,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--standby", action="store_true",
                    help="build every likely failure's plan before step 0, and again after each "
                    "recovery, training paused meanwhile (standby.enabled, standby.wait_at_start, "
-                   "standby.wait_after_recovery)")
+                   "standby.wait_after_recovery; the standby is off under launch by default: "
+                   "every process would compile every plan itself)")
     m.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="local launch: when the job cannot continue (the coordination process lost, "
                    "unrecoverable state, an error exit), reap every process and start the job "

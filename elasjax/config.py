@@ -432,6 +432,12 @@ class StandbyConfig:
     single-host failure of the current plan (`enabled`): all of them, unless `max_plans` caps
     their number (the first ones in device order, then hosts; the cap is logged).
 
+    `enabled`: true, false, or `auto` (the default): on in one process (`elasjax train`,
+    `elasjax.run`), where the builds run beside training at a lower priority and a failure
+    after they are done is a standby hit; off under `elasjax launch`, where every process would
+    compile every plan of its own, 4 processes on one host 4 compiles of each (`true` turns it
+    on there). `standby_on` says which; the start line and the `start` event say what it builds.
+
     Each candidate device set gets its own executables, but with `rebind` (default) each
     program (plan shape) is compiled once and the other device sets load it with their own
     device assignment (`executables.rebind`, on CPU and GPU; a fraction of a compile), built first; the
@@ -463,7 +469,7 @@ class StandbyConfig:
     loaded, so such a program is not rebound to other device sets (they compile) and, after a
     new CPU client under launch, is built again through the cache instead of reloaded."""
 
-    enabled: bool = False
+    enabled: Union[bool, Literal["auto"]] = "auto"  # auto: on in one process (`standby_on`)
     # where background compiles run: "auto" (process where it applies, else thread),
     # "process" (a child process a recovery can stop, `compile_worker`), or "thread"
     compiler: Literal["auto", "process", "thread"] = "auto"
@@ -538,6 +544,12 @@ class Config:
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
+
+
+def standby_on(cfg: Config, one_process: bool) -> bool:
+    """Is the standby on (`standby.enabled`; `auto`: where the run is one process)?"""
+    asked = cfg.standby.enabled
+    return asked if isinstance(asked, bool) else one_process
 
 
 def grow_standby(cfg: Config) -> bool:

@@ -21,12 +21,13 @@ from .planner import (
 class Contingencies:
     """The next failures and plans of a job on `topo` started on `initial`. `device_failures`:
     can one device fail alone (the in-process runtime), or only a whole process's devices;
-    `can_grow`: can devices return (`Runtime.devices_return`)."""
+    `can_grow`: can devices return (`Runtime.devices_return`); `standby`: is the standby on."""
 
     def __init__(self, cfg: Config, topo: Topology, initial: Plan, *, device_failures: bool,
-                 can_grow: bool):
+                 can_grow: bool, standby: bool):
         self.cfg, self.topo, self.initial = cfg, topo, initial
         self.device_failures, self.can_grow = device_failures, can_grow
+        self.standby = standby  # the standby is on (`config.standby_on`)
 
     def failures(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
         """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single
@@ -59,7 +60,7 @@ class Contingencies:
 
     def standby_plans(self, plan: Plan, live: set[int]) -> list:
         """The compile keys of the plans recovery would need after the likeliest next failures
-        of `plan` (`failures`): their optimal plans with `standby.enabled`; the no-movement
+        of `plan` (`failures`): their optimal plans with the standby on; the no-movement
         fast paths with `recovery.migration: async`; and with `recovery.grow_standby`, the plan
         of the likeliest growth (every down device returns; with none down, the plans a rejoin
         after the likeliest failures would grow to: `rejoin_plans`). With `standby.depth: 2`, also one
@@ -71,7 +72,7 @@ class Contingencies:
         sb = self.cfg.standby
         first = self._next_plans(plan, live)
         out = [p for p, _ in first]
-        if sb.enabled and sb.depth == 2:
+        if self.standby and sb.depth == 2:
             programs = {p.shape_key for p in out}
             for nxt, survivors in first:
                 for p, _ in self._next_plans(nxt, survivors):
@@ -118,7 +119,7 @@ class Contingencies:
             if not survivors:
                 continue
             left = set(survivors)
-            if cfg.parallel.spares and (cfg.standby.enabled or cfg.recovery.migration == "async"):
+            if cfg.parallel.spares and (self.standby or cfg.recovery.migration == "async"):
                 # a spare would take over: recovery resumes on that plan, async or not
                 kept = substitute_spares(plan, survivors, self.topo)
                 if kept is not None:
@@ -128,7 +129,7 @@ class Contingencies:
                 fast = fast_path_plan(plan, survivors, cfg)
                 if fast is not None:
                     out.append((fast, left))
-            if cfg.standby.enabled:
+            if self.standby:
                 try:
                     out.append((replan(survivors, self.topo, cfg, plan, self.initial), left))
                 except NoPlanError:  # a failure the planner cannot serve needs no standby

@@ -111,6 +111,9 @@ class StartEvent(Record):
     mode: str  # which mode, and why where the default decided it (`config.mode_line`)
     snapshot_bytes_per_step: int
     snapshot: dict  # the snapshot copies taken: {"buddy", "host", "copies", "auto", "cost"}
+    # the standby: {"on", "enabled" (as configured), "plans" (submitted at the start),
+    # "compiler" ("process", "thread", or null when off)}
+    standby: dict
     resumed_from_checkpoint: int | None
     dropped_newer_checkpoints: list[int]
     faults: list[str]
@@ -138,8 +141,10 @@ class WarningEvent(Record):
 
 @dataclasses.dataclass(eq=False)
 class StandbyReady(Record):
-    """The standby set was built (`standby.wait_at_start`: `step` None; after a recovery with
-    `standby.wait_after_recovery`: the step it paused at, for `wait_s`)."""
+    """The standby set was built: while training waited (`standby.wait_at_start`: `step` None;
+    after a recovery with `standby.wait_after_recovery`: the step it paused at, for `wait_s`),
+    or in the background while training went on (`wait_s` 0: the step at which it was seen
+    built)."""
 
     type: ClassVar[str] = "standby_ready"
     step: int | None
@@ -266,6 +271,11 @@ class EndEvent(Record):
     transfer_plan_errors: list[str]
     standby_errors: list[str]
     cutover_pending: bool
+    # what the background builds cost: {"compiled", "rebound", "compile_s" (wall seconds of the
+    # builds), "worker_cpu_s" (the compile worker process's CPU seconds; null where builds ran on
+    # a thread of the training process, whose CPU time is not told apart; the compiles it
+    # finished)}; null: nothing was built in the background
+    standby: dict | None
     notes: list[str]
     runtime: str
     processes: list[int]

@@ -41,7 +41,15 @@ from .compilation.executables import ExecutableCache, Executables
 from .compilation.source import ExecutableSource
 from .compilation.standby import StandbyCompiler
 from .compilation.worker import CompileWorker
-from .config import Config, ConfigError, dump, grow_standby, mode_line, with_optimizer_object
+from .config import (
+    Config,
+    ConfigError,
+    dump,
+    grow_standby,
+    mode_line,
+    standby_on,
+    with_optimizer_object,
+)
 from .admission import Admissions, Seen
 from .runtime.membership import Admitted
 from .contingencies import Contingencies
@@ -60,7 +68,7 @@ from .events import (
     StartEvent,
     WarningEvent,
 )
-from .faults import resolve_schedule
+from .faults import IN_PROCESS, resolve_schedule
 from .metrics import JsonlWriter, RecoveryEvent, StepClock, Timeline, failure_costs, paces
 from .planner import Plan, initial_plan, replan
 from .recovery import (
@@ -187,6 +195,9 @@ class LoopState:
     # the standby and the prepared transitions follow the plan after the next good step (after
     # a recovery or a join; not sooner: their compiles would compete with that step)
     protect_due: bool = False
+    # the standby set of the current plan is building in the background and not yet announced
+    # as built (`Trainer._announce_standby`)
+    standby_building: bool = False
     # the checksums of the newest step read: `pos.state`'s once no step is in flight
     good: dict[str, str] | None = None
     # dispatched steps whose metrics are not read yet (`Trainer._read`), oldest first
@@ -267,16 +278,19 @@ class Trainer:
         # a runtime that admits restarted processes (`admission`) may grow at any step
         grows = (any(e.is_join for e in self.schedule) or grow_standby(cfg)
                  or self.rt.rejoins)
+        # `standby.enabled: auto` is on in one process only (`config.standby_on`)
+        self.standby_on = standby_on(cfg, self.rt.kind == IN_PROCESS)
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
-            background=cfg.standby.enabled or cfg.recovery.migration == "async" or grows,
+            background=self.standby_on or cfg.recovery.migration == "async" or grows,
             custom_tx=custom, log=self.rt.log,
             # the snapshot checksums of each standby plan's pool, compiled with it
             prepare=lambda exe: self.pool.prepare(exe.layout.abstract, exe.state_shardings, exe.mesh),
         )
         self.contingencies = Contingencies(cfg, self.topo, self.initial,
                                            device_failures=self.rt.device_failures,
-                                           can_grow=self.rt.devices_return)
+                                           can_grow=self.rt.devices_return,
+                                           standby=self.standby_on)
         self.transitions = TransitionPlanner(cfg, self.factory, self.devices, self.contingencies,
                                              where=self.rt.process_of)
         self.recovery = Recoverer(cfg, self.rt, self.topo, self.factory, self.source,
@@ -355,7 +369,8 @@ class Trainer:
             ls = self._rejoin(mw, ew)
         else:
             pos = self._start(ew)
-            ls = LoopState(pos, list(self.schedule), [pos.plan.name], good=pos.good)
+            ls = LoopState(pos, list(self.schedule), [pos.plan.name], good=pos.good,
+                           standby_building=self.standby_on and not self.cfg.standby.wait_at_start)
             self.cutovers.note(pos.plan)
         bar = ew.display = Progress(T, enabled=self.progress)
         with bar:
@@ -568,9 +583,15 @@ class Trainer:
         elif ls.protect_due:
             self._protect(pos)
             ls.protect_due = False
+            ls.standby_building = self.standby_on
             if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
                 self._flush(ls, mw, ew.display)
                 self._wait_standby(ew, pos.step)
+                ls.standby_building = False
+        elif ls.standby_building and self.standby.wait_all(timeout=0):
+            ls.standby_building = False
+            self._standby_ready(ew, pos.step, 0.0, 0.0, f"step {pos.step}: standby ready, built "
+                                "in the background without pausing training")
         if self.ckpt is not None and self.ckpt.due(pos.step):
             with self.rt.guard("checkpoint"):
                 self.ckpt.save(pos.step, pos.state, ls.good, form_of(pos.exe.plan))
@@ -610,10 +631,20 @@ class Trainer:
             transfer_plan_errors=self.transitions.errors[:5],
             standby_errors=self.source.errors[:5],
             cutover_pending=self.cutovers.pending is not None,
+            standby=self._standby_cost(),
             notes=notes,
             runtime=self.rt.kind,
             processes=sorted({self.rt.process_of(d) for d in pos.live}),
         ))
+        cost = self._standby_cost()
+        if cost is not None:
+            line = (f"standby: {cost['compiled']} plans compiled and {cost['rebound']} rebound "
+                    f"in the background ({cost['compile_s']:.1f}s of builds"
+                    + (f", {cost['worker_cpu_s']:.1f} CPU seconds in the compile worker)"
+                       if cost["worker_cpu_s"] is not None else " on a thread of this process)"))
+            self.rt.log(line)
+            if self.progress:
+                print(line)
         for note in notes:
             self.rt.log(note)
         if self.progress:
@@ -786,8 +817,12 @@ class Trainer:
                     self.ckpt.reopen(self.rt.processes())
                 self.rt.renew_collectives(f)
         pos = Position(step, plan, exe, state, good, frozenset(live))
-        self.source.refresh(
-            plan, self.contingencies.standby_plans(plan, set(live) | set(plan.spare_ids)))
+        ahead = self.contingencies.standby_plans(plan, set(live) | set(plan.spare_ids))
+        self.source.refresh(plan, ahead)
+        # the plans it builds: `standby.max_plans` may leave some out (and warns)
+        n_ahead = len(ahead) - (self.standby.dropped if self.standby is not None else 0)
+        standby = self.standby_line(n_ahead)
+        self.rt.log(standby)
         self.transitions.for_failures(pos, self.pool)
         if self.cfg.standby.wait_at_start:
             self._wait_standby(ew, None)
@@ -818,6 +853,10 @@ class Trainer:
             snapshot={"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
                       "copies": self.pool.cfg.copies, "auto": self.pool.given.auto,
                       "cost": self.pool.cost_line(self.cfg.hardware)},
+            standby={"on": self.standby_on, "enabled": self.cfg.standby.enabled,
+                     "plans": n_ahead if self.standby_on else 0,
+                     "compiler": None if not self.standby_on else
+                     "process" if self.worker is not None else "thread"},
             resumed_from_checkpoint=step if self.cfg.checkpoint.resume_step is not None else None,
             dropped_newer_checkpoints=self.dropped_checkpoints,
             faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],
@@ -825,6 +864,7 @@ class Trainer:
         if self.progress:
             print(mode)
             print(self.pool.cost_line(self.cfg.hardware))
+            print(standby)
         risk = self.pool.risk()
         if risk is not None:
             ew.emit(WarningEvent("snapshot", risk))
@@ -841,21 +881,54 @@ class Trainer:
         t_all = time.perf_counter()
         if self.standby is not None:
             compile_s, warm_s = self.source.wait_all(self.cfg.standby.warm)
-            sb = self.standby
-            ew.emit(StandbyReady(step, sb.compiled + sb.rebound, sb.compiled, sb.rebound,
-                                 compile_s + warm_s, sb.compile_s, sb.rebind_s, warm_s))
             head = (f"standby ready in {compile_s + warm_s:.1f}s" if step is None else
                     f"step {step}: training paused {compile_s + warm_s:.1f}s until the standby "
                     "of the new plan was ready")
-            line = (f"{head}: {sb.compiled + sb.rebound} plans built so far ({sb.compiled} "
-                    f"compiled in {sb.compile_s:.1f}s, {sb.rebound} rebound from them in "
-                    f"{sb.rebind_s:.1f}s), warmed in {warm_s:.1f}s")
-            self.rt.log(line)
-            if self.progress:
-                print(line)
+            self._standby_ready(ew, step, compile_s + warm_s, warm_s, head)
         self.transitions.wait_idle()  # the likely transitions are planned too
         if step is not None:
             self.timeline.pause(time.perf_counter() - t_all)
+
+    def _standby_cost(self) -> dict | None:
+        """What the background builds cost (the `end` event's `standby`); None without them."""
+        sb = self.standby
+        if sb is None:
+            return None
+        return {"compiled": sb.compiled, "rebound": sb.rebound,
+                "compile_s": round(sb.compile_s + sb.rebind_s, 3),
+                "worker_cpu_s": (round(self.worker.compile_cpu_s, 3)
+                                 if self.worker is not None else None)}
+
+    def _standby_ready(self, ew: Emitter, step: int | None, wait_s: float, warm_s: float,
+                       head: str) -> None:
+        """The `standby_ready` event and its line: the standby set is built, after `wait_s` of
+        paused training (0: built in the background while training went on)."""
+        sb = self.standby
+        ew.emit(StandbyReady(step, sb.compiled + sb.rebound, sb.compiled, sb.rebound, wait_s,
+                             sb.compile_s, sb.rebind_s, warm_s))
+        line = (f"{head}: {sb.compiled + sb.rebound} plans built so far ({sb.compiled} "
+                f"compiled in {sb.compile_s:.1f}s, {sb.rebound} rebound from them in "
+                f"{sb.rebind_s:.1f}s)" + (f", warmed in {warm_s:.1f}s" if wait_s else ""))
+        self.rt.log(line)
+        if self.progress:
+            print(line)
+
+    def standby_line(self, n_plans: int) -> str:
+        """What the standby does in this run, for the start line."""
+        given = self.cfg.standby.enabled
+        if not self.standby_on:
+            if given is False:
+                return "standby: off (standby.enabled: false): a recovery compiles its new plan"
+            return ("standby: off (standby.enabled: auto is on in one process only: here every "
+                    "process would compile every plan itself; --standby or standby.enabled: "
+                    "true turns it on): a recovery compiles its new plan")
+        where = (f"in a compile worker process at nice {self.worker.nice}" if self.worker
+                 is not None else "on a thread of this process")
+        pause = ("training waits until they are built" if self.cfg.standby.wait_at_start else
+                 "training goes on meanwhile; a 'standby ready' line says when they are built")
+        return (f"standby: building the {n_plans} plans of the likeliest next failures "
+                f"(standby.enabled: {str(given).lower()}) {where}, each program compiled once "
+                f"and loaded for the other device sets; {pause}")
 
     def _protect(self, pos: Position) -> None:
         """Prepare for `pos`'s likely next failures: their plans built in the background

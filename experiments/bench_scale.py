@@ -193,7 +193,10 @@ def size_config(size: str, steps: int, extra=()) -> config.Config:
         "train.eval_every=0", f"parallel.devices={JOB['devices']}",
         f"parallel.devices_per_host={JOB['per_host']}", f"parallel.data={JOB['data']}",
         f"parallel.tensor={JOB['tensor']}", "faults=[]", "standby.wait_at_start=true",
-        *extra,
+        # the fault-free step without the standby's background compiles (`standby.enabled:
+        # auto` is on in one process; what it costs a run is measured on its own:
+        # experiments/RESULTS.md, "The standby on by default"); `--standby` turns it on
+        "standby.enabled=false", *extra,
     ])
 
 

@@ -288,14 +288,15 @@ def main() -> None:
         run_one("1. elastic, standby hit", demo_config(
             args, "standby.enabled=true", "standby.wait_at_start=true", *cap),
             out / "runs/elastic_standby", ExecutableCache()),
-        run_one("2. elastic, cold compile", demo_config(args), out / "runs/elastic_cold",
-                ExecutableCache()),
+        run_one("2. elastic, cold compile", demo_config(args, "standby.enabled=false"),
+                out / "runs/elastic_cold", ExecutableCache()),
     ]
     check_rows_match_names(rows)
     ck_dir = (out / "runs/ckpt_dir").absolute()
     shutil.rmtree(ck_dir, ignore_errors=True)
     ck_cfg = demo_config(
-        args, "recovery.strategy=checkpoint_restart", f"checkpoint.dir={ck_dir}",
+        args, "recovery.strategy=checkpoint_restart", "standby.enabled=false",
+        f"checkpoint.dir={ck_dir}",
         f"checkpoint.every={args.ckpt_every}", f"checkpoint.keep={args.steps + 1}")
     rows.append(run_one("3. checkpoint restore, in process", ck_cfg,
                         out / "runs/ckpt_restore", ExecutableCache()))

@@ -69,6 +69,12 @@ TINY = [
     # change the tensor degree); the deterministic mode, the default where a config leaves
     # `train.deterministic` out, is asked for where it is tested (test_deterministic*.py, ...).
     "train.deterministic=false",
+    # The standby (on by default in one process: `standby.enabled: auto`) compiles every likely
+    # failure's plan beside each run: on 2 cores, in every in-process test, that is CPU the
+    # suite does not have. It changes no result; it is on where it is tested (test_standby*.py,
+    # test_trainer.py's default-standby test, the CLI demo runs, which use the configs as users
+    # do).
+    "standby.enabled=false",
 ]
 
 

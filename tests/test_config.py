@@ -63,6 +63,19 @@ def test_bad_types():
         config.load(None, ["model.tie_embeddings=3"])
 
 
+def test_the_standby_is_auto_by_default_on_in_one_process_only():
+    from elasjax.config import standby_on
+
+    cfg = config.load(None)
+    assert cfg.standby.enabled == "auto" and standby_on(cfg, True) and not standby_on(cfg, False)
+    on = config.load(None, ["standby.enabled=true"])
+    assert standby_on(on, False) and not standby_on(config.load(None, ["standby.enabled=false"]), True)
+    assert "enabled: auto" in config.dump(cfg)  # a run's config.yaml decides the same way again
+    with pytest.raises(ConfigError, match=r"'standby.enabled' = 'maybe' is not allowed; allowed "
+                                          r"values: true, false, 'auto'"):
+        config.load(None, ["standby.enabled=maybe"])
+
+
 def test_standby_depth_and_map_budget_name_their_allowed_values():
     with pytest.raises(ConfigError, match=r"'standby.depth' = 3; allowed values: 1 .*, 2 "):
         config.load(None, ["standby.depth=3"])

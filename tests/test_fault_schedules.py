@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 import jax
 
 from elasjax import faults, planner, trainer
-from elasjax.config import FaultConfig
+from elasjax.config import FaultConfig, standby_on
 from elasjax.contingencies import Contingencies
 from elasjax.recovery import plan_losses
 from elasjax.transfer.shards import UnrecoverableStateError
@@ -128,7 +128,8 @@ def expected(variant: str, events: list[dict]) -> tuple[list, set[str] | None]:
     is None where the run decides it (a failure at a pipeline's cut-over)."""
     cfg = tiny_config(*VARIANTS[variant], _yaml(events))
     init = planner.initial_plan(TOPO, cfg)
-    plans = Contingencies(cfg, TOPO, init, device_failures=True, can_grow=False)
+    plans = Contingencies(cfg, TOPO, init, device_failures=True, can_grow=False,
+                          standby=standby_on(cfg, True))
     devices = {d.id: d for d in jax.devices()}
     groups: dict = {}  # (step, at the cut-over) -> the failures of one recovery, in order
     for ev in faults.resolve_schedule(cfg.faults, TOPO, cfg.train.steps):

@@ -187,7 +187,7 @@ def test_grow_standby_queues_the_every_device_plan_while_devices_are_down():
     # a rejoin grows to the best one, compiled ahead from the start
     demo = config.load(str(ROOT / "configs" / "demo.yaml"), ["recovery.worker_restarts=2"])
     c = Contingencies(demo, TOPO, planner.initial_plan(TOPO, demo), device_failures=False,
-                      can_grow=True)
+                      can_grow=True, standby=False)
     start = c.initial
     (back,) = c.rejoin_plans(start, set(range(8)))
     six = planner.replan([0, 1, 2, 3, 4, 5], TOPO, demo, start, start)

@@ -760,10 +760,17 @@ def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path)
     without process 0's part in XLA's topology exchange, the writer's files pass on, and the
     run goes on with the fault-free computation."""
     out = tmp_path / "mp_p0"
-    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0")
+    # the standby's default too (`auto`: off under launch, where each process would compile
+    # every plan itself), which the start line says
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0",
+                         sets=("standby.enabled=auto",))
     assert rc == 0, stdout
     ev = _assert_process_0_survived(out, stdout, reference)
     assert ev["detector"] in ("process exit", "death notice"), ev["detected_by"]
+    (start,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "start"]
+    assert start["standby"] == {"on": False, "enabled": "auto", "plans": 0, "compiler": None}
+    assert "standby: off (standby.enabled: auto is on in one process only" in (
+        out / "worker1.log").read_text()
 
 
 @pytest.mark.slow

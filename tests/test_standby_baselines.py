@@ -639,6 +639,45 @@ def test_compile_counter_counts_this_thread_only():
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::elasjax.compilation.standby.StandbyCoverageWarning")  # max_plans=1
+def test_the_standby_is_on_by_default_in_one_process_and_builds_without_pausing(tmp_path):
+    """`standby.enabled: auto`, the default: in one process the `start` event says what the
+    standby builds and where (the compile worker process), training never waits for it, a
+    `standby_ready` event with `wait_s` 0 says when it was built, a failure after that is a
+    standby hit that compiles nothing, and the `end` event counts the worker's CPU seconds.
+    How many steps a background compile takes on 2 cores varies, so a hook plays the passage of
+    training time: at step 1 it waits until the standby is built (to the loop, a slow step)."""
+    from elasjax import StepInfo
+    from elasjax.config import standby_on
+
+    cfg = tiny_config("standby.enabled=auto", "standby.max_plans=1", "train.steps=8",
+                      "faults=[{at_step: 6, devices: [0]}]")
+    assert standby_on(cfg, True) and not standby_on(cfg, False)
+    held = []
+
+    def slow_step(x):
+        if isinstance(x, StepInfo) and x.step == 1:
+            held.append(t.standby.wait_all(timeout=600))
+
+    t = trainer.Trainer(cfg, tmp_path / "run", hooks=[slow_step])  # its own executable cache
+    s = t.run()
+    assert held == [True]
+    events = read_jsonl(tmp_path / "run" / "events.jsonl")
+    (start,) = [e for e in events if e["type"] == "start"]
+    compiler = "process" if t.worker is not None else "thread"
+    assert start["standby"] == {"on": True, "enabled": "auto", "plans": 1, "compiler": compiler}
+    ready = [e for e in events if e["type"] == "standby_ready"]
+    assert ready and all(e["wait_s"] == 0.0 for e in ready)  # training never waited
+    assert 1 < ready[0]["step"] < 6 and ready[0]["compiled"] == 1
+    (ev,) = s.recoveries
+    assert ev.standby_hit and ev.compiles == 0 and ev.verified
+    (end,) = [e for e in events if e["type"] == "end"]
+    assert end["standby"]["compiled"] >= 1
+    if compiler == "process":
+        assert end["standby"]["worker_cpu_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::elasjax.compilation.standby.StandbyCoverageWarning")  # max_plans=1
 def test_standby_hit_recovers_without_compiling(exe_cache):
     """With standby on, the plan after losing device 0 is compiled before the failure: the
     recovery uses it and compiles nothing between detection and the first step."""
