@@ -432,11 +432,13 @@ class StandbyConfig:
     single-host failure of the current plan (`enabled`): all of them, unless `max_plans` caps
     their number (the first ones in device order, then hosts; the cap is logged).
 
-    `enabled`: true, false, or `auto` (the default): on in one process (`elasjax train`,
-    `elasjax.run`), where the builds run beside training at a lower priority and a failure
-    after they are done is a standby hit; off under `elasjax launch`, where every process would
-    compile every plan of its own, 4 processes on one host 4 compiles of each (`true` turns it
-    on there). `standby_on` says which; the start line and the `start` event say what it builds.
+    `enabled`: true, false, or `auto` (the default): on where the builds can run in a compile
+    worker process (one process on the CPU backend, the built-in GPT and optimizer: `elasjax
+    train configs/...`), beside training at a lower priority, so that a failure after they are
+    done is a standby hit; off elsewhere: under `elasjax launch`, where every process would
+    compile every plan of its own (4 processes on one host, 4 compiles of each), and where the
+    builds could only run on a thread of the training process (`true` turns it on there).
+    `standby_on` says which; the start line and the `start` event say what it builds.
 
     Each candidate device set gets its own executables, but with `rebind` (default) each
     program (plan shape) is compiled once and the other device sets load it with their own
@@ -469,7 +471,7 @@ class StandbyConfig:
     loaded, so such a program is not rebound to other device sets (they compile) and, after a
     new CPU client under launch, is built again through the cache instead of reloaded."""
 
-    enabled: Union[bool, Literal["auto"]] = "auto"  # auto: on in one process (`standby_on`)
+    enabled: Union[bool, Literal["auto"]] = "auto"  # auto: on where a worker process builds (`standby_on`)
     # where background compiles run: "auto" (process where it applies, else thread),
     # "process" (a child process a recovery can stop, `compile_worker`), or "thread"
     compiler: Literal["auto", "process", "thread"] = "auto"
@@ -546,10 +548,17 @@ class Config:
         return dataclasses.replace(self, **sections)
 
 
-def standby_on(cfg: Config, one_process: bool) -> bool:
-    """Is the standby on (`standby.enabled`; `auto`: where the run is one process)?"""
+def standby_on(cfg: Config, no_worker: str | None) -> bool:
+    """Is the standby on? `standby.enabled` true or false; `auto`: exactly where its compiles run
+    in a compile worker process (`no_worker`: why one cannot build this run's plans, None where
+    it can: `compilation.worker.unavailable`), which a recovery can stop and which shares no
+    thread with training. Compiles on a thread of the training process, beside steps, are asked
+    for explicitly: on XLA:CPU a collective of a step then waited past its 40 s rendezvous
+    timeout for a participant (the classifier example, experiments/RESULTS.md)."""
     asked = cfg.standby.enabled
-    return asked if isinstance(asked, bool) else one_process
+    if isinstance(asked, bool):
+        return asked
+    return no_worker is None and cfg.standby.compiler != "thread"
 
 
 def grow_standby(cfg: Config) -> bool:

@@ -45,6 +45,7 @@ from .faults import MULTI_CONTROLLER, resolve_schedule
 from .metrics import read_jsonl
 from .planner import Topology, initial_plan
 from .runtime import coordinator
+from .runtime.membership import JobEndedError
 from .runtime.multicontroller import MultiControllerRuntime, RejoinUnsupportedError
 from .runtime.startup import (
     COORDINATION_HEARTBEAT_S,
@@ -178,7 +179,12 @@ def run_worker(
     cfg = load(config_path, overrides)
     fns = load_hooks(hooks)
     initialize(rc)
-    rt = MultiControllerRuntime(rc)
+    try:
+        rt = MultiControllerRuntime(rc)
+    except JobEndedError as e:  # restarted too late: the run is over, and that is no error
+        print(f"[elasjax p{rc.process_id}] {e}", flush=True)
+        _shutdown()
+        return 0
     cfg = resolve_config(cfg, jax.process_count(), len(jax.local_devices()), kills)
     try:
         summary = Trainer(cfg, out, runtime=rt, hooks=fns).run()

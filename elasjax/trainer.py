@@ -40,7 +40,7 @@ from .counters import CompileCounter
 from .compilation.executables import ExecutableCache, Executables
 from .compilation.source import ExecutableSource
 from .compilation.standby import StandbyCompiler
-from .compilation.worker import CompileWorker
+from .compilation.worker import CompileWorker, unavailable
 from .config import (
     Config,
     ConfigError,
@@ -278,8 +278,10 @@ class Trainer:
         # a runtime that admits restarted processes (`admission`) may grow at any step
         grows = (any(e.is_join for e in self.schedule) or grow_standby(cfg)
                  or self.rt.rejoins)
-        # `standby.enabled: auto` is on in one process only (`config.standby_on`)
-        self.standby_on = standby_on(cfg, self.rt.kind == IN_PROCESS)
+        # `standby.enabled: auto` is on where a compile worker process builds the plans
+        # (`config.standby_on`); `no_worker` says why not where it cannot
+        self.no_worker = unavailable(cfg, custom, self.rt.kind != IN_PROCESS)
+        self.standby_on = standby_on(cfg, self.no_worker)
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
             background=self.standby_on or cfg.recovery.migration == "async" or grows,
@@ -919,9 +921,11 @@ class Trainer:
         if not self.standby_on:
             if given is False:
                 return "standby: off (standby.enabled: false): a recovery compiles its new plan"
-            return ("standby: off (standby.enabled: auto is on in one process only: here every "
-                    "process would compile every plan itself; --standby or standby.enabled: "
-                    "true turns it on): a recovery compiles its new plan")
+            why = (self.no_worker or "standby.compiler is thread: its compiles would run beside "
+                   "the steps, on the training process's threads")
+            return (f"standby: off (standby.enabled: auto, on only where a compile worker process "
+                    f"builds the plans, and here {why}; --standby or standby.enabled: true turns "
+                    "it on): a recovery compiles its new plan")
         where = (f"in a compile worker process at nice {self.worker.nice}" if self.worker
                  is not None else "on a thread of this process")
         pause = ("training waits until they are built" if self.cfg.standby.wait_at_start else

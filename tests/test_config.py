@@ -63,13 +63,17 @@ def test_bad_types():
         config.load(None, ["model.tie_embeddings=3"])
 
 
-def test_the_standby_is_auto_by_default_on_in_one_process_only():
+def test_the_standby_is_auto_by_default_on_where_a_worker_process_builds():
     from elasjax.config import standby_on
 
     cfg = config.load(None)
-    assert cfg.standby.enabled == "auto" and standby_on(cfg, True) and not standby_on(cfg, False)
+    # on exactly where a compile worker process can build the plans (None: no reason it cannot)
+    assert cfg.standby.enabled == "auto" and standby_on(cfg, None)
+    assert not standby_on(cfg, "under launch") and not standby_on(
+        config.load(None, ["standby.compiler=thread"]), None)
     on = config.load(None, ["standby.enabled=true"])
-    assert standby_on(on, False) and not standby_on(config.load(None, ["standby.enabled=false"]), True)
+    assert standby_on(on, "under launch")
+    assert not standby_on(config.load(None, ["standby.enabled=false"]), None)
     assert "enabled: auto" in config.dump(cfg)  # a run's config.yaml decides the same way again
     with pytest.raises(ConfigError, match=r"'standby.enabled' = 'maybe' is not allowed; allowed "
                                           r"values: true, false, 'auto'"):

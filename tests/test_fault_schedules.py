@@ -129,7 +129,7 @@ def expected(variant: str, events: list[dict]) -> tuple[list, set[str] | None]:
     cfg = tiny_config(*VARIANTS[variant], _yaml(events))
     init = planner.initial_plan(TOPO, cfg)
     plans = Contingencies(cfg, TOPO, init, device_failures=True, can_grow=False,
-                          standby=standby_on(cfg, True))
+                          standby=standby_on(cfg, None))
     devices = {d.id: d for d in jax.devices()}
     groups: dict = {}  # (step, at the cut-over) -> the failures of one recovery, in order
     for ev in faults.resolve_schedule(cfg.faults, TOPO, cfg.train.steps):

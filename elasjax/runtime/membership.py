@@ -91,6 +91,23 @@ class NotAdmittedError(RuntimeError):
     """A restarted process asked to rejoin and was not admitted within its wait."""
 
 
+class JobEndedError(NotAdmittedError):
+    """A restarted process asked to rejoin a job that finished meanwhile: nothing to join (the
+    process exits 0)."""
+
+
+# posted by a process that finished the run normally (`post_ended`): a newcomer still waiting
+# for its admission then stops waiting (`await_admission`)
+ENDED = "elasjax/ended"
+ENDED_POLL_S = 1.0
+
+
+def post_ended(client) -> None:
+    """The run finished here: a newcomer waiting to rejoin will never be admitted."""
+    with contextlib.suppress(JaxRuntimeError):
+        client.key_value_set(ENDED, repr(time.time()), allow_overwrite=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class JoinRequest:
     """A restarted process's request to rejoin (`elasjax/join/<p>`)."""
@@ -132,16 +149,31 @@ def post_admission(client, p: int, nonce: str, body: Admission) -> None:
 
 
 def await_admission(client, me: int, nonce: str, wait_s: float) -> Admission:
-    """The newcomer's part: its admission, or `NotAdmittedError` after `wait_s` seconds."""
-    try:
-        raw = client.blocking_key_value_get(f"{ADMIT_DIR}/{me}/{nonce}", int(wait_s * 1000))
-    except JaxRuntimeError as e:
-        with contextlib.suppress(JaxRuntimeError):  # withdrawn: no admission can find it
-            client.key_value_delete(f"{JOIN_DIR}/{me}")
-        raise NotAdmittedError(
-            f"process {me} asked to rejoin the running job and was not admitted within "
-            f"{wait_s:g}s (the job admits a newcomer at a step boundary with no recovery or "
-            "migration under way; a job that has ended admits none)"
-        ) from e
+    """The newcomer's part: its admission; `JobEndedError` as soon as the job has finished (it
+    looks every `ENDED_POLL_S`), `NotAdmittedError` after `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    raw = None
+    while raw is None:
+        left = deadline - time.monotonic()
+        try:
+            raw = client.blocking_key_value_get(
+                f"{ADMIT_DIR}/{me}/{nonce}", max(1, int(min(left, ENDED_POLL_S) * 1000)))
+        except JaxRuntimeError as e:
+            ended = None
+            with contextlib.suppress(JaxRuntimeError):
+                ended = client.key_value_try_get(ENDED)
+            if ended is None and time.monotonic() < deadline:
+                continue
+            with contextlib.suppress(JaxRuntimeError):  # withdrawn: no admission can find it
+                client.key_value_delete(f"{JOIN_DIR}/{me}")
+            if ended is not None:
+                raise JobEndedError(
+                    f"process {me} asked to rejoin, and the job finished before it could be "
+                    "admitted: nothing left to join") from None
+            raise NotAdmittedError(
+                f"process {me} asked to rejoin the running job and was not admitted within "
+                f"{wait_s:g}s (the job admits a newcomer at a step boundary with no recovery or "
+                "migration under way; a job that has ended admits none)"
+            ) from e
     client.key_value_delete(f"{ADMIT_DIR}/{me}/{nonce}")
     return pickle.loads(base64.b64decode(raw))

@@ -758,6 +758,8 @@ class MultiControllerRuntime:
         self.liveness.close()
         self.exits.close()
         self.notes.close(announce=not finished)
+        if finished:  # a newcomer still waiting to rejoin stops waiting (`membership`)
+            membership.post_ended(self.client)
         gaps = {p: round(g, 3) for p, g in self.liveness.max_gap.items()}
         self.log(f"longest heartbeat silence seen, by peer: {gaps}")
         if self.liveness.long_gaps:
