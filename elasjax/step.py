@@ -28,6 +28,7 @@ from .mesh import DATA, LOGICAL_RULES, replicated
 from .microbatch import accumulate
 from .pipeline import pipeline_loss, pipeline_slot_losses
 from .planner import Plan
+from .sharding import path_str
 from .state import StateLayout, TrainState
 from .treesum import TreeSum
 
@@ -91,12 +92,19 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
         to_acc = functools.partial(layout.codec.to_storage, mesh=mesh)
     else:
         acc_sh, to_acc = state_sh.params, None
+    # ZeRO-1: the gradient of a leaf whose storage is annotated (`ZeroCodec.exact_paths`) is
+    # left to XLA, which partitions its accumulation as the storage it goes to; constrained
+    # whole, every replica would accumulate all of it (1.25x the plain step, RESULTS.md, "The
+    # ZeRO-1 step by annotation")
+    free = layout.codec.exact_paths if stage == 1 else frozenset()
 
     def constrain_micro(mb):
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, micro_sh), mb)
 
     def constrain_grads(g):
-        return jax.lax.with_sharding_constraint(g, acc_sh)
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x, sh: x if path_str(p) in free else jax.lax.with_sharding_constraint(x, sh),
+            g, acc_sh)
 
     def grad_fn(params, batch, step):
         key = rng.step_key(rng.root_key(seed), step)

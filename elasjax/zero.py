@@ -323,6 +323,10 @@ class ZeroCodec:
     as it lands (no copy): what sharding the optimizer state by annotation costs. Without a
     mesh they compute the same arrays on global values."""
 
+    # False: every unit sliced per device, exact or not (the step before issue 46: the
+    # `sliced storage` loops of experiments/bench_scale.py measure it beside the default)
+    annotate_exact = True
+
     def __init__(
         self,
         abstract_params: PyTree,
@@ -377,6 +381,14 @@ class ZeroCodec:
             np.asarray(t, dtype=np.int32).reshape(layout.data, -1) for t in layout.tiers
         ]
         self.places = {u.name: place(layout, u.row_len) for u in units}
+        # units whose storage is the row cut in `data` equal parts in rank order (a fresh
+        # layout whose data degree divides the row): converted by reshapes and sharding
+        # annotations, so XLA partitions the conversion with the step (`to_storage`)
+        self.exact_units = frozenset(
+            u.name for u in units if self.annotate_exact
+            and len(self.places[u.name]) == 1 and self.places[u.name][0].exact(u.row_len))
+        self.exact_paths = frozenset(
+            m.path for u in units if u.name in self.exact_units for m in u.members)
 
     # -- specs ----------------------------------------------------------------------------------
 
@@ -513,17 +525,50 @@ class ZeroCodec:
 
     def to_storage(self, params: PyTree, mesh: Mesh | None = None) -> dict[str, tuple[jax.Array, ...]]:
         """Parameter-shaped tree -> storage tiers. Given the `mesh` the tree is laid out on
-        (`member_spec`), each device slices what its rank stores out of its own blocks."""
+        (`member_spec`), an exact unit's rows are cut into `data` parts by a reshape under the
+        storage's sharding, and for the other units each device slices what its rank stores out
+        of its own blocks (`shard_map`).
+
+        Why exact units are annotated rather than sliced per device: a `shard_map` needs its
+        input whole on every `data` rank, so the gradient it converts is all-reduced whole and
+        every rank computes and accumulates all of it. Under an annotation XLA carries the
+        storage's sharding back into the gradient's computation, as it does for an optimizer
+        state sharded by annotation: 1.25x the plain JAX ZeRO-1 step's device time before,
+        1.01x after (experiments/RESULTS.md, "The ZeRO-1 step by annotation"). Both compute
+        the same bits (tests/test_zero.py::test_annotated_and_per_device_storage_agree)."""
         leaves = dict(zip(self.paths, self.treedef.flatten_up_to(params)))
         if mesh is None:
             return {u.name: self._unit_to_storage_global(u, leaves) for u in self.units}
-        in_specs = tuple(self.member_spec(m) for u in self.units for m in u.members)
-        out_specs = tuple(self.storage_spec(u) for u in self.units for _ in self.tables)
+        out = {u.name: (self._exact_to_storage(u, leaves, mesh),)
+               for u in self.units if u.name in self.exact_units}
+        rest = [u for u in self.units if u.name not in self.exact_units]
+        if rest:
+            out.update(self._sliced_to_storage(rest, leaves, mesh))
+        return out
+
+    def _exact_to_storage(self, u: Unit, leaves: dict, mesh: Mesh) -> jax.Array:
+        b = len(u.batch_shape)
+        rows = self._global_rows(u, leaves, b)  # [*b, rows, row_len]
+        t = rows.reshape(rows.shape[:b] + (u.rows, self.layout.data, -1))
+        t = jnp.moveaxis(t, b + 1, b)  # [*b, data, rows, width]
+        return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, self.storage_spec(u)))
+
+    def _exact_from_storage(self, u: Unit, tier: jax.Array, mesh: Mesh) -> dict[str, jax.Array]:
+        b = tier.ndim - 3
+        rows = jnp.moveaxis(tier, b, b + 1).reshape(tier.shape[:b] + (u.rows, -1))
+        sh = {m.path: NamedSharding(mesh, self.member_spec(m)) for m in u.members}
+        return {p: jax.lax.with_sharding_constraint(x, sh[p])
+                for p, x in self._global_leaves(u, rows, b).items()}
+
+    def _sliced_to_storage(self, units: Sequence[Unit], leaves: dict, mesh: Mesh
+                           ) -> dict[str, tuple[jax.Array, ...]]:
+        in_specs = tuple(self.member_spec(m) for u in units for m in u.members)
+        out_specs = tuple(self.storage_spec(u) for u in units for _ in self.tables)
 
         def local(*blocks):
             rank = jax.lax.axis_index(DATA)
             it, out = iter(blocks), []
-            for u in self.units:
+            for u in units:
                 b = len(u.batch_shape)
                 row = self._block_row(u, [next(it) for _ in u.members], b)
                 for i in range(len(self.tables)):
@@ -532,9 +577,9 @@ class ZeroCodec:
             return tuple(out)
 
         flat = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)(*[leaves[m.path] for u in self.units for m in u.members])
+                             check_vma=False)(*[leaves[m.path] for u in units for m in u.members])
         it = iter(flat)
-        return {u.name: tuple(next(it) for _ in self.tables) for u in self.units}
+        return {u.name: tuple(next(it) for _ in self.tables) for u in units}
 
     def _unit_to_storage_global(self, u: Unit, leaves: dict) -> tuple[jax.Array, ...]:
         """Global arrays: each tier one gather of the rows at every rank's positions (computed
@@ -557,24 +602,30 @@ class ZeroCodec:
 
     def from_storage(self, storage: dict[str, Sequence[jax.Array]], mesh: Mesh | None = None) -> PyTree:
         """Storage tiers -> the parameter-shaped tree; given the `mesh`, each device gathers its
-        row over `data` (`member_spec` layout out)."""
+        row over `data` (`member_spec` layout out); an exact unit's by a reshape under the
+        parameters' sharding (see `to_storage`)."""
+        leaves = {}
         if mesh is None:
-            leaves = {}
             for u in self.units:
                 leaves.update(self.unit_from_storage(u, storage[u.name]))
             return jax.tree_util.tree_unflatten(self.treedef, [leaves[p] for p in self.paths])
-        in_specs = tuple(self.storage_spec(u) for u in self.units for _ in self.tables)
-        out_specs = tuple(self.member_spec(m) for u in self.units for m in u.members)
+        for u in self.units:
+            if u.name in self.exact_units:
+                leaves.update(self._exact_from_storage(u, storage[u.name][0], mesh))
+        rest = [u for u in self.units if u.name not in self.exact_units]
+        if rest:
+            in_specs = tuple(self.storage_spec(u) for u in rest for _ in self.tables)
+            out_specs = tuple(self.member_spec(m) for u in rest for m in u.members)
 
-        def local(*tiers):
-            it, out = iter(tiers), []
-            for u in self.units:
-                out.extend(self._gather_blocks(u, [next(it) for _ in self.tables]))
-            return tuple(out)
+            def local(*tiers):
+                it, out = iter(tiers), []
+                for u in rest:
+                    out.extend(self._gather_blocks(u, [next(it) for _ in self.tables]))
+                return tuple(out)
 
-        flat = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=False)(*[t for u in self.units for t in storage[u.name]])
-        leaves = dict(zip([m.path for u in self.units for m in u.members], flat))
+            flat = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=False)(*[t for u in rest for t in storage[u.name]])
+            leaves.update(zip([m.path for u in rest for m in u.members], flat))
         return jax.tree_util.tree_unflatten(self.treedef, [leaves[p] for p in self.paths])
 
     def _gather_blocks(self, u: Unit, tiers: Sequence[jax.Array]) -> list[jax.Array]:

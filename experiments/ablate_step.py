@@ -14,6 +14,9 @@ elasjax's own otherwise, not a copy:
                         micro-batch's gradient (an identity)
   no micro constraint   ... without the constraint on each micro-batch's inputs
   no checksums          the step's stacked state checksums replaced by zeros
+  no annotations        every ZeRO storage unit converted per device (`shard_map`), the
+                        gradient constrained whole (`ZeroCodec.annotate_exact` off): the step
+                        as it was before issue 46
 Such programs compute the same state but not the checksums a recovery verifies: they are for
 measuring only. ZeRO-0 rows separate the ZeRO-1 storage (`zero.ZeroCodec`) from the rest.
 """
@@ -39,6 +42,7 @@ from elasjax.compilation.executables import compile_plan  # noqa: E402
 from elasjax.data import DataPipeline  # noqa: E402
 from elasjax.planner import Topology, initial_plan  # noqa: E402
 from elasjax.state import StateFactory, StateLayout, make_optimizer  # noqa: E402
+from elasjax.zero import ZeroCodec  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -54,6 +58,8 @@ def without(parts: tuple[str, ...]):
         return accumulate(*args, **kwargs)
 
     step_mod.accumulate = ablated
+    if "annotations" in parts:
+        ZeroCodec.annotate_exact = False
     if "checksums" in parts:
         StateLayout.stacked_checksums = (
             lambda self, state, mesh=None: jnp.zeros((len(self.checksum_keys), 2), jnp.uint32))
@@ -61,6 +67,7 @@ def without(parts: tuple[str, ...]):
         yield
     finally:
         step_mod.accumulate, StateLayout.stacked_checksums = accumulate, sums
+        ZeroCodec.annotate_exact = True
 
 
 def plain(size: str, zero: int):
@@ -69,8 +76,8 @@ def plain(size: str, zero: int):
     return r["train"], r["init"](), jax.device_put(user_loop.make_batch(cfg, 0), r["batch_sh"])
 
 
-def elasjax(size: str, zero: int, parts: tuple[str, ...] = ()):
-    cfg = bench_scale.size_config(size, 100, [f"zero.stage={zero}"])
+def elasjax(size: str, zero: int, parts: tuple[str, ...] = (), extra=()):
+    cfg = bench_scale.size_config(size, 100, [f"zero.stage={zero}", *extra])
     plan = initial_plan(Topology(tuple(range(8)), 2), cfg)
     with without(parts):
         exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg)), plan,
@@ -90,9 +97,12 @@ def main(argv=None) -> int:
         "plain JAX ZeRO-1": plain(a.size, 1),
         "elasjax ZeRO-0": elasjax(a.size, 0),
         "elasjax ZeRO-1": elasjax(a.size, 1),
+        "elasjax deterministic ZeRO-1": elasjax(a.size, 1, extra=["train.deterministic=true"]),
+        "elasjax deterministic ZeRO-1 without annotations": elasjax(
+            a.size, 1, ("annotations",), extra=["train.deterministic=true"]),
     }
-    for parts in (("grad constraint",), ("micro constraint",), ("checksums",),
-                  ("grad constraint", "micro constraint", "checksums")):
+    for parts in (("annotations",), ("grad constraint",), ("micro constraint",),
+                  ("checksums",), ("grad constraint", "micro constraint", "checksums")):
         progs["elasjax ZeRO-1 without " + ", ".join(parts)] = elasjax(a.size, 1, parts)
     times: dict[str, list[float]] = {k: [] for k in progs}
     for r in range(a.rounds):

@@ -32,6 +32,10 @@ but for the plain JAX loops (random tokens from numpy):
                         of the two
   elasjax ZeRO-k ...    `trainer.Trainer` (the whole loop: batches, step, checksums read two steps
                         late, snapshots as configured), no faults, no evaluation
+  elasjax ZeRO-1 sliced storage
+                        the same with every ZeRO storage unit converted per device
+                        (`ZeroCodec.annotate_exact` off): elasjax's step as it was before issue
+                        46, measured beside the default as the "before"
 
 The headline ratios are elasjax's loops against the `plain JAX` loops; beside them the same
 loops against the `elasjax grad + plain loop` ones, and those against `plain JAX`.
@@ -94,6 +98,7 @@ from elasjax.planner import Topology, initial_plan  # noqa: E402
 from elasjax.sharding import batch_shardings  # noqa: E402
 from elasjax.state import StateFactory, TrainState, make_optimizer  # noqa: E402
 from elasjax.step import abstract_batch, make_grad_fn  # noqa: E402
+from elasjax.zero import ZeroCodec  # noqa: E402
 from user_loop import UserLoop, memory_mb, timed_run  # noqa: E402
 
 SIZES = {  # name -> (d_model, layers, heads)
@@ -130,6 +135,7 @@ MODES = {
     "elasjax ZeRO-1 no snapshots": ("elasjax", ["zero.stage=1", "snapshot.buddy=false",
                                                    "snapshot.host=false"]),
     "elasjax ZeRO-1": ("elasjax", ["zero.stage=1"]),
+    "elasjax ZeRO-1 sliced storage": ("elasjax sliced", ["zero.stage=1"]),
     "elasjax ZeRO-2": ("elasjax", ["zero.stage=2"]),
     "elasjax ZeRO-3": ("elasjax", ["zero.stage=3"]),
     "elasjax deterministic": ("elasjax", ["zero.stage=0", "train.deterministic=true"]),
@@ -162,6 +168,8 @@ RATIOS = [
     ("elasjax grad + plain loop ZeRO-1", "plain JAX ZeRO-1"),
     ("elasjax grad + plain loop ZeRO-3", "plain JAX ZeRO-3"),
     ("elasjax ZeRO-1", "elasjax ZeRO-1 no snapshots"),
+    ("elasjax ZeRO-1 sliced storage", "plain JAX ZeRO-1"),
+    ("elasjax ZeRO-1", "elasjax ZeRO-1 sliced storage"),
     ("elasjax deterministic", "elasjax ZeRO-0"),
     ("elasjax deterministic ZeRO-1", "elasjax ZeRO-1"),
 ]
@@ -280,17 +288,25 @@ class Elastic:
     """`trainer.Trainer` on the size's config with `overrides`; executables shared by rounds
     (each run length compiles once, in a warm-up run)."""
 
-    def __init__(self, size: str, overrides, lengths: tuple[int, ...], cache: ExecutableCache):
+    def __init__(self, size: str, overrides, lengths: tuple[int, ...], cache: ExecutableCache,
+                 sliced: bool = False):
         self.cfgs = {n: size_config(size, n, overrides) for n in lengths}
-        self.cache = cache
+        # `sliced`: ZeRO storage converted per device for every unit, as before issue 46
+        # (`ZeroCodec.annotate_exact`); its executables are its own
+        self.sliced = sliced
+        self.cache = ExecutableCache(max_entries=16) if sliced else cache
         self.snapshot_bytes = 0
         for n in lengths:
             self.wall(n)  # compiles
 
     def wall(self, steps: int) -> float:
         t0 = time.perf_counter()
-        t = trainer.Trainer(self.cfgs[steps], None, exe_cache=self.cache)
-        t.run()
+        ZeroCodec.annotate_exact = not self.sliced
+        try:
+            t = trainer.Trainer(self.cfgs[steps], None, exe_cache=self.cache)
+            t.run()
+        finally:
+            ZeroCodec.annotate_exact = True
         wall = time.perf_counter() - t0
         self.snapshot_bytes = t.pool.bytes_per_step
         self.exe, _ = t.exe_cache.get(t.cfg, t.factory, t.initial, t.devices, donate=t.donate)
@@ -310,7 +326,7 @@ def build(mode: str, size: str, lengths: tuple[int, ...], cache: ExecutableCache
         return UserLoop({n: size_config(size, n) for n in lengths}, arg[0], arg[1])
     if kind == "plain":
         return Plain(size, arg[0], lengths, arg[1])
-    return Elastic(size, arg, lengths, cache)
+    return Elastic(size, arg, lengths, cache, sliced=kind == "elasjax sliced")
 
 
 def _status_mb(field: str) -> float:

@@ -99,6 +99,40 @@ def test_codec_round_trip_and_layer_gather(kind, tensor):
         jax.tree.map(np.testing.assert_array_equal, full, params)
 
 
+@pytest.mark.parametrize("kind", ["interleaved", "contiguous"])
+def test_annotated_and_per_device_storage_agree(kind, monkeypatch):
+    """On a mesh, a fresh layout's units are converted by reshapes under sharding annotations
+    (`ZeroCodec.exact_units`); with that turned off the same codec slices per device
+    (`shard_map`). Both give the same storage and the same parameters back, bitwise."""
+    cfg = tiny_config("zero.stage=1", f"zero.layout={kind}", "parallel.tensor=2",
+                      "parallel.data=4")
+    f = StateFactory(cfg, make_optimizer(cfg))
+    plan = planner.initial_plan(TOPO, cfg)
+    mesh = _mesh(plan)
+    lay = f.layout(plan)
+    codec = lay.codec
+    assert codec.exact_units == {u.name for u in codec.units}  # a fresh layout: all exact
+    params = jax.jit(f._init_params, out_shardings=lay.shardings(mesh).params)()
+    params = jax.tree.map(lambda x: x + 0.5, params)  # no leaf all zeros or all ones
+
+    def convert(c):
+        storage = jax.jit(lambda p: c.to_storage(p, mesh))(params)
+        return storage, jax.jit(lambda s: c.from_storage(s, mesh))(storage)
+
+    annotated = convert(codec)
+    monkeypatch.setattr(zero.ZeroCodec, "annotate_exact", False)
+    sliced = zero.ZeroCodec(f.abstract.params, f.param_logical, plan.zero, 2)
+    assert not sliced.exact_units
+    per_device = convert(sliced)
+    jax.tree.map(np.testing.assert_array_equal, annotated, per_device)
+    jax.tree.map(np.testing.assert_array_equal, annotated[1], params)
+    monkeypatch.undo()
+    # after a shrink the layout is evolved: no unit is exact, every one is sliced per device
+    evolved, _ = zero.evolve(plan.zero, {j: j for j in range(3)}, 3)
+    if kind == "interleaved":
+        assert not zero.ZeroCodec(f.abstract.params, f.param_logical, evolved, 2).exact_units
+
+
 # -- recovery through the snapshot pool --------------------------------------------------------
 
 
