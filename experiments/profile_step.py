@@ -1,7 +1,8 @@
 """Where a step's time goes: the plain JAX step and elasjax's, compiled side by side.
 
     python experiments/profile_step.py [--sizes demo,3m,25m] [--reps 5] [--user-donate no]
-                                       [--deterministic] [--out results/profile]
+                                       [--deterministic] [--sliced] [--ops N]
+                                       [--out results/profile]
 
 For each size (`bench_scale.SIZES`, configs from `bench_scale.size_config`: batch 32 x 64
 tokens, 2 micro-batches, dropout 0.1) on bench_scale's job, 8 fake CPU devices as data 4 x
@@ -14,6 +15,9 @@ tensor 2, it AOT-compiles on the same mesh:
   (b) checksum program      `Executables.checksum`, compiled beside it: not run per step (the
                             step returns its state's checksums itself), only at the start and in
                             recoveries; listed for its compile time and size
+  (b') per-device storage   `--sliced`: (b) with every ZeRO storage unit converted per device
+                            (`shard_map`) and the gradient constrained whole, the step before
+                            issue 46 (`ZeroCodec.annotate_exact` off)
   (c) elasjax deterministic `--deterministic`: (b) with `train.deterministic=true`
 
 and reports per program: XLA's `cost_analysis()` (flops, bytes accessed, transcendentals; per
@@ -30,6 +34,11 @@ device time of a step: the compiled program run alone `--reps` times (median ms,
 warm-ups, `block_until_ready` each run) on one batch placed once, its state carried from run
 to run (no data pipeline, no host work between steps).
 
+`--ops N` also runs each program 3 times under `jax.profiler.trace` and adds up XLA:CPU's
+per-operation spans by kind (`op_ms`): a second table lists the N kinds whose CPU time per step
+differs most from (a)'s. It says which operations an extra cost is in (the fusions' names are
+XLA's: a fusion is named after its root operations).
+
 Reading the table: what elasjax's step adds is (b) - (a), row by row. The host time elasjax's
 loop spends per step outside its device program (batches, dispatch, checksum reads,
 snapshots) is NOT measured here: it is bench_scale's per-step time of the whole run minus this
@@ -41,11 +50,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
+import gzip
 import json
 import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 
@@ -59,6 +71,7 @@ from elasjax.compilation.executables import compile_plan  # noqa: E402
 from elasjax.data import DataPipeline  # noqa: E402
 from elasjax.planner import Topology, initial_plan  # noqa: E402
 from elasjax.state import StateFactory, make_optimizer  # noqa: E402
+from elasjax.zero import ZeroCodec  # noqa: E402
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -136,7 +149,57 @@ def step_ms(fn, state, batch, reps: int) -> float:
     return 1e3 * statistics.median(times[2:])
 
 
-def profile(size: str, reps: int, donates: list[bool], deterministic: bool) -> dict:
+# events of a profiler trace that are not an operation's own work: the executor's spans around
+# the ops, waits for other threads, and Python
+_NOT_OPS = re.compile(r"^(ThunkExecutor|Wait|Rendezvous|InvokeRendezvous|end: |\$|PjitFunction|"
+                      r"CommonPjRt|TfrtCpu|PjRt)")
+
+
+def op_ms(fn, state, batch, runs: int = 3) -> dict:
+    """CPU ms per step of each kind of operation, summed over the 8 device threads: `fn` run
+    `runs` times under `jax.profiler.trace`, XLA:CPU's per-operation spans added up by name
+    with the numeric suffix dropped (`multiply_add_fusion.12` -> `multiply_add_fusion`).
+    A collective's span includes its wait for the other devices (`while`: its body's ops are
+    listed on their own too)."""
+    for _ in range(2):
+        state = jax.block_until_ready(fn(state, batch))[0]
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(runs):
+                state = jax.block_until_ready(fn(state, batch))[0]
+        (path,) = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    out: Counter = Counter()
+    for e in events:
+        if e.get("ph") == "X" and not _NOT_OPS.match(e["name"]):
+            out[re.sub(r"[.\d]+$", "", e["name"])] += e.get("dur", 0) / 1e3 / runs
+    return dict(out)
+
+
+def op_table(result: dict, top: int) -> str:
+    """The op kinds whose time differs most between the plain step and each elasjax row."""
+    rows = {k: r["op_ms"] for k, r in result["rows"].items() if "op_ms" in r}
+    base_name = next((k for k in rows if k.startswith("(a)")), None)
+    if base_name is None or len(rows) < 2:
+        return ""
+    base = rows[base_name]
+    others = [k for k in rows if k != base_name]
+    kinds = set(base).union(*(rows[k] for k in others))
+    spread = {k: max(abs(rows[o].get(k, 0) - base.get(k, 0)) for o in others) for k in kinds}
+    head = ["op kind (CPU ms per step, 8 devices)", base_name] + others
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for k in sorted(kinds, key=lambda k: -spread[k])[:top]:
+        lines.append(f"| {k} | {base.get(k, 0):.1f} | "
+                     + " | ".join(f"{rows[o].get(k, 0):.1f}" for o in others) + " |")
+    lines.append("| all ops | " + " | ".join(f"{sum(rows[n].values()):.1f}"
+                                             for n in [base_name] + others) + " |")
+    return "\n".join(lines)
+
+
+def profile(size: str, reps: int, donates: list[bool], deterministic: bool,
+            sliced: bool = False, ops: bool = False) -> dict:
     rows, meshes = {}, []
     for donate in donates:
         cfg = bench_scale.size_config(size, 100, ["zero.stage=1"])
@@ -147,16 +210,24 @@ def profile(size: str, reps: int, donates: list[bool], deterministic: bool) -> d
         rows[name] = describe(*got[-1])
         batch = jax.device_put(user_loop.make_batch(cfg, 0), r["batch_sh"])
         rows[name]["step_ms"] = step_ms(r["train"], r["init"](), batch, reps)
+        if ops:
+            rows[name]["op_ms"] = op_ms(r["train"], r["init"](), batch)
 
     for label, extra in [("(b) elasjax ZeRO-1", [])] + (
+            [("(b') elasjax ZeRO-1, storage per device", ["sliced"])] if sliced else []) + (
             [("(c) elasjax deterministic ZeRO-1", ["train.deterministic=true"])]
             if deterministic else []):
+        ZeroCodec.annotate_exact = "sliced" not in extra
+        extra = [x for x in extra if x != "sliced"]
         cfg = bench_scale.size_config(size, 100, ["zero.stage=1", *extra])
         plan = initial_plan(Topology(tuple(range(8)), 2), cfg)
         devices = {d.id: d for d in jax.devices()}
-        with compiles() as got:
-            exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg)), plan, devices,
-                               donate=False)
+        try:
+            with compiles() as got:
+                exe = compile_plan(cfg, StateFactory(cfg, make_optimizer(cfg)), plan, devices,
+                                   donate=False)
+        finally:
+            ZeroCodec.annotate_exact = True
         (tl, tc, ts), (cl, cc, cs) = got  # train, then checksum
         assert tc is exe.train and cc is exe.checksum
         meshes.append(exe.mesh)
@@ -165,7 +236,9 @@ def profile(size: str, reps: int, donates: list[bool], deterministic: bool) -> d
         batch = exe.put_batch(data.batch(0, plan).arrays())
         state = exe.init()
         rows[label]["step_ms"] = step_ms(exe.train, state, batch, reps)
-        if not extra:
+        if ops:
+            rows[label]["op_ms"] = op_ms(exe.train, state, batch)
+        if label.startswith("(b) "):
             rows[label + " checksum"] = describe(cl, cc, cs)
             rows[label + " checksum"]["step_ms"] = step_ms(
                 lambda s, _: (s, exe.checksum(s)), state, None, reps)
@@ -212,6 +285,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--user-donate", choices=("no", "yes", "both"), default="no")
     ap.add_argument("--deterministic", action="store_true", help="also (c)")
+    ap.add_argument("--sliced", action="store_true",
+                    help="also (b'): (b) with every ZeRO storage unit converted per device, the "
+                         "step before issue 46 (`ZeroCodec.annotate_exact` off)")
+    ap.add_argument("--ops", type=int, default=0, metavar="N",
+                    help="also trace each program and list the N op kinds whose CPU time per "
+                         "step differs most from (a)'s (`op_ms`)")
     ap.add_argument("--out", help="a folder for profile.md and a JSON per size")
     args = ap.parse_args(argv)
     donates = {"no": [False], "yes": [True], "both": [True, False]}[args.user_donate]
@@ -222,9 +301,11 @@ def main(argv=None) -> int:
             f"boundaries; the JSON has the targets), "
             f"instr: all instructions (outside fusions); (b) - (a) is what elasjax's step adds"]
     for size in args.sizes.split(","):
-        r = profile(size, args.reps, donates, args.deterministic)
+        r = profile(size, args.reps, donates, args.deterministic, args.sliced, bool(args.ops))
         text += ["", f"## {size} ({r['n_params'] / 1e6:.2f}M parameters)", "", table(r)]
-        print("\n".join(text[-4:]), flush=True)
+        if args.ops:
+            text += ["", op_table(r, args.ops)]
+        print("\n".join(text[-6:]), flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"{size}.json"), "w") as f:
