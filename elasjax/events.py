@@ -144,7 +144,8 @@ class StandbyReady(Record):
     """The standby set was built: while training waited (`standby.wait_at_start`: `step` None;
     after a recovery with `standby.wait_after_recovery`: the step it paused at, for `wait_s`),
     or in the background while training went on (`wait_s` 0: the step at which it was seen
-    built)."""
+    built). `unbuilt`: queued plans dropped without being built because the process reached
+    `standby.map_budget` of its memory-mapping limit (a recovery to them compiles)."""
 
     type: ClassVar[str] = "standby_ready"
     step: int | None
@@ -155,6 +156,7 @@ class StandbyReady(Record):
     compile_s: float
     rebind_s: float
     warm_s: float
+    unbuilt: int = 0
 
 
 @dataclasses.dataclass(eq=False)

@@ -907,10 +907,13 @@ class Trainer:
         paused training (0: built in the background while training went on)."""
         sb = self.standby
         ew.emit(StandbyReady(step, sb.compiled + sb.rebound, sb.compiled, sb.rebound, wait_s,
-                             sb.compile_s, sb.rebind_s, warm_s))
+                             sb.compile_s, sb.rebind_s, warm_s, sb.over_budget))
         line = (f"{head}: {sb.compiled + sb.rebound} plans built so far ({sb.compiled} "
                 f"compiled in {sb.compile_s:.1f}s, {sb.rebound} rebound from them in "
-                f"{sb.rebind_s:.1f}s)" + (f", warmed in {warm_s:.1f}s" if wait_s else ""))
+                f"{sb.rebind_s:.1f}s)" + (f", warmed in {warm_s:.1f}s" if wait_s else "")
+                + (f"; {sb.over_budget} left unbuilt: the process reached standby.map_budget = "
+                   f"{self.cfg.standby.map_budget} of its memory-mapping limit, recoveries to them "
+                   "compile" if sb.over_budget else ""))
         self.rt.log(line)
         if self.progress:
             print(line)

@@ -158,6 +158,46 @@ def test_mesh_checksums_equal_leaf_checksums_on_every_layout(monkeypatch, split_
         assert checksum.hex_of(got) == checksum.hex_of(checksum.leaf_checksum(key))
 
 
+def test_shard_checksums_are_each_blocks_leaf_checksum():
+    """The snapshot's per-device checksums (`checksum.shard_checksums`): every device's row of
+    each leaf is `np_leaf_checksum` of its own block (what a copy is verified against on the
+    host), for float32, bfloat16, int8, bool and 64-bit words, blocks of 1 element up to past
+    one tile; a flipped bit in one block changes that row only."""
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tensor"))
+    rng = np.random.default_rng(2)
+    with jax.enable_x64(True):
+        leaves = [
+            (rng.normal(size=(8, 6)).astype(np.float32), P("data", "tensor")),
+            (rng.normal(size=(4, 2)).astype(jnp.bfloat16), P("data", "tensor")),  # 1 element
+            (rng.integers(-100, 100, size=(12, 10)).astype(np.int8), P("data", None)),
+            (rng.normal(size=(3, 5)) > 0, P()),
+            (rng.integers(0, 1 << 40, size=(8, 3)), P("data", None)),  # int64: two words each
+            # past one tile per block: hashed in a loop of tiles
+            (rng.normal(size=(4 * (checksum.CHUNK + 3), 2)).astype(np.float32), P("data", None)),
+        ]
+        arrays = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in leaves]
+        shardings = [a.sharding for a in arrays]
+        fn = checksum.shard_checksums(shardings, mesh, list(range(len(arrays))), arrays)
+
+        def rows(arrs):
+            out = fn(*arrs)
+            return {s.device.id: np.asarray(s.data).reshape(len(arrs), 2)
+                    for s in out.addressable_shards}
+
+        got = rows(arrays)
+        for i, a in enumerate(arrays):
+            for sh in a.addressable_shards:
+                want = checksum.np_leaf_checksum(np.asarray(sh.data))
+                np.testing.assert_array_equal(got[sh.device.id][i], want)
+        flipped = np.array(leaves[2][0], copy=True)
+        flipped.view(np.uint8)[0] ^= 1  # element (0, 0): data rank 0's block
+        again = rows(arrays[:2] + [jax.device_put(flipped, shardings[2])] + arrays[3:])
+        for d, r in got.items():
+            changed = np.any(again[d] != r, axis=1)
+            on_rank0 = d in {dev.id for dev in mesh.devices[0]}
+            assert list(np.nonzero(changed)[0]) == ([2] if on_rank0 else []), d
+
+
 def _mixed_state(tx, step_dtype=jnp.int64):
     """bf16 params with f32 master weights, Adam moments, an int64 step counter and a PRNG key."""
     master = {
