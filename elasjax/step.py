@@ -94,7 +94,7 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
         acc_sh, to_acc = state_sh.params, None
     # ZeRO-1: the gradient of a leaf whose storage is annotated (`ZeroCodec.exact_paths`) is
     # left to XLA, which partitions its accumulation as the storage it goes to; constrained
-    # whole, every replica would accumulate all of it (1.25x the plain step, RESULTS.md, "The
+    # whole, every replica would accumulate all of it (1.24x the plain step, RESULTS.md, "The
     # ZeRO-1 step by annotation")
     free = layout.codec.exact_paths if stage == 1 else frozenset()
 

@@ -533,8 +533,8 @@ class ZeroCodec:
         input whole on every `data` rank, so the gradient it converts is all-reduced whole and
         every rank computes and accumulates all of it. Under an annotation XLA carries the
         storage's sharding back into the gradient's computation, as it does for an optimizer
-        state sharded by annotation: 1.25x the plain JAX ZeRO-1 step's device time before,
-        1.01x after (experiments/RESULTS.md, "The ZeRO-1 step by annotation"). Both compute
+        state sharded by annotation: 1.24x the plain JAX ZeRO-1 step's device time before,
+        1.08x after at 3.3M (experiments/RESULTS.md, "The ZeRO-1 step by annotation"). Both compute
         the same bits (tests/test_zero.py::test_annotated_and_per_device_storage_agree)."""
         leaves = dict(zip(self.paths, self.treedef.flatten_up_to(params)))
         if mesh is None:
@@ -554,11 +554,10 @@ class ZeroCodec:
         return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, self.storage_spec(u)))
 
     def _exact_from_storage(self, u: Unit, tier: jax.Array, mesh: Mesh) -> dict[str, jax.Array]:
-        b = tier.ndim - 3
-        rows = jnp.moveaxis(tier, b, b + 1).reshape(tier.shape[:b] + (u.rows, -1))
+        """`unit_from_storage`'s global reshape of an exact tier, under the members' shardings."""
         sh = {m.path: NamedSharding(mesh, self.member_spec(m)) for m in u.members}
         return {p: jax.lax.with_sharding_constraint(x, sh[p])
-                for p, x in self._global_leaves(u, rows, b).items()}
+                for p, x in self.unit_from_storage(u, (tier,)).items()}
 
     def _sliced_to_storage(self, units: Sequence[Unit], leaves: dict, mesh: Mesh
                            ) -> dict[str, tuple[jax.Array, ...]]:
