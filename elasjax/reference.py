@@ -3,7 +3,7 @@
     python -m elasjax.reference            # rewrites docs/config-reference.md, docs/events-reference.md
     python -m elasjax.reference --check    # exit 1 if either file differs from the code
 
-Each config section is its dataclass in `config.py` (`Config`'s fields, in order): the class's
+Each config section is its dataclass in `config/sections.py` (`Config`'s fields, in order): the class's
 docstring, then each key with its type, its default and the comment written beside or above it
 in the source. Each event is a typed record (`events.Record` and `metrics.RecoveryEvent`): its
 `type`, its docstring and its fields as `events.jsonl` writes them. The tables are the code's
@@ -108,7 +108,7 @@ def _paragraphs(cls: type) -> str:
 
 def config_reference() -> str:
     out = [HEADER, "# Config reference\n\n",
-           "Every key of a run's YAML, by section (`elasjax/config.py`). Override any with "
+           "Every key of a run's YAML, by section (`elasjax/config/sections.py`). Override any with "
            "`--set section.key=value`; an unknown key or a value outside the allowed ones is an "
            "error naming it. How the configs are used: [reference.md](reference.md#configs).\n"]
     for top in dataclasses.fields(config_module.Config):
