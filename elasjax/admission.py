@@ -190,9 +190,11 @@ class Admissions:
             exe = self.source.get(pos.plan).exe
         return dataclasses.replace(pos, exe=exe, state=held_elsewhere(exe))
 
-    def settle(self, pos: Position, pool, admitted: Admitted) -> Welcomed:
+    def settle(self, pos: Position, pool, admitted: Admitted, paces: dict[str, float]
+               ) -> Welcomed:
         """The state on the new client's devices (verified), a fresh snapshot pool, and the
-        newcomers' devices live, a growth pending (every process calls it)."""
+        newcomers' devices live, a growth pending (every process calls it; `paces`: as
+        `Cutovers.join` takes them)."""
         rt, exe = self.rt, pos.exe
         # the likely failures change with the newcomers: their transitions are planned again
         # once the job has grown (`Trainer._protect`)
@@ -211,5 +213,5 @@ class Admissions:
                            f"process{'es' if len(procs) > 1 else ''} {procs} rejoined",
                            hosts=tuple(procs))
         new_pos, jev = self.cutovers.join(
-            dataclasses.replace(pos, state=new_state, good=actual), [event])
+            dataclasses.replace(pos, state=new_state, good=actual), [event], paces)
         return Welcomed(new_pos, new_pool, jev)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 
 from .compilation.source import ExecutableSource
 from .config import Config
@@ -47,11 +46,9 @@ class Cutovers:
     wait for the compile, and the cut-overs abandoned because that compile failed."""
 
     def __init__(self, cfg: Config, rt, topo: Topology, initial: Plan, source: ExecutableSource,
-                 transitions: TransitionPlanner, paces: Callable[[], dict[str, float]] = dict):
-        """`paces`: the measured step time of each plan the run has stood on (by name;
-        `metrics.paces` of the loop's timeline), for the interim choice (`_interim`)."""
+                 transitions: TransitionPlanner):
         self.cfg, self.rt, self.topo, self.initial = cfg, rt, topo, initial
-        self.source, self.transitions, self.paces = source, transitions, paces
+        self.source, self.transitions = source, transitions
         self.pending: PendingCutover | None = None
         self.after: PendingCutover | None = None  # growth's best plan, after an interim one
         self.wait_s = 0.0  # the pending cut-over's wait for its compile
@@ -85,17 +82,18 @@ class Cutovers:
         ready = sb is not None and sb.ready(plan.compile_key)
         return all(v[0] for v in self.rt.agree([bool(ready)]).values())
 
-    def _agreed_paces(self) -> dict[str, float]:
-        """Each plan's measured step time, the slowest process's (every process of a `launch`
-        job then makes the same interim choice)."""
-        votes = self.rt.agree(sorted(self.paces().items()))
+    def _agreed_paces(self, paces: dict[str, float]) -> dict[str, float]:
+        """Each plan's measured step time (`paces`: this process's), the slowest process's
+        (every process of a `launch` job then makes the same interim choice)."""
+        votes = self.rt.agree(sorted(paces.items()))
         out: dict[str, float] = {}
         for pairs in votes.values():
             for name, s in pairs:
                 out[name] = max(out.get(name, 0.0), s)
         return out
 
-    def _interim(self, current: Plan, best: Plan, live: frozenset[int]) -> Plan | None:
+    def _interim(self, current: Plan, best: Plan, live: frozenset[int],
+                 paces: dict[str, float]) -> Plan | None:
         """A plan the run has stood on before (its executables were compiled then: a cut-over
         to it needs no compile) that the live devices can run, other than `best` and `current`,
         and that the cost model predicts faster than `current` (the growth itself, to `best`,
@@ -109,7 +107,7 @@ class Cutovers:
         plan"; test_growth.py::test_an_interim_plan_uses_the_most_devices_then_the_measured_time)."""
         cfg = self.cfg
         now = predict_step_s(current, cfg)
-        measured = self._agreed_paces()
+        measured = self._agreed_paces(paces)
         options = []
         for key, p in self.history.items():
             if key in (best.compile_key, current.compile_key):
@@ -135,11 +133,13 @@ class Cutovers:
         self.source.only(pc.plan, from_cache=pc.kind == "growth")
         self.transitions.for_cutover(pos, pc.plan)
 
-    def join(self, pos: Position, joins: list) -> tuple[Position, JoinEvent]:
+    def join(self, pos: Position, joins: list, paces: dict[str, float]
+             ) -> tuple[Position, JoinEvent]:
         """Devices return at the boundary before step `pos.step`: they join the live set, empty.
         When the planner finds a plan over the bigger set worth growing to, it becomes the
-        pending cut-over; otherwise the devices stay spare. Returns the new position and the
-        `join` event."""
+        pending cut-over; otherwise the devices stay spare. `paces`: the measured step time of
+        each plan the run has stood on (by name; `metrics.paces` of the loop's timeline), for
+        the interim choice (`_interim`). Returns the new position and the `join` event."""
         t0 = time.perf_counter()
         ids = sorted({d for e in joins for d in e.device_ids})
         self.rt.join(ids)
@@ -159,7 +159,7 @@ class Cutovers:
             best = PendingCutover(g.best, t0, pos.step, "growth", tuple(ids), g.gain)
             interim = None
             if self.cfg.recovery.grow_interim and not self._ready_everywhere(g.best):
-                interim = self._interim(pos.plan, g.best, live)
+                interim = self._interim(pos.plan, g.best, live, paces)
             self.after = None
             if interim is not None:
                 now = predict_step_s(pos.plan, self.cfg)

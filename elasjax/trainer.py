@@ -180,7 +180,8 @@ class _InFlight:
 @dataclasses.dataclass
 class LoopState:
     """What the loop threads from step to step (`Trainer._run`): where training stands, the
-    fault events still to fire, and what the run summary reports."""
+    fault events still to fire, and what the loop has seen (the run summary's and a rejoining
+    process's record). Its one owner is the loop; collaborators get what they need of it."""
 
     pos: Position
     pending: list  # scheduled fault events not fired yet (`faults.FaultEvent`)
@@ -202,6 +203,22 @@ class LoopState:
     good: dict[str, str] | None = None
     # dispatched steps whose metrics are not read yet (`Trainer._read`), oldest first
     inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
+    # what the loop has read: each step's loss, held-out loss and sample digest
+    losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    evals: dict[int, float] = dataclasses.field(default_factory=dict)
+    digests: dict[int, str] = dataclasses.field(default_factory=dict)
+    # the run's steps, pauses and recoveries, for the failures' whole cost (`failure_costs`)
+    timeline: Timeline = dataclasses.field(default_factory=Timeline)
+    transfer_logs: list[TransferLog] = dataclasses.field(default_factory=list)
+    recovery_at: int | None = None  # where the open recovery goes in the timeline
+    t_done: float = 0.0  # when the newest step read had run
+    t_first_done: float = 0.0  # ... and the first one
+    seq: int = 0  # steps given to the step clock (`metrics.StepClock`)
+
+    @property
+    def loop_s(self) -> float:
+        """Wall time from the first step's completion to the last one's, as the host saw them."""
+        return self.t_done - self.t_first_done
 
     def verified(self) -> Position:
         """`pos` with its state's checksums, for a move that verifies against them (a
@@ -273,7 +290,6 @@ class Trainer:
             Checkpointer(cfg.checkpoint, self.rt.processes()) if cfg.checkpoint.dir is not None else None
         )
         self.dropped_checkpoints: list[int] = []
-        self.transfer_logs: list[TransferLog] = []
         self.compiles = CompileCounter()
         # a runtime that admits restarted processes (`admission`) may grow at any step
         grows = (any(e.is_join for e in self.schedule) or grow_standby(cfg)
@@ -298,19 +314,12 @@ class Trainer:
         self.recovery = Recoverer(cfg, self.rt, self.topo, self.factory, self.source,
                                  self.contingencies, self.transitions, self.ckpt, self.compiles)
         self.cutovers = Cutovers(cfg, self.rt, self.topo, self.initial, self.source,
-                                 self.transitions, paces=lambda: paces(self.timeline))
+                                 self.transitions)
         self.admissions = Admissions(cfg, self.rt, self.factory, self.source, self.transitions,
                                      self.cutovers)
-        # what the loop has seen
-        self.losses: dict[int, float] = {}
-        self.evals: dict[int, float] = {}
-        self.digests: dict[int, str] = {}
-        self.timeline = Timeline()  # for the failures' whole cost (`metrics.failure_costs`)
         self._t_run = 0.0
-        self._recovery_at: int | None = None  # where an open recovery goes in the timeline
-        self._t_done = self._t_first_done = 0.0
+        self.loop: LoopState | None = None  # the run's loop state, once it runs
         self.clock = StepClock()  # when each step finished (read later)
-        self._seq = 0
         self._gc_held = False  # the collector is off for a recovery (`_hold_gc`)
 
     @property
@@ -324,7 +333,7 @@ class Trainer:
     @property
     def loop_s(self) -> float:
         """Wall time from the first step's completion to the last one's, as the host saw them."""
-        return self._t_done - self._t_first_done
+        return self.loop.loop_s if self.loop is not None else 0.0
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -374,6 +383,7 @@ class Trainer:
             ls = LoopState(pos, list(self.schedule), [pos.plan.name], good=pos.good,
                            standby_building=self.standby_on and not self.cfg.standby.wait_at_start)
             self.cutovers.note(pos.plan)
+        self.loop = ls
         bar = ew.display = Progress(T, enabled=self.progress)
         with bar:
             while ls.pos.step < T:
@@ -394,7 +404,7 @@ class Trainer:
         joining = [e for e in ls.pending if e.is_join and e.at_step == step]
         if joining:
             ls.pending = [e for e in ls.pending if e not in joining]
-            ls.pos, jev = self.cutovers.join(ls.pos, joining)
+            ls.pos, jev = self.cutovers.join(ls.pos, joining, paces(ls.timeline))
             if not jev["grow"] and self.cutovers.pending is None:
                 ls.protect_due = True  # the likely failures' plans changed
             ls.joins.append(jev)
@@ -421,10 +431,10 @@ class Trainer:
         """What the loop has seen and written so far (`admission.Seen`)."""
         now = time.perf_counter()
         return Seen(
-            losses=self.losses, evals=self.evals, digests=self.digests, timeline=self.timeline,
+            losses=ls.losses, evals=ls.evals, digests=ls.digests, timeline=ls.timeline,
             recoveries=ls.recoveries, joins=ls.joins, growths=ls.growths,
             migrations=ls.migrations, lines=(mw.lines, ew.writer.lines),
-            run_s=now - self._t_run, loop_s=self.loop_s,
+            run_s=now - self._t_run, loop_s=ls.loop_s,
         )
 
     def _rejoin(self, mw: JsonlWriter, ew: Emitter) -> LoopState:
@@ -433,17 +443,15 @@ class Trainer:
         (`_welcome`)."""
         adm = self.rt.admission
         arr = self.admissions.arrival(adm)
-        ls = LoopState(arr.pos, arr.pending, arr.plans, redo_until=arr.redo_until,
-                       good=arr.pos.good)
         seen, now = adm.loop.seen, time.perf_counter()
-        self.losses, self.evals, self.digests = seen.losses, seen.evals, seen.digests
-        self.timeline = seen.timeline
-        ls.recoveries, ls.joins = seen.recoveries, seen.joins
-        ls.growths, ls.migrations = seen.growths, seen.migrations
+        ls = LoopState(arr.pos, arr.pending, arr.plans, redo_until=arr.redo_until,
+                       good=arr.pos.good, losses=seen.losses, evals=seen.evals,
+                       digests=seen.digests, timeline=seen.timeline, recoveries=seen.recoveries,
+                       joins=seen.joins, growths=seen.growths, migrations=seen.migrations,
+                       t_done=now, t_first_done=now - seen.loop_s)
         mw.continue_at(seen.lines[0])
         ew.writer.continue_at(seen.lines[1])
         self._t_run = now - seen.run_s
-        self._t_done, self._t_first_done = now, now - seen.loop_s
         counters = adm.counters
         # every newcomer of this admission, as the live processes see it (two admitted at one
         # boundary must not each grow onto its own devices alone: the processes would pend
@@ -471,7 +479,7 @@ class Trainer:
             pos = self.admissions.ship(here, procs, set(here.live) | set(admitted.devices))
         t1 = time.perf_counter()
         with self.rt.guard("admit/state"):
-            done = self.admissions.settle(pos, self.pool, admitted)
+            done = self.admissions.settle(pos, self.pool, admitted, paces(ls.timeline))
         ls.pos, self.pool = done.pos, done.pool
         t2 = time.perf_counter()
         jev = done.event
@@ -480,7 +488,7 @@ class Trainer:
         if not jev.grow and self.cutovers.pending is None:
             ls.protect_due = True
         ls.joins.append(jev)
-        self.timeline.pause(t2 - t0 + (admitted.admit_s or 0.0))
+        ls.timeline.pause(t2 - t0 + (admitted.admit_s or 0.0))
         ew.emit(jev, join_line(jev))
 
     def _cutover_if_due(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> bool:
@@ -499,10 +507,10 @@ class Trainer:
         self._flush(ls, mw, ew.display)
         done = self.cutovers.cutover(ls.verified(), self.pool)
         ls.pos, self.pool, mig = done.pos, done.pool, done.event
-        self.transfer_logs.append(done.log)
+        ls.transfer_logs.append(done.log)
         if self.cutovers.pending is None:  # (else the next cut-over's plan is all that matters)
             self._protect(ls.pos)
-        self.timeline.cutover(ls.pos.plan.name, mig.stall_s)
+        ls.timeline.cutover(ls.pos.plan.name, mig.stall_s)
         (ls.growths if mig.kind == "growth" else ls.migrations).append(mig)
         ew.emit(mig, migration_line(mig))
         ls.plans.append(ls.pos.plan.name)
@@ -521,7 +529,7 @@ class Trainer:
             # (the pool's buffers only when a fault is due: reading them waits for the snapshot
             # under way, which otherwise runs beside the next step)
             self.rt.inject(due, "before_step", [pos.state, self.pool.device_buffers()] if due else [])
-            new_state, flight = self._dispatch(pos, due, redo=step < ls.redo_until)
+            new_state, flight = self._dispatch(ls, due, redo=step < ls.redo_until)
         ls.pending = [e for e in ls.pending if e not in due]
         return new_state, flight
 
@@ -547,7 +555,7 @@ class Trainer:
             self.emit.emit(WarningEvent("train.deterministic", msg), f"warning: {msg}")
         ls.pos, ls.open_event, self.pool = r.pos, r.event, r.pool
         self.cutovers.note(r.pos.plan)
-        self.transfer_logs.append(r.log)
+        ls.transfer_logs.append(r.log)
         if r.cutover is not None:
             self.cutovers.pend(r.cutover, r.pos)
         elif growing is not None and r.pos.plan == pos.plan and r.pos.live == pos.live:
@@ -555,7 +563,7 @@ class Trainer:
         else:
             ls.protect_due = True
         if unfinished is None:  # its first step's record comes after it
-            self._recovery_at = len(self.timeline.items)
+            ls.recovery_at = len(ls.timeline.items)
         else:  # still one recovery: it ends at a good step
             ls.open_event = unfinished.continued_by(
                 ls.open_event, max(0.0, t_failed - ls.recovered_at))
@@ -588,7 +596,7 @@ class Trainer:
             ls.standby_building = self.standby_on
             if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
                 self._flush(ls, mw, ew.display)
-                self._wait_standby(ew, pos.step)
+                ls.timeline.pause(self._wait_standby(ew, pos.step))
                 ls.standby_building = False
         elif ls.standby_building and self.standby.wait_all(timeout=0):
             ls.standby_building = False
@@ -604,7 +612,7 @@ class Trainer:
         ev.first_step_s = time.perf_counter() - ls.recovered_at
         ev.compiles = self.compiles.count - ev.compiles
         ls.recoveries.append(ev)
-        self.timeline.items.insert(self._recovery_at, ("recovery", ev))
+        ls.timeline.items.insert(ls.recovery_at, ("recovery", ev))
         if self.rt.writer:
             ev.detail.update(self.rt.detection_report(ev.detail.get("incident")))
         ew.emit(ev, recovery_line(ev))
@@ -617,14 +625,14 @@ class Trainer:
         self.pool.complete()  # the last step's snapshot, taken beside the loop, is filed
         notes = self._end_notes(ls)
         costs, goodput = failure_costs(
-            self.timeline, self.initial.name, time.perf_counter() - self._t_run)
+            ls.timeline, self.initial.name, time.perf_counter() - self._t_run)
         costs = [FailureCost(**c) for c in costs]
         for c in costs:
             ew.emit(c)
         ew.emit(EndEvent(
             goodput=goodput,
             step=pos.step,
-            final_loss=self.losses.get(T - 1),  # None: resumed at the run's end
+            final_loss=ls.losses.get(T - 1),  # None: resumed at the run's end
             plan=pos.plan.name,
             # digest of every leaf's layout-independent checksum: equal digests = bitwise equal
             # final parameters and optimizer state
@@ -650,11 +658,11 @@ class Trainer:
         for note in notes:
             self.rt.log(note)
         if self.progress:
-            print_summary(ls.recoveries, self.losses, self.evals, pos.plan, self.out_dir, notes,
+            print_summary(ls.recoveries, ls.losses, ls.evals, pos.plan, self.out_dir, notes,
                           ls.growths, costs, goodput)
         return RunSummary(
-            self.out_dir, self.losses, self.evals, ls.recoveries, ls.plans, pos.plan, ls.good,
-            self.digests, pos.state, ls.migrations, self.transfer_logs, notes, ls.joins,
+            self.out_dir, ls.losses, ls.evals, ls.recoveries, ls.plans, pos.plan, ls.good,
+            ls.digests, pos.state, ls.migrations, ls.transfer_logs, notes, ls.joins,
             ls.growths, costs, goodput,
         )
 
@@ -703,20 +711,22 @@ class Trainer:
             self._gc_held = False
             gc.enable()
 
-    def _dispatch(self, pos: Position, due, redo: bool) -> tuple[Any, _InFlight]:
-        """Run one step on `pos` (inside the step's guard): batch, train, snapshot, evaluation."""
+    def _dispatch(self, ls: LoopState, due, redo: bool) -> tuple[Any, _InFlight]:
+        """Run one step on `ls.pos` (inside the step's guard): batch, train, snapshot,
+        evaluation."""
+        pos = ls.pos
         step, plan, exe = pos.step, pos.plan, pos.exe
         _, idx = self.data.step_ids(step)
         host_batch = self._batch(step, plan, pos.kept)
         t0 = time.perf_counter()
-        if not self.timeline.startup_s:
-            self.timeline.startup_s = t0 - self._t_run
+        if not ls.timeline.startup_s:
+            ls.timeline.startup_s = t0 - self._t_run
         batch = exe.put_batch(host_batch.arrays())
         new_state, met = exe.train(pos.state, batch)
         seq = None
         if not self.rt.step_sync:  # (there a step has finished when it is read)
-            self._seq += 1
-            seq = self._seq
+            ls.seq += 1
+            seq = ls.seq
             self.clock.watch(seq, met["loss"])
         exe.runs += 1
         for x in jax.tree.leaves(met):  # queued now, right behind the step: read later without
@@ -753,15 +763,15 @@ class Trainer:
         t_read = time.perf_counter()
         t_done = self.clock.finished(f.seq) if f.seq is not None else None
         t_done = t_read if t_done is None else min(t_done, t_read)
-        dt = t_done - max(f.t0, self._t_done)
-        if not self.losses:
-            self._t_first_done = t_done
-        self._t_done = t_done
-        self.timeline.step(f.plan.name, dt, f.redo)
+        dt = t_done - max(f.t0, ls.t_done)
+        if not ls.losses:
+            ls.t_first_done = t_done
+        ls.t_done = t_done
+        ls.timeline.step(f.plan.name, dt, f.redo)
         if not np.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {f.step}")
-        self.losses[f.step] = loss
-        self.digests[f.step] = f.digest
+        ls.losses[f.step] = loss
+        ls.digests[f.step] = f.digest
         rec = {
             "step": f.step,
             "loss": loss,
@@ -779,7 +789,7 @@ class Trainer:
         if f.evals is not None:
             tot = sum(float(t) for t, _ in scalars[3])
             n = sum(float(c) for _, c in scalars[3])
-            self.evals[f.step] = rec["eval_loss"] = tot / n
+            ls.evals[f.step] = rec["eval_loss"] = tot / n
         mw.write(rec)
         bar.update(f.step + 1, loss, f.plan)
         self.rt.log(f"step {f.step}: loss {loss:.6f} on {f.plan.name} ({dt:.3f}s)")
@@ -874,12 +884,13 @@ class Trainer:
                 warnings.warn(risk, UnprotectedStateWarning, stacklevel=2)
         return pos
 
-    def _wait_standby(self, ew: Emitter, step: int | None) -> None:
+    def _wait_standby(self, ew: Emitter, step: int | None) -> float:
         """Block until the standby of the current plan is built and its transitions planned
         (`standby.wait_at_start` before step 0, `step` None; `standby.wait_after_recovery` after
         a recovery's first good step); warm what was built (one process). Logged and written as
         a `standby_ready` event: the training pause it costs is its `wait_s` (after a
-        recovery, a pause the failure's time lost counts)."""
+        recovery, a pause the failure's time lost counts). Returns the seconds it paused (the
+        loop puts a recovery's in its timeline)."""
         t_all = time.perf_counter()
         if self.standby is not None:
             compile_s, warm_s = self.source.wait_all(self.cfg.standby.warm)
@@ -888,8 +899,7 @@ class Trainer:
                     "of the new plan was ready")
             self._standby_ready(ew, step, compile_s + warm_s, warm_s, head)
         self.transitions.wait_idle()  # the likely transitions are planned too
-        if step is not None:
-            self.timeline.pause(time.perf_counter() - t_all)
+        return time.perf_counter() - t_all
 
     def _standby_cost(self) -> dict | None:
         """What the background builds cost (the `end` event's `standby`); None without them."""

@@ -306,7 +306,7 @@ def test_an_interim_plan_uses_the_most_devices_then_the_measured_time():
     measured: dict = {}
 
     def cutovers(*plans):
-        cut = Cutovers(cfg, OneProcess(), TOPO, init, None, None, paces=lambda: measured)
+        cut = Cutovers(cfg, OneProcess(), TOPO, init, None, None)
         for p in plans:
             cut.note(p)
         return cut
@@ -316,17 +316,20 @@ def test_an_interim_plan_uses_the_most_devices_then_the_measured_time():
     # the 5-device plan measured faster than the start plan (fake devices on shared cores): the
     # start plan all the same, predicted faster and on the most devices
     measured.update({init.name: 0.070, seven_a.name: 0.040, five.name: 0.056})
-    assert cut._interim(five, best, live) == init
-    assert cut._interim(five, best, frozenset(range(8)) - {6}) == seven_a  # init needs device 6
-    assert cut._interim(five, best, frozenset(range(7))) is None  # both need device 7
-    assert cutovers(five)._interim(init, best, live) is None  # none predicted faster than init
+    assert cut._interim(five, best, live, measured) == init
+    # init needs device 6
+    assert cut._interim(five, best, frozenset(range(8)) - {6}, measured) == seven_a
+    # both need device 7
+    assert cut._interim(five, best, frozenset(range(7)), measured) is None
+    # none predicted faster than init
+    assert cutovers(five)._interim(init, best, live, measured) is None
     cut = cutovers(six_a, six_b, five)  # as many devices: the measured time decides
     measured.update({six_a.name: 0.060, six_b.name: 0.050})
-    assert cut._interim(five, best, live) == six_b
+    assert cut._interim(five, best, live, measured) == six_b
     measured.update({six_a.name: 0.045})
-    assert cut._interim(five, best, live) == six_a
+    assert cut._interim(five, best, live, measured) == six_a
     measured.pop(six_a.name)  # a measured one before one with no step time
-    assert cut._interim(five, best, live) == six_b
+    assert cut._interim(five, best, live, measured) == six_b
 
 
 @pytest.mark.slow
