@@ -157,6 +157,10 @@ class StandbyReady(Record):
     rebind_s: float
     warm_s: float
     unbuilt: int = 0
+    # loaded from another process's compile (`standby.share_compiles`, under launch), and the
+    # seconds until they were (mostly waiting for that compile)
+    shared: int = 0
+    shared_s: float = 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -273,13 +277,18 @@ class EndEvent(Record):
     transfer_plan_errors: list[str]
     standby_errors: list[str]
     cutover_pending: bool
-    # what the background builds cost: {"compiled", "rebound", "compile_s" (wall seconds of the
+    # what the background builds cost: {"compiled", "rebound", "shared" (loaded from another
+    # process's compile, under launch), "compile_s" (wall seconds of the
     # builds), "worker_cpu_s" (the compile worker process's CPU seconds; null where builds ran on
     # a thread of the training process, whose CPU time is not told apart; the compiles it
     # finished)}; null: nothing was built in the background
     standby: dict | None
     notes: list[str]
     runtime: str
+    # the writer's programs compiled once per job (`standby.share_compiles`, under launch):
+    # {"published" (compiled here, loaded by the others), "loaded" (compiled by another
+    # process), "compiled_alone" (could not be shared), "waited_s"}; null in one process
+    shared_compiles: dict | None
     processes: list[int]
 
 

@@ -29,7 +29,6 @@ from . import models
 from .config import (
     Config,
     ConfigError,
-    TrainConfig,
     check_custom_optimizer,
     optimizer_spec_ok,
 )

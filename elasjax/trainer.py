@@ -38,6 +38,7 @@ import optax
 
 from .counters import CompileCounter
 from .compilation.executables import ExecutableCache, Executables
+from .compilation.shared import SharedBuilds
 from .compilation.source import ExecutableSource
 from .compilation.standby import StandbyCompiler
 from .compilation.worker import CompileWorker, unavailable
@@ -294,14 +295,17 @@ class Trainer:
         # a runtime that admits restarted processes (`admission`) may grow at any step
         grows = (any(e.is_join for e in self.schedule) or grow_standby(cfg)
                  or self.rt.rejoins)
-        # `standby.enabled: auto` is on where a compile worker process builds the plans
-        # (`config.standby_on`); `no_worker` says why not where it cannot
+        # `standby.enabled: auto` is on where a compile worker process builds the plans, and
+        # where the job's processes share compiles (`config.standby_on`); `no_worker` says why
+        # a worker cannot build them
         self.no_worker = unavailable(cfg, custom, self.rt.kind != IN_PROCESS)
-        self.standby_on = standby_on(cfg, self.no_worker)
+        self.standby_on = standby_on(cfg, self.no_worker, self.rt.shares_compiles)
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
             background=self.standby_on or cfg.recovery.migration == "async" or grows,
             custom_tx=custom, log=self.rt.log,
+            shared=(SharedBuilds(self.rt.client, self.rt.me, self.rt.peer_gone, self.rt.log)
+                    if self.rt.shares_compiles and cfg.standby.share_compiles else None),
             # the snapshot checksums of each standby plan's pool, compiled with it
             prepare=lambda exe: self.pool.prepare(exe.layout.abstract, exe.state_shardings, exe.mesh),
         )
@@ -644,17 +648,27 @@ class Trainer:
             standby=self._standby_cost(),
             notes=notes,
             runtime=self.rt.kind,
+            shared_compiles=self._shared_cost(),
             processes=sorted({self.rt.process_of(d) for d in pos.live}),
         ))
         cost = self._standby_cost()
         if cost is not None:
-            line = (f"standby: {cost['compiled']} plans compiled and {cost['rebound']} rebound "
-                    f"in the background ({cost['compile_s']:.1f}s of builds"
+            line = (f"standby: {cost['compiled']} plans compiled, "
+                    + (f"{cost['shared']} loaded from another process's compile, "
+                       if cost["shared"] else "")
+                    + f"{cost['rebound']} rebound in the background "
+                    f"({cost['compile_s']:.1f}s of builds"
                     + (f", {cost['worker_cpu_s']:.1f} CPU seconds in the compile worker)"
                        if cost["worker_cpu_s"] is not None else " on a thread of this process)"))
             self.rt.log(line)
             if self.progress:
                 print(line)
+        shared = self._shared_cost()
+        if shared is not None:
+            self.rt.log(f"compiled once per job: {shared['published']} programs compiled here "
+                        f"for the others, {shared['loaded']} loaded from another process's "
+                        f"compile ({shared['waited_s']:.1f}s waiting), "
+                        f"{shared['compiled_alone']} compiled alone")
         for note in notes:
             self.rt.log(note)
         if self.progress:
@@ -906,21 +920,33 @@ class Trainer:
         sb = self.standby
         if sb is None:
             return None
-        return {"compiled": sb.compiled, "rebound": sb.rebound,
+        return {"compiled": sb.compiled, "rebound": sb.rebound, "shared": sb.shared,
                 "compile_s": round(sb.compile_s + sb.rebind_s, 3),
                 "worker_cpu_s": (round(self.worker.compile_cpu_s, 3)
                                  if self.worker is not None else None)}
+
+    def _shared_cost(self) -> dict | None:
+        """This process's part in compiling once per job (the `end` event's `shared_compiles`)."""
+        sh = self.source.shared
+        if sh is None:
+            return None
+        return {"published": sh.published, "loaded": sh.loaded,
+                "compiled_alone": sh.compiled_alone, "waited_s": round(sh.waited_s, 3)}
 
     def _standby_ready(self, ew: Emitter, step: int | None, wait_s: float, warm_s: float,
                        head: str) -> None:
         """The `standby_ready` event and its line: the standby set is built, after `wait_s` of
         paused training (0: built in the background while training went on)."""
         sb = self.standby
-        ew.emit(StandbyReady(step, sb.compiled + sb.rebound, sb.compiled, sb.rebound, wait_s,
-                             sb.compile_s, sb.rebind_s, warm_s, sb.over_budget))
-        line = (f"{head}: {sb.compiled + sb.rebound} plans built so far ({sb.compiled} "
-                f"compiled in {sb.compile_s:.1f}s, {sb.rebound} rebound from them in "
-                f"{sb.rebind_s:.1f}s)" + (f", warmed in {warm_s:.1f}s" if wait_s else "")
+        ew.emit(StandbyReady(step, sb.compiled + sb.rebound + sb.shared, sb.compiled, sb.rebound,
+                             wait_s, sb.compile_s, sb.rebind_s, warm_s, sb.over_budget,
+                             sb.shared, sb.shared_s))
+        line = (f"{head}: {sb.compiled + sb.rebound + sb.shared} plans built so far "
+                f"({sb.compiled} compiled in {sb.compile_s:.1f}s, "
+                + (f"{sb.shared} loaded from another process's compile in {sb.shared_s:.1f}s, "
+                   if sb.shared else "")
+                + f"{sb.rebound} rebound from them in {sb.rebind_s:.1f}s)"
+                + (f", warmed in {warm_s:.1f}s" if wait_s else "")
                 + (f"; {sb.over_budget} left unbuilt: the process reached standby.map_budget = "
                    f"{self.cfg.standby.map_budget} of its memory-mapping limit, recoveries to them "
                    "compile" if sb.over_budget else ""))
@@ -941,6 +967,8 @@ class Trainer:
                     "it on): a recovery compiles its new plan")
         where = (f"in a compile worker process at nice {self.worker.nice}" if self.worker
                  is not None else "on a thread of this process")
+        if self.source.shared is not None:
+            where += " (each program compiled by one process of the job, loaded by the others)"
         pause = ("training waits until they are built" if self.cfg.standby.wait_at_start else
                  "training goes on meanwhile; a 'standby ready' line says when they are built")
         return (f"standby: building the {n_plans} plans of the likeliest next failures "

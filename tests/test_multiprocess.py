@@ -34,6 +34,7 @@ optimised deterministic launch, which runs as users compile.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -538,6 +539,14 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     assert ev["transfer_plan_hit"], ev
     assert events[-1]["type"] == "end" and events[-1]["processes"] == [0, 1, 3]
     assert "recovery at step 4: process 2 killed (SIGKILL)" in stdout
+    # compiled once per job (standby.share_compiles, the default): the start plan and the
+    # recovery's plan were each compiled by one process; the others loaded them
+    logs = "".join((out / f"worker{p}.log").read_text() for p in range(4))
+    published = re.findall(r"compiled (\S+) in [\d.]+s and published it", logs)
+    loaded = re.findall(r"loaded (\S+) compiled by another process", logs)
+    assert sorted(published) == sorted([metrics[0]["plan"], ev["to_plan"]]), logs
+    assert sorted(loaded) == sorted([metrics[0]["plan"]] * 3 + [ev["to_plan"]] * 2), logs
+    assert events[-1]["shared_compiles"]["compiled_alone"] == 0
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from elasjax.runtime.inprocess import InProcessRuntime
 from elasjax.runtime.multicontroller import MultiControllerRuntime
 
 CAPABILITIES = ("kind", "failure_simulation", "donate", "device_failures", "step_sync",
+                "shares_compiles",
                 "host_copies_off_host", "devices_return", "rejoins")
 
 

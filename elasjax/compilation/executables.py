@@ -350,13 +350,14 @@ class ExecutableCache:
 
     def get(
         self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True,
-        reuse_programs: bool = False,
+        reuse_programs: bool = False, build=None,
     ) -> tuple[Executables, bool]:
         """(executables, found here). An entry made for another client's devices of the same
         ids (a renewed CPU client) is reloaded onto `devices` (compiled again where it cannot be,
         `Executables.portable_ok`); with `reuse_programs`
         (`standby.rebind`), a plan whose program is here for other devices is rebound to its
-        own (`rebind`); otherwise it is compiled."""
+        own (`rebind`); otherwise it is compiled, by `build(compile)` where given (which calls
+        `compile()` or gets the executables elsewhere: `shared.SharedBuilds`)."""
         k = self.key(cfg, plan, donate, factory.tx_key)
         with self._lock:
             exe = self._d.pop(k, None)
@@ -373,7 +374,9 @@ class ExecutableCache:
         if src is not None:
             exe = rebind(src, plan, devices)
         else:  # outside the lock
-            exe = compile_plan(cfg, factory, plan, devices, donate=donate)
+            def compile():
+                return compile_plan(cfg, factory, plan, devices, donate=donate)
+            exe = compile() if build is None else build(compile)
         self._put(k, exe, self.program_key(cfg, plan, donate, factory.tx_key))
         return exe, False
 

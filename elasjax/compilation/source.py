@@ -15,6 +15,7 @@ from ..config import Config, ConfigError
 from ..planner import Plan
 from ..state import StateFactory
 from .executables import ExecutableCache, Executables, from_portable, on_devices, warm_up
+from .shared import SharedBuilds
 from .standby import StandbyCompiler, StandbyCoverageWarning
 from .worker import CompileWorker, unavailable
 
@@ -33,7 +34,9 @@ class ExecutableSource:
     """A run's executables. `background`: keep a standby compiler (standby plans, async
     migration's optimal plan, growth); `custom_tx`: the optimizer is the user's (a compile
     worker process cannot rebuild it); `prepare`: called with each standby-built executable
-    (the snapshot pool compiles its checksums for that plan); `log`: the runtime's log."""
+    (the snapshot pool compiles its checksums for that plan); `log`: the runtime's log;
+    `shared`: where the job's processes compile each program once (`shared.SharedBuilds`,
+    under `elasjax launch`), None where this process compiles what it needs."""
 
     # a queued needed plan waits for the compile under way unless that has more than this
     # fraction of a mean compile left; beyond it, a cold compile now is sooner
@@ -46,8 +49,10 @@ class ExecutableSource:
 
     def __init__(self, cfg: Config, factory: StateFactory, devices, exe_cache: ExecutableCache,
                  *, donate: bool, background: bool, custom_tx: bool,
-                 prepare: Callable[[Executables], None], log: Callable[[str], None]):
+                 prepare: Callable[[Executables], None], log: Callable[[str], None],
+                 shared: SharedBuilds | None = None):
         self.cfg, self.factory, self.devices, self.exe_cache = cfg, factory, devices, exe_cache
+        self.shared = shared
         self.donate, self._prepare, self._log = donate, prepare, log
         self.errors: list[str] = []  # standby compiles that failed while a recovery waited
         self.first_compile_cpu_s = 0.0  # CPU seconds of the start's compile (0: none here)
@@ -150,8 +155,22 @@ class ExecutableSource:
     def _cached(self, plan: Plan) -> tuple[Executables, bool]:
         return self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.donate,
-            reuse_programs=self.cfg.standby.rebind,
+            reuse_programs=self.cfg.standby.rebind, build=self._build(plan),
         )
+
+    def _build(self, plan: Plan):
+        """How `plan` is compiled where it must be: through the job's shared builds (`shared`)
+        where there are some, else None (compiled here)."""
+        sh = self.shared
+        if sh is None:
+            return None
+        key = sh.key(self.cfg, ExecutableCache.key(self.cfg, plan, self.donate,
+                                                     self.factory.tx_key))
+
+        def load(portable, compile_s: float) -> Executables:
+            return from_portable(self.cfg, self.factory, plan, self.devices, portable, compile_s)
+
+        return lambda compile: sh.build(key, plan.name, compile, load)
 
     def _worker_early(self) -> bool:
         """Has the compile worker spent less than `WORKER_WAIT_PROGRESS` of a compile's CPU
@@ -270,6 +289,8 @@ class ExecutableSource:
         return exe
 
     def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
         if self.standby is not None:
             if self.worker is not None:
                 self.worker.kill()  # a compile under way ends now, not at its end

@@ -254,7 +254,7 @@ def _validate_hardware(h: HardwareConfig) -> None:
 def _validate_recovery(cfg: Config) -> None:
     """The recovery strategy against the checkpoint, parallel, ZeRO and train sections, and
     the recovery section's bounds."""
-    r, p, t = cfg.recovery, cfg.parallel, cfg.train
+    r, p = cfg.recovery, cfg.parallel
     if r.strategy == "checkpoint_restart":
         _require(cfg.checkpoint.dir is not None, "recovery.strategy",
                  "= 'checkpoint_restart' needs checkpoint.dir")

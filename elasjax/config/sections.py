@@ -413,9 +413,9 @@ class StandbyConfig:
     `enabled`: true, false, or `auto` (the default): on where the builds can run in a compile
     worker process (one process on the CPU backend, the built-in GPT and optimizer: `elasjax
     train configs/...`), beside training at a lower priority, so that a failure after they are
-    done is a standby hit; off elsewhere: under `elasjax launch`, where every process would
-    compile every plan of its own (4 processes on one host, 4 compiles of each), and where the
-    builds could only run on a thread of the training process (`true` turns it on there).
+    done is a standby hit; on under `elasjax launch` with `share_compiles`, where each program
+    is compiled on a thread of one process and loaded by the others; off elsewhere, where the
+    builds could only run on a thread of a lone training process (`true` turns it on there).
     `standby_on` says which; the start line and the `start` event say what it builds.
 
     Each candidate device set gets its own executables, but with `rebind` (default) each
@@ -447,7 +447,12 @@ class StandbyConfig:
     there, so a restarted job (or the next run) loads executables instead of compiling them; on
     CPU its key includes the device assignment. XLA:CPU cannot serialize an executable the cache
     loaded, so such a program is not rebound to other device sets (they compile) and, after a
-    new CPU client under launch, is built again through the cache instead of reloaded."""
+    new CPU client under launch, is built again through the cache instead of reloaded.
+
+    `share_compiles` (under `elasjax launch`): each program is compiled by the first process
+    that needs it and loaded by the others from the coordination service's key-value store
+    (`compilation.shared`), instead of compiled by every process; a process that cannot get it
+    (its compiler died, or could not serialize it) compiles it itself."""
 
     enabled: Union[bool, Literal["auto"]] = "auto"  # auto: on where a worker process builds (`standby_on`)
     # where background compiles run: "auto" (process where it applies, else thread),
@@ -465,6 +470,7 @@ class StandbyConfig:
     wait_at_start: bool = False
     wait_after_recovery: bool = False  # pause after each recovery until the standby is rebuilt
     cache_dir: Optional[str] = None  # JAX persistent compilation cache (process-wide setting)
+    share_compiles: bool = True  # under launch: one process compiles a program, the others load it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -526,16 +532,21 @@ class Config:
         return dataclasses.replace(self, **sections)
 
 
-def standby_on(cfg: Config, no_worker: str | None) -> bool:
-    """Is the standby on? `standby.enabled` true or false; `auto`: exactly where its compiles run
-    in a compile worker process (`no_worker`: why one cannot build this run's plans, None where
-    it can: `compilation.worker.unavailable`), which a recovery can stop and which shares no
-    thread with training. Compiles on a thread of the training process, beside steps, are asked
-    for explicitly: on XLA:CPU a collective of a step then waited past its 40 s rendezvous
-    timeout for a participant (the classifier example, experiments/RESULTS.md)."""
+def standby_on(cfg: Config, no_worker: str | None, shares_compiles: bool = False) -> bool:
+    """Is the standby on? `standby.enabled` true or false; `auto`: where its compiles run in a
+    compile worker process (`no_worker`: why one cannot build this run's plans, None where it
+    can: `compilation.worker.unavailable`), which a recovery can stop and which shares no
+    thread with training; and where the processes of a job share their compiles
+    (`shares_compiles`: under `elasjax launch` with `standby.share_compiles`), so that each
+    program is compiled once in the job, on a thread of one process. Compiles on a thread of
+    a lone training process, beside steps, are asked for explicitly: on XLA:CPU a collective of
+    a step then waited past its 40 s rendezvous timeout for a participant (the classifier
+    example, experiments/RESULTS.md)."""
     asked = cfg.standby.enabled
     if isinstance(asked, bool):
         return asked
+    if shares_compiles and cfg.standby.share_compiles:
+        return True
     return no_worker is None and cfg.standby.compiler != "thread"
 
 

@@ -35,6 +35,9 @@ class Runtime(Protocol):
     devices_return: ClassVar[bool]
     # do restarted processes ask to rejoin the running job (`joiners`, `admit`, `admission`)
     rejoins: ClassVar[bool]
+    # can its processes share what one of them compiled, through the job's key-value store
+    # (`client`, `peer_gone`; `compilation.shared.SharedBuilds`)
+    shares_compiles: ClassVar[bool]
 
     # -- who is where --------------------------------------------------------------------------
     devices: dict[int, jax.Device]  # every device of the job, by id
@@ -45,12 +48,17 @@ class Runtime(Protocol):
     # a restarted process's admission (the runtime's counters and the trainer's position), or
     # None: this process started with the job
     admission: Admission | None
+    client: Any  # the job's key-value store (the coordination service's client); None in one process
 
     def process_of(self, device) -> int: ...
 
     def processes(self) -> set[int] | None: ...
 
     def log(self, msg: str) -> None: ...
+
+    def peer_gone(self, p: int) -> bool:
+        """Has process p exited, or fallen silent as a barrier's arbiter would declare it dead
+        (never this process; always False in one process)?"""
 
     # -- failures ------------------------------------------------------------------------------
     def guard(self, phase: str):

@@ -145,6 +145,8 @@ class InProcessRuntime:
     host_copies_off_host = False
     devices_return = True  # a fault schedule's `join`
     rejoins = False  # one process: nothing restarts
+    shares_compiles = False  # one process: nobody to share with
+    client = None
     me = 0
     writer = True
     admission = None
@@ -174,6 +176,9 @@ class InProcessRuntime:
 
     def process_of(self, device) -> int:
         return 0
+
+    def peer_gone(self, p: int) -> bool:
+        return False
 
     def processes(self) -> set[int] | None:
         """The live processes, for collective I/O (None: this process alone)."""

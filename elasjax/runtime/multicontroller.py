@@ -74,7 +74,7 @@ from .collectives import (
 from .inprocess import DeviceFailure, FailureReport
 from . import membership
 from .deathnote import DeathNotes
-from .liveness import Liveness, ProcessExits, Throttle
+from .liveness import Liveness, ProcessExits, Throttle, peer_state
 from .verdict import Barriers, Verdict
 from .p2p import TransferLinks
 from .startup import STARTED, STARVED_MAX_S, RuntimeConfig, kv_client, kv_float
@@ -116,6 +116,7 @@ class MultiControllerRuntime:
     host_copies_off_host = True  # a process's host memory dies with it
     devices_return = True  # a restarted process rejoins (`admit`)
     rejoins = True
+    shares_compiles = True  # one process compiles a program, the others load it
 
     def __init__(self, rc: RuntimeConfig):
         self.rc = rc
@@ -192,6 +193,18 @@ class MultiControllerRuntime:
 
     def processes(self) -> set[int]:
         return {self.devices[d].process_index for d in self.live}
+
+    def peer_gone(self, p: int) -> bool:
+        """Process p has left the job, exited (pidfd, a death notice), or been silent past the
+        heartbeat timeout without its CPU time advancing: what the arbiter of a barrier outside
+        a step declares dead (`liveness.peer_state`)."""
+        if p == self.me:
+            return False
+        if p not in self.processes():
+            return True
+        limit = self.liveness_timeout("compile", at_exit=False)
+        return peer_state(p, self.liveness, self.exits, limit, STARVED_MAX_S)[0] in (
+            "exited", "dead")
 
     @property
     def writer_process(self) -> int:

@@ -1,0 +1,141 @@
+"""Compiling once per job (`elasjax.compilation.shared`): who compiles, who loads, and what a
+process does when the compile it waits for will never come. The key-value store is a dict here;
+the same protocol under `elasjax launch`, with real processes, is in tests/test_multiprocess.py
+(`test_sigkill_one_of_four_processes_matches_the_single_process_run`)."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from jax.errors import JaxRuntimeError
+
+from elasjax.compilation.shared import SharedBuilds
+
+
+class Store:
+    """The coordination service's key-value calls that `SharedBuilds` makes."""
+
+    def __init__(self):
+        self.d: dict = {}
+        self.cv = threading.Condition()
+
+    def key_value_set(self, k, v, allow_overwrite=False):
+        with self.cv:
+            if k in self.d and not allow_overwrite:
+                raise JaxRuntimeError(f"ALREADY_EXISTS: key {k} already exists.")
+            self.d[k] = v
+            self.cv.notify_all()
+
+    key_value_set_bytes = key_value_set
+
+    def key_value_try_get(self, k):
+        with self.cv:
+            if k not in self.d:
+                raise JaxRuntimeError(f"NOT_FOUND: {k}")
+            return self.d[k]
+
+    key_value_try_get_bytes = key_value_try_get
+
+    def blocking_key_value_get_bytes(self, k, ms):
+        with self.cv:
+            if not self.cv.wait_for(lambda: k in self.d, ms / 1000):
+                raise JaxRuntimeError(f"DEADLINE_EXCEEDED: {k}")
+            return self.d[k]
+
+
+def _exe(who, portable_ok=True):
+    return SimpleNamespace(who=who, portable_ok=portable_ok, compile_s=1.5, origin="compiled",
+                           portable=lambda: ("payload", who))
+
+
+def _builds(store, me, gone=lambda p: False):
+    return SharedBuilds(store, me, gone, log=lambda m: None)
+
+
+def _load(portable, compile_s):
+    return SimpleNamespace(loaded=portable, compile_s=compile_s, origin="?")
+
+
+def test_the_first_process_compiles_and_the_others_load_its_program():
+    store = Store()
+    a, b = _builds(store, 0), _builds(store, 1)
+    mine = a.build("k", "plan", lambda: _exe(0), _load)
+    assert mine.who == 0 and a.published == 1
+    theirs = b.build("k", "plan", lambda: pytest.fail("compiled twice"), _load)
+    assert theirs.loaded == ("payload", 0) and theirs.origin == "shared" and b.loaded == 1
+
+
+def test_a_waiter_loads_the_program_once_its_holder_publishes_it():
+    store = Store()
+    a, b = _builds(store, 0), _builds(store, 1)
+    release = threading.Event()
+
+    def slow():
+        release.wait(5)
+        return _exe(0)
+
+    t = threading.Thread(target=a.build, args=("k", "plan", slow, _load))
+    t.start()
+    while "elasjax/build/k/lease/0" not in store.d:
+        time.sleep(0.01)
+    threading.Timer(0.5, release.set).start()
+    got = b.build("k", "plan", lambda: pytest.fail("compiled while the holder was alive"), _load)
+    t.join()
+    assert got.loaded == ("payload", 0) and b.waited_s > 0.3
+
+
+def test_a_holder_that_dies_before_publishing_hands_the_lease_on():
+    store = Store()
+    store.key_value_set("elasjax/build/k/lease/0", "2")  # process 2 took it, then died
+    b = _builds(store, 1, gone=lambda p: p == 2)
+    got = b.build("k", "plan", lambda: _exe(1), _load)
+    assert got.who == 1 and store.d["elasjax/build/k/lease/1"] == "1" and b.published == 1
+    # and a third process loads what the next generation's holder published
+    c = _builds(store, 3, gone=lambda p: p == 2)
+    assert c.build("k", "plan", lambda: pytest.fail("compiled twice"), _load).loaded == ("payload", 1)
+
+
+def test_a_program_that_cannot_be_serialized_is_compiled_by_each_process():
+    store = Store()
+    a, b = _builds(store, 0), _builds(store, 1)
+    assert a.build("k", "plan", lambda: _exe(0, portable_ok=False), _load).who == 0
+    assert b.build("k", "plan", lambda: _exe(1), _load).who == 1 and b.compiled_alone == 1
+
+
+def test_a_holder_whose_compile_raises_lets_the_others_compile_and_raises_itself():
+    store = Store()
+    a, b = _builds(store, 0), _builds(store, 1)
+
+    def boom():
+        raise ValueError("no memory")
+
+    with pytest.raises(ValueError, match="no memory"):
+        a.build("k", "plan", boom, _load)
+    assert b.build("k", "plan", lambda: _exe(1), _load).who == 1 and b.compiled_alone == 1
+
+
+def test_a_waiter_stops_waiting_when_its_run_ends():
+    store = Store()
+    store.key_value_set("elasjax/build/k/lease/0", "0")  # alive, never publishes
+    b = _builds(store, 1)
+    threading.Timer(0.3, b.close).start()
+    with pytest.raises(RuntimeError, match="run is ending"):
+        b.build("k", "plan", lambda: _exe(1), _load)
+
+
+def test_the_key_is_the_same_for_equal_inputs_and_differs_otherwise():
+    """Processes load their config each on its own: equal configs name the same program."""
+    from conftest import tiny_config
+
+    from elasjax.compilation.executables import ExecutableCache
+    from elasjax.planner import Topology, initial_plan
+
+    cfg = tiny_config()
+    plan = initial_plan(Topology(tuple(range(8)), 2), cfg)
+    key = SharedBuilds.key(cfg, ExecutableCache.key(cfg, plan, False))
+    again = tiny_config()
+    assert SharedBuilds.key(again, ExecutableCache.key(again, plan, False)) == key
+    assert SharedBuilds.key(cfg, ExecutableCache.key(cfg, plan, True)) != key
+    other = tiny_config("model.d_mlp=128")
+    assert SharedBuilds.key(other, ExecutableCache.key(other, plan, False)) != key
