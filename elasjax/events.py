@@ -157,10 +157,11 @@ class StandbyReady(Record):
     rebind_s: float
     warm_s: float
     unbuilt: int = 0
-    # loaded from another process's compile (`standby.share_compiles`, under launch), and the
-    # seconds until they were (mostly waiting for that compile)
-    shared: int = 0
-    shared_s: float = 0.0
+    # plans loaded from a compile elsewhere: another process's (`standby.share_compiles`, under
+    # launch; the seconds are then mostly the wait for it) or an earlier run's
+    # (`standby.programs_dir`)
+    loaded: int = 0
+    load_s: float = 0.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -277,8 +278,8 @@ class EndEvent(Record):
     transfer_plan_errors: list[str]
     standby_errors: list[str]
     cutover_pending: bool
-    # what the background builds cost: {"compiled", "rebound", "shared" (loaded from another
-    # process's compile, under launch), "compile_s" (wall seconds of the
+    # what the background builds cost: {"compiled", "rebound", "loaded" (compiled by another
+    # process or an earlier run), "compile_s" (wall seconds of the
     # builds), "worker_cpu_s" (the compile worker process's CPU seconds; null where builds ran on
     # a thread of the training process, whose CPU time is not told apart; the compiles it
     # finished)}; null: nothing was built in the background

@@ -654,8 +654,8 @@ class Trainer:
         cost = self._standby_cost()
         if cost is not None:
             line = (f"standby: {cost['compiled']} plans compiled, "
-                    + (f"{cost['shared']} loaded from another process's compile, "
-                       if cost["shared"] else "")
+                    + (f"{cost['loaded']} loaded from a compile elsewhere, "
+                       if cost["loaded"] else "")
                     + f"{cost['rebound']} rebound in the background "
                     f"({cost['compile_s']:.1f}s of builds"
                     + (f", {cost['worker_cpu_s']:.1f} CPU seconds in the compile worker)"
@@ -920,7 +920,7 @@ class Trainer:
         sb = self.standby
         if sb is None:
             return None
-        return {"compiled": sb.compiled, "rebound": sb.rebound, "shared": sb.shared,
+        return {"compiled": sb.compiled, "rebound": sb.rebound, "loaded": sb.loaded,
                 "compile_s": round(sb.compile_s + sb.rebind_s, 3),
                 "worker_cpu_s": (round(self.worker.compile_cpu_s, 3)
                                  if self.worker is not None else None)}
@@ -938,13 +938,13 @@ class Trainer:
         """The `standby_ready` event and its line: the standby set is built, after `wait_s` of
         paused training (0: built in the background while training went on)."""
         sb = self.standby
-        ew.emit(StandbyReady(step, sb.compiled + sb.rebound + sb.shared, sb.compiled, sb.rebound,
+        ew.emit(StandbyReady(step, sb.compiled + sb.rebound + sb.loaded, sb.compiled, sb.rebound,
                              wait_s, sb.compile_s, sb.rebind_s, warm_s, sb.over_budget,
-                             sb.shared, sb.shared_s))
-        line = (f"{head}: {sb.compiled + sb.rebound + sb.shared} plans built so far "
+                             sb.loaded, sb.load_s))
+        line = (f"{head}: {sb.compiled + sb.rebound + sb.loaded} plans built so far "
                 f"({sb.compiled} compiled in {sb.compile_s:.1f}s, "
-                + (f"{sb.shared} loaded from another process's compile in {sb.shared_s:.1f}s, "
-                   if sb.shared else "")
+                + (f"{sb.loaded} loaded from a compile elsewhere in {sb.load_s:.1f}s, "
+                   if sb.loaded else "")
                 + f"{sb.rebound} rebound from them in {sb.rebind_s:.1f}s)"
                 + (f", warmed in {warm_s:.1f}s" if wait_s else "")
                 + (f"; {sb.over_budget} left unbuilt: the process reached standby.map_budget = "

@@ -18,6 +18,13 @@ os.environ["XLA_FLAGS"] = (
     + ("" if XLA_AS_USERS_RUN_IT or not _LOOP_EMITTERS else " --xla_cpu_use_fusion_emitters=false")
 ).strip()
 
+# runs that use the default program store (`standby.programs_dir: auto`: the CLI demo runs) keep
+# it in a directory of this test process, never in the user's cache
+if "ELASJAX_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["ELASJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="elasjax-test-cache-")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -75,6 +82,11 @@ TINY = [
     # test_trainer.py's default-standby test, the CLI demo runs, which use the configs as users
     # do).
     "standby.enabled=false",
+    # The program store (on by default: `standby.programs_dir: auto`) would make a test's
+    # compiles depend on what an earlier test, or an earlier suite, compiled; it is on where it
+    # is tested (test_program_store.py) and in the CLI demo runs, in a directory of this session
+    # (ELASJAX_CACHE_DIR below).
+    "standby.programs_dir=null",
 ]
 
 

@@ -49,7 +49,9 @@ class Executables:
     # "compiled" here; "cached": loaded from JAX's persistent compilation cache (`standby.
     # cache_dir`) by `compile_plan`; "rebound" from a compile for other devices (`rebind`;
     # `compile_s` is then the load); "reloaded" onto a renewed client's devices of the same ids;
-    # "shipped": sent compiled to a rejoining process (`admission`)
+    # "shipped": sent compiled to a rejoining process (`admission`); "shared": compiled by another
+    # process of the job (`shared.SharedBuilds`); "stored": loaded from the program store
+    # (`store.ProgramStore`, compiled in this run or an earlier one)
     origin: str = "compiled"
     _init: Any = dataclasses.field(default=None, repr=False, compare=False)  # `compile_init`
     _portable: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -142,39 +144,51 @@ def compile_plan(
     devices: dict[int, jax.Device],
     *,
     donate: bool = True,
+    store=None,
 ) -> Executables:
     """AOT-compile the train and checksum functions of `plan`; time it. `donate=False` keeps
-    the input state valid after a step (multi-process runs, where a step can fail midway)."""
+    the input state valid after a step (multi-process runs, where a step can fail midway).
+    `store` (a `store.ProgramStore`): where the program was compiled before, in this run or an
+    earlier one, it is loaded from there instead (origin "stored"); a compile is written there."""
     t0 = time.perf_counter()
     mesh, layout, st_sh, ab, b_sh, make_eval = _frame(cfg, factory, plan, devices)
     abs_state = layout.abstract
     rep = replicated(mesh)
     train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh, plan)
     metric_sh = {"loss": rep, "grad_norm": rep, "checksums": rep}
+    train_low = jax.jit(
+        train_fn,
+        in_shardings=(st_sh, b_sh),
+        out_shardings=(st_sh, metric_sh),
+        donate_argnums=0 if donate else (),
+    ).lower(abs_state, ab)
+    sums_low = jax.jit(
+        functools.partial(layout.stacked_checksums, mesh=mesh), in_shardings=(st_sh,),
+        out_shardings=rep,
+    ).lower(abs_state)
+    key = None
+    if store is not None and can_load():
+        key = store.key([train_low.as_text(), sums_low.as_text()], mesh.devices.flat[0])
+        src = store.get(key)
+        if src is not None and len(src.device_ids) == mesh.devices.size:
+            flat = list(mesh.devices.flat)
+            return Executables(
+                plan, mesh, layout, st_sh, b_sh, _load(src.train, src.device_ids, flat),
+                _load(src.checksum, src.device_ids, flat), make_eval(mesh),
+                time.perf_counter() - t0, ab, make_eval=make_eval, origin="stored",
+                _portable=src,
+            )
     with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
-        train = (
-            jax.jit(
-                train_fn,
-                in_shardings=(st_sh, b_sh),
-                out_shardings=(st_sh, metric_sh),
-                donate_argnums=0 if donate else (),
-            )
-            .lower(abs_state, ab)
-            .compile()
-        )
-        sums = (
-            jax.jit(
-                functools.partial(layout.stacked_checksums, mesh=mesh), in_shardings=(st_sh,),
-                out_shardings=rep,
-            )
-            .lower(abs_state)
-            .compile()
-        )
-    return Executables(
+        train = train_low.compile()
+        sums = sums_low.compile()
+    exe = Executables(
         plan, mesh, layout, st_sh, b_sh, train, sums, make_eval(mesh),
         time.perf_counter() - t0, ab, make_eval=make_eval,
         origin="cached" if cached.count else "compiled",
     )
+    if key is not None and exe.portable_ok:
+        store.put(key, exe.portable())
+    return exe
 
 
 def from_portable(
@@ -350,14 +364,15 @@ class ExecutableCache:
 
     def get(
         self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True,
-        reuse_programs: bool = False, build=None,
+        reuse_programs: bool = False, build=None, store=None,
     ) -> tuple[Executables, bool]:
         """(executables, found here). An entry made for another client's devices of the same
         ids (a renewed CPU client) is reloaded onto `devices` (compiled again where it cannot be,
         `Executables.portable_ok`); with `reuse_programs`
         (`standby.rebind`), a plan whose program is here for other devices is rebound to its
-        own (`rebind`); otherwise it is compiled, by `build(compile)` where given (which calls
-        `compile()` or gets the executables elsewhere: `shared.SharedBuilds`)."""
+        own (`rebind`); otherwise it is compiled (`compile_plan`, which loads it from `store`
+        where it is there), by `build(compile)` where given (which calls `compile()` or gets the
+        executables elsewhere: `shared.SharedBuilds`)."""
         k = self.key(cfg, plan, donate, factory.tx_key)
         with self._lock:
             exe = self._d.pop(k, None)
@@ -375,7 +390,7 @@ class ExecutableCache:
             exe = rebind(src, plan, devices)
         else:  # outside the lock
             def compile():
-                return compile_plan(cfg, factory, plan, devices, donate=donate)
+                return compile_plan(cfg, factory, plan, devices, donate=donate, store=store)
             exe = compile() if build is None else build(compile)
         self._put(k, exe, self.program_key(cfg, plan, donate, factory.tx_key))
         return exe, False

@@ -16,6 +16,7 @@ from ..planner import Plan
 from ..state import StateFactory
 from .executables import ExecutableCache, Executables, from_portable, on_devices, warm_up
 from .shared import SharedBuilds
+from .store import ProgramStore
 from .standby import StandbyCompiler, StandbyCoverageWarning
 from .worker import CompileWorker, unavailable
 
@@ -53,6 +54,7 @@ class ExecutableSource:
                  shared: SharedBuilds | None = None):
         self.cfg, self.factory, self.devices, self.exe_cache = cfg, factory, devices, exe_cache
         self.shared = shared
+        self.store = ProgramStore.from_setting(cfg.standby.programs_dir, cfg.standby.programs_max_mb)
         self.donate, self._prepare, self._log = donate, prepare, log
         self.errors: list[str] = []  # standby compiles that failed while a recovery waited
         self.first_compile_cpu_s = 0.0  # CPU seconds of the start's compile (0: none here)
@@ -155,7 +157,7 @@ class ExecutableSource:
     def _cached(self, plan: Plan) -> tuple[Executables, bool]:
         return self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.donate,
-            reuse_programs=self.cfg.standby.rebind, build=self._build(plan),
+            reuse_programs=self.cfg.standby.rebind, build=self._build(plan), store=self.store,
         )
 
     def _build(self, plan: Plan):

@@ -83,10 +83,10 @@ class StandbyCompiler:
         self.compile_s = 0.0
         self.rebound = 0  # plans built by loading a program compiled for other devices
         self.rebind_s = 0.0
-        # plans loaded from another process's compile (`shared.SharedBuilds`, under launch), and
-        # the seconds until they were (mostly the wait for that compile)
-        self.shared = 0
-        self.shared_s = 0.0
+        # plans loaded from a compile elsewhere: another process's (`shared.SharedBuilds`, under
+        # launch; the seconds are then mostly the wait for it) or an earlier run's (`store`)
+        self.loaded = 0
+        self.load_s = 0.0
         self.dropped = 0  # plans of the latest `submit` left out by `max_plans`
         self.started: list = []  # the last STARTED_KEPT plans, in the order compiles started
         self._thread = threading.Thread(target=self._loop, name="elasjax-standby", daemon=True)
@@ -301,9 +301,9 @@ class StandbyCompiler:
                     if origin in ("compiled", "cached"):
                         self.compiled += 1
                         self.compile_s += dt
-                    elif origin == "shared":  # compiled by another process of the job
-                        self.shared += 1
-                        self.shared_s += dt
+                    elif origin in ("shared", "stored"):  # compiled elsewhere, loaded here
+                        self.loaded += 1
+                        self.load_s += dt
                     else:
                         self.rebound += 1
                         self.rebind_s += dt

@@ -45,6 +45,7 @@ import jax
 from ..runtime.liveness import cpu_s
 from ..state import StateFactory, make_optimizer
 from .executables import can_load, compile_plan
+from .store import ProgramStore
 
 # JAX settings that change what a compile produces: the child takes the training process's
 CARRIED_CONFIG = (
@@ -231,6 +232,8 @@ def main() -> int:
     cfg = setup["cfg"]
     factory = StateFactory(cfg, make_optimizer(cfg))
     devices = {d.id: d for d in jax.devices()}
+    # plans compiled before (here or by the training process) are loaded, not compiled
+    store = ProgramStore.from_setting(cfg.standby.programs_dir, cfg.standby.programs_max_mb)
     pickle.dump(("ready",), out, protocol=pickle.HIGHEST_PROTOCOL)
     out.flush()
     while True:
@@ -240,7 +243,7 @@ def main() -> int:
             return 0
         t0 = time.perf_counter()
         try:
-            exe = compile_plan(cfg, factory, plan, devices, donate=donate)
+            exe = compile_plan(cfg, factory, plan, devices, donate=donate, store=store)
             reply = ("ok", exe.portable(), time.perf_counter() - t0)
             del exe
         except Exception as e:  # noqa: BLE001 - answered; the training process raises it

@@ -277,6 +277,11 @@ def _validate_recovery(cfg: Config) -> None:
 def _validate_standby(s: StandbyConfig) -> None:
     _require(s.max_plans is None or s.max_plans >= 1, "standby.max_plans",
              "must be null (every likely failure's plan) or >= 1")
+    _require(s.programs_max_mb > 0, "standby.programs_max_mb",
+             f"= {s.programs_max_mb}; allowed values: a size in MB > 0 (turn the store off with "
+             "standby.programs_dir: null)")
+    _require(s.programs_dir is None or str(s.programs_dir).strip() != "", "standby.programs_dir",
+             "= ''; allowed values: auto, a directory, or null (no program store)")
     _require(0.0 < s.map_budget <= 0.9, "standby.map_budget",
              f"= {s.map_budget}; allowed values: 0 < map_budget <= 0.9 (a fraction of "
              "the process's memory-mapping limit)")

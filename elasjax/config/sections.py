@@ -452,7 +452,13 @@ class StandbyConfig:
     `share_compiles` (under `elasjax launch`): each program is compiled by the first process
     that needs it and loaded by the others from the coordination service's key-value store
     (`compilation.shared`), instead of compiled by every process; a process that cannot get it
-    (its compiler died, or could not serialize it) compiles it itself."""
+    (its compiler died, or could not serialize it) compiles it itself.
+
+    `programs_dir`: every plan compiled is kept there serialized (`compilation.store`), keyed
+    by its program and everything its compiled code depends on (versions, backend, JAX settings,
+    XLA flags, the host CPU), so that a supervised restart, a rejoining process and the next run
+    of the same config load it instead of compiling; unlike JAX's cache (`cache_dir`), what it
+    loads can be rebound and shipped, and one entry serves every device set of its program."""
 
     enabled: Union[bool, Literal["auto"]] = "auto"  # auto: on where a worker process builds (`standby_on`)
     # where background compiles run: "auto" (process where it applies, else thread),
@@ -471,6 +477,10 @@ class StandbyConfig:
     wait_after_recovery: bool = False  # pause after each recovery until the standby is rebuilt
     cache_dir: Optional[str] = None  # JAX persistent compilation cache (process-wide setting)
     share_compiles: bool = True  # under launch: one process compiles a program, the others load it
+    # compiled programs kept across runs (`compilation.store`): "auto" (`$ELASJAX_CACHE_DIR/
+    # programs`, else `~/.cache/elasjax/programs`), a directory, or null (none)
+    programs_dir: Optional[str] = "auto"
+    programs_max_mb: float = 2048.0  # the oldest-read entries go past this size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""The program store (`standby.programs_dir`, `elasjax.compilation.store`): a plan compiled once is
+loaded by the next process that needs its program, on any device set of its shape, with the bits
+of a compile; what it cannot read it compiles again; what it keeps stays under its size."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from elasjax import trainer
+from elasjax.compilation.executables import ExecutableCache, compile_plan, rebind
+from elasjax.compilation.store import ProgramStore
+from elasjax.counters import CompileCounter
+from elasjax.planner import replan
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_config("faults=[]")
+    t = trainer.Trainer(cfg, None, exe_cache=ExecutableCache())
+    live = list(t.topo.device_ids)
+    a = replan(live[1:], t.topo, cfg, t.initial, t.initial)
+    b = replan(live[:-1], t.topo, cfg, t.initial, t.initial)
+    assert a.shape_key == b.shape_key and a.device_ids != b.device_ids
+    yield cfg, t, a, b
+    t.rt.close()
+
+
+def test_a_stored_program_loads_on_another_device_set_with_the_bits_of_a_compile(setup, tmp_path):
+    cfg, t, a, b = setup
+    store = ProgramStore(tmp_path)
+    first = compile_plan(cfg, t.factory, a, t.devices, donate=False, store=store)
+    assert first.origin == "compiled" and store.stored == 1
+    assert len(list(tmp_path.glob("*.pkl"))) == 1
+    # another process (here: a fresh store object) needing the program on b's devices
+    again = ProgramStore(tmp_path)
+    with CompileCounter() as cc:
+        got = compile_plan(cfg, t.factory, b, t.devices, donate=False, store=again)
+    assert cc.count == 0 and got.origin == "stored" and again.loaded == 1
+    assert [d.id for d in got.mesh.devices.flat] == list(b.device_ids)
+    assert got.portable_ok  # its serialized form came along: it can be rebound and shipped
+    native = rebind(first, b, t.devices)
+    state = native.init()
+    batch = native.put_batch(t.data.batch(0, b).arrays())
+    x, y = native.train(state, batch), got.train(state, batch)
+    for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    np.testing.assert_array_equal(np.asarray(native.checksum(state)), np.asarray(got.checksum(state)))
+    # another program (donation changes the module) is its own entry
+    compile_plan(cfg, t.factory, a, t.devices, donate=True, store=again)
+    assert again.stored == 1 and len(list(tmp_path.glob("*.pkl"))) == 2
+
+
+def test_an_unreadable_entry_is_deleted_and_the_plan_compiled(setup, tmp_path):
+    cfg, t, a, _ = setup
+    store = ProgramStore(tmp_path)
+    compile_plan(cfg, t.factory, a, t.devices, donate=False, store=store)
+    (entry,) = tmp_path.glob("*.pkl")
+    entry.write_bytes(entry.read_bytes()[:100])  # truncated
+    with CompileCounter() as cc:
+        got = compile_plan(cfg, t.factory, a, t.devices, donate=False, store=store)
+    assert cc.count > 0 and got.origin == "compiled" and store.unreadable == 1
+    assert entry.exists() and entry.stat().st_size > 100  # written whole again
+
+
+def test_the_key_follows_what_the_compiled_code_depends_on(monkeypatch, tmp_path):
+    store = ProgramStore(tmp_path)
+    device = jax.devices()[0]
+    k = store.key(["module"], device)
+    assert store.key(["module"], device) == k
+    assert store.key(["other module"], device) != k
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert store.key(["module"], device) != k
+
+
+def test_the_store_keeps_under_its_size_dropping_the_entries_read_longest_ago(tmp_path):
+    import os
+    import time
+
+    from elasjax.compilation.executables import Portable
+
+    store = ProgramStore(tmp_path, max_mb=0.25)
+    blob = Portable((0,), (b"x" * 100_000, None, None), (b"", None, None))
+    store.put("old", blob)
+    store.put("read", blob)
+    past = time.time() - 100
+    os.utime(tmp_path / "old.pkl", (past, past))
+    os.utime(tmp_path / "read.pkl", (past - 1, past - 1))
+    assert store.get("read") is not None  # read now: kept
+    store.put("new", blob)
+    assert sorted(p.stem for p in tmp_path.glob("*.pkl")) == ["new", "read"]
+
+
+def test_a_bad_store_setting_is_refused_naming_the_field():
+    from elasjax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="standby.programs_max_mb"):
+        tiny_config("standby.programs_max_mb=0")
+    assert ProgramStore.from_setting(None, 1.0) is None
