@@ -135,7 +135,8 @@ class SharedBuilds:
             return exe
         blob = self._put(base, (exe.portable(), exe.compile_s))
         self.published += 1
-        self.log(f"compiled {name} in {exe.compile_s:.2f}s and published it for the other "
+        how = "loaded from the program store" if exe.origin == "stored" else "compiled"
+        self.log(f"{how} {name} in {exe.compile_s:.2f}s and published it for the other "
                  f"processes ({blob / 1e6:.1f} MB)")
         return exe
 
