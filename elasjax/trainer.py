@@ -296,10 +296,13 @@ class Trainer:
         grows = (any(e.is_join for e in self.schedule) or grow_standby(cfg)
                  or self.rt.rejoins)
         # `standby.enabled: auto` is on where a compile worker process builds the plans, and
-        # where the job's processes share compiles (`config.standby_on`); `no_worker` says why
-        # a worker cannot build them
+        # where the job's processes share compiles (`config.standby_on`): the built-in GPT and
+        # optimizer, which every process names alike in the shared key (`SharedBuilds.key`; a
+        # user's model or optimizer object may not); `no_worker` says why a worker cannot
+        # build them
         self.no_worker = unavailable(cfg, custom, self.rt.kind != IN_PROCESS)
-        self.standby_on = standby_on(cfg, self.no_worker, self.rt.shares_compiles)
+        self.standby_on = standby_on(cfg, self.no_worker, self.rt.shares_compiles
+                                     and cfg.model.type == "gpt" and not custom)
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
             background=self.standby_on or cfg.recovery.migration == "async" or grows,
@@ -962,9 +965,10 @@ class Trainer:
                 return "standby: off (standby.enabled: false): a recovery compiles its new plan"
             why = (self.no_worker or "standby.compiler is thread: its compiles would run beside "
                    "the steps, on the training process's threads")
-            return (f"standby: off (standby.enabled: auto, on only where a compile worker process "
-                    f"builds the plans, and here {why}; --standby or standby.enabled: true turns "
-                    "it on): a recovery compiles its new plan")
+            return (f"standby: off (standby.enabled: auto, on where a compile worker process "
+                    "builds the plans, or under launch where the processes share the compiles "
+                    f"of the built-in GPT and optimizer; here {why}; --standby or "
+                    "standby.enabled: true turns it on): a recovery compiles its new plan")
         where = (f"in a compile worker process at nice {self.worker.nice}" if self.worker
                  is not None else "on a thread of this process")
         if self.source.shared is not None:

@@ -7,8 +7,8 @@ cache loaded cannot be serialized again, so it can be neither rebound to other d
 shipped to another process (`Executables.portable_ok`), and the cache's key includes the device
 assignment: every device set of one program is its own entry. The store keeps the serialized
 form itself (`executables.Portable`), keyed by the program: the lowered train and checksum
-modules, the JAX and jaxlib versions, the backend, its version and the device kind, every
-scalar JAX setting, the `XLA_FLAGS` and, on the CPU backend, the host CPU's model and
+modules, the JAX and jaxlib versions, the backend, its version and the device kind, the process
+count, every scalar JAX setting, the `XLA_FLAGS` and, on the CPU backend, the host CPU's model and
 instruction-set flags (XLA:CPU compiles for the host). A stored program loads onto any device set of its mesh shape, as a
 rebind does (`executables.rebind`), and keeps its serialized form, so it can be rebound and
 shipped again.
@@ -89,8 +89,11 @@ class ProgramStore:
         `device` (its backend, that backend's version, the device kind)."""
         backend = device.client
         h = hashlib.sha256()
+        # the process count too: a program compiled in one process is never loaded into a
+        # multi-process job (whose collectives cross processes), nor the other way
         parts = [jax.__version__, _jaxlib_version(), backend.platform, backend.platform_version,
-                 device.device_kind, os.environ.get("XLA_FLAGS", ""), _jax_settings()]
+                 device.device_kind, str(jax.process_count()), os.environ.get("XLA_FLAGS", ""),
+                 _jax_settings()]
         if backend.platform == "cpu":
             parts.append(_host_cpu())
         for part in [*parts, *modules]:

@@ -66,7 +66,8 @@ class CompileCancelled(Exception):
 def unavailable(cfg, custom_optimizer: bool, multi_process: bool) -> str | None:
     """None if a compile worker can build this run's executables, else why it cannot."""
     if multi_process:
-        return "it needs the one-process runtime (under launch each process compiles its part)"
+        return ("it needs the one-process runtime (a worker cannot compile for the devices of "
+                "a multi-process job)")
     if jax.default_backend() != "cpu":
         return f"it needs the CPU backend (a second process cannot share {jax.default_backend()} devices)"
     if cfg.model.type != "gpt":

@@ -413,9 +413,10 @@ class StandbyConfig:
     `enabled`: true, false, or `auto` (the default): on where the builds can run in a compile
     worker process (one process on the CPU backend, the built-in GPT and optimizer: `elasjax
     train configs/...`), beside training at a lower priority, so that a failure after they are
-    done is a standby hit; on under `elasjax launch` with `share_compiles`, where each program
-    is compiled on a thread of one process and loaded by the others; off elsewhere, where the
-    builds could only run on a thread of a lone training process (`true` turns it on there).
+    done is a standby hit; on under `elasjax launch` with `share_compiles` (the built-in GPT
+    and optimizer), where each program is compiled on a thread of one process and loaded by the
+    others; off elsewhere, where the builds could only run on a thread of each training process
+    (`true` turns it on there).
     `standby_on` says which; the start line and the `start` event say what it builds.
 
     Each candidate device set gets its own executables, but with `rebind` (default) each
