@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--standby", action="store_true",
                    help="build every likely failure's plan before step 0, and again after each "
                    "recovery, training paused meanwhile (standby.enabled, standby.wait_at_start, "
-                   "standby.wait_after_recovery; the standby is off under launch by default: "
-                   "every process would compile every plan itself)")
+                   "standby.wait_after_recovery; without it the standby builds in the "
+                   "background while training goes on, each program compiled by one process)")
     m.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="local launch: when the job cannot continue (the coordination process lost, "
                    "unrecoverable state, an error exit), reap every process and start the job "
