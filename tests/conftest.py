@@ -20,10 +20,14 @@ os.environ["XLA_FLAGS"] = (
 
 # runs that use the default program store (`standby.programs_dir: auto`: the CLI demo runs) keep
 # it in a directory of this test process, never in the user's cache
+# (pytest-xdist's workers inherit it from the controller, which removes it when it exits)
 if "ELASJAX_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["ELASJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="elasjax-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["ELASJAX_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 
