@@ -636,6 +636,7 @@ class Trainer:
         costs = [FailureCost(**c) for c in costs]
         for c in costs:
             ew.emit(c)
+        shared = self._shared_cost()
         ew.emit(EndEvent(
             goodput=goodput,
             step=pos.step,
@@ -651,7 +652,7 @@ class Trainer:
             standby=self._standby_cost(),
             notes=notes,
             runtime=self.rt.kind,
-            shared_compiles=self._shared_cost(),
+            shared_compiles=shared,
             processes=sorted({self.rt.process_of(d) for d in pos.live}),
         ))
         cost = self._standby_cost()
@@ -666,7 +667,6 @@ class Trainer:
             self.rt.log(line)
             if self.progress:
                 print(line)
-        shared = self._shared_cost()
         if shared is not None:
             self.rt.log(f"compiled once per job: {shared['published']} programs compiled here "
                         f"for the others, {shared['loaded']} loaded from another process's "

@@ -6,6 +6,7 @@ compile (`rebind`, `rehome`), warmed, and cached by program (`ExecutableCache`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -257,20 +258,9 @@ def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Exec
     src = exe.portable()
     # the snapshot pool's checksums compiled for exe's mesh go along (a renewed client's first
     # snapshot then compiles nothing), loaded beside the train and checksum programs
-    errors: list = []
-
-    def checksums():
-        try:
-            rebind_checksums(exe.mesh, mesh, lambda ser, ids: _load(ser, ids, flat))
-        except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
-            errors.append(e)
-
-    pool = threading.Thread(target=checksums, name="elasjax-rebind", daemon=True)
-    pool.start()
-    train, sums = _load_pair(src, flat)
-    pool.join()
-    if errors:
-        raise errors[0]
+    (train, sums), _ = _beside(
+        lambda: _load_pair(src, flat),
+        lambda: rebind_checksums(exe.mesh, mesh, lambda ser, ids: _load(ser, ids, flat)))
     return dataclasses.replace(
         exe,
         plan=plan,
@@ -297,26 +287,21 @@ class Portable:
     checksum: tuple
 
 
+def _beside(main, side) -> tuple[Any, Any]:
+    """(main(), side()), `side` run on a thread of its own meanwhile; an error of either is
+    raised here."""
+    with concurrent.futures.ThreadPoolExecutor(1, "elasjax-load") as pool:
+        other = pool.submit(side)
+        return main(), other.result()
+
+
 def _load_pair(src: "Portable", flat: list) -> tuple[Any, Any]:
     """`src`'s train and checksum executables loaded onto `flat`, the checksum on a thread
     beside the train: a load releases the GIL, and the two together took 0.45-0.49 s against
     0.63-0.80 s one after the other for the demo's plan (experiments/RESULTS.md, "Compiling
     once per job, and a program store")."""
-    out: list = []
-
-    def checksum():
-        try:
-            out.append(_load(src.checksum, src.device_ids, flat))
-        except BaseException as e:  # noqa: BLE001 - raised below, on the caller's thread
-            out.append(e)
-
-    side = threading.Thread(target=checksum, name="elasjax-load", daemon=True)
-    side.start()
-    train = _load(src.train, src.device_ids, flat)
-    side.join()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return train, out[0]
+    return _beside(lambda: _load(src.train, src.device_ids, flat),
+                   lambda: _load(src.checksum, src.device_ids, flat))
 
 
 def _load(serialized: tuple, old_ids: tuple[int, ...], flat: list) -> Any:

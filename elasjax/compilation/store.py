@@ -8,10 +8,10 @@ shipped to another process (`Executables.portable_ok`), and the cache's key incl
 assignment: every device set of one program is its own entry. The store keeps the serialized
 form itself (`executables.Portable`), keyed by the program: the lowered train and checksum
 modules, the JAX and jaxlib versions, the backend, its version and the device kind, the process
-count, every scalar JAX setting, the `XLA_FLAGS` and, on the CPU backend, the host CPU's model and
-instruction-set flags (XLA:CPU compiles for the host). A stored program loads onto any device set of its mesh shape, as a
-rebind does (`executables.rebind`), and keeps its serialized form, so it can be rebound and
-shipped again.
+count, every scalar JAX setting, the `XLA_FLAGS` and, on the CPU backend, the host CPU's model
+and instruction-set flags (XLA:CPU compiles for the host). A stored program loads onto any
+device set of its mesh shape, as a rebind does (`executables.rebind`), and keeps its serialized
+form, so it can be rebound and shipped again.
 
 An entry that cannot be read (truncated, written by another version) is deleted and the plan
 compiled; entries are written whole (a temporary file renamed), so concurrent writers of one
@@ -21,6 +21,7 @@ longest ago.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
@@ -43,6 +44,7 @@ def default_dir() -> Path:
     return Path(xdg) / "elasjax" / "programs"
 
 
+@functools.cache
 def _host_cpu() -> str:
     """The host CPU's model and instruction-set flags (what XLA:CPU compiles for)."""
     try:
@@ -149,4 +151,3 @@ class ProgramStore:
 
     def __repr__(self) -> str:
         return f"ProgramStore({str(self.path)!r})"
-
