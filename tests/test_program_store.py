@@ -97,3 +97,23 @@ def test_a_bad_store_setting_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match="standby.programs_max_mb"):
         tiny_config("standby.programs_max_mb=0")
     assert ProgramStore.from_setting(None, 1.0) is None
+
+
+def test_what_the_compile_worker_stores_the_training_process_loads(setup, tmp_path):
+    """The worker child sizes its client by a JAX setting where the training process used
+    `XLA_FLAGS`; neither is in the key, so each finds the other's entries (a second run of the
+    demo compiled in its worker what its first run had stored: experiments/RESULTS.md)."""
+    from elasjax.compilation.worker import CompileWorker
+
+    cfg, t, a, _ = setup
+    wcfg = tiny_config("faults=[]", f"standby.programs_dir={tmp_path}")
+    w = CompileWorker(wcfg)
+    try:
+        w.compile(a, False)
+    finally:
+        w.close()
+    assert len(list(tmp_path.glob("*.pkl"))) == 1
+    store = ProgramStore(tmp_path)
+    with CompileCounter() as cc:
+        got = compile_plan(cfg, t.factory, a, t.devices, donate=False, store=store)
+    assert got.origin == "stored" and cc.count == 0 and store.loaded == 1

@@ -83,10 +83,11 @@ class ExecutableSource:
 
     def start(self, plan: Plan) -> Executables:
         """The start plan's executables; what a cold compile of it cost in CPU time is what
-        `_worker_early` measures a worker's compile against when the worker has finished none."""
+        `_worker_early` measures a worker's compile against when the worker has finished none
+        (not a load from the store or another process: far shorter than a compile)."""
         cpu0 = time.process_time()
         got = self.get(plan)
-        if not got.hit:
+        if not got.hit and got.exe.origin == "compiled":
             self.first_compile_cpu_s = time.process_time() - cpu0
         return got.exe
 

@@ -3,15 +3,16 @@ job, a rejoining process and the next run of the same config load a plan's execu
 compiling them.
 
 Why not JAX's persistent compilation cache (`standby.cache_dir`)? On XLA:CPU an executable that
-cache loaded cannot be serialized again, so it can be neither rebound to other devices nor
-shipped to another process (`Executables.portable_ok`), and the cache's key includes the device
-assignment: every device set of one program is its own entry. The store keeps the serialized
-form itself (`executables.Portable`), keyed by the program: the lowered train and checksum
-modules, the JAX and jaxlib versions, the backend, its version and the device kind, the process
-count, every scalar JAX setting, the `XLA_FLAGS` and, on the CPU backend, the host CPU's model
-and instruction-set flags (XLA:CPU compiles for the host). A stored program loads onto any
-device set of its mesh shape, as a rebind does (`executables.rebind`), and keeps its serialized
-form, so it can be rebound and shipped again.
+cache loaded cannot be serialized again, so it can be neither rebound to other devices nor shipped
+to another process (`Executables.portable_ok`), and the cache's key includes the device assignment:
+every device set of one program is its own entry. The store keeps the serialized form itself
+(`executables.Portable`), keyed by the program: the lowered train and checksum modules, the JAX and
+jaxlib versions, the backend, its version and the device kind, the process count, every scalar JAX
+setting and the `XLA_FLAGS` but those of the client (the backends allowed, how many devices,
+asynchronous dispatch), and, on the CPU backend, the host CPU's model and instruction-set flags
+(XLA:CPU compiles for the host). A stored program loads onto any device set of its mesh shape, as a
+rebind does (`executables.rebind`), and keeps its serialized form, so it can be rebound and shipped
+again.
 
 An entry that cannot be read (truncated, written by another version) is deleted and the plan
 compiled; entries are written whole (a temporary file renamed), so concurrent writers of one
@@ -26,6 +27,7 @@ import hashlib
 import os
 import pickle
 import platform
+import re
 from importlib import metadata
 from pathlib import Path
 
@@ -62,11 +64,28 @@ def _jaxlib_version() -> str:
         return ""
 
 
+# Settings of the client, not of a compile: which backends it may use (the backend itself is in
+# the key), how many devices it has (the program's own device count is in its module) and
+# whether it dispatches asynchronously. A plan's compile worker sets the first two where the
+# training process may have left them alone or used `XLA_FLAGS`, and the two processes must find
+# each other's entries (tests/test_program_store.py).
+_CLIENT_SETTINGS = frozenset({"jax_platforms", "jax_num_cpu_devices",
+                              "jax_cpu_enable_async_dispatch"})
+_CLIENT_SIZE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
 def _jax_settings() -> str:
-    """Every scalar JAX setting (some change the compile options, not the module)."""
+    """Every scalar JAX setting (some change the compile options, not the module) but the
+    client's own."""
     vals = getattr(jax.config, "values", {})
     return repr(sorted((k, v) for k, v in vals.items()
-                       if isinstance(v, (bool, int, float, str, type(None)))))
+                       if isinstance(v, (bool, int, float, str, type(None)))
+                       and k not in _CLIENT_SETTINGS))
+
+
+def _xla_flags() -> str:
+    """`XLA_FLAGS` but the client's size, in order."""
+    return " ".join(_CLIENT_SIZE_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).split())
 
 
 class ProgramStore:
@@ -94,7 +113,7 @@ class ProgramStore:
         # the process count too: a program compiled in one process is never loaded into a
         # multi-process job (whose collectives cross processes), nor the other way
         parts = [jax.__version__, _jaxlib_version(), backend.platform, backend.platform_version,
-                 device.device_kind, str(jax.process_count()), os.environ.get("XLA_FLAGS", ""),
+                 device.device_kind, str(jax.process_count()), _xla_flags(),
                  _jax_settings()]
         if backend.platform == "cpu":
             parts.append(_host_cpu())
