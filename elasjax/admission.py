@@ -5,9 +5,10 @@ with the newcomer: a fresh gloo communicator generation) is `runtime.membership`
 `MultiControllerRuntime.admit`. This is the loop's part, which every live process and the
 newcomer run at the same point, the step boundary of the admission:
 
-1. `package`: what the newcomer needs of the loop (the step, the plan, the state's checksums, the
-   live devices, the fault events still to fire, the plans the run stood on), posted with the
-   admission by the writer.
+1. `LoopState.package`: what the newcomer needs of the loop (the step, the plan, the state's
+   checksums, the live devices, the fault events still to fire, the plans the run stood on,
+   what the loop has seen), posted with the admission by the writer; the newcomer's loop state
+   is made from it (`LoopState.arrived`).
 2. `ship` (guard `admit/ship`): the writer sends the newcomer the compiled executables of the
    current plan and of every plan the run stood on that the grown job can run (loaded there, no
    compile: `executables.from_portable`); the newcomer sees the current state as global arrays
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -41,67 +43,23 @@ from .config import Config
 from .cutover import Cutovers
 from .events import JoinEvent
 from .faults import FaultEvent
-from .recovery import Position, TransitionPlanner, protect_moved
-from .runtime.membership import Admission, Admitted
+from .planner import Plan
+from .recovery import PendingCutover, Position, TransitionPlanner, protect_moved
+from .runtime.membership import Admitted
 from .state import StateFactory
 from .transfer.reshard import transition
 from .transfer.shards import ShardStore, is_key
 
 
-@dataclasses.dataclass(frozen=True)
-class Seen:
-    """What the loop has seen and written so far (`Trainer._seen`): a newcomer may become the
-    writer later, and its files and `end` event then go on from here."""
-
-    losses: dict
-    evals: dict
-    digests: dict
-    timeline: Any
-    recoveries: list
-    joins: list
-    growths: list
-    migrations: list
-    lines: tuple[int, int]  # lines written to metrics.jsonl and events.jsonl
-    run_s: float
-    loop_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopPackage:
-    """What a newcomer needs of the loop at the admission's boundary (`Admissions.package`;
-    pickled with the runtime's counters, `membership.Admission`)."""
-
-    step: int
-    plan: Any
-    good: dict  # the state's last verified checksums
-    live: tuple[int, ...]
-    lost_hosts: tuple[int, ...]
-    kept: Any
-    pending: list  # fault events still to fire
-    plans: list[str]  # every plan the run stood on
-    history: list  # the plans of `Cutovers.history`
-    redo_until: int
-    seen: Seen
-
-
-@dataclasses.dataclass
-class Arrival:
-    """The loop as a newcomer finds it (`Admissions.arrival`)."""
-
-    pos: Position  # its `exe` and `state` come with `ship`
-    pending: list  # fault events still to fire
-    plans: list[str]
-    redo_until: int
-
-
 @dataclasses.dataclass
 class Welcomed:
-    """The loop after an admission: the position with the newcomers' devices live (a growth
-    pending), the new snapshot pool, the `join` event."""
+    """The loop after an admission: the position with the newcomers' devices live, the new
+    snapshot pool, the `join` event, the cut-over pending now (a growth, or as before)."""
 
     pos: Position
     pool: Any
     event: JoinEvent
+    pending: PendingCutover | None
 
 
 def held_elsewhere(exe: Executables):
@@ -124,30 +82,12 @@ class Admissions:
         self.cfg, self.rt, self.factory, self.source = cfg, rt, factory, source
         self.transitions, self.cutovers = transitions, cutovers
 
-    def package(self, pos: Position, pending: list, plans: list[str], redo_until: int,
-                good: dict, seen: Seen) -> LoopPackage:
-        """What a newcomer needs of the loop at this boundary (pickled with its admission)."""
-        return LoopPackage(
-            step=pos.step, plan=pos.plan, good=good, live=tuple(sorted(pos.live)),
-            lost_hosts=tuple(sorted(pos.lost_hosts)), kept=pos.kept, pending=list(pending),
-            plans=list(plans), history=list(self.cutovers.history.values()),
-            redo_until=redo_until, seen=seen,
-        )
-
-    def arrival(self, admission: Admission) -> Arrival:
-        """The newcomer's view of the loop, from its admission."""
-        t: LoopPackage = admission.loop
-        for plan in t.history:
-            self.cutovers.note(plan)
-        pos = Position(t.step, t.plan, None, None, t.good, frozenset(t.live),
-                       frozenset(t.lost_hosts), t.kept)
-        return Arrival(pos, t.pending, t.plans, t.redo_until)
-
-    def ship(self, pos: Position, newcomers: list[int], live_after: set[int]) -> Position:
+    def ship(self, pos: Position, newcomers: list[int], live_after: set[int],
+             stood_on: Iterable[Plan]) -> Position:
         """The writer sends the newcomers the executables of the current plan, of the plans the
-        run stood on that `live_after` can run and that it holds compiled, and of the standby's
-        plans over exactly `live_after` (every process
-        calls it; on a live process the current plan's are reloaded onto the new client).
+        run stood on (`stood_on`) that `live_after` can run and that it holds compiled, and of
+        the standby's plans over exactly `live_after` (every process calls it; on a live process
+        the current plan's are reloaded onto the new client).
         Returns `pos` with this process's executables and, on a newcomer, its view of the
         state (`held_elsewhere`)."""
         rt = self.rt
@@ -155,7 +95,7 @@ class Admissions:
         blob = None
         if rt.me == writer:
             plans = [pos.plan] + [
-                p for p in self.cutovers.history.values()
+                p for p in stood_on
                 if p.compile_key != pos.plan.compile_key and self.source.compiled(p)
                 and set(p.device_ids) | set(p.spare_ids) <= live_after
             ]
@@ -190,11 +130,11 @@ class Admissions:
             exe = self.source.get(pos.plan).exe
         return dataclasses.replace(pos, exe=exe, state=held_elsewhere(exe))
 
-    def settle(self, pos: Position, pool, admitted: Admitted, paces: dict[str, float]
-               ) -> Welcomed:
+    def settle(self, pos: Position, pool, admitted: Admitted, paces: dict[str, float],
+               pending: PendingCutover | None, stood_on: dict) -> Welcomed:
         """The state on the new client's devices (verified), a fresh snapshot pool, and the
-        newcomers' devices live, a growth pending (every process calls it; `paces`: as
-        `Cutovers.join` takes them)."""
+        newcomers' devices live, a growth pending (every process calls it; `paces`, `pending`
+        and `stood_on`: as `Cutovers.join` takes them)."""
         rt, exe = self.rt, pos.exe
         # the likely failures change with the newcomers: their transitions are planned again
         # once the job has grown (`Trainer._protect`)
@@ -212,6 +152,7 @@ class Admissions:
         event = FaultEvent(pos.step, tuple(admitted.devices), "join",
                            f"process{'es' if len(procs) > 1 else ''} {procs} rejoined",
                            hosts=tuple(procs))
-        new_pos, jev = self.cutovers.join(
-            dataclasses.replace(pos, state=new_state, good=actual), [event], paces)
-        return Welcomed(new_pos, new_pool, jev)
+        new_pos, jev, pending = self.cutovers.join(
+            dataclasses.replace(pos, state=new_state, good=actual), [event], paces, pending,
+            stood_on)
+        return Welcomed(new_pos, new_pool, jev, pending)

@@ -33,48 +33,25 @@ from .transfer.shards import ShardStore, TransferLog
 @dataclasses.dataclass
 class CutoverDone:
     """A cut-over that happened (`Cutovers.cutover`): the new position, the new plan's snapshot
-    pool (its first snapshot taken), the transfers, and the `migration` or `growth` event."""
+    pool (its first snapshot taken), the transfers, the `migration` or `growth` event, and the
+    cut-over pending next (growth's best plan after an interim one), or None."""
 
     pos: Position
     pool: object
     log: TransferLog
     event: CutoverEvent
+    pending: PendingCutover | None
 
 
 class Cutovers:
-    """The pending cut-over of a run (`pending`: a `recovery.PendingCutover` or None), its
-    wait for the compile, and the cut-overs abandoned because that compile failed."""
+    """Pending, waiting for and making the cut-overs of a run. The pending cut-over itself
+    (a `recovery.PendingCutover`) and the plans the run stood on are the loop's
+    (`LoopState.cutover`, `LoopState.stood_on`): given here, returned changed."""
 
     def __init__(self, cfg: Config, rt, topo: Topology, initial: Plan, source: ExecutableSource,
                  transitions: TransitionPlanner):
         self.cfg, self.rt, self.topo, self.initial = cfg, rt, topo, initial
         self.source, self.transitions = source, transitions
-        self.pending: PendingCutover | None = None
-        self.after: PendingCutover | None = None  # growth's best plan, after an interim one
-        self.wait_s = 0.0  # the pending cut-over's wait for its compile
-        self.abandoned: list[CutoverAbandoned] = []
-        self.history: dict = {}  # compile key -> every plan the run has stood on (`note`)
-
-    def note(self, plan: Plan) -> None:
-        """The run stands on `plan` now (start, recovery, cut-over)."""
-        self.history.setdefault(plan.compile_key, plan)
-
-    def clear(self) -> tuple[PendingCutover, PendingCutover | None] | None:
-        """A failure re-plans from scratch (returned devices too): nothing stays pending.
-        Returns a pending growth and its follow-up (`after`), for `resume_growth`."""
-        growth = (self.pending, self.after) if self.pending is not None \
-            and self.pending.kind == "growth" else None
-        self.pending = self.after = None
-        return growth
-
-    def resume_growth(self, growth: tuple[PendingCutover, PendingCutover | None],
-                      pos: Position) -> None:
-        """A growth `clear` returned, pending again from `pos`: a retry (collectives failed,
-        nobody died) keeps the plan, and with it the devices a join returned idle, which would
-        otherwise stay so (a retry at step 19 of a rejoin at 14 ended a run on 4 of 8 devices:
-        experiments/RESULTS.md, "Two restarted workers")."""
-        self.pend(growth[0], pos)
-        self.after = growth[1]
 
     def _ready_everywhere(self, plan: Plan) -> bool:
         """Is `plan` compiled on every live process (they agree, so all decide alike)?"""
@@ -93,7 +70,7 @@ class Cutovers:
         return out
 
     def _interim(self, current: Plan, best: Plan, live: frozenset[int],
-                 paces: dict[str, float]) -> Plan | None:
+                 paces: dict[str, float], stood_on: dict) -> Plan | None:
         """A plan the run has stood on before (its executables were compiled then: a cut-over
         to it needs no compile) that the live devices can run, other than `best` and `current`,
         and that the cost model predicts faster than `current` (the growth itself, to `best`,
@@ -109,7 +86,7 @@ class Cutovers:
         now = predict_step_s(current, cfg)
         measured = self._agreed_paces(paces)
         options = []
-        for key, p in self.history.items():
+        for key, p in stood_on.items():
             if key in (best.compile_key, current.compile_key):
                 continue
             if not set(p.device_ids) | set(p.spare_ids) <= live:
@@ -123,23 +100,30 @@ class Cutovers:
                             len(options), p))
         return min(options)[-1] if options else None
 
-    def pend(self, pc: PendingCutover, pos: Position) -> None:
-        """Make `pc` the pending cut-over from `pos`: its plan is the only one the standby
-        builds now, and the move to it is planned in the background."""
-        self.pending, self.wait_s = pc, 0.0
+    def pend(self, pc: PendingCutover, pos: Position) -> PendingCutover:
+        """`pc` pending from `pos` (returned, its wait for the compile not begun): its plan is
+        the only one the standby builds now, and the move to it is planned in the background.
+        A growth that a retry (collectives failed, nobody died) interrupted is pended again so:
+        it keeps the devices a join returned at work, which would otherwise stay idle (a retry
+        at step 19 of a rejoin at 14 ended a run on 4 of 8 devices: experiments/RESULTS.md,
+        "Two restarted workers")."""
+        pc = dataclasses.replace(pc, wait_s=0.0)
         # a growth's plan found compiled is ready at once; an async recovery's optimal plan is
         # not (its first step runs on the fast path it recovered to, which ends its MTTR:
         # tests/test_optimized.py::test_deterministic_async_and_blocking_migrations_are_bitwise_equal)
         self.source.only(pc.plan, from_cache=pc.kind == "growth")
         self.transitions.for_cutover(pos, pc.plan)
+        return pc
 
-    def join(self, pos: Position, joins: list, paces: dict[str, float]
-             ) -> tuple[Position, JoinEvent]:
+    def join(self, pos: Position, joins: list, paces: dict[str, float],
+             pending: PendingCutover | None, stood_on: dict
+             ) -> tuple[Position, JoinEvent, PendingCutover | None]:
         """Devices return at the boundary before step `pos.step`: they join the live set, empty.
         When the planner finds a plan over the bigger set worth growing to, it becomes the
-        pending cut-over; otherwise the devices stay spare. `paces`: the measured step time of
-        each plan the run has stood on (by name; `metrics.paces` of the loop's timeline), for
-        the interim choice (`_interim`). Returns the new position and the `join` event."""
+        pending cut-over (replacing `pending`); otherwise the devices stay spare. `paces`: the
+        measured step time of each plan the run has stood on (by name; `metrics.paces` of the
+        loop's timeline), for the interim choice among `stood_on` (`_interim`). Returns the new
+        position, the `join` event and the cut-over pending now."""
         t0 = time.perf_counter()
         ids = sorted({d for e in joins for d in e.device_ids})
         self.rt.join(ids)
@@ -155,32 +139,33 @@ class Cutovers:
         )
         new = dataclasses.replace(pos, live=live, lost_hosts=frozenset(lost))
         if g.grow:
-            ev.replaces_pending = self.pending.plan.name if self.pending is not None else None
+            ev.replaces_pending = pending.plan.name if pending is not None else None
             best = PendingCutover(g.best, t0, pos.step, "growth", tuple(ids), g.gain)
             interim = None
             if self.cfg.recovery.grow_interim and not self._ready_everywhere(g.best):
-                interim = self._interim(pos.plan, g.best, live, paces)
-            self.after = None
+                interim = self._interim(pos.plan, g.best, live, paces, stood_on)
             if interim is not None:
                 now = predict_step_s(pos.plan, self.cfg)
                 gain = (now - predict_step_s(interim, self.cfg)) / now
-                self.pend(PendingCutover(interim, t0, pos.step, "growth", tuple(ids), gain), new)
-                self.after = best
+                pending = self.pend(PendingCutover(interim, t0, pos.step, "growth", tuple(ids),
+                                                   gain, after=best), new)
                 ev.interim_plan = interim.name
             else:
-                self.pend(best, new)
+                pending = self.pend(best, new)
         ev.plan_s = time.perf_counter() - t0
-        return new, ev
+        return new, ev, pending
 
-    def due(self, step: int) -> tuple[bool, CutoverAbandoned | None]:
-        """(cut over now?, a `cutover_abandoned` event). Now when the pending plan is compiled
-        on every process, or after waiting for it once the run has spent
+    def due(self, pc: PendingCutover, step: int
+            ) -> tuple[bool, CutoverAbandoned | None, PendingCutover | None]:
+        """(cut over to `pc` now?, a `cutover_abandoned` event, the cut-over pending after
+        this: `pc` with its wait for the compile, None if abandoned). Now when its plan is
+        compiled on every process, or after waiting for it once the run has spent
         `recovery.max_fast_path_steps` steps on the fast path (a growth: that many, or
         `recovery.grow_wait_steps` since the join, the sooner). If its background compile failed
-        on any process, the cut-over is abandoned (the event, also kept in `abandoned`) and the
-        run stays on its plan (which trains the same computation); never raised."""
-        pc = self.pending
+        on any process, the cut-over is abandoned (the event) and the run stays on its plan
+        (which trains the same computation); never raised."""
         sb = self.source.standby
+        wait_s = pc.wait_s
         key = pc.plan.compile_key
         r = self.cfg.recovery
         limit = r.max_fast_path_steps
@@ -189,8 +174,10 @@ class Cutovers:
         try:
             if limit and step - pc.step >= limit and not sb.ready(key):
                 t0 = time.perf_counter()
-                sb.wait(key)
-                self.wait_s += time.perf_counter() - t0
+                try:
+                    sb.wait(key)
+                finally:
+                    wait_s += time.perf_counter() - t0
             err = sb.error(key)
         except Exception as e:  # noqa: BLE001 - the compile failed while we waited (`wait`
             # raises its error): agreed below and reported as the abandoned cut-over's event
@@ -202,20 +189,18 @@ class Cutovers:
         votes = self.rt.agree(status)
         errors = {str(p): msg for p, (state, msg) in votes.items() if state == "error"}
         if errors:
-            self.pending = self.after = None
             ev = CutoverAbandoned(
                 kind=pc.kind, step=step, optimal_plan=pc.plan.name, errors=errors,
                 stays_on="the current plan (the same computation; fewer devices used)",
             )
-            self.abandoned.append(ev)
-            return False, ev
-        return all(state == "ready" for state, _ in votes.values()), None
+            return False, ev, None
+        now = all(state == "ready" for state, _ in votes.values())
+        return now, None, dataclasses.replace(pc, wait_s=wait_s)
 
-    def cutover(self, pos: Position, pool) -> CutoverDone:
-        """Move to the pending plan (compiled in the background) at a step boundary. Each part
-        is its own guard (a failure leaves `pos` as it was: the old state is intact); `pool`
-        is the current plan's snapshot pool."""
-        pc = self.pending
+    def cutover(self, pos: Position, pool, pc: PendingCutover) -> CutoverDone:
+        """Move to `pc`'s plan (compiled in the background) at a step boundary. Each part is its
+        own guard (a failure leaves `pos` as it was: the old state is intact); `pool` is the
+        current plan's snapshot pool."""
         target = pc.plan
         new_exe = self.source.ready(target)
         devices = self.rt.devices
@@ -237,7 +222,6 @@ class Cutovers:
             done = protect_moved(self.rt, new_exe, new_state, pos.good, "cut-over",
                                  "the state before it", pool, pos.step, pos.live)
         actual, new_pool, verify_s = done.actual, done.pool, done.verify_s
-        self.pending = None
         growth = pc.kind == "growth"
         mig = CutoverEvent(
             kind=pc.kind,
@@ -251,8 +235,8 @@ class Cutovers:
             transfers=log.transfers,
             transfer_s=transfer_s,
             verify_s=verify_s,
-            compile_wait_s=self.wait_s,
-            stall_s=self.wait_s + transfer_s + verify_s,
+            compile_wait_s=pc.wait_s,
+            stall_s=pc.wait_s + transfer_s + verify_s,
             transfer_plan_hit=tinfo["plan_hit"],
             transfer_plan_s=tinfo["plan_s"],
             steps_on_fast_path=pos.step - pc.step,
@@ -264,8 +248,6 @@ class Cutovers:
             mig.from_n_devices, mig.predicted_gain = pos.plan.n_devices, pc.predicted_gain
             mig.sources = sorted(log.sources())
         new = dataclasses.replace(pos, plan=target, exe=new_exe, state=new_state, good=actual)
-        self.note(target)
-        if self.after is not None:  # on an interim plan: the best one is compiled next
-            nxt, self.after = self.after, None
-            self.pend(nxt, new)
-        return CutoverDone(new, new_pool, log, mig)
+        # on an interim plan: the best one is compiled next
+        nxt = self.pend(pc.after, new) if pc.after is not None else None
+        return CutoverDone(new, new_pool, log, mig, nxt)

@@ -140,6 +140,9 @@ class PendingCutover:
     kind: str = "migration"
     joined: tuple[int, ...] = ()  # growth: the devices that returned
     predicted_gain: float = 0.0  # growth: relative step-time gain predicted by the cost model
+    # growth through an interim plan: the best plan, pending once the run stands on the interim
+    after: PendingCutover | None = None
+    wait_s: float = 0.0  # seconds the loop has waited for its compile (`Cutovers.due`)
 
 
 def host_checksums(rt, sums, exe: Executables) -> dict[str, str]:

@@ -8,10 +8,11 @@ process that dies. Each step runs in a runtime `guard`; a failure inside it rais
 Devices that return (a schedule's `join`) join at a step boundary; the run grows onto them with
 a background compile and a cut-over (`elasjax.cutover`).
 
-The loop owns where training stands (a `recovery.Position` in a `LoopState`) and the snapshot
-pool; its collaborators are given what they need and return what they did: `ExecutableSource`
-(executables, the standby set), `Contingencies` (the plans after the likely next failures),
-`TransitionPlanner` (transfers planned ahead), `Recoverer`, `Cutovers` (growth and cut-over).
+The loop is the one writer of its state (`loopstate.LoopState`: where training stands, the
+snapshot pool, the pending cut-over, the run's record); its collaborators are given what they
+need and return what they did: `ExecutableSource` (executables, the standby set),
+`Contingencies` (the plans after the likely next failures), `TransitionPlanner` (transfers
+planned ahead), `Recoverer`, `Cutovers` (growth and cut-over), `Admissions` (rejoins).
 
 The host never waits for the step it has just dispatched: a step's metrics (loss, gradient norm,
 and the checksums of the state it produced) are read `READ_BEHIND` steps late, after the next
@@ -23,7 +24,6 @@ flight, so it always verifies against the checksums of the exact state it rebuil
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import gc
 import time
@@ -51,7 +51,7 @@ from .config import (
     standby_on,
     with_optimizer_object,
 )
-from .admission import Admissions, Seen
+from .admission import Admissions
 from .runtime.membership import Admitted
 from .contingencies import Contingencies
 from .cutover import Cutovers
@@ -70,7 +70,8 @@ from .events import (
     WarningEvent,
 )
 from .faults import IN_PROCESS, resolve_schedule
-from .metrics import JsonlWriter, RecoveryEvent, StepClock, Timeline, failure_costs, paces
+from .loopstate import LoopState
+from .metrics import JsonlWriter, RecoveryEvent, StepClock, failure_costs, paces
 from .planner import Plan, initial_plan, replan
 from .recovery import (
     Position,
@@ -88,7 +89,7 @@ from .tensorboard import TensorBoardWriter
 from .transfer import checksum
 from .transfer.checkpoint import Checkpointer, form_of, restore_onto
 from .transfer.shards import TransferLog
-from .transfer.snapshot import SnapshotPool
+from .transfer.snapshot import SnapshotPool, check_coverable, prepare_checksums
 
 __all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer", "run"]
 
@@ -178,57 +179,6 @@ class _InFlight:
     seq: int | None = None  # its number for the step clock (`metrics.StepClock`), if watched
 
 
-@dataclasses.dataclass
-class LoopState:
-    """What the loop threads from step to step (`Trainer._run`): where training stands, the
-    fault events still to fire, and what the loop has seen (the run summary's and a rejoining
-    process's record). Its one owner is the loop; collaborators get what they need of it."""
-
-    pos: Position
-    pending: list  # scheduled fault events not fired yet (`faults.FaultEvent`)
-    plans: list[str]  # every plan the run stood on, in order
-    migrations: list[CutoverEvent] = dataclasses.field(default_factory=list)
-    growths: list[CutoverEvent] = dataclasses.field(default_factory=list)
-    joins: list[JoinEvent] = dataclasses.field(default_factory=list)
-    recoveries: list[RecoveryEvent] = dataclasses.field(default_factory=list)
-    open_event: RecoveryEvent | None = None  # a recovery whose first good step is not read yet
-    recovered_at: float = 0.0  # when the open recovery resumed (its first step counts from here)
-    redo_until: int = -1  # steps up to this one run again (after a checkpoint restore)
-    # the standby and the prepared transitions follow the plan after the next good step (after
-    # a recovery or a join; not sooner: their compiles would compete with that step)
-    protect_due: bool = False
-    # the standby set of the current plan is building in the background and not yet announced
-    # as built (`Trainer._announce_standby`)
-    standby_building: bool = False
-    # the checksums of the newest step read: `pos.state`'s once no step is in flight
-    good: dict[str, str] | None = None
-    # dispatched steps whose metrics are not read yet (`Trainer._read`), oldest first
-    inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
-    # what the loop has read: each step's loss, held-out loss and sample digest
-    losses: dict[int, float] = dataclasses.field(default_factory=dict)
-    evals: dict[int, float] = dataclasses.field(default_factory=dict)
-    digests: dict[int, str] = dataclasses.field(default_factory=dict)
-    # the run's steps, pauses and recoveries, for the failures' whole cost (`failure_costs`)
-    timeline: Timeline = dataclasses.field(default_factory=Timeline)
-    transfer_logs: list[TransferLog] = dataclasses.field(default_factory=list)
-    recovery_at: int | None = None  # where the open recovery goes in the timeline
-    t_done: float = 0.0  # when the newest step read had run
-    t_first_done: float = 0.0  # ... and the first one
-    seq: int = 0  # steps given to the step clock (`metrics.StepClock`)
-
-    @property
-    def loop_s(self) -> float:
-        """Wall time from the first step's completion to the last one's, as the host saw them."""
-        return self.t_done - self.t_first_done
-
-    def verified(self) -> Position:
-        """`pos` with its state's checksums, for a move that verifies against them (a
-        recovery, a cut-over, an admission): every step in flight must have been read."""
-        if self.inflight:
-            raise AssertionError(f"{len(self.inflight)} steps still in flight: read them first")
-        return dataclasses.replace(self.pos, good=self.good)
-
-
 class UnprotectedStateWarning(UserWarning):
     """The run opted out of snapshots and its plan holds state that one failure can lose."""
 
@@ -284,9 +234,8 @@ class Trainer:
             check_elementwise(self.factory, self.initial)
         self.data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
-        self.donate, threaded = donation(cfg, self.rt)
-        self.pool = SnapshotPool(cfg.snapshot, self.topo, self.rt, donated=self.donate,
-                                 threaded=threaded)
+        self.donate, self._threaded_snapshots = donation(cfg, self.rt)
+        check_coverable(cfg.snapshot, self.topo)
         self.ckpt = (
             Checkpointer(cfg.checkpoint, self.rt.processes()) if cfg.checkpoint.dir is not None else None
         )
@@ -310,7 +259,8 @@ class Trainer:
             shared=(SharedBuilds(self.rt.client, self.rt.me, self.rt.peer_gone, self.rt.log)
                     if self.rt.shares_compiles and cfg.standby.share_compiles else None),
             # the snapshot checksums of each standby plan's pool, compiled with it
-            prepare=lambda exe: self.pool.prepare(exe.layout.abstract, exe.state_shardings, exe.mesh),
+            prepare=lambda exe: prepare_checksums(cfg.snapshot, self.topo, exe.layout.abstract,
+                                                  exe.state_shardings, exe.mesh),
         )
         self.contingencies = Contingencies(cfg, self.topo, self.initial,
                                            device_failures=self.rt.device_failures,
@@ -341,6 +291,16 @@ class Trainer:
     def loop_s(self) -> float:
         """Wall time from the first step's completion to the last one's, as the host saw them."""
         return self.loop.loop_s if self.loop is not None else 0.0
+
+    @property
+    def pool(self) -> SnapshotPool | None:
+        """The current plan's snapshot pool (the loop state's), once the run has started."""
+        return self.loop.pool if self.loop is not None else None
+
+    def _new_pool(self) -> SnapshotPool:
+        """An empty snapshot pool (`SnapshotPool.configure` chooses its snapshots on a plan)."""
+        return SnapshotPool(self.cfg.snapshot, self.topo, self.rt, donated=self.donate,
+                            threaded=self._threaded_snapshots)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -386,10 +346,10 @@ class Trainer:
         if self.rt.admission is not None:  # a restarted process rejoins
             ls = self._rejoin(mw, ew)
         else:
-            pos = self._start(ew)
-            ls = LoopState(pos, list(self.schedule), [pos.plan.name], good=pos.good,
+            pos, pool = self._start(ew)
+            ls = LoopState(pos, list(self.schedule), pool=pool, good=pos.good,
                            standby_building=self.standby_on and not self.cfg.standby.wait_at_start)
-            self.cutovers.note(pos.plan)
+            ls.stand_on(pos.plan)
         self.loop = ls
         bar = ew.display = Progress(T, enabled=self.progress)
         with bar:
@@ -411,8 +371,9 @@ class Trainer:
         joining = [e for e in ls.pending if e.is_join and e.at_step == step]
         if joining:
             ls.pending = [e for e in ls.pending if e not in joining]
-            ls.pos, jev = self.cutovers.join(ls.pos, joining, paces(ls.timeline))
-            if not jev["grow"] and self.cutovers.pending is None:
+            ls.pos, jev, ls.cutover = self.cutovers.join(ls.pos, joining, paces(ls.timeline),
+                                                         ls.cutover, ls.stood_on)
+            if not jev["grow"] and ls.cutover is None:
                 ls.protect_due = True  # the likely failures' plans changed
             ls.joins.append(jev)
             ew.emit(jev, join_line(jev))
@@ -423,39 +384,23 @@ class Trainer:
         recovery or an async recovery's migration is open (then at a later boundary; a pending
         growth is re-planned by the join)."""
         procs = self.rt.joiners()
-        pc = self.cutovers.pending
+        pc = ls.cutover
         # a pending growth does not hold an admission back: the join re-plans it over every
         # returned device (`Cutovers.join`, `replaces_pending`); a newcomer waits at most its
         # `init_timeout_s`, and a growth may stay pending for `recovery.grow_wait_steps` steps
         # of a loaded job (a second newcomer of one recovery was refused so, never admitted)
         if not procs or ls.open_event is not None or (pc is not None and pc.kind != "growth"):
             return
-        package = self.admissions.package(ls.pos, ls.pending, ls.plans, ls.redo_until,
-                                          ls.good, self._seen(ls, mw, ew))
+        package = ls.package((mw.lines, ew.writer.lines), time.perf_counter() - self._t_run)
         self._welcome(ls, self.rt.admit(package), ew)
-
-    def _seen(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> Seen:
-        """What the loop has seen and written so far (`admission.Seen`)."""
-        now = time.perf_counter()
-        return Seen(
-            losses=ls.losses, evals=ls.evals, digests=ls.digests, timeline=ls.timeline,
-            recoveries=ls.recoveries, joins=ls.joins, growths=ls.growths,
-            migrations=ls.migrations, lines=(mw.lines, ew.writer.lines),
-            run_s=now - self._t_run, loop_s=ls.loop_s,
-        )
 
     def _rejoin(self, mw: JsonlWriter, ew: Emitter) -> LoopState:
         """A restarted process's start: the loop as its admission describes it (what it has
         seen and written included), then the admission's steps with the live processes
         (`_welcome`)."""
         adm = self.rt.admission
-        arr = self.admissions.arrival(adm)
         seen, now = adm.loop.seen, time.perf_counter()
-        ls = LoopState(arr.pos, arr.pending, arr.plans, redo_until=arr.redo_until,
-                       good=arr.pos.good, losses=seen.losses, evals=seen.evals,
-                       digests=seen.digests, timeline=seen.timeline, recoveries=seen.recoveries,
-                       joins=seen.joins, growths=seen.growths, migrations=seen.migrations,
-                       t_done=now, t_first_done=now - seen.loop_s)
+        ls = LoopState.arrived(adm.loop, self._new_pool(), now)
         mw.continue_at(seen.lines[0])
         ew.writer.continue_at(seen.lines[1])
         self._t_run = now - seen.run_s
@@ -465,13 +410,13 @@ class Trainer:
         # different plans and never agree on a cut-over)
         admitted = Admitted(counters.admitted, counters.admitted_devices, counters.generation,
                             None)
-        self.rt.log(f"admitted at step {arr.pos.step} (plan {arr.pos.plan.name}, client "
+        self.rt.log(f"admitted at step {ls.pos.step} (plan {ls.pos.plan.name}, client "
                     f"generation {counters.generation})")
         try:
             self._welcome(ls, admitted, ew)
         except DeviceFailure as f:  # it holds nothing of the loop yet: it cannot recover
             raise RuntimeError(
-                f"a failure interrupted this process's admission at step {arr.pos.step} "
+                f"a failure interrupted this process's admission at step {ls.pos.step} "
                 f"({f.cause}); it leaves the job (a restart may ask again)") from f
         return ls
 
@@ -483,16 +428,18 @@ class Trainer:
         procs = list(admitted.processes)
         here = ls.verified()
         with self.rt.guard("admit/ship"):
-            pos = self.admissions.ship(here, procs, set(here.live) | set(admitted.devices))
+            pos = self.admissions.ship(here, procs, set(here.live) | set(admitted.devices),
+                                       ls.stood_on.values())
         t1 = time.perf_counter()
         with self.rt.guard("admit/state"):
-            done = self.admissions.settle(pos, self.pool, admitted, paces(ls.timeline))
-        ls.pos, self.pool = done.pos, done.pool
+            done = self.admissions.settle(pos, ls.pool, admitted, paces(ls.timeline),
+                                          ls.cutover, ls.stood_on)
+        ls.pos, ls.pool, ls.cutover = done.pos, done.pool, done.pending
         t2 = time.perf_counter()
         jev = done.event
         jev.rejoined = {"processes": procs, "generation": admitted.generation,
                         "admit_s": admitted.admit_s, "ship_s": t1 - t0, "settle_s": t2 - t1}
-        if not jev.grow and self.cutovers.pending is None:
+        if not jev.grow and ls.cutover is None:
             ls.protect_due = True
         ls.joins.append(jev)
         ls.timeline.pause(t2 - t0 + (admitted.admit_s or 0.0))
@@ -501,26 +448,27 @@ class Trainer:
     def _cutover_if_due(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> bool:
         """Cut over to the pending optimal (or bigger) plan if every process has it ready;
         True if it did. A background compile that failed abandons the cut-over (an event)."""
-        if self.cutovers.pending is None:
+        if ls.cutover is None:
             return False
         with self.rt.guard("cutover"):
-            due_now, abandoned = self.cutovers.due(step)
+            due_now, abandoned, ls.cutover = self.cutovers.due(ls.cutover, step)
         if abandoned is not None:
+            ls.abandoned.append(abandoned)
             ew.emit(abandoned, (
                 f"step {step}: cut-over to {abandoned.optimal_plan} "
                 f"abandoned, its compile failed: {abandoned.errors}"))
         if not due_now:
             return False
         self._flush(ls, mw, ew.display)
-        done = self.cutovers.cutover(ls.verified(), self.pool)
-        ls.pos, self.pool, mig = done.pos, done.pool, done.event
+        done = self.cutovers.cutover(ls.verified(), ls.pool, ls.cutover)
+        ls.pos, ls.pool, ls.cutover, mig = done.pos, done.pool, done.pending, done.event
         ls.transfer_logs.append(done.log)
-        if self.cutovers.pending is None:  # (else the next cut-over's plan is all that matters)
-            self._protect(ls.pos)
+        if ls.cutover is None:  # (else the next cut-over's plan is all that matters)
+            self._protect(ls)
         ls.timeline.cutover(ls.pos.plan.name, mig.stall_s)
         (ls.growths if mig.kind == "growth" else ls.migrations).append(mig)
         ew.emit(mig, migration_line(mig))
-        ls.plans.append(ls.pos.plan.name)
+        ls.stand_on(ls.pos.plan)
         return True
 
     def _step(self, ls: LoopState, step: int, cutover_now: bool) -> tuple[Any, _InFlight]:
@@ -535,7 +483,7 @@ class Trainer:
         with self.rt.guard("step"):
             # (the pool's buffers only when a fault is due: reading them waits for the snapshot
             # under way, which otherwise runs beside the next step)
-            self.rt.inject(due, "before_step", [pos.state, self.pool.device_buffers()] if due else [])
+            self.rt.inject(due, "before_step", [pos.state, ls.pool.device_buffers()] if due else [])
             new_state, flight = self._dispatch(ls, due, redo=step < ls.redo_until)
         ls.pending = [e for e in ls.pending if e not in due]
         return new_state, flight
@@ -546,13 +494,16 @@ class Trainer:
         on the new plan. A failure in a recovery's first step continues that recovery's event."""
         t_failed = time.perf_counter() - failure.detect_s
         self._hold_gc()
-        self.pool.abort(step + 1)  # that step's snapshot, if it was taken
+        ls.pool.abort(step + 1)  # that step's snapshot, if it was taken
         self._flush(ls, mw, self.emit.display)  # the checksums of the state recovery rebuilds
         pos = ls.verified()
         during = [e for e in ls.pending if e.at_step == step and e.phase == "recovery"]
         unfinished = ls.open_event  # a recovery whose first step just failed
-        growing = self.cutovers.clear()  # a failure re-plans from scratch (returned devices too)
-        r = self.recovery.recover(pos, self.pool, failure, during)
+        # a failure re-plans from scratch (returned devices too): nothing stays pending, but a
+        # growth that a retry interrupts (below)
+        growing = ls.cutover if ls.cutover is not None and ls.cutover.kind == "growth" else None
+        ls.cutover = None
+        r = self.recovery.recover(pos, ls.pool, failure, during)
         if self.cfg.deterministic and r.pos.plan.tensor != pos.plan.tensor:
             # `planner.replan`: a mode only the default chose gives way rather than end the run
             msg = (f"step {step}: no plan with tensor degree {pos.plan.tensor} fits the "
@@ -560,13 +511,12 @@ class Trainer:
                    "longer bitwise equal to the fault-free run (within 1e-5 per step, as in the "
                    "default mode)")
             self.emit.emit(WarningEvent("train.deterministic", msg), f"warning: {msg}")
-        ls.pos, ls.open_event, self.pool = r.pos, r.event, r.pool
-        self.cutovers.note(r.pos.plan)
+        ls.pos, ls.open_event, ls.pool = r.pos, r.event, r.pool
         ls.transfer_logs.append(r.log)
         if r.cutover is not None:
-            self.cutovers.pend(r.cutover, r.pos)
+            ls.cutover = self.cutovers.pend(r.cutover, r.pos)
         elif growing is not None and r.pos.plan == pos.plan and r.pos.live == pos.live:
-            self.cutovers.resume_growth(growing, r.pos)  # a retry: the growth stays pending
+            ls.cutover = self.cutovers.pend(growing, r.pos)  # a retry: the growth stays pending
         else:
             ls.protect_due = True
         if unfinished is None:  # its first step's record comes after it
@@ -581,7 +531,7 @@ class Trainer:
         ls.pending = [e for e in ls.pending if e.is_join or e.at_step > step
                       or not set(e.device_ids) <= gone]
         ls.redo_until = max(ls.redo_until, step)
-        ls.plans.append(ls.pos.plan.name)
+        ls.stand_on(ls.pos.plan)
 
     def _after_step(self, ls: LoopState, step: int, new_state, flight: _InFlight,
                     mw: JsonlWriter, ew: Emitter) -> None:
@@ -598,7 +548,7 @@ class Trainer:
         if ls.open_event is not None:
             self._close_recovery(ls, ew)
         elif ls.protect_due:
-            self._protect(pos)
+            self._protect(ls)
             ls.protect_due = False
             ls.standby_building = self.standby_on
             if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
@@ -629,7 +579,7 @@ class Trainer:
         """The last reads, the failures' costs, the `end` event, the printed summary."""
         T, pos = self.cfg.train.steps, ls.pos
         self._flush(ls, mw, ew.display)
-        self.pool.complete()  # the last step's snapshot, taken beside the loop, is filed
+        ls.pool.complete()  # the last step's snapshot, taken beside the loop, is filed
         notes = self._end_notes(ls)
         costs, goodput = failure_costs(
             ls.timeline, self.initial.name, time.perf_counter() - self._t_run)
@@ -648,7 +598,7 @@ class Trainer:
             transfer_plans_prepared=self.transitions.done,
             transfer_plan_errors=self.transitions.errors[:5],
             standby_errors=self.source.errors[:5],
-            cutover_pending=self.cutovers.pending is not None,
+            cutover_pending=ls.cutover is not None,
             standby=self._standby_cost(),
             notes=notes,
             runtime=self.rt.kind,
@@ -689,7 +639,7 @@ class Trainer:
             f"the cut-over to {a.optimal_plan} was abandoned at step {a.step}: its "
             f"background compile failed ({next(iter(a.errors.values()))[:200]}); the run "
             f"stayed on {'its plan' if a.kind == 'growth' else 'its fast path'}"
-            for a in self.cutovers.abandoned
+            for a in ls.abandoned
         ]
         notes += [
             f"the fault '{e.spec}' (phase cutover, from step {e.at_step}) never fired: the run "
@@ -702,8 +652,8 @@ class Trainer:
                 f"reached standby.map_budget = {self.cfg.standby.map_budget} of its memory-mapping "
                 "limit (vm.max_map_count); recoveries to them compile"
             )
-        if self.cutovers.pending is not None:
-            pc = self.cutovers.pending
+        if ls.cutover is not None:
+            pc = ls.cutover
             since = "the join" if pc.kind == "growth" else "the failure"
             notes.append(
                 f"the run ended on {ls.pos.plan.name}: the "
@@ -749,14 +699,14 @@ class Trainer:
         for x in jax.tree.leaves(met):  # queued now, right behind the step: read later without
             x.copy_to_host_async()  # waiting for the steps dispatched after it
         self.rt.inject(due, "after_dispatch")
-        self.pool.take(new_state, step + 1)
+        ls.pool.take(new_state, step + 1)
         evals = None
         every = self.cfg.train.eval_every
         if every and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps):
             evals = self._eval(exe, plan, pos.kept, new_state)
         # a runtime whose steps complete in their guard waits for the snapshot's copies too; the
         # others leave them running beside the next step
-        self.rt.commit((new_state, met, evals, self.pool.in_flight() if self.rt.step_sync else ()))
+        self.rt.commit((new_state, met, evals, ls.pool.in_flight() if self.rt.step_sync else ()))
         processed = int((host_batch.weights > 0).sum())
         flight = _InFlight(
             step, plan, met, t0, exe.layout.checksum_keys, processed, DataPipeline.digest(idx),
@@ -814,8 +764,9 @@ class Trainer:
 
     # -- start ----------------------------------------------------------------------------------
 
-    def _start(self, ew: Emitter) -> Position:
-        """The initial position (a fresh start, or a checkpoint resume) on whoever is alive. A
+    def _start(self, ew: Emitter) -> tuple[Position, SnapshotPool]:
+        """The initial position (a fresh start, or a checkpoint resume) on whoever is alive, and
+        its snapshot pool (the start state's snapshot taken). A
         failure during the start starts again on the survivors, on a new CPU client where it
         interrupted a block (a communicator whose creation failed stays failed for the client's
         life: `runtime.collectives`). Everything slow (the compiles, the checkpoint's read) is
@@ -823,6 +774,7 @@ class Trainer:
         checksums), so every process reaches that collective at once; each start barrier's
         arrivals are logged (`MultiControllerRuntime`)."""
         failures = []
+        pool = self._new_pool()
         while True:
             live = set(self.rt.live)
             try:
@@ -838,7 +790,7 @@ class Trainer:
                     step, state, saved = self._load_state(exe)
                     self.rt.commit(state)
                 with self.rt.guard("start/verify"):
-                    good = self._verify_start(exe, step, state, saved)
+                    good = self._verify_start(exe, step, state, saved, pool)
                 break
             except DeviceFailure as f:
                 failures.append(f)
@@ -852,7 +804,7 @@ class Trainer:
         n_ahead = len(ahead) - (self.standby.dropped if self.standby is not None else 0)
         standby = self.standby_line(n_ahead)
         self.rt.log(standby)
-        self.transitions.for_failures(pos, self.pool)
+        self.transitions.for_failures(pos, pool)
         if self.cfg.standby.wait_at_start:
             self._wait_standby(ew, None)
         for f in failures:
@@ -878,10 +830,10 @@ class Trainer:
             optimizer=self.optimizer_name,
             deterministic=bool(self.cfg.deterministic),
             mode=mode,
-            snapshot_bytes_per_step=self.pool.bytes_per_step,
-            snapshot={"buddy": self.pool.cfg.buddy, "host": self.pool.cfg.host,
-                      "copies": self.pool.cfg.copies, "auto": self.pool.given.auto,
-                      "cost": self.pool.cost_line(self.cfg.hardware)},
+            snapshot_bytes_per_step=pool.bytes_per_step,
+            snapshot={"buddy": pool.cfg.buddy, "host": pool.cfg.host,
+                      "copies": pool.cfg.copies, "auto": pool.given.auto,
+                      "cost": pool.cost_line(self.cfg.hardware)},
             standby={"on": self.standby_on, "enabled": self.cfg.standby.enabled,
                      "plans": n_ahead if self.standby_on else 0,
                      "compiler": None if not self.standby_on else
@@ -892,14 +844,14 @@ class Trainer:
         ))
         if self.progress:
             print(mode)
-            print(self.pool.cost_line(self.cfg.hardware))
+            print(pool.cost_line(self.cfg.hardware))
             print(standby)
-        risk = self.pool.risk()
+        risk = pool.risk()
         if risk is not None:
             ew.emit(WarningEvent("snapshot", risk))
             if self.rt.writer:
                 warnings.warn(risk, UnprotectedStateWarning, stacklevel=2)
-        return pos
+        return pos, pool
 
     def _wait_standby(self, ew: Emitter, step: int | None) -> float:
         """Block until the standby of the current plan is built and its transitions planned
@@ -979,11 +931,12 @@ class Trainer:
                 f"(standby.enabled: {str(given).lower()}) {where}, each program compiled once "
                 f"and loaded for the other device sets; {pause}")
 
-    def _protect(self, pos: Position) -> None:
-        """Prepare for `pos`'s likely next failures: their plans built in the background
-        (standby) and their transitions planned."""
+    def _protect(self, ls: LoopState) -> None:
+        """Prepare for the likely next failures: their plans built in the background (standby)
+        and their transitions planned (with the pool's snapshots as sources)."""
+        pos = ls.pos
         self.source.refresh(pos.plan, self.contingencies.standby_plans(pos.plan, set(pos.live)))
-        self.transitions.for_failures(pos, self.pool)
+        self.transitions.for_failures(pos, ls.pool)
 
     def _load_state(self, exe: Executables):
         """(step, state, the checksums it was saved with or None) of a fresh start or a
@@ -999,9 +952,10 @@ class Trainer:
         self.dropped_checkpoints = self.ckpt.drop_after(step)  # said by `_start`
         return step, state, meta["checksums"]
 
-    def _verify_start(self, exe: Executables, step: int, state, saved) -> dict[str, str]:
+    def _verify_start(self, exe: Executables, step: int, state, saved,
+                      pool: SnapshotPool) -> dict[str, str]:
         """The start state's checksums (the start's first collective), checked against a
-        checkpoint's; the first checkpoint and snapshot of a fresh start."""
+        checkpoint's; the first checkpoint and snapshot (into `pool`) of a fresh start."""
         good = host_checksums(self.rt, exe.checksum(state), exe)
         if saved is not None:
             checksum.verify(saved, good, f"checkpoint {step} fails its checksums",
@@ -1009,9 +963,9 @@ class Trainer:
         elif self.ckpt is not None:
             self.ckpt.save(0, state, good, form_of(exe.plan))
         all_live = set(exe.plan.device_ids) | set(exe.plan.spare_ids)
-        self.pool.configure(state, exe.state_shardings, exe.mesh, all_live)
-        self.pool.take(state, step)  # the initial state is protected too
-        self.rt.commit(self.pool.in_flight())
+        pool.configure(state, exe.state_shardings, exe.mesh, all_live)
+        pool.take(state, step)  # the initial state is protected too
+        self.rt.commit(pool.in_flight())
         return good
 
     def _eval(self, exe: Executables, plan: Plan, kept, state) -> list:

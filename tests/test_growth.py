@@ -288,6 +288,8 @@ def test_an_interim_plan_uses_the_most_devices_then_the_measured_time():
     """`Cutovers._interim`: among the plans the run stood on that the live devices can run and
     the cost model predicts faster than the current plan, the one on the most devices; among as many devices, the one that ran fastest (every process's slowest time,
     agreed), by prediction where one has no measured time."""
+    from types import SimpleNamespace
+
     from elasjax.cutover import Cutovers
 
     class OneProcess:
@@ -305,11 +307,12 @@ def test_an_interim_plan_uses_the_most_devices_then_the_measured_time():
     best = planner.replan(list(range(8)), TOPO, cfg, init, init)
     measured: dict = {}
 
-    def cutovers(*plans):
+    def cutovers(*plans):  # the plans the run stood on (`LoopState.stood_on`), in order
         cut = Cutovers(cfg, OneProcess(), TOPO, init, None, None)
+        stood_on = {}
         for p in plans:
-            cut.note(p)
-        return cut
+            stood_on.setdefault(p.compile_key, p)
+        return SimpleNamespace(_interim=lambda *a: cut._interim(*a, stood_on))
 
     live = frozenset(range(8))
     cut = cutovers(init, seven_a, five)

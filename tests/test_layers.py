@@ -17,7 +17,7 @@ LAYERS = [
     ("layout and step", ["pipeline", "state", "step"]),
     ("runtime", ["faults", "runtime"]),
     ("compile", ["compilation"]),
-    ("loop", ["recovery", "cutover", "admission", "trainer", "elastic", "report", "tensorboard"]),
+    ("loop", ["recovery", "loopstate", "cutover", "admission", "trainer", "elastic", "report", "tensorboard"]),
     ("entry points", ["", "cli", "launch", "supervisor", "bench", "sim", "compare", "reference"]),
 ]
 

@@ -759,7 +759,7 @@ def test_baseline_strategies(exe_cache, tmp_path):
 def test_a_standby_hit_compiles_nothing_for_its_first_snapshot(exe_cache):
     """With ZeRO-1 the moments are unique per device, so the pool snapshots them and checksums
     each copy on device. The standby compiles those checksums for every plan it builds
-    (`SnapshotPool.prepare`): the recovery, a hit, compiles nothing, its first snapshot
+    (`snapshot.prepare_checksums`): the recovery, a hit, compiles nothing, its first snapshot
     included. Counted (XLA compiles on the training thread), not timed. (A test process holds
     many executables: the mapping budget is raised so that the standby builds every plan.)"""
     cfg = tiny_config(

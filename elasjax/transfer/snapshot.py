@@ -107,6 +107,25 @@ def _unique_shards(x, topo: Topology) -> list[tuple[Box, int]]:
     ]
 
 
+def prepare_checksums(cfg: SnapshotConfig, topo: Topology, abstract, state_shardings,
+                      mesh: Mesh) -> None:
+    """Compile ahead the checksums that the snapshots of `cfg` (as given) would take on a plan
+    (`abstract`: its state's shapes and dtypes; `state_shardings`, `mesh`: its layout): the
+    standby calls it for each plan it builds, so that a recovery's first snapshot does not
+    compile. Which leaves are snapshotted depends only on the layout and the topology, as in
+    `SnapshotPool.configure`, so no pool is needed."""
+    resolved = cfg.resolved(topo.n_hosts, len(topo.device_ids))
+    if not (resolved.buddy or resolved.host):
+        return
+    placed = jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
+        state_shardings,
+    )
+    leaf_ids = [li for li, x in enumerate(jax.tree.leaves(placed)) if _unique_shards(x, topo)]
+    if leaf_ids:
+        checksum.shard_checksums(state_shardings, mesh, leaf_ids, abstract)
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.3g} MB"
 
@@ -298,21 +317,6 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             for bufs in sets:
                 bufs[i] = np.empty(shape, dtype)
         return sets
-
-    def prepare(self, abstract, state_shardings, mesh: Mesh) -> None:
-        """Compile ahead the checksums this pool's snapshots would take on a plan (`abstract`:
-        its state's shapes and dtypes): the standby calls it for each plan it builds, so that a
-        recovery's first snapshot does not compile. Which leaves are snapshotted depends only on
-        the layout and the topology, as in `configure`."""
-        if not self.enabled:
-            return
-        placed = jax.tree.map(
-            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract,
-            state_shardings,
-        )
-        leaf_ids = [li for li, x in enumerate(jax.tree.leaves(placed)) if _unique_shards(x, self.topo)]
-        if leaf_ids:
-            checksum.shard_checksums(state_shardings, mesh, leaf_ids, abstract)
 
     def risk(self) -> str | None:
         """What an opted-out pool leaves exposed on this plan, or None."""
