@@ -181,3 +181,79 @@ def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), grow
     con.print(msg)
     if out_dir is not None:
         con.print(f"outputs: {out_dir}/config.yaml, metrics.jsonl, events.jsonl")
+
+
+# -- the standby's lines: what it will build, when it is ready, what it cost -------------------
+
+
+def standby_line(cfg, on: bool, no_worker: str | None, worker, shared: bool,
+                 n_plans: int) -> str:
+    """What the standby does in this run, for the start line: `on` (`config.standby_on`), why
+    no compile worker can build the plans (`no_worker`), the worker (None: a thread builds),
+    whether the job's processes share compiles, how many plans it builds."""
+    given = cfg.standby.enabled
+    if not on:
+        if given is False:
+            return "standby: off (standby.enabled: false): a recovery compiles its new plan"
+        why = (no_worker or "standby.compiler is thread: its compiles would run beside "
+               "the steps, on the training process's threads")
+        return ("standby: off (standby.enabled: auto, on where a compile worker process "
+                "builds the plans, or under launch where the processes share the compiles "
+                f"of the built-in GPT and optimizer; here {why}; --standby or "
+                "standby.enabled: true turns it on): a recovery compiles its new plan")
+    where = (f"in a compile worker process at nice {worker.nice}" if worker is not None
+             else "on a thread of this process")
+    if shared:
+        where += " (each program compiled by one process of the job, loaded by the others)"
+    pause = ("training waits until they are built" if cfg.standby.wait_at_start else
+             "training goes on meanwhile; a 'standby ready' line says when they are built")
+    return (f"standby: building the {n_plans} plans of the likeliest next failures "
+            f"(standby.enabled: {str(given).lower()}) {where}, each program compiled once "
+            f"and loaded for the other device sets; {pause}")
+
+
+def standby_ready_line(head: str, sb, wait_s: float, warm_s: float, map_budget: float) -> str:
+    """The `standby_ready` line: `head`, then what the standby compiler `sb` built and how."""
+    return (f"{head}: {sb.compiled + sb.rebound + sb.loaded} plans built so far "
+            f"({sb.compiled} compiled in {sb.compile_s:.1f}s, "
+            + (f"{sb.loaded} loaded from a compile elsewhere in {sb.load_s:.1f}s, "
+               if sb.loaded else "")
+            + f"{sb.rebound} rebound from them in {sb.rebind_s:.1f}s)"
+            + (f", warmed in {warm_s:.1f}s" if wait_s else "")
+            + (f"; {sb.over_budget} left unbuilt: the process reached standby.map_budget = "
+               f"{map_budget} of its memory-mapping limit, recoveries to them compile"
+               if sb.over_budget else ""))
+
+
+def standby_cost(sb, worker) -> dict | None:
+    """What the background builds cost (the `end` event's `standby`); None without them."""
+    if sb is None:
+        return None
+    return {"compiled": sb.compiled, "rebound": sb.rebound, "loaded": sb.loaded,
+            "compile_s": round(sb.compile_s + sb.rebind_s, 3),
+            "worker_cpu_s": (round(worker.compile_cpu_s, 3) if worker is not None else None)}
+
+
+def standby_cost_line(cost: dict) -> str:
+    """The end's line for `standby_cost`."""
+    return (f"standby: {cost['compiled']} plans compiled, "
+            + (f"{cost['loaded']} loaded from a compile elsewhere, " if cost["loaded"] else "")
+            + f"{cost['rebound']} rebound in the background ({cost['compile_s']:.1f}s of builds"
+            + (f", {cost['worker_cpu_s']:.1f} CPU seconds in the compile worker)"
+               if cost["worker_cpu_s"] is not None else " on a thread of this process)"))
+
+
+def shared_cost(shared) -> dict | None:
+    """This process's part in compiling once per job (`compilation.shared.SharedBuilds`; the
+    `end` event's `shared_compiles`); None where the processes do not share compiles."""
+    if shared is None:
+        return None
+    return {"published": shared.published, "loaded": shared.loaded,
+            "compiled_alone": shared.compiled_alone, "waited_s": round(shared.waited_s, 3)}
+
+
+def shared_cost_line(cost: dict) -> str:
+    """The end's line for `shared_cost`."""
+    return (f"compiled once per job: {cost['published']} programs compiled here for the "
+            f"others, {cost['loaded']} loaded from another process's compile "
+            f"({cost['waited_s']:.1f}s waiting), {cost['compiled_alone']} compiled alone")

@@ -80,7 +80,19 @@ from .recovery import (
     TransitionPlanner,
     host_checksums,
 )
-from .report import Progress, join_line, migration_line, print_summary, recovery_line
+from .report import (
+    Progress,
+    join_line,
+    migration_line,
+    print_summary,
+    recovery_line,
+    shared_cost,
+    shared_cost_line,
+    standby_cost,
+    standby_cost_line,
+    standby_line,
+    standby_ready_line,
+)
 from .rng import check_backend_config
 from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
 from .runtime.base import Runtime
@@ -239,7 +251,6 @@ class Trainer:
         self.ckpt = (
             Checkpointer(cfg.checkpoint, self.rt.processes()) if cfg.checkpoint.dir is not None else None
         )
-        self.dropped_checkpoints: list[int] = []
         self.compiles = CompileCounter()
         # a runtime that admits restarted processes (`admission`) may grow at any step
         grows = (any(e.is_join for e in self.schedule) or grow_standby(cfg)
@@ -586,7 +597,8 @@ class Trainer:
         costs = [FailureCost(**c) for c in costs]
         for c in costs:
             ew.emit(c)
-        shared = self._shared_cost()
+        shared = shared_cost(self.source.shared)
+        standby = standby_cost(self.standby, self.worker)
         ew.emit(EndEvent(
             goodput=goodput,
             step=pos.step,
@@ -599,29 +611,19 @@ class Trainer:
             transfer_plan_errors=self.transitions.errors[:5],
             standby_errors=self.source.errors[:5],
             cutover_pending=ls.cutover is not None,
-            standby=self._standby_cost(),
+            standby=standby,
             notes=notes,
             runtime=self.rt.kind,
             shared_compiles=shared,
             processes=sorted({self.rt.process_of(d) for d in pos.live}),
         ))
-        cost = self._standby_cost()
-        if cost is not None:
-            line = (f"standby: {cost['compiled']} plans compiled, "
-                    + (f"{cost['loaded']} loaded from a compile elsewhere, "
-                       if cost["loaded"] else "")
-                    + f"{cost['rebound']} rebound in the background "
-                    f"({cost['compile_s']:.1f}s of builds"
-                    + (f", {cost['worker_cpu_s']:.1f} CPU seconds in the compile worker)"
-                       if cost["worker_cpu_s"] is not None else " on a thread of this process)"))
+        if standby is not None:
+            line = standby_cost_line(standby)
             self.rt.log(line)
             if self.progress:
                 print(line)
         if shared is not None:
-            self.rt.log(f"compiled once per job: {shared['published']} programs compiled here "
-                        f"for the others, {shared['loaded']} loaded from another process's "
-                        f"compile ({shared['waited_s']:.1f}s waiting), "
-                        f"{shared['compiled_alone']} compiled alone")
+            self.rt.log(shared_cost_line(shared))
         for note in notes:
             self.rt.log(note)
         if self.progress:
@@ -787,7 +789,7 @@ class Trainer:
                     if self.cfg.checkpoint.resume_step is None:
                         exe.compile_init()
                 with self.rt.guard("start/state"):
-                    step, state, saved = self._load_state(exe)
+                    step, state, saved, dropped = self._load_state(exe)
                     self.rt.commit(state)
                 with self.rt.guard("start/verify"):
                     good = self._verify_start(exe, step, state, saved, pool)
@@ -802,16 +804,17 @@ class Trainer:
         self.source.refresh(plan, ahead)
         # the plans it builds: `standby.max_plans` may leave some out (and warns)
         n_ahead = len(ahead) - (self.standby.dropped if self.standby is not None else 0)
-        standby = self.standby_line(n_ahead)
+        standby = standby_line(self.cfg, self.standby_on, self.no_worker, self.worker,
+                               self.source.shared is not None, n_ahead)
         self.rt.log(standby)
         self.transitions.for_failures(pos, pool)
         if self.cfg.standby.wait_at_start:
             self._wait_standby(ew, None)
         for f in failures:
             ew.emit(FailureBeforeStart(sorted(f.devices), f.phase, f.cause, f.report.as_dict()))
-        if self.dropped_checkpoints:  # a checkpoint is never deleted without a word
+        if dropped:  # a checkpoint is never deleted without a word
             msg = (f"resumed from checkpoint {step}: deleted the newer checkpoints "
-                   f"{self.dropped_checkpoints} in {self.ckpt.dir} (they belong to the timeline "
+                   f"{dropped} in {self.ckpt.dir} (they belong to the timeline "
                    "this run abandons; their steps are trained again)")
             ew.emit(WarningEvent("checkpoint.resume_step", msg), f"warning: {msg}")
             if self.rt.writer:
@@ -839,7 +842,7 @@ class Trainer:
                      "compiler": None if not self.standby_on else
                      "process" if self.worker is not None else "thread"},
             resumed_from_checkpoint=step if self.cfg.checkpoint.resume_step is not None else None,
-            dropped_newer_checkpoints=self.dropped_checkpoints,
+            dropped_newer_checkpoints=dropped,
             faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],
         ))
         if self.progress:
@@ -870,24 +873,6 @@ class Trainer:
         self.transitions.wait_idle()  # the likely transitions are planned too
         return time.perf_counter() - t_all
 
-    def _standby_cost(self) -> dict | None:
-        """What the background builds cost (the `end` event's `standby`); None without them."""
-        sb = self.standby
-        if sb is None:
-            return None
-        return {"compiled": sb.compiled, "rebound": sb.rebound, "loaded": sb.loaded,
-                "compile_s": round(sb.compile_s + sb.rebind_s, 3),
-                "worker_cpu_s": (round(self.worker.compile_cpu_s, 3)
-                                 if self.worker is not None else None)}
-
-    def _shared_cost(self) -> dict | None:
-        """This process's part in compiling once per job (the `end` event's `shared_compiles`)."""
-        sh = self.source.shared
-        if sh is None:
-            return None
-        return {"published": sh.published, "loaded": sh.loaded,
-                "compiled_alone": sh.compiled_alone, "waited_s": round(sh.waited_s, 3)}
-
     def _standby_ready(self, ew: Emitter, step: int | None, wait_s: float, warm_s: float,
                        head: str) -> None:
         """The `standby_ready` event and its line: the standby set is built, after `wait_s` of
@@ -896,40 +881,10 @@ class Trainer:
         ew.emit(StandbyReady(step, sb.compiled + sb.rebound + sb.loaded, sb.compiled, sb.rebound,
                              wait_s, sb.compile_s, sb.rebind_s, warm_s, sb.over_budget,
                              sb.loaded, sb.load_s))
-        line = (f"{head}: {sb.compiled + sb.rebound + sb.loaded} plans built so far "
-                f"({sb.compiled} compiled in {sb.compile_s:.1f}s, "
-                + (f"{sb.loaded} loaded from a compile elsewhere in {sb.load_s:.1f}s, "
-                   if sb.loaded else "")
-                + f"{sb.rebound} rebound from them in {sb.rebind_s:.1f}s)"
-                + (f", warmed in {warm_s:.1f}s" if wait_s else "")
-                + (f"; {sb.over_budget} left unbuilt: the process reached standby.map_budget = "
-                   f"{self.cfg.standby.map_budget} of its memory-mapping limit, recoveries to them "
-                   "compile" if sb.over_budget else ""))
+        line = standby_ready_line(head, sb, wait_s, warm_s, self.cfg.standby.map_budget)
         self.rt.log(line)
         if self.progress:
             print(line)
-
-    def standby_line(self, n_plans: int) -> str:
-        """What the standby does in this run, for the start line."""
-        given = self.cfg.standby.enabled
-        if not self.standby_on:
-            if given is False:
-                return "standby: off (standby.enabled: false): a recovery compiles its new plan"
-            why = (self.no_worker or "standby.compiler is thread: its compiles would run beside "
-                   "the steps, on the training process's threads")
-            return (f"standby: off (standby.enabled: auto, on where a compile worker process "
-                    "builds the plans, or under launch where the processes share the compiles "
-                    f"of the built-in GPT and optimizer; here {why}; --standby or "
-                    "standby.enabled: true turns it on): a recovery compiles its new plan")
-        where = (f"in a compile worker process at nice {self.worker.nice}" if self.worker
-                 is not None else "on a thread of this process")
-        if self.source.shared is not None:
-            where += " (each program compiled by one process of the job, loaded by the others)"
-        pause = ("training waits until they are built" if self.cfg.standby.wait_at_start else
-                 "training goes on meanwhile; a 'standby ready' line says when they are built")
-        return (f"standby: building the {n_plans} plans of the likeliest next failures "
-                f"(standby.enabled: {str(given).lower()}) {where}, each program compiled once "
-                f"and loaded for the other device sets; {pause}")
 
     def _protect(self, ls: LoopState) -> None:
         """Prepare for the likely next failures: their plans built in the background (standby)
@@ -939,18 +894,19 @@ class Trainer:
         self.transitions.for_failures(pos, ls.pool)
 
     def _load_state(self, exe: Executables):
-        """(step, state, the checksums it was saved with or None) of a fresh start or a
-        checkpoint resume. The checkpoint's read moves pieces point to point, never by a
-        collective; a fresh state's program was compiled before (`compile_init`)."""
+        """(step, state, the checksums it was saved with or None, the newer checkpoints
+        deleted) of a fresh start or a checkpoint resume. The checkpoint's read moves pieces
+        point to point, never by a collective; a fresh state's program was compiled before
+        (`compile_init`)."""
         rs = self.cfg.checkpoint.resume_step
         if rs is None:
-            return 0, exe.init(), None
+            return 0, exe.init(), None, []
         assert self.ckpt is not None
         step = self.ckpt.resolve(rs)
         state, meta, _ = restore_onto(self.ckpt, step, self.factory, exe, devices=self.rt.devices,
                                       transport=self.rt, threads=self.rt.threads)
-        self.dropped_checkpoints = self.ckpt.drop_after(step)  # said by `_start`
-        return step, state, meta["checksums"]
+        dropped = self.ckpt.drop_after(step)  # said by `_start`
+        return step, state, meta["checksums"], dropped
 
     def _verify_start(self, exe: Executables, step: int, state, saved,
                       pool: SnapshotPool) -> dict[str, str]:
