@@ -72,7 +72,7 @@ from .collectives import (
     renewal_reason,
 )
 from .inprocess import DeviceFailure, FailureReport
-from . import membership
+from . import failures, membership
 from .deathnote import DeathNotes
 from .liveness import Liveness, ProcessExits, Throttle, peer_state
 from .verdict import Barriers, Verdict
@@ -467,75 +467,35 @@ class MultiControllerRuntime:
         self, verdict: Verdict, phase: str, t_block: float, t_err, err,
         t_body: float | None = None
     ) -> DeviceFailure:
+        """The failure `verdict` declared: the dead processes' devices leave the live set, the
+        detectors forget them, and the survivors' report is made (`failures.describe`)."""
         t_known = time.time()
         procs = list(verdict.failed)
         failed = {d for d in self.live if self.devices[d].process_index in procs}
         kills = [kv_float(self.client, f"elasjax/kill/{p}") for p in procs]
         kills = [t for t in kills if t is not None]
-        t_kill = min(kills) if kills else None
-        k2e = t_err - t_kill if (t_kill is not None and t_err is not None) else None
-        k2d = t_known - t_kill if t_kill is not None else None
         seen = [self.liveness.first_silent[p] for p in procs if p in self.liveness.first_silent]
-        k2s = min(seen) - t_kill if (seen and t_kill is not None) else None
+        clocks = failures.Clocks(t_block, t_known, t_err, t_body, min(kills) if kills else None,
+                                 min(seen) if seen else None)
         self.live -= failed
         self.liveness.forget(procs)
         self.exits.forget(procs)
         self.epoch += 1
         self._seq = 0
         self.links.forget(procs)
-        cause = (str(err).splitlines() or [""])[0] if err is not None else ""
-        if err is None:
-            released = "this process was not blocked (its block completed)"
-        elif "Gloo" in cause or "collective" in cause.lower():
-            released = (f"its collective failed after {t_err - t_block:.2f}s (the gloo collective "
-                        f"timeout is {self.rc.collective_timeout_s}s)")
-        else:
-            released = f"its block raised {type(err).__name__} after {t_err - t_block:.2f}s"
-        where = f"the {phase} {verdict.where} barrier"
-        by_exit = set(procs) <= set(verdict.exited)
-        if self._aborted is not None:
-            released += f"; {self._aborted}"
-        if by_exit:  # the kernel said so (here, or on its host): no timeout was needed
-            how = verdict.exit_how
-            noticed = all("notice" in how.get(p, "") for p in procs)
-            detector = "death notice" if noticed else "process exit"
-            detected_by = (f"{detector}: " + ", ".join(
-                f"process {p} exited ({how.get(p, 'pidfd on this host')})" for p in procs)
-                + f" and was absent from {where}; {released}")
-        else:
-            detector = "heartbeat"
-            silent = ", ".join(f"process {p} silent {verdict.silent_s[p]:.2f}s" for p in procs)
-            detected_by = (f"heartbeat: {silent} and absent from {where} "
-                           f"(liveness timeout {verdict.timeout_s:g}s); {released}")
+        report = failures.describe(
+            verdict, procs, phase, err, clocks, aborted=self._aborted,
+            drain_s=self._drained[0] if self._drained else None, incident=self.epoch,
+            collective_timeout_s=self.rc.collective_timeout_s,
+            heartbeat_timeout_s=self.rc.heartbeat_timeout_s)
+        k2d = report.kill_to_detect_s
         # this survivor's kill -> detected time, for the writer's `detection_report`
         self.client.key_value_set(f"elasjax/detect/{self.epoch}/{self.me}", json.dumps(k2d),
                                   allow_overwrite=True)
-        what = ", ".join(f"process {p} " + ("killed (SIGKILL)" if kills else "failed") for p in procs)
-        self.log(
-            f"{phase}: {what} (devices {sorted(failed)}) detected by {detected_by}; kill -> "
-            f"detected {_fmt_s(k2d)}, kill -> silent {_fmt_s(k2s)}, kill -> error {_fmt_s(k2e)}"
-            + (f"; error: {cause[:160]}" if cause else "")
-        )
+        self.log(failures.log_line(report, phase, sorted(failed), bool(kills)))
         return DeviceFailure(
-            failed, phase, detect_s=k2d if k2d is not None else t_known - t_block, cause=what,
-            report=FailureReport(
-                failed_processes=tuple(procs),
-                detected_by=detected_by,
-                detector=detector,
-                kill_to_detect_s=k2d,
-                kill_to_silent_s=k2s,
-                kill_to_error_s=k2e,
-                block_to_error_s=None if t_err is None else t_err - t_block,
-                body_to_error_s=None if t_err is None or t_body is None else t_err - t_body,
-                block_to_detect_s=t_known - t_block,
-                error_cause=cause[:300],
-                interrupted=cause[:160] if err is not None else None,
-                drain_s=self._drained[0] if self._drained else None,
-                incident=self.epoch,
-                collective_timeout_s=self.rc.collective_timeout_s,
-                liveness_timeout_s=verdict.timeout_s,
-                heartbeat_timeout_s=self.rc.heartbeat_timeout_s,
-            ),
+            failed, phase, detect_s=k2d if k2d is not None else t_known - t_block,
+            cause=failures.victims(procs, bool(kills)), report=report,
         )
 
     def detection_report(self, incident: int | None) -> dict:
@@ -779,7 +739,3 @@ class MultiControllerRuntime:
             self.log("heartbeat silences over half the liveness timeout (peer, s, my phase): "
                      + "; ".join(f"{p} {g:.2f} {ph}" for _, p, g, ph in self.liveness.long_gaps))
         self.threads.close()
-
-
-def _fmt_s(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}s"
