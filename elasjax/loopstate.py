@@ -87,7 +87,7 @@ class LoopState:
     standby_building: bool = False
     # the checksums of the newest step read: `pos.state`'s once no step is in flight
     good: dict[str, str] | None = None
-    # dispatched steps whose metrics are not read yet (`Trainer._read`), oldest first
+    # dispatched steps whose metrics are not read yet (`stepping.Stepper.read`), oldest first
     inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
     # what the loop has read: each step's loss, held-out loss and sample digest
     losses: dict[int, float] = dataclasses.field(default_factory=dict)

@@ -258,7 +258,7 @@ def deviation(a: dict[int, float], ref: dict[int, float], steps=None) -> dict[st
 class StepClock:
     """When each dispatched step finished: a thread waits, in dispatch order, for one small
     output of each (`watch`) and notes the time. The loop reads a step's metrics steps later
-    (`Trainer.READ_BEHIND`), and dispatch itself can wait for the step before (XLA:CPU runs one
+    (`stepping.READ_BEHIND`), and dispatch itself can wait for the step before (XLA:CPU runs one
     execution of a multi-device program at a time: a step's call returns before the step ends,
     the next call only once that step is done), so neither the read nor the call says when a
     step ended."""

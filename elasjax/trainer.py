@@ -12,14 +12,14 @@ The loop is the one writer of its state (`loopstate.LoopState`: where training s
 snapshot pool, the pending cut-over, the run's record); its collaborators are given what they
 need and return what they did: `ExecutableSource` (executables, the standby set),
 `Contingencies` (the plans after the likely next failures), `TransitionPlanner` (transfers
-planned ahead), `Recoverer`, `Cutovers` (growth and cut-over), `Admissions` (rejoins).
+planned ahead), `Recoverer`, `Cutovers` (growth and cut-over), `Admissions` (rejoins), `Stepper`
+(a step's batch, dispatch and metrics).
 
-The host never waits for the step it has just dispatched: a step's metrics (loss, gradient norm,
-and the checksums of the state it produced) are read `READ_BEHIND` steps late, after the next
-steps are dispatched, so the devices stay busy while the host prepares the next batches. Steps
-that need the values at once are read at once: the first step after a recovery (its time is part of the
-MTTR), evaluation and checkpoint steps, and the last step. Recovery first reads the step in
-flight, so it always verifies against the checksums of the exact state it rebuilds.
+A step's metrics are read `stepping.READ_BEHIND` steps late, so the devices stay busy while the
+host prepares the next batches; steps that need the values at once are read at once: the first
+step after a recovery (its time is part of the MTTR), evaluation and checkpoint steps, and the
+last step. Recovery first reads the step in flight, so it always verifies against the checksums
+of the exact state it rebuilds.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from .counters import CompileCounter
@@ -94,7 +93,8 @@ from .report import (
     standby_ready_line,
 )
 from .rng import check_backend_config
-from .runtime.inprocess import DeviceFailure, InProcessRuntime, host_values
+from .stepping import READ_BEHIND, InFlight, Stepper
+from .runtime.inprocess import DeviceFailure, InProcessRuntime
 from .runtime.base import Runtime
 from .state import StateFactory, check_elementwise, choose_optimizer
 from .tensorboard import TensorBoardWriter
@@ -174,31 +174,12 @@ def donation(cfg: Config, rt) -> tuple[bool, bool]:
     return donate, threaded
 
 
-@dataclasses.dataclass
-class _InFlight:
-    """A dispatched step whose metrics have not been read yet."""
-
-    step: int
-    plan: Plan
-    met: dict
-    t0: float
-    keys: list  # the checksum rows' keys
-    processed: int
-    digest: str
-    redo: bool
-    evals: list | None = None
-    tokens: float = 0.0  # the step's loss normaliser: its real samples' counts (GPT: tokens)
-    seq: int | None = None  # its number for the step clock (`metrics.StepClock`), if watched
-
-
 class UnprotectedStateWarning(UserWarning):
     """The run opted out of snapshots and its plan holds state that one failure can lose."""
 
 
 class Trainer:
     """Trains `cfg` on `runtime` (default: this process's devices, simulated failures)."""
-
-    READ_BEHIND = 2  # steps the host may dispatch before it reads the oldest one's metrics
 
     def __init__(
         self,
@@ -288,6 +269,7 @@ class Trainer:
         self._t_run = 0.0
         self.loop: LoopState | None = None  # the run's loop state, once it runs
         self.clock = StepClock()  # when each step finished (read later)
+        self.steps = Stepper(cfg, self.rt, self.data, self.initial, self.clock)
         self._gc_held = False  # the collector is off for a recovery (`_hold_gc`)
 
     @property
@@ -470,7 +452,7 @@ class Trainer:
                 f"abandoned, its compile failed: {abandoned.errors}"))
         if not due_now:
             return False
-        self._flush(ls, mw, ew.display)
+        self.steps.flush(ls, mw, ew)
         done = self.cutovers.cutover(ls.verified(), ls.pool, ls.cutover)
         ls.pos, ls.pool, ls.cutover, mig = done.pos, done.pool, done.pending, done.event
         ls.transfer_logs.append(done.log)
@@ -482,7 +464,7 @@ class Trainer:
         ls.stand_on(ls.pos.plan)
         return True
 
-    def _step(self, ls: LoopState, step: int, cutover_now: bool) -> tuple[Any, _InFlight]:
+    def _step(self, ls: LoopState, step: int, cutover_now: bool) -> tuple[Any, InFlight]:
         """Inject this step's scheduled faults, then dispatch it (inside the step's guard)."""
         pos = ls.pos
         due = [e for e in ls.pending if e.at_step == step and e.phase == "step"
@@ -495,7 +477,7 @@ class Trainer:
             # (the pool's buffers only when a fault is due: reading them waits for the snapshot
             # under way, which otherwise runs beside the next step)
             self.rt.inject(due, "before_step", [pos.state, ls.pool.device_buffers()] if due else [])
-            new_state, flight = self._dispatch(ls, due, redo=step < ls.redo_until)
+            new_state, flight = self.steps.dispatch(ls, due, step < ls.redo_until, self._t_run)
         ls.pending = [e for e in ls.pending if e not in due]
         return new_state, flight
 
@@ -506,7 +488,7 @@ class Trainer:
         t_failed = time.perf_counter() - failure.detect_s
         self._hold_gc()
         ls.pool.abort(step + 1)  # that step's snapshot, if it was taken
-        self._flush(ls, mw, self.emit.display)  # the checksums of the state recovery rebuilds
+        self.steps.flush(ls, mw, self.emit)  # the checksums of the state recovery rebuilds
         pos = ls.verified()
         during = [e for e in ls.pending if e.at_step == step and e.phase == "recovery"]
         unfinished = ls.open_event  # a recovery whose first step just failed
@@ -544,18 +526,18 @@ class Trainer:
         ls.redo_until = max(ls.redo_until, step)
         ls.stand_on(ls.pos.plan)
 
-    def _after_step(self, ls: LoopState, step: int, new_state, flight: _InFlight,
+    def _after_step(self, ls: LoopState, step: int, new_state, flight: InFlight,
                     mw: JsonlWriter, ew: Emitter) -> None:
         """The step was dispatched: read the oldest steps' metrics, close a recovery at its first
         good step, refresh the standby after one, checkpoint when due."""
         T = self.cfg.train.steps
         pos = ls.pos = dataclasses.replace(ls.pos, step=step + 1, state=new_state, good=None)
         ls.inflight.append(flight)
-        while len(ls.inflight) > self.READ_BEHIND:  # the oldest has finished by now
-            self._read(ls, ls.inflight.popleft(), mw, ew.display)
+        while len(ls.inflight) > READ_BEHIND:  # the oldest has finished by now
+            self.steps.read(ls, ls.inflight.popleft(), mw, ew)
         if (self.rt.step_sync or ls.open_event is not None or flight.evals is not None
                 or pos.step == T or (self.ckpt is not None and self.ckpt.due(pos.step))):
-            self._flush(ls, mw, ew.display)
+            self.steps.flush(ls, mw, ew)
         if ls.open_event is not None:
             self._close_recovery(ls, ew)
         elif ls.protect_due:
@@ -563,7 +545,7 @@ class Trainer:
             ls.protect_due = False
             ls.standby_building = self.standby_on
             if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
-                self._flush(ls, mw, ew.display)
+                self.steps.flush(ls, mw, ew)
                 ls.timeline.pause(self._wait_standby(ew, pos.step))
                 ls.standby_building = False
         elif ls.standby_building and self.standby.wait_all(timeout=0):
@@ -589,7 +571,7 @@ class Trainer:
     def _finish(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> RunSummary:
         """The last reads, the failures' costs, the `end` event, the printed summary."""
         T, pos = self.cfg.train.steps, ls.pos
-        self._flush(ls, mw, ew.display)
+        self.steps.flush(ls, mw, ew)
         ls.pool.complete()  # the last step's snapshot, taken beside the loop, is filed
         notes = self._end_notes(ls)
         costs, goodput = failure_costs(
@@ -679,90 +661,6 @@ class Trainer:
         if self._gc_held:
             self._gc_held = False
             gc.enable()
-
-    def _dispatch(self, ls: LoopState, due, redo: bool) -> tuple[Any, _InFlight]:
-        """Run one step on `ls.pos` (inside the step's guard): batch, train, snapshot,
-        evaluation."""
-        pos = ls.pos
-        step, plan, exe = pos.step, pos.plan, pos.exe
-        _, idx = self.data.step_ids(step)
-        host_batch = self._batch(step, plan, pos.kept)
-        t0 = time.perf_counter()
-        if not ls.timeline.startup_s:
-            ls.timeline.startup_s = t0 - self._t_run
-        batch = exe.put_batch(host_batch.arrays())
-        new_state, met = exe.train(pos.state, batch)
-        seq = None
-        if not self.rt.step_sync:  # (there a step has finished when it is read)
-            ls.seq += 1
-            seq = ls.seq
-            self.clock.watch(seq, met["loss"])
-        exe.runs += 1
-        for x in jax.tree.leaves(met):  # queued now, right behind the step: read later without
-            x.copy_to_host_async()  # waiting for the steps dispatched after it
-        self.rt.inject(due, "after_dispatch")
-        ls.pool.take(new_state, step + 1)
-        evals = None
-        every = self.cfg.train.eval_every
-        if every and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps):
-            evals = self._eval(exe, plan, pos.kept, new_state)
-        # a runtime whose steps complete in their guard waits for the snapshot's copies too; the
-        # others leave them running beside the next step
-        self.rt.commit((new_state, met, evals, ls.pool.in_flight() if self.rt.step_sync else ()))
-        processed = int((host_batch.weights > 0).sum())
-        flight = _InFlight(
-            step, plan, met, t0, exe.layout.checksum_keys, processed, DataPipeline.digest(idx),
-            redo, evals, float((host_batch.counts * host_batch.weights).sum()), seq,
-        )
-        return new_state, flight
-
-    def _flush(self, ls: LoopState, mw: JsonlWriter, bar: Progress) -> None:
-        """Read the steps in flight and log them."""
-        while ls.inflight:
-            self._read(ls, ls.inflight.popleft(), mw, bar)
-
-    def _read(self, ls: LoopState, f: _InFlight, mw: JsonlWriter, bar: Progress) -> None:
-        scalars = host_values(
-            self.rt, (f.met["loss"], f.met["grad_norm"], f.met["checksums"], f.evals),
-            f.plan.device_ids,
-        )
-        loss, gnorm = float(scalars[0]), float(scalars[1])
-        ls.good = checksum.rows_to_host(f.keys, scalars[2])
-        # a step's time: from its dispatch (or the end of the step before) to when it had run
-        t_read = time.perf_counter()
-        t_done = self.clock.finished(f.seq) if f.seq is not None else None
-        t_done = t_read if t_done is None else min(t_done, t_read)
-        dt = t_done - max(f.t0, ls.t_done)
-        if not ls.losses:
-            ls.t_first_done = t_done
-        ls.t_done = t_done
-        ls.timeline.step(f.plan.name, dt, f.redo)
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {f.step}")
-        ls.losses[f.step] = loss
-        ls.digests[f.step] = f.digest
-        rec = {
-            "step": f.step,
-            "loss": loss,
-            "global_batch": f.processed,
-            "tokens": int(round(f.tokens)),
-            "n_devices": f.plan.n_devices,
-            "n_processes": len({self.rt.process_of(d) for d in f.plan.device_ids}),
-            "plan": f.plan.name,
-            "step_time_s": dt,
-            "grad_norm": gnorm,
-            "batch_digest": f.digest,
-        }
-        if f.redo:
-            rec["redo"] = True
-        if f.evals is not None:
-            tot = sum(float(t) for t, _ in scalars[3])
-            n = sum(float(c) for _, c in scalars[3])
-            ls.evals[f.step] = rec["eval_loss"] = tot / n
-        mw.write(rec)
-        bar.update(f.step + 1, loss, f.plan)
-        self.rt.log(f"step {f.step}: loss {loss:.6f} on {f.plan.name} ({dt:.3f}s)")
-        self.emit.step(rec)
 
     # -- start ----------------------------------------------------------------------------------
 
@@ -924,28 +822,6 @@ class Trainer:
         self.rt.commit(pool.in_flight())
         return good
 
-    def _eval(self, exe: Executables, plan: Plan, kept, state) -> list:
-        """Held-out loss of `state`: the per-batch (sum, count) arrays, read later."""
-        out = []
-        for i in range(self.cfg.train.eval_batches):
-            hb = self._subset(self.data.eval_batch(i, self._layout_plan(plan, kept)), kept)
-            out.append(exe.eval(state.params, exe.put_batch(hb.arrays())))
-        return out
-
-    # -- batches (torchft_like processes only the surviving replicas' share) ---------------------
-
-    def _layout_plan(self, plan: Plan, kept) -> Plan:
-        return self.initial if kept is not None else plan
-
-    def _subset(self, hb, kept):
-        """Keep the columns of the `kept` replicas of the initial layout (torchft_like)."""
-        if kept is None:
-            return hb
-        b = self.initial.micro_batch
-        return hb.columns(np.concatenate([np.arange(r * b, (r + 1) * b) for r in kept]))
-
-    def _batch(self, step: int, plan: Plan, kept):
-        return self._subset(self.data.batch(step, self._layout_plan(plan, kept)), kept)
 
 
 def run(

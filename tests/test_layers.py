@@ -17,7 +17,8 @@ LAYERS = [
     ("layout and step", ["pipeline", "state", "step"]),
     ("runtime", ["faults", "runtime"]),
     ("compile", ["compilation"]),
-    ("loop", ["recovery", "loopstate", "cutover", "admission", "trainer", "elastic", "report", "tensorboard"]),
+    ("loop", ["recovery", "loopstate", "stepping", "cutover", "admission", "trainer", "elastic",
+              "report", "tensorboard"]),
     ("entry points", ["", "cli", "launch", "supervisor", "bench", "sim", "compare", "reference"]),
 ]
 
