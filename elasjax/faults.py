@@ -156,85 +156,8 @@ def resolve_schedule(
         if f.stall_process >= 0:
             events.append(_resolve_stall(f, key, topo, runtime))
             continue
-        hosts: tuple[int, ...] = ()
-        if runtime == MULTI_CONTROLLER and (f.devices or f.count):
-            raise ConfigError(
-                f"config '{key}' fails {'devices' if f.devices else 'random devices'}; under "
-                "`elasjax launch` a failure is a process (a host): use 'kill_process' (or "
-                "--kill STEP:PROCESS) or 'hosts'"
-            )
-        if f.kill_process >= 0:
-            if runtime != MULTI_CONTROLLER:
-                raise ConfigError(
-                    f"config '{key}.kill_process' needs real processes: run the config with "
-                    "`elasjax launch --processes P ...`, which kills that process; `elasjax "
-                    "train` simulates device failures in one process (use 'devices', 'hosts' or "
-                    "'count')"
-                )
-            if not 0 <= f.kill_process < topo.n_hosts:
-                raise ConfigError(
-                    f"config '{key}.kill_process' = {f.kill_process}: process {f.kill_process} "
-                    f"does not exist; allowed values: 0 .. {topo.n_hosts - 1}"
-                )
-        if f.devices:
-            for d in f.devices:
-                if d not in topo.device_ids:
-                    raise ConfigError(
-                        f"config '{key}.devices' names device {d}, which does not exist; allowed "
-                        f"values: {list(topo.device_ids)}"
-                    )
-                if d not in live:
-                    raise ConfigError(
-                        f"config '{key}.devices': device {d} has already failed"
-                        + (f" (the {taken[d]})" if d in taken else "")
-                    )
-            ids, kind, spec = tuple(f.devices), "devices", f"devices {list(f.devices)}"
-        elif f.hosts or f.kill_process >= 0:
-            hosts = tuple(f.hosts) if f.hosts else (f.kill_process,)
-            what = "hosts" if f.hosts else "kill_process"
-            ids = []
-            for h in hosts:
-                if not 0 <= h < topo.n_hosts:
-                    raise ConfigError(
-                        f"config '{key}.hosts' names host {h}, which does not exist; allowed "
-                        f"values: 0 .. {topo.n_hosts - 1} (parallel.devices_per_host = "
-                        f"{topo.devices_per_host})"
-                    )
-                alive = [d for d in topo.host_devices(h) if d in live]
-                if not alive:
-                    by = sorted({taken[d] for d in topo.host_devices(h) if d in taken})
-                    raise ConfigError(
-                        f"config '{key}.{what}': {'process' if f.kill_process >= 0 else 'host'} "
-                        f"{h} has already failed" + (f" (the {'; the '.join(by)})" if by else "")
-                    )
-                ids += alive
-            if runtime == MULTI_CONTROLLER:
-                kind, spec = "process", ", ".join(f"process {h}" for h in hosts)
-            else:
-                kind, spec = "hosts", f"hosts {list(hosts)}"
-            ids = tuple(ids)
-        else:
-            if f.count > len(live):
-                raise ConfigError(
-                    f"config '{key}.count' = {f.count} exceeds the {len(live)} devices alive at "
-                    f"step {f.at_step}"
-                )
-            pick = np.random.default_rng(f.seed).choice(len(live), size=f.count, replace=False)
-            ids = tuple(sorted(live[j] for j in pick))
-            kind, spec = "random", f"count {f.count} seed {f.seed}"
-        if f.phase == "cutover" and runtime == MULTI_CONTROLLER:
-            raise ConfigError(
-                f"config '{key}.phase' = 'cutover' is not available under `elasjax launch` (a "
-                "process is killed at a step, not at an event); allowed values: 'step', 'recovery'"
-            )
-        if f.phase == "recovery" and not any(
-            e.at_step == f.at_step and e.phase == "step" and not e.is_join for e in events
-        ):
-            raise ConfigError(
-                f"config '{key}.phase' = 'recovery' needs a failure with phase 'step' at the same "
-                f"step ({f.at_step}) before it in 'faults': that failure starts the recovery this "
-                "one interrupts"
-            )
+        ids, kind, spec, hosts = _resolve_targets(f, key, topo, live, taken, runtime)
+        _check_phase(f, key, events, runtime)
         restarted = kind == "process" and 0 < len(hosts) <= restarts_left[0]
         if restarted:  # started again: its devices return (`elasjax.admission`)
             restarts_left[0] -= len(hosts)
@@ -258,6 +181,99 @@ def resolve_schedule(
     for pr in procs:
         pr.annotate(events)
     return events
+
+
+def _resolve_targets(f: FaultConfig, key: str, topo: Topology, live: list[int],
+                     taken: dict[int, str], runtime: str
+                     ) -> tuple[tuple[int, ...], str, str, tuple[int, ...]]:
+    """(devices, kind, spec, hosts) of the scripted failure `f` (`faults[i]`, `key`) among the
+    `live` devices at its step; `taken`: which earlier failure took each dead device (for the
+    message when `f` names one again)."""
+    hosts: tuple[int, ...] = ()
+    if runtime == MULTI_CONTROLLER and (f.devices or f.count):
+        raise ConfigError(
+            f"config '{key}' fails {'devices' if f.devices else 'random devices'}; under "
+            "`elasjax launch` a failure is a process (a host): use 'kill_process' (or "
+            "--kill STEP:PROCESS) or 'hosts'"
+        )
+    if f.kill_process >= 0:
+        if runtime != MULTI_CONTROLLER:
+            raise ConfigError(
+                f"config '{key}.kill_process' needs real processes: run the config with "
+                "`elasjax launch --processes P ...`, which kills that process; `elasjax "
+                "train` simulates device failures in one process (use 'devices', 'hosts' or "
+                "'count')"
+            )
+        if not 0 <= f.kill_process < topo.n_hosts:
+            raise ConfigError(
+                f"config '{key}.kill_process' = {f.kill_process}: process {f.kill_process} "
+                f"does not exist; allowed values: 0 .. {topo.n_hosts - 1}"
+            )
+    if f.devices:
+        for d in f.devices:
+            if d not in topo.device_ids:
+                raise ConfigError(
+                    f"config '{key}.devices' names device {d}, which does not exist; allowed "
+                    f"values: {list(topo.device_ids)}"
+                )
+            if d not in live:
+                raise ConfigError(
+                    f"config '{key}.devices': device {d} has already failed"
+                    + (f" (the {taken[d]})" if d in taken else "")
+                )
+        ids, kind, spec = tuple(f.devices), "devices", f"devices {list(f.devices)}"
+    elif f.hosts or f.kill_process >= 0:
+        hosts = tuple(f.hosts) if f.hosts else (f.kill_process,)
+        what = "hosts" if f.hosts else "kill_process"
+        ids = []
+        for h in hosts:
+            if not 0 <= h < topo.n_hosts:
+                raise ConfigError(
+                    f"config '{key}.hosts' names host {h}, which does not exist; allowed "
+                    f"values: 0 .. {topo.n_hosts - 1} (parallel.devices_per_host = "
+                    f"{topo.devices_per_host})"
+                )
+            alive = [d for d in topo.host_devices(h) if d in live]
+            if not alive:
+                by = sorted({taken[d] for d in topo.host_devices(h) if d in taken})
+                raise ConfigError(
+                    f"config '{key}.{what}': {'process' if f.kill_process >= 0 else 'host'} "
+                    f"{h} has already failed" + (f" (the {'; the '.join(by)})" if by else "")
+                )
+            ids += alive
+        if runtime == MULTI_CONTROLLER:
+            kind, spec = "process", ", ".join(f"process {h}" for h in hosts)
+        else:
+            kind, spec = "hosts", f"hosts {list(hosts)}"
+        ids = tuple(ids)
+    else:
+        if f.count > len(live):
+            raise ConfigError(
+                f"config '{key}.count' = {f.count} exceeds the {len(live)} devices alive at "
+                f"step {f.at_step}"
+            )
+        pick = np.random.default_rng(f.seed).choice(len(live), size=f.count, replace=False)
+        ids = tuple(sorted(live[j] for j in pick))
+        kind, spec = "random", f"count {f.count} seed {f.seed}"
+    return ids, kind, spec, hosts
+
+
+def _check_phase(f: FaultConfig, key: str, events: list[FaultEvent], runtime: str) -> None:
+    """`f.phase` is possible: a cut-over's only in one process; a recovery's only after a step's
+    failure at the same step (`events`: those before `f`)."""
+    if f.phase == "cutover" and runtime == MULTI_CONTROLLER:
+        raise ConfigError(
+            f"config '{key}.phase' = 'cutover' is not available under `elasjax launch` (a "
+            "process is killed at a step, not at an event); allowed values: 'step', 'recovery'"
+        )
+    if f.phase == "recovery" and not any(
+        e.at_step == f.at_step and e.phase == "step" and not e.is_join for e in events
+    ):
+        raise ConfigError(
+            f"config '{key}.phase' = 'recovery' needs a failure with phase 'step' at the same "
+            f"step ({f.at_step}) before it in 'faults': that failure starts the recovery this "
+            "one interrupts"
+        )
 
 
 class _MtbfProcess:
