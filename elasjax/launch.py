@@ -315,8 +315,17 @@ def launch_local(
         slow,
     )
     t_start = time.time()
-    deadline = t_start + timeout_s
     sup = SupervisorLog(out, t_start) if policy.enabled else None
+    attempts = _attempts(job, overrides, kills, cfg, t_start + timeout_s, quiet, policy, sup,
+                         kill_coordinator, worker_restarts)
+    return _report_launch(attempts, sup, policy, cfg, out, t_start, quiet)
+
+
+def _attempts(job: _Job, overrides: list[str], kills: Sequence[KillSpec], cfg, deadline: float,
+              quiet: bool, policy: RestartPolicy, sup: SupervisorLog | None,
+              kill_coordinator: int | None, worker_restarts: int) -> list[_Attempt]:
+    """Run the job until it ends, and, supervised (`sup`), again as a new job from its newest
+    checkpoint while `policy` and the `deadline` allow; every attempt, in order."""
     attempts: list[_Attempt] = []
     run_overrides, run_kills, run_cfg = list(overrides), list(kills), cfg
     while True:
@@ -348,6 +357,13 @@ def launch_local(
             break
         run_kills = []  # the schedule, kills included, is in the `faults` override now
         time.sleep(delay)
+    return attempts
+
+
+def _report_launch(attempts: list[_Attempt], sup: SupervisorLog | None, policy: RestartPolicy,
+                   cfg, out: Path, t_start: float, quiet: bool) -> int:
+    """The launch's record (`launch.json`, the supervisor's end) and its last lines; the exit
+    code (`launch_local`)."""
     last = attempts[-1]
     summary = last.summary(time.time() - t_start)
     if sup is not None:
