@@ -269,9 +269,8 @@ def _launch(args) -> int:
     return launch.worker_main(args)  # the one worker entry point
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="elasjax", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def _add_train(sub) -> None:
+    """`elasjax train`: one process, failures simulated."""
     t = sub.add_parser("train", help="train with the config's fault schedule")
     t.add_argument("config")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.steps=10")
@@ -292,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         "lasts as long as building those plans (figures for configs/demo.yaml: "
         "experiments/RESULTS.md)",
     )
+
+
+def _add_plan(sub) -> None:
+    """`elasjax plan`: the planner's choice, after failures, and what the state survives."""
     p = sub.add_parser("plan", help="print the plan for N devices and after failures")
     p.add_argument("config")
     p.add_argument("--devices", type=int, default=None,
@@ -304,16 +307,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="which single and double device and host failures the committed state "
                    "survives on the plan (and on the plan after --fail), with the config's "
                    "snapshot settings; from shapes and shardings, nothing is compiled")
+
+
+def _add_compare(sub) -> None:
+    """`elasjax compare`: a run against a reference run."""
     c = sub.add_parser("compare", help="loss deviation of a run against a reference run")
     c.add_argument("run")
     c.add_argument("reference")
     c.add_argument("--common-steps", action="store_true",
                    help="runs that logged different steps: compare the steps both logged "
                    "(otherwise refused)")
+
+
+def _add_sim(sub) -> None:
+    """`elasjax sim`: the cluster-scale simulator."""
     s = sub.add_parser("sim", help="cluster-scale simulator (pure numpy; results are simulated)")
     s.add_argument("config")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     s.add_argument("--out", default=None, help="write tables.md, results.json and plots here")
+
+
+def _add_launch(sub) -> None:
+    """`elasjax launch`: one process per host, real deaths."""
     m = sub.add_parser(
         "launch", help="train as P processes on jax.distributed; survive killed processes"
     )
@@ -370,7 +385,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="local launch: kill every process after this many seconds (restarts "
                    "included)")
     m.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `elasjax` command line: one subcommand per `_add_*`."""
+    ap = argparse.ArgumentParser(prog="elasjax", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for add in (_add_train, _add_plan, _add_compare, _add_sim, _add_launch):
+        add(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.cmd == "launch":  # before anything creates a JAX backend in this process
         from .config import ConfigError
         from .runtime.multicontroller import RejoinUnsupportedError
