@@ -434,14 +434,19 @@ def _leaf_checksums(mesh: Mesh, specs: tuple):
 
 
 # `shard_checksums`' compiled functions, by what they depend on: a recovery's new pool finds the
-# one the standby compiled for its plan (`SnapshotPool.prepare`) instead of compiling it. Each
-# entry is (function, its serialized source, the device ids that source names): a function loaded
-# by `rebind_checksums` keeps the form it was loaded from, since XLA:CPU cannot serialize a loaded
-# executable again (run, the copy fails: "Function add_multiply_fusion.1 not found"); None: not
-# serialized yet; False: loaded by JAX's persistent compilation cache, so never serializable
+# one the standby compiled for its plan (`snapshot.prepare_checksums`) instead of compiling it.
+# Each entry is (function, its serialized source, the device ids that source names): a function
+# loaded by `rebind_checksums` keeps the form it was loaded from, since XLA:CPU cannot serialize a
+# loaded executable again (run, the copy fails: "Function add_multiply_fusion.1 not found"); None:
+# not serialized yet; False: loaded by JAX's persistent compilation cache, so never serializable.
+# The standby prepares one per plan it builds and a rebind copies every one kept for the old mesh,
+# so the bound must hold a standby set and more: an entry evicted before its recovery is compiled
+# on that recovery's path (16 made tests/test_standby_baselines.py::
+# test_a_standby_hit_compiles_nothing_for_its_first_snapshot compile once after test_zero_train.py
+# in one process, whose entries on the same mesh the rebinds copied too)
 _COMPILED: OrderedDict = OrderedDict()
 _COMPILED_LOCK = threading.Lock()
-COMPILED_KEPT = 16
+COMPILED_KEPT = 64
 
 
 def _keep(key, entry) -> None:
