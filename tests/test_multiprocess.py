@@ -47,7 +47,7 @@ import jax
 import numpy as np
 import pytest
 from jax.errors import JaxRuntimeError
-from conftest import PIPE, TINY, optimised_compiles, tiny_config
+from conftest import PIPE, TINY, deaths, optimised_compiles, tiny_config
 
 from elasjax import planner, trainer
 from elasjax.config import ConfigError
@@ -518,7 +518,7 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     assert [r["n_devices"] for r in metrics] == [8] * 4 + [6] * (STEPS - 4)
     assert [r["n_processes"] for r in metrics] == [4] * 4 + [3] * (STEPS - 4)
     events = read_jsonl(out / "events.jsonl")
-    (ev,) = [e for e in events if e["type"] == "recovery"]
+    (ev,) = deaths(events)
     assert RECOVERY_FIELDS <= set(ev)
     assert ev["runtime"] == "multi-controller" and ev["failure_simulation"].startswith("real")
     assert ev["step"] == 4 and ev["failed_processes"] == [2] and ev["verified"]
@@ -570,7 +570,7 @@ def test_launch_standby_makes_a_sigkill_a_standby_hit(reference, tmp_path):
     _assert_matches(read_jsonl(out / "metrics.jsonl"), reference)
     events = read_jsonl(out / "events.jsonl")
     assert any(e["type"] == "standby_ready" for e in events)
-    (ev,) = [e for e in events if e["type"] == "recovery"]
+    (ev,) = deaths(events)
     assert ev["step"] == 4 and ev["failed_processes"] == [2] and ev["verified"]
     assert ev["standby_hit"] and ev["compiles"] == 0, ev
 
@@ -599,7 +599,7 @@ def test_a_users_lamb_survives_a_sigkill_with_its_fault_free_computation(exe_cac
     events = read_jsonl(out / "events.jsonl")
     (start,) = [e for e in events if e["type"] == "start"]
     assert start["optimizer"] == "user_optim:lamb"
-    (ev,) = [e for e in events if e["type"] == "recovery"]
+    (ev,) = deaths(events)
     assert ev["step"] == 4 and ev["failed_processes"] == [2] and ev["verified"]
     assert [r["n_devices"] for r in metrics] == [8] * 4 + [6] * (STEPS - 4)
 
@@ -655,7 +655,7 @@ def test_zero_partitions_come_back_from_buddies_across_a_kill_during_recovery(ze
     )
     assert rc == 0, stdout
     assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0, 3: "SIGKILL"}
-    (ev,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "recovery"]
+    (ev,) = deaths(read_jsonl(out / "events.jsonl"))
     assert ev["attempts"] == 2 and ev["failed_processes"] == [1, 3] and ev["verified"]
     assert ev["failed_phases"][0] == "step" and ev["failed_phases"][1].startswith("recovery/")
     assert ev["rung"] == "buddy" and "buddy" in ev["rungs"]
@@ -703,7 +703,7 @@ def test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size(
         assert rel <= LOSS_RTOL, f"step {s}: loss {r['loss']} vs the fault-free run (rel {rel:.2e})"
     assert [r["n_devices"] for r in metrics] == [4] * 6
     assert [r["n_processes"] for r in metrics] == [2] * 6
-    (ev,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "recovery"]
+    (ev,) = deaths(read_jsonl(out / "events.jsonl"))
     assert ev["step"] == 3 and ev["failed_processes"] == [1] and ev["verified"]
     assert ev["spare_took_over"] == [2] and ev["from_n_devices"] == ev["to_n_devices"] == 4
     assert ev["from_plan"] == "d2t2m2b8+2spare" and ev["to_plan"] == "d2t2m2b8"
@@ -750,7 +750,7 @@ def _assert_process_0_survived(out: Path, stdout: str, reference) -> dict:
     _assert_matches(metrics, reference)  # every step once, though the writer changed
     assert [r["n_processes"] for r in metrics] == [4] * 4 + [3] * (STEPS - 4)
     events = read_jsonl(out / "events.jsonl")
-    (ev,) = [e for e in events if e["type"] == "recovery"]
+    (ev,) = deaths(events)
     assert ev["step"] == 4 and ev["failed_processes"] == [0] and ev["verified"]
     assert [e["type"] for e in events][0] == "start" and events[-1]["type"] == "end"
     assert events[-1]["processes"] == [1, 2, 3]
@@ -849,7 +849,7 @@ def test_a_killed_process_is_restarted_rejoins_and_the_job_grows_back(rejoin_ref
     assert growths and all(g["verified"] for g in growths)
     assert growths[0]["from_n_devices"] == 2 and growths[0]["n_devices"] == 4
     assert join["step"] <= growths[0]["step"] == back
-    recs = [e for e in events if e["type"] == "recovery"]
+    recs = deaths(events)
     assert [(r["step"], r["failed_processes"]) for r in recs] == [(4, [0]), (18, [1])]
     assert all(r["verified"] for r in recs)
     # the end, written by the rejoined process: the whole run's view
@@ -1043,7 +1043,7 @@ def _reference(exe_cache, *overrides: str):
 
 
 def _recovery(out) -> dict:
-    (ev,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "recovery"]
+    (ev,) = deaths(read_jsonl(out / "events.jsonl"))
     return ev
 
 

@@ -12,6 +12,7 @@ import elasjax
 from elasjax import config
 
 from user_models import CLASSES, DIM, SPEC, _data  # noqa: E402  (registers test-mlp)
+from conftest import deaths  # noqa: E402
 
 BASE = [
     "model.type=test-mlp", "train.steps=8", "train.global_batch=24", "train.microbatches=2",
@@ -240,7 +241,7 @@ def test_a_registered_model_survives_a_real_process_kill_under_launch(tmp_path, 
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    (ev,) = [e for e in events if e["type"] == "recovery"]
+    (ev,) = deaths(events)
     assert ev["failed_processes"] == [1] and ev["verified"] and ev["runtime"] == "multi-controller"
     assert [m["n_devices"] for m in metrics] == [6] * 3 + [4] * 3
     ref = elasjax.run(config.load(None, [*sets[:-4], "parallel.devices=6", "parallel.data=-1",
