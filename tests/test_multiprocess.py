@@ -307,6 +307,31 @@ def test_every_interrupted_block_renews_the_client_and_an_entry_barrier_failure_
         RuntimeConfig("h:1", 2, 0, renew_collectives="sometimes")
 
 
+def test_a_failed_gloo_rendezvous_names_the_ranks_that_never_published():
+    """`collectives.rendezvous_note`, logged where a block failed in gloo's communicator creation:
+    per clique, the ranks whose address is in the coordination service, the missing ones named
+    (the process that never entered that creation); None for other errors and unreadable
+    stores."""
+    from elasjax.runtime.collectives import rendezvous_note
+
+    class Store:
+        def key_value_dir_get(self, d):
+            assert d == "cpu:gloo/"
+            return [("cpu:gloo/0,1,2048,2049/0", "a"), ("cpu:gloo/0,1,2048,2049/1", "b"),
+                    ("cpu:gloo/0,2048/0", "c"), ("cpu:gloo/0,2048/1", "d")]
+
+    class Broken:
+        def key_value_dir_get(self, d):
+            raise RuntimeError("UNAVAILABLE")
+
+    err = RuntimeError("UNKNOWN: Gloo context initialization failed: [pair.h:311] Connect timeout")
+    assert rendezvous_note(Store(), err) == (
+        "gloo rendezvous keys published: [0,1,2048,2049] 2/4 (missing ranks [2, 3]); "
+        "[0,2048] 2/2")
+    assert rendezvous_note(Store(), RuntimeError("Gloo all-reduce failed: Timed out")) is None
+    assert rendezvous_note(Broken(), err) is None
+
+
 def test_a_drain_waits_for_every_array_and_ignores_their_errors():
     """`collectives.drain` waits for each array, the failed ones too, and counts them."""
     from elasjax.runtime.collectives import drain

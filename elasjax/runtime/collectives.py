@@ -147,6 +147,36 @@ def renew_cpu_client(client, live: Iterable[int], generation: int, writer: bool,
     return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 
 
+CONTEXT_FAILED = "Gloo context initialization failed"
+
+
+def rendezvous_note(client, err: BaseException) -> str | None:
+    """For an error of gloo's communicator creation (`CONTEXT_FAILED`), which ranks of which
+    cliques have published their address in the coordination service (`cpu:gloo/<devices>/
+    <rank>`): a rank missing from a clique whose others published is the process that did not
+    enter that communicator's creation within gloo's 30 s wait (skew, or a process blocked
+    elsewhere); every rank published means the pairs' connects failed instead. None for any
+    other error, or where the store cannot be read."""
+    if CONTEXT_FAILED not in str(err):
+        return None
+    try:
+        keys = [k for k, _ in client.key_value_dir_get(GLOO_KEYS + "/")]
+    except Exception:  # noqa: BLE001 (a diagnostic: never in the way of the failure itself)
+        return None
+    ranks: dict[str, list[int]] = {}
+    for key in keys:  # "cpu:gloo/<d0,d1,...>/<rank>"
+        clique, _, rank = key[len(GLOO_KEYS) + 1:].rpartition("/")
+        if rank.isdigit():
+            ranks.setdefault(clique, []).append(int(rank))
+    parts = []
+    for clique, got in sorted(ranks.items()):
+        size = clique.count(",") + 1
+        missing = sorted(set(range(size)) - set(got))
+        gap = f" (missing ranks {missing})" if missing else ""
+        parts.append(f"[{clique}] {len(got)}/{size}{gap}")
+    return "gloo rendezvous keys published: " + ("; ".join(parts) or "none")
+
+
 def abort_collectives(keep_ports: Iterable[int]) -> int:
     """Shut down this process's established TCP connections except those to or from
     `keep_ports` (the coordination service's: its gRPC channel must live on). What is left are

@@ -70,6 +70,7 @@ from .collectives import (
     drain,
     renew_cpu_client,
     renewal_reason,
+    rendezvous_note,
 )
 from .inprocess import DeviceFailure, FailureReport
 from . import failures, membership
@@ -266,6 +267,9 @@ class MultiControllerRuntime:
             yield
         except Exception as e:  # decided at the barrier, with every other live process
             err, t_err = e, time.time()
+            note = rendezvous_note(self.client, e)
+            if note is not None:
+                self.log(f"{phase}: {note} ({t_err - t_body:.1f}s into the block)")
         finally:
             with self._abort_lock:
                 self._in_body = False
