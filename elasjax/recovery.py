@@ -563,7 +563,7 @@ def _placed(cfg, plan, topo: Topology, live: set[int], devices):
     mesh = make_mesh(plan.mesh_shape, [devices[i] for i in plan.device_ids])
     abstract = factory.layout(plan).abstract_on(mesh)
     pool = SnapshotPool(cfg.snapshot, topo, _InProcessPlacement(), donated=False)
-    # the loop places copies over the plan's devices and its spares (`Trainer._verify_start`)
+    # the loop places copies over the plan's devices and its spares (`start._verify`)
     # at start, over every live device after a recovery
     pool.place(abstract, live if live != set(topo.device_ids)
                else set(plan.device_ids) | set(plan.spare_ids))

@@ -36,7 +36,7 @@ import jax
 import optax
 
 from .counters import CompileCounter
-from .compilation.executables import ExecutableCache, Executables
+from .compilation.executables import ExecutableCache
 from .compilation.shared import SharedBuilds
 from .compilation.source import ExecutableSource
 from .compilation.standby import StandbyCompiler
@@ -71,13 +71,12 @@ from .events import (
 from .faults import IN_PROCESS, resolve_schedule
 from .loopstate import LoopState
 from .metrics import JsonlWriter, RecoveryEvent, StepClock, failure_costs, paces
-from .planner import Plan, initial_plan, replan
+from .planner import Plan, initial_plan
 from .recovery import (
     Position,
     Recoverer,
     RecoveryVerificationError,
     TransitionPlanner,
-    host_checksums,
 )
 from .report import (
     Progress,
@@ -96,10 +95,11 @@ from .rng import check_backend_config
 from .stepping import READ_BEHIND, InFlight, Stepper
 from .runtime.inprocess import DeviceFailure, InProcessRuntime
 from .runtime.base import Runtime
+from .start import Started, start
 from .state import StateFactory, check_elementwise, choose_optimizer
 from .tensorboard import TensorBoardWriter
 from .transfer import checksum
-from .transfer.checkpoint import Checkpointer, form_of, restore_onto
+from .transfer.checkpoint import Checkpointer, form_of
 from .transfer.shards import TransferLog
 from .transfer.snapshot import SnapshotPool, check_coverable, prepare_checksums
 
@@ -665,39 +665,12 @@ class Trainer:
     # -- start ----------------------------------------------------------------------------------
 
     def _start(self, ew: Emitter) -> tuple[Position, SnapshotPool]:
-        """The initial position (a fresh start, or a checkpoint resume) on whoever is alive, and
-        its snapshot pool (the start state's snapshot taken). A
-        failure during the start starts again on the survivors, on a new CPU client where it
-        interrupted a block (a communicator whose creation failed stays failed for the client's
-        life: `runtime.collectives`). Everything slow (the compiles, the checkpoint's read) is
-        done before the entry barrier of the guard that runs the first collective (the
-        checksums), so every process reaches that collective at once; each start barrier's
-        arrivals are logged (`MultiControllerRuntime`)."""
-        failures = []
-        pool = self._new_pool()
-        while True:
-            live = set(self.rt.live)
-            try:
-                with self.rt.guard("start/compile"):
-                    plan = self.initial
-                    if live != set(self.topo.device_ids):
-                        survivors = [d for d in self.topo.device_ids if d in live]
-                        plan = replan(survivors, self.topo, self.cfg, self.initial, self.initial)
-                    exe = self.source.start(plan)
-                    if self.cfg.checkpoint.resume_step is None:
-                        exe.compile_init()
-                with self.rt.guard("start/state"):
-                    step, state, saved, dropped = self._load_state(exe)
-                    self.rt.commit(state)
-                with self.rt.guard("start/verify"):
-                    good = self._verify_start(exe, step, state, saved, pool)
-                break
-            except DeviceFailure as f:
-                failures.append(f)
-                if self.ckpt is not None:
-                    self.ckpt.reopen(self.rt.processes())
-                self.rt.renew_collectives(f)
-        pos = Position(step, plan, exe, state, good, frozenset(live))
+        """The initial position and its snapshot pool (`start.start`: a fresh start or a
+        checkpoint resume, on whoever is alive); then the standby and the transitions of its
+        likely failures set going, and the start announced (`_announce`)."""
+        s = start(self.cfg, self.rt, self.topo, self.initial, self.source, self.factory,
+                  self.ckpt, self._new_pool)
+        pos, pool, plan, live = s.pos, s.pool, s.pos.plan, set(s.pos.live)
         ahead = self.contingencies.standby_plans(plan, set(live) | set(plan.spare_ids))
         self.source.refresh(plan, ahead)
         # the plans it builds: `standby.max_plans` may leave some out (and warns)
@@ -708,25 +681,32 @@ class Trainer:
         self.transitions.for_failures(pos, pool)
         if self.cfg.standby.wait_at_start:
             self._wait_standby(ew, None)
-        for f in failures:
+        self._announce(s, n_ahead, standby, ew)
+        return pos, pool
+
+    def _announce(self, s: Started, n_ahead: int, standby: str, ew: Emitter) -> None:
+        """The start's events (the failures before it, a resume's deleted checkpoints, the
+        `start` record, an unprotected state's warning) and its lines."""
+        pos, pool, plan, step = s.pos, s.pool, s.pos.plan, s.pos.step
+        for f in s.failures:
             ew.emit(FailureBeforeStart(sorted(f.devices), f.phase, f.cause, f.report.as_dict()))
-        if dropped:  # a checkpoint is never deleted without a word
+        if s.dropped:  # a checkpoint is never deleted without a word
             msg = (f"resumed from checkpoint {step}: deleted the newer checkpoints "
-                   f"{dropped} in {self.ckpt.dir} (they belong to the timeline "
+                   f"{list(s.dropped)} in {self.ckpt.dir} (they belong to the timeline "
                    "this run abandons; their steps are trained again)")
             ew.emit(WarningEvent("checkpoint.resume_step", msg), f"warning: {msg}")
             if self.rt.writer:
-                warnings.warn(msg, stacklevel=2)
+                warnings.warn(msg, stacklevel=3)
         mode = mode_line(self.cfg, self.optimizer_source == "python")
         ew.emit(StartEvent(
             step=step,
             plan=plan.name,
             plan_detail=plan.describe(),
-            devices=sorted(live),
+            devices=sorted(pos.live),
             devices_per_host=self.topo.devices_per_host,
             runtime=self.rt.kind,
-            processes=sorted({self.rt.process_of(d) for d in live}),
-            compile_s=exe.compile_s,
+            processes=sorted({self.rt.process_of(d) for d in pos.live}),
+            compile_s=pos.exe.compile_s,
             n_params=self.factory.n_params,
             optimizer=self.optimizer_name,
             deterministic=bool(self.cfg.deterministic),
@@ -740,7 +720,7 @@ class Trainer:
                      "compiler": None if not self.standby_on else
                      "process" if self.worker is not None else "thread"},
             resumed_from_checkpoint=step if self.cfg.checkpoint.resume_step is not None else None,
-            dropped_newer_checkpoints=dropped,
+            dropped_newer_checkpoints=list(s.dropped),
             faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],
         ))
         if self.progress:
@@ -751,8 +731,7 @@ class Trainer:
         if risk is not None:
             ew.emit(WarningEvent("snapshot", risk))
             if self.rt.writer:
-                warnings.warn(risk, UnprotectedStateWarning, stacklevel=2)
-        return pos, pool
+                warnings.warn(risk, UnprotectedStateWarning, stacklevel=3)
 
     def _wait_standby(self, ew: Emitter, step: int | None) -> float:
         """Block until the standby of the current plan is built and its transitions planned
@@ -790,38 +769,6 @@ class Trainer:
         pos = ls.pos
         self.source.refresh(pos.plan, self.contingencies.standby_plans(pos.plan, set(pos.live)))
         self.transitions.for_failures(pos, ls.pool)
-
-    def _load_state(self, exe: Executables):
-        """(step, state, the checksums it was saved with or None, the newer checkpoints
-        deleted) of a fresh start or a checkpoint resume. The checkpoint's read moves pieces
-        point to point, never by a collective; a fresh state's program was compiled before
-        (`compile_init`)."""
-        rs = self.cfg.checkpoint.resume_step
-        if rs is None:
-            return 0, exe.init(), None, []
-        assert self.ckpt is not None
-        step = self.ckpt.resolve(rs)
-        state, meta, _ = restore_onto(self.ckpt, step, self.factory, exe, devices=self.rt.devices,
-                                      transport=self.rt, threads=self.rt.threads)
-        dropped = self.ckpt.drop_after(step)  # said by `_start`
-        return step, state, meta["checksums"], dropped
-
-    def _verify_start(self, exe: Executables, step: int, state, saved,
-                      pool: SnapshotPool) -> dict[str, str]:
-        """The start state's checksums (the start's first collective), checked against a
-        checkpoint's; the first checkpoint and snapshot (into `pool`) of a fresh start."""
-        good = host_checksums(self.rt, exe.checksum(state), exe)
-        if saved is not None:
-            checksum.verify(saved, good, f"checkpoint {step} fails its checksums",
-                            "the ones it was saved with")
-        elif self.ckpt is not None:
-            self.ckpt.save(0, state, good, form_of(exe.plan))
-        all_live = set(exe.plan.device_ids) | set(exe.plan.spare_ids)
-        pool.configure(state, exe.state_shardings, exe.mesh, all_live)
-        pool.take(state, step)  # the initial state is protected too
-        self.rt.commit(pool.in_flight())
-        return good
-
 
 
 def run(

@@ -17,8 +17,8 @@ LAYERS = [
     ("layout and step", ["pipeline", "state", "step"]),
     ("runtime", ["faults", "runtime"]),
     ("compile", ["compilation"]),
-    ("loop", ["recovery", "loopstate", "stepping", "cutover", "admission", "trainer", "elastic",
-              "report", "tensorboard"]),
+    ("loop", ["recovery", "loopstate", "stepping", "start", "cutover", "admission", "trainer",
+              "elastic", "report", "tensorboard"]),
     ("entry points", ["", "cli", "launch", "supervisor", "bench", "sim", "compare", "reference"]),
 ]
 

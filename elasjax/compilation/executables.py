@@ -104,7 +104,7 @@ class Executables:
     def compile_init(self) -> None:
         """Compile the fresh state's program now, not at its first run: under `jax.distributed`
         a program compiled at its run reaches its collectives as late as that process's compile
-        is slow (`Trainer._start`)."""
+        is slow (`start.start`)."""
         if self._init is None:
             self._init = jax.jit(self.layout.init_fn, out_shardings=self.state_shardings).lower().compile()
 
