@@ -49,10 +49,10 @@ from .runtime.membership import JobEndedError
 from .runtime.multicontroller import MultiControllerRuntime, RejoinUnsupportedError
 from .runtime.startup import (
     COORDINATION_HEARTBEAT_S,
-    SETTINGS,
     RuntimeConfig,
     add_setting_flags,
     initialize,
+    resolve_settings,
     settings_of,
     xla_flags,
 )
@@ -246,8 +246,8 @@ def launch_local(
 ) -> int:
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
     (None: the config's `parallel.spares`), wait for them, reap them. `settings`: the
-    detector's (`startup.SETTINGS`, by field name, e.g. `collective_timeout_s=1`), the
-    rest at their defaults.
+    detector's (`startup.SETTINGS`, by field name, e.g. `collective_timeout_s=1`); each one
+    given wins over the config's `launch` section, which decides the rest.
 
     Returns 0 when a worker finished the run (the others survived as deaths), 3 when the
     coordination process died (the job cannot continue), 1 on any other failure or on
@@ -275,10 +275,6 @@ def launch_local(
     if not isinstance(worker_restarts, int) or worker_restarts < 0:
         raise ConfigError(f"--worker-restarts {worker_restarts!r}: allowed values: an integer "
                           ">= 0 (dead workers started again to rejoin the job; 0: never)")
-    unknown = sorted(set(settings) - {s.field for s in SETTINGS})
-    if unknown:
-        raise TypeError(f"launch_local got {unknown}; allowed settings: "
-                        + ", ".join(s.field for s in SETTINGS))
     policy = RestartPolicy(max_restarts, restart_backoff_s)
     # Fail fast, before any process starts: config, kill schedule and initial plan (pure).
     import_modules(imports)
@@ -288,6 +284,10 @@ def launch_local(
     if worker_restarts:  # --worker-restarts wins over the config's recovery.worker_restarts
         overrides = [*overrides, f"recovery.worker_restarts={worker_restarts}"]
     base = load(config_path, overrides)
+    detector = resolve_settings(base.launch, settings)  # a flag given wins over the section
+    # the workers' config, and the run's config.yaml, say what the flags set
+    overrides = [*overrides, *(f"launch.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                               for k, v in settings.items())]
     worker_restarts = base.recovery.worker_restarts
     if base.train.optimizer:  # a bad name is an error here too, not in every worker
         load_optimizer(base.train.optimizer)
@@ -310,7 +310,7 @@ def launch_local(
             process_id=0,
             devices_per_process=devices_per_process,
             slow=parse_slow(slow, processes) if slow else None,
-            **settings,
+            **detector,
         ),
         slow,
     )
@@ -843,14 +843,15 @@ def import_modules(names: Sequence[str]) -> None:
 def worker_main(args: argparse.Namespace) -> int:
     """One process of a job (`python -m elasjax.launch ...`, which the local launcher starts,
     and `elasjax launch --coordinator ...` on a cluster): join it and train."""
+    import_modules(args.imports)
+    section = load(args.config, args.set).launch  # the flags given win over it
     rc = RuntimeConfig(
         args.coordinator, args.num_processes, args.process_id, args.platform,
         args.devices_per_process,
         slow=parse_slow(args.slow, args.num_processes) if args.slow else None,
-        **settings_of(args),
+        **resolve_settings(section, settings_of(args)),
     )
     kills = [KillSpec.parse(k) for k in args.kill]
-    import_modules(args.imports)
     return run_worker(args.config, args.set, rc, args.out, kills, args.hooks)
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import yaml
 from jax.errors import JaxRuntimeError
 from conftest import PIPE, TINY, deaths, optimised_compiles, tiny_config
 
@@ -534,15 +535,21 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     )
     assert rc == 0, stdout
     assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
-    # the user's hook (tests/user_hooks.py) ran in each survivor: every step once, one recovery
+    events = read_jsonl(out / "events.jsonl")
+    # the user's hook (tests/user_hooks.py) ran in each survivor: every step once, each recovery
+    # once (the kill's, and a collective retry's where a loaded host made one: `deaths`)
     seen = [json.loads(p.read_text()) for p in sorted(hooks.glob("hook-*.json"))]
     assert sorted(s["process"] for s in seen) == [0, 1, 3]
-    assert all(s["steps"] == list(range(STEPS)) and s["recoveries"] == 1 for s in seen), seen
+    n_rec = sum(e["type"] == "recovery" for e in events)
+    assert all(s["steps"] == list(range(STEPS)) and s["recoveries"] == n_rec for s in seen), seen
+    # the run's config.yaml carries the detector's settings the flags set (its `launch` section)
+    launch = yaml.safe_load((out / "config.yaml").read_text())["launch"]
+    assert launch["collective_timeout_s"] == COLLECTIVE_TIMEOUT_S
+    assert launch["heartbeat_timeout_s"] == HEARTBEAT_TIMEOUT_S
     metrics = read_jsonl(out / "metrics.jsonl")
     _assert_matches(metrics, reference)
     assert [r["n_devices"] for r in metrics] == [8] * 4 + [6] * (STEPS - 4)
     assert [r["n_processes"] for r in metrics] == [4] * 4 + [3] * (STEPS - 4)
-    events = read_jsonl(out / "events.jsonl")
     (ev,) = deaths(events)
     assert RECOVERY_FIELDS <= set(ev)
     assert ev["runtime"] == "multi-controller" and ev["failure_simulation"].startswith("real")

@@ -84,3 +84,36 @@ def test_each_detector_setting_is_defined_once_and_reaches_the_worker_unchanged(
                           **settings_of(args))
     assert again == rc
     assert {f.name for f in dataclasses.fields(RuntimeConfig)} >= {s.field for s in SETTINGS}
+
+
+def test_the_launch_section_sets_the_detector_and_a_flag_given_wins():
+    """The YAML section `launch` (`config.LaunchConfig`) defines each detector setting: its
+    default is `RuntimeConfig`'s, its bounds are checked with the flag's name where a flag set
+    it, with the key's in a config; a flag left out leaves the section's value."""
+    import dataclasses
+
+    import pytest
+
+    from elasjax import config
+    from elasjax.launch import worker_parser
+    from elasjax.runtime.startup import SETTINGS, RuntimeConfig, resolve_settings, settings_of
+
+    defaults = RuntimeConfig("127.0.0.1:1234", 4, 2)
+    assert defaults.launch == config.LaunchConfig()
+    assert {s.field for s in SETTINGS} == {f.name for f in dataclasses.fields(config.LaunchConfig)}
+    cfg = config.load(None, ["launch.collective_timeout_s=3", "launch.watch_exits=false"])
+    args = worker_parser().parse_args(["--coordinator", "h:1", "--num-processes", "4",
+                                       "--process-id", "2", "--collective-timeout", "5"])
+    assert settings_of(args) == {"collective_timeout_s": 5}
+    got = RuntimeConfig("h:1", 4, 2, **resolve_settings(cfg.launch, settings_of(args)))
+    assert got.collective_timeout_s == 5 and got.watch_exits is False
+    assert got.heartbeat_timeout_s == config.LaunchConfig.heartbeat_timeout_s
+    with pytest.raises(config.ConfigError,
+                       match=r"config 'launch.collective_timeout_s' = 0: allowed values: an "
+                             r"integer >= 1"):
+        config.load(None, ["launch.collective_timeout_s=0"])
+    with pytest.raises(ValueError, match=r"--liveness-timeout \(launch.liveness_timeout_s\) = "
+                                         r"0.1: must be >= 3 x the liveness interval"):
+        RuntimeConfig("h:1", 4, 2, liveness_timeout_s=0.1)
+    with pytest.raises(TypeError, match="unknown settings \\['collective_timeout'\\]"):
+        resolve_settings(cfg.launch, {"collective_timeout": 1})

@@ -40,6 +40,7 @@ from .sections import (  # noqa: F401
     StandbyConfig,
     HardwareConfig,
     MetricsConfig,
+    LaunchConfig,
     Config,
     standby_on,
     grow_standby,
@@ -55,6 +56,7 @@ from .checks import (  # noqa: F401
     allowed_tensor_degrees,
     layer_count,
     validate,
+    check_launch,
 )
 
 from .reading import (  # noqa: F401

@@ -13,6 +13,7 @@ from .sections import (
     DataConfig,
     FaultConfig,
     HardwareConfig,
+    LaunchConfig,
     ModelConfig,
     SnapshotConfig,
     StandbyConfig,
@@ -101,6 +102,7 @@ def validate(cfg: Config) -> None:
     _validate_standby(cfg.standby)
     _validate_deterministic(cfg)
     _validate_faults(cfg)
+    check_launch(cfg.launch)
 
 
 def _validate_model_data(cfg: Config) -> None:
@@ -383,3 +385,26 @@ def _validate_mtbf(f: FaultConfig, key: str, cfg: Config) -> None:
                  f"= {m.repair_steps} returns units as joins, which need recovery.strategy = "
                  f"'elastic' (growing back is not implemented for '{cfg.recovery.strategy}'); "
                  "allowed values with another strategy: null (units never return)")
+
+
+def check_launch(c: LaunchConfig, name=lambda field: f"config 'launch.{field}'") -> None:
+    """The `launch` section's bounds, wherever its values come from: the YAML section, or the
+    flags of `elasjax launch` and its workers (`name(field)`: how the user spelled the field,
+    a flag there; `runtime.startup.RuntimeConfig` checks its values here)."""
+    def require(cond: bool, field: str, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"{name(field)} = {getattr(c, field)!r}: {msg}")
+
+    for f in ("heartbeat_timeout_s", "collective_timeout_s"):
+        v = getattr(c, f)
+        require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f,
+                "allowed values: an integer >= 1 (seconds)")
+    require(0.01 <= c.liveness_interval_s <= 5, "liveness_interval_s",
+            "allowed values: 0.01 .. 5 (seconds)")
+    require(c.liveness_timeout_s >= 3 * c.liveness_interval_s, "liveness_timeout_s",
+            f"must be >= 3 x the liveness interval ({3 * c.liveness_interval_s:g} s): a "
+            "heartbeat or two may be late")
+    require(c.renew_collectives in ("auto", "always", "never"), "renew_collectives",
+            "allowed values: auto, always, never")
+    for f in ("watch_exits", "death_notices"):
+        require(isinstance(getattr(c, f), bool), f, "allowed values: true, false")

@@ -513,6 +513,40 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """How the processes of `elasjax launch` detect a death and keep their collectives usable
+    (ignored in one process). Every process of a job takes the same values; each field is also
+    a flag of `elasjax launch` and of its workers (`--heartbeat-timeout`, `--collective-timeout`,
+    `--liveness-interval`, `--liveness-timeout`, `--[no-]watch-exits`, `--[no-]death-notices`,
+    `--renew-collectives`: `runtime.startup.SETTINGS`), and a flag given wins over this section.
+
+    `heartbeat_timeout_s`: a process missing heartbeats this long is declared dead at the slow
+    barriers (the coordination service's own timeout is this, 30 s at least).
+    `collective_timeout_s`: a CPU collective waiting longer fails (XLA's
+    `--xla_cpu_collective_timeout_seconds`, whole seconds): the backstop that releases survivors blocked in a collective with a peer no other
+    detector reported; a live peer later than this inside a step makes the step be retried on
+    fresh collectives (docs/launch-internals.md). `liveness_interval_s`: every process writes
+    its heartbeat key to the coordination service this often. `liveness_timeout_s`: a process
+    silent this long and absent from a step's exit barrier, while the step failed on a process
+    that reached it, is dead (elsewhere `heartbeat_timeout_s` applies; a same-host process whose
+    CPU time advances is waited for). `watch_exits`: a same-host peer's death is learned from
+    the kernel (a pidfd turns readable at its exit), with no timeout, and a process inside a
+    block shuts its collectives down at once. `death_notices`: a sidecar on each process's host
+    announces its death to every peer (UDP), so a death on another host needs no heartbeat
+    timeout. `renew_collectives`: after a failure, replace the CPU client by one with fresh gloo
+    communicators: `auto` (where a block was interrupted, collectives were shut down, or a step
+    is retried), `always`, `never` (no abort and no retry either)."""
+
+    heartbeat_timeout_s: int = 5
+    collective_timeout_s: int = 8
+    liveness_interval_s: float = 0.1
+    liveness_timeout_s: float = 1.0
+    watch_exits: bool = True
+    death_notices: bool = True
+    renew_collectives: Literal["auto", "always", "never"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A whole run, one frozen dataclass per YAML section (see README, 'Configs')."""
 
@@ -530,6 +564,7 @@ class Config:
     standby: StandbyConfig = StandbyConfig()
     hardware: HardwareConfig = HardwareConfig()
     metrics: MetricsConfig = MetricsConfig()
+    launch: LaunchConfig = LaunchConfig()
 
     @property
     def deterministic(self) -> bool:

@@ -15,6 +15,7 @@ import jax
 from jax.errors import JaxRuntimeError
 
 from .. import jaxcompat
+from ..config import LaunchConfig, check_launch
 from .collectives import RENEW_MODES
 from .dispatch import SETTING
 
@@ -25,8 +26,9 @@ STARTED = "elasjax/started"
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """A setting every process of a job takes: a `RuntimeConfig` field (its default and type are
-    the field's) and the flag that sets it, on `elasjax launch` and on its workers alike."""
+    """A setting every process of a job takes: a field of the config's `launch` section
+    (`config.LaunchConfig`: its meaning, default, type and bounds), of `RuntimeConfig` too, and
+    the flag that sets it, on `elasjax launch` and on its workers alike."""
 
     field: str
     flag: str
@@ -36,24 +38,36 @@ class Setting:
 
 
 def add_setting_flags(ap) -> None:
-    """`SETTINGS` as flags of an argparse parser (defaults and types from `RuntimeConfig`)."""
+    """`SETTINGS` as flags of an argparse parser (types from `config.LaunchConfig`). A flag left
+    out is None: the config's `launch` section decides (`resolve_settings`)."""
     import argparse
 
-    hints = typing.get_type_hints(RuntimeConfig)
-    defaults = {f.name: f.default for f in dataclasses.fields(RuntimeConfig)}
+    hints = typing.get_type_hints(LaunchConfig)
     for s in SETTINGS:
-        default, tp = defaults[s.field], hints[s.field]
+        tp = hints[s.field]
         if tp is bool:
             ap.add_argument(s.flag, dest=s.field, action=argparse.BooleanOptionalAction,
-                            default=default, help=s.help)
+                            default=None, help=s.help)
         else:
-            ap.add_argument(s.flag, dest=s.field, type=tp, default=default, metavar=s.metavar,
-                            choices=s.choices, help=s.help)
+            ap.add_argument(s.flag, dest=s.field, type=tp if tp in (int, float) else str,
+                            default=None, metavar=s.metavar, choices=s.choices, help=s.help)
 
 
 def settings_of(args) -> dict[str, Any]:
-    """The `SETTINGS` values parsed by `add_setting_flags`, by field name."""
-    return {s.field: getattr(args, s.field) for s in SETTINGS}
+    """The `SETTINGS` flags given (`add_setting_flags`), by field name; those left out are not
+    in it."""
+    return {s.field: getattr(args, s.field) for s in SETTINGS
+            if getattr(args, s.field) is not None}
+
+
+def resolve_settings(section: LaunchConfig, given: dict[str, Any]) -> dict[str, Any]:
+    """Every setting's value: a flag `given` (`settings_of`) wins over the config's `launch`
+    `section`. Checked as `RuntimeConfig` is made."""
+    unknown = sorted(set(given) - {s.field for s in SETTINGS})
+    if unknown:
+        raise TypeError(f"unknown settings {unknown}; allowed: "
+                        + ", ".join(s.field for s in SETTINGS))
+    return {s.field: given.get(s.field, getattr(section, s.field)) for s in SETTINGS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,36 +80,14 @@ class RuntimeConfig:
       process_id: this process, 0 .. num_processes - 1.
       platform: `cpu` (gloo collectives, `devices_per_process` fake devices) or `gpu`.
       devices_per_process: CPU devices per process (ignored on GPU).
-      heartbeat_timeout_s: a process missing heartbeats this long is declared dead at the slow
-        barriers (below); the coordination service's own timeout is at least
-        `COORDINATION_HEARTBEAT_S`.
-      collective_timeout_s: a CPU collective waiting longer fails (`--xla_cpu_collective_timeout_
-        seconds`); it bounds detection of a peer that died inside a collective.
+      heartbeat_timeout_s, collective_timeout_s, liveness_interval_s, liveness_timeout_s,
+        watch_exits, renew_collectives, death_notices: the detector's settings, what
+        `config.LaunchConfig` (the YAML section `launch`) says of each, its defaults and
+        bounds (`config.check_launch`) too; the flags of `SETTINGS` set them.
       init_timeout_s: how long `initialize` waits for every process to connect.
-      liveness_interval_s: every process writes its heartbeat key (`elasjax/hb/<p>`) to the
-        coordination service's key-value store this often (the fast detector, see `Liveness`).
-      liveness_timeout_s: a process that has not reached a step's exit barrier, whose
-        heartbeat key has not changed for this long, while the step failed on a process that
-        did reach it, is declared dead by the arbiter (the lowest live process); without such a failure, and
-        at the other barriers, `heartbeat_timeout_s` applies (compiles starve heartbeat threads). It never
-        fires on a process that is merely slow: such a process keeps beating, and a same-host
-        one whose heartbeat starves is waited for while its CPU time advances (`STARVED_MAX_S`).
       slow: `(process, factor, from_step, steps)`: make `process` `factor` times slower (it is
         stopped and resumed by SIGSTOP/SIGCONT, a slow host) for `steps` steps from step
         `from_step` (benchmarks of false positives); None: off.
-      watch_exits: every process learns of a same-host peer's death from the kernel (a pidfd
-        turns readable when the process exits; `liveness.ProcessExits`): the arbiter declares it
-        dead with no timeout, and on CPU (unless `renew_collectives` is `never`) a process inside
-        a guard's block shuts its collectives down at once (`collectives.abort_collectives`) and
-        renews them in the recovery; off: the heartbeat and the collective timeout decide.
-      renew_collectives: after a failure, replace the CPU client by one with fresh gloo
-        communicators (`elasjax.runtime.collectives`): `auto` when a survivor's collective ran into the
-        collective timeout (a communicator among survivors may be closed), when a process
-        aborted its collectives at an exit, or to retry a step whose collectives failed while
-        every process was alive; `always`; `never` (no abort and no retry either).
-      death_notices: every process starts a sidecar that announces its death to every peer
-        from its own host (`deathnote`): a death is proof at once on every host, as the
-        kernel's exit watch is on one; off: only the exit watch and the heartbeat decide.
     """
 
     coordinator: str
@@ -103,15 +95,15 @@ class RuntimeConfig:
     process_id: int
     platform: str = "cpu"
     devices_per_process: int = 2
-    heartbeat_timeout_s: int = 5
-    collective_timeout_s: int = 8
+    heartbeat_timeout_s: int = LaunchConfig.heartbeat_timeout_s
+    collective_timeout_s: int = LaunchConfig.collective_timeout_s
     init_timeout_s: int = 120
-    liveness_interval_s: float = 0.1
-    liveness_timeout_s: float = 1.0
+    liveness_interval_s: float = LaunchConfig.liveness_interval_s
+    liveness_timeout_s: float = LaunchConfig.liveness_timeout_s
     slow: tuple[int, float, int, int] | None = None
-    renew_collectives: str = "auto"
-    watch_exits: bool = True
-    death_notices: bool = True
+    renew_collectives: str = LaunchConfig.renew_collectives
+    watch_exits: bool = LaunchConfig.watch_exits
+    death_notices: bool = LaunchConfig.death_notices
 
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator.rpartition(":")
@@ -127,23 +119,10 @@ class RuntimeConfig:
             raise ValueError(f"platform {self.platform!r}; allowed values: 'cpu', 'gpu'")
         if self.platform == "cpu" and self.devices_per_process < 1:
             raise ValueError(f"devices_per_process = {self.devices_per_process} must be >= 1")
-        for name in ("heartbeat_timeout_s", "collective_timeout_s", "init_timeout_s"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} = {getattr(self, name)} must be >= 1")
-        if not 0.01 <= self.liveness_interval_s <= 5:
-            raise ValueError(
-                f"liveness_interval_s = {self.liveness_interval_s}; allowed values: 0.01 .. 5 (s)"
-            )
-        if self.liveness_timeout_s < 3 * self.liveness_interval_s:
-            raise ValueError(
-                f"liveness_timeout_s = {self.liveness_timeout_s} must be >= 3 x "
-                f"liveness_interval_s ({3 * self.liveness_interval_s:g}): a heartbeat or two may be late"
-            )
-        if self.renew_collectives not in RENEW_MODES:
-            raise ValueError(
-                f"renew_collectives = {self.renew_collectives!r}; allowed values: "
-                + ", ".join(RENEW_MODES)
-            )
+        if self.init_timeout_s < 1:
+            raise ValueError(f"init_timeout_s = {self.init_timeout_s} must be >= 1")
+        flags = {st.field: st.flag for st in SETTINGS}
+        check_launch(self.launch, lambda f: f"{flags[f]} (launch.{f})")
         if self.slow is not None:
             proc, factor, start, steps = self.slow
             if not (0 <= proc < self.num_processes and factor >= 1 and start >= 0 and steps >= 1):
@@ -151,6 +130,11 @@ class RuntimeConfig:
                     f"slow = {self.slow}: (process 0 .. {self.num_processes - 1}, factor >= 1, "
                     "from_step >= 0, steps >= 1)"
                 )
+
+    @property
+    def launch(self) -> LaunchConfig:
+        """The detector's settings as the config section that defines them."""
+        return LaunchConfig(**{st.field: getattr(self, st.field) for st in SETTINGS})
 
     def settings_argv(self) -> list[str]:
         """This config's `SETTINGS` as the flags a worker is started with."""
