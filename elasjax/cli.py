@@ -198,7 +198,7 @@ def _sim(args) -> int:
 
 
 def _launch(args) -> int:
-    from . import launch
+    from . import launch, launcher
 
     kills = [launch.KillSpec.parse(k) for k in args.kill]
     if args.standby:
@@ -225,7 +225,7 @@ def _launch(args) -> int:
             raise launch.ConfigError("--num-processes/--process-id need --coordinator")
         if args.processes is None:
             raise launch.ConfigError("give --processes P (local) or --coordinator HOST:PORT")
-        return launch.launch_local(
+        return launcher.launch_local(
             args.config,
             args.set,
             processes=args.processes,

@@ -16,7 +16,7 @@ which every process enters the same state at the same step.
 This module holds the launcher-side rules, pure and testable without processes: the policy and
 its checks, which checkpoint a restart resumes from (read from the directory names Orbax commits,
 so the launcher needs no JAX backend), which fault-schedule entries the restarted job keeps (an
-entry that fired does not fire again), and the record. `launch.launch_local` runs the attempts.
+entry that fired does not fire again), and the record. `launcher.launch_local` runs the attempts.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .metrics import read_jsonl
 
 SUPERVISOR_LOG = "supervisor.jsonl"
 
-# Outcomes of one attempt (`launch._monitor`) after which the job cannot go on by itself.
+# Outcomes of one attempt (`launcher._monitor`) after which the job cannot go on by itself.
 RESTARTABLE = ("coordinator_lost", "failed")
 
 # A worker's exit code for a config or usage error (`launch.main`): the same config fails the

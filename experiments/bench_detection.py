@@ -47,7 +47,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elasjax.launch import KillSpec, launch_local  # noqa: E402
+from elasjax.launch import KillSpec  # noqa: E402
+from elasjax.launcher import launch_local  # noqa: E402
 from elasjax.metrics import read_jsonl  # noqa: E402
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "multiprocess.yaml")

@@ -149,7 +149,8 @@ def launch_rows(args, out: Path) -> list[dict]:
     right after it dispatched step 3; then a fresh launch of the 3 survivors timed from spawn to
     its first logged step (the restart alternative, without its detection, checkpoint restore
     or redone steps: a lower bound)."""
-    from elasjax.launch import KillSpec, launch_local
+    from elasjax.launch import KillSpec
+    from elasjax.launcher import launch_local
 
     run = out / "runs/launch_kill"
     shutil.rmtree(run, ignore_errors=True)

@@ -19,7 +19,8 @@ LAYERS = [
     ("compile", ["compilation"]),
     ("loop", ["recovery", "loopstate", "stepping", "start", "cutover", "admission", "trainer",
               "elastic", "report", "tensorboard"]),
-    ("entry points", ["", "cli", "launch", "supervisor", "bench", "sim", "compare", "reference"]),
+    ("entry points", ["", "cli", "launch", "launcher", "supervisor", "bench", "sim", "compare",
+                      "reference"]),
 ]
 
 

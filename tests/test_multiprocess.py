@@ -1407,7 +1407,7 @@ def _result(proc, out: str) -> dict:
 
 
 def _guard_job(mode: str, tmp_path: Path):
-    from elasjax.launch import _free_port
+    from elasjax.launcher import _free_port
     from elasjax.runtime import coordinator
 
     port = _free_port()
@@ -1425,7 +1425,7 @@ def _guard_job(mode: str, tmp_path: Path):
 def _outputs(procs, timeout: int, coord) -> list[str]:
     """Each worker's output once it ended (within `timeout` s each); then every worker still
     alive is killed and the coordination process stopped."""
-    from elasjax.launch import _stop_coordinator
+    from elasjax.launcher import _stop_coordinator
 
     outs = []
     try:
