@@ -141,8 +141,7 @@ def resolve_config(
 
 
 def run_worker(
-    config_path: str | None,
-    overrides: Sequence[str],
+    cfg: Config,
     rc: RuntimeConfig,
     out: str | Path | None,
     kills: Sequence[KillSpec] = (),
@@ -150,7 +149,6 @@ def run_worker(
 ) -> int:
     """Join the job described by `rc` and train; returns a process exit code. `hooks`:
     `MODULE:FUNCTION` names (`elasjax.events`), called in this process."""
-    cfg = load(config_path, overrides)
     fns = load_hooks(hooks)
     initialize(rc)
     try:
@@ -222,15 +220,15 @@ def worker_main(args: argparse.Namespace) -> int:
     """One process of a job (`python -m elasjax.launch ...`, which the local launcher starts,
     and `elasjax launch --coordinator ...` on a cluster): join it and train."""
     import_modules(args.imports)
-    section = load(args.config, args.set).launch  # the flags given win over it
+    cfg = load(args.config, args.set)  # its `launch` section: the flags given win over it
     rc = RuntimeConfig(
         args.coordinator, args.num_processes, args.process_id, args.platform,
         args.devices_per_process,
         slow=parse_slow(args.slow, args.num_processes) if args.slow else None,
-        **resolve_settings(section, settings_of(args)),
+        **resolve_settings(cfg.launch, settings_of(args)),
     )
     kills = [KillSpec.parse(k) for k in args.kill]
-    return run_worker(args.config, args.set, rc, args.out, kills, args.hooks)
+    return run_worker(cfg, rc, args.out, kills, args.hooks)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -671,7 +671,7 @@ class Trainer:
         s = start(self.cfg, self.rt, self.topo, self.initial, self.source, self.factory,
                   self.ckpt, self._new_pool)
         pos, pool, plan, live = s.pos, s.pool, s.pos.plan, set(s.pos.live)
-        ahead = self.contingencies.standby_plans(plan, set(live) | set(plan.spare_ids))
+        ahead = self.contingencies.standby_plans(plan, live | set(plan.spare_ids))
         self.source.refresh(plan, ahead)
         # the plans it builds: `standby.max_plans` may leave some out (and warns)
         n_ahead = len(ahead) - (self.standby.dropped if self.standby is not None else 0)

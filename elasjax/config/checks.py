@@ -4,6 +4,7 @@ and the allowed values."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 from ..modelspec import registered
 from .sections import (
@@ -404,7 +405,8 @@ def check_launch(c: LaunchConfig, name=lambda field: f"config 'launch.{field}'")
     require(c.liveness_timeout_s >= 3 * c.liveness_interval_s, "liveness_timeout_s",
             f"must be >= 3 x the liveness interval ({3 * c.liveness_interval_s:g} s): a "
             "heartbeat or two may be late")
-    require(c.renew_collectives in ("auto", "always", "never"), "renew_collectives",
-            "allowed values: auto, always, never")
+    modes = typing.get_args(typing.get_type_hints(LaunchConfig)["renew_collectives"])
+    require(c.renew_collectives in modes, "renew_collectives",
+            "allowed values: " + ", ".join(modes))
     for f in ("watch_exits", "death_notices"):
         require(isinstance(getattr(c, f), bool), f, "allowed values: true, false")

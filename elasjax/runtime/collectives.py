@@ -64,7 +64,6 @@ import jax
 
 from .inprocess import DeviceFailure
 
-RENEW_MODES = ("auto", "always", "never")
 # the coordination-service directories of a CPU client: the gloo rendezvous of each clique
 # and the topology exchange at client creation
 GLOO_KEYS = "cpu:gloo"

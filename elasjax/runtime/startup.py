@@ -16,7 +16,6 @@ from jax.errors import JaxRuntimeError
 
 from .. import jaxcompat
 from ..config import LaunchConfig, check_launch
-from .collectives import RENEW_MODES
 from .dispatch import SETTING
 
 # set by the writer once the job's first guard completed: a process that starts after it is a
@@ -34,7 +33,6 @@ class Setting:
     flag: str
     help: str
     metavar: str | None = None
-    choices: tuple[str, ...] | None = None
 
 
 def add_setting_flags(ap) -> None:
@@ -48,9 +46,12 @@ def add_setting_flags(ap) -> None:
         if tp is bool:
             ap.add_argument(s.flag, dest=s.field, action=argparse.BooleanOptionalAction,
                             default=None, help=s.help)
+        elif typing.get_origin(tp) is typing.Literal:  # its values are the choices
+            ap.add_argument(s.flag, dest=s.field, default=None, choices=typing.get_args(tp),
+                            help=s.help)
         else:
-            ap.add_argument(s.flag, dest=s.field, type=tp if tp in (int, float) else str,
-                            default=None, metavar=s.metavar, choices=s.choices, help=s.help)
+            ap.add_argument(s.flag, dest=s.field, type=tp, default=None, metavar=s.metavar,
+                            help=s.help)
 
 
 def settings_of(args) -> dict[str, Any]:
@@ -171,8 +172,7 @@ SETTINGS = (
             "so a death on another host needs no heartbeat timeout"),
     Setting("renew_collectives", "--renew-collectives",
             "after a failure, start a new CPU client with fresh gloo communicators: auto (when a "
-            "block was interrupted or collectives were shut down), always, never",
-            choices=RENEW_MODES),
+            "block was interrupted or collectives were shut down), always, never"),
 )
 
 
