@@ -745,7 +745,9 @@ def test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size(
     # exit, or failed on the dead peer's socket); the spare ran no collective of the mesh
     reasons = dict(part.split(": ", 1) for part in ev["renew_reasons"].split("; "))
     assert "process 0" in reasons, ev["renew_reasons"]
+    # the kernel's exit watch and process 1's death notice race: either may shut it down first
     assert ("when process 1 exited (pidfd)" in reasons["process 0"]
+            or "when a death notice from process 1's host arrived" in reasons["process 0"]
             or "its step block was interrupted" in reasons["process 0"]), reasons
     for p in (0, 2):
         assert "new CPU client (generation 1" in (out / f"worker{p}.log").read_text()
