@@ -28,6 +28,7 @@ See docs/api.md and examples/. Everything not listed in `__all__` is internal.
 
 from .config import CheckpointConfig, Config, ConfigError, SnapshotConfig
 from .config import load as load_config
+from .core.sharding import opt_state_shardings
 from .elastic import (
     Coverage,
     ElasticState,
@@ -42,14 +43,13 @@ from .elastic import (
     state_checksums,
     zero_shardings,
 )
-from .events import Event, StepInfo
-from .metrics import RecoveryEvent, RecoveryRecord
-from .tensorboard import TensorBoardWriter
+from .layout.state import OptimizerMeaningError
+from .loop.trainer import RunSummary, run
 from .models import ArraySource, DataSource, LayerStack, ModelSpec
 from .models import register as register_model
-from .sharding import opt_state_shardings
-from .state import OptimizerMeaningError
-from .trainer import RunSummary, run
+from .observe.events import Event, StepInfo
+from .observe.metrics import RecoveryEvent, RecoveryRecord
+from .observe.tensorboard import TensorBoardWriter
 from .transfer.reshard import transition
 from .transfer.shards import ShardStore, TransferLog, UnrecoverableStateError
 

@@ -51,10 +51,11 @@ def _tensorboard_override(args) -> list[str]:
 
 
 def _train(args) -> int:
-    from . import config, trainer
-    from .events import load_hooks
-    from .launch import import_modules
-    from .tensorboard import check_available
+    from . import config
+    from .launch.process import import_modules
+    from .loop import trainer
+    from .observe.events import load_hooks
+    from .observe.tensorboard import check_available
 
     import_modules(args.imports)
     standby = STANDBY if args.standby else []
@@ -67,7 +68,7 @@ def _train(args) -> int:
 
 def _plan(args) -> int:
     from . import config
-    from .planner import Topology, initial_plan, rank_candidates, stage_options
+    from .plan.planner import Topology, initial_plan, rank_candidates, stage_options
 
     cfg = config.load(args.config, args.set)
     n = args.devices
@@ -111,11 +112,11 @@ def _plan(args) -> int:
             return 1
         print(f"after failing {sorted(fail)} ({len(live)} live): {ranked[0][0].describe()}")
         if args.coverage:  # the plan the loop moves to (`replan`), with its snapshots
-            from .planner import replan
+            from .plan.planner import replan
 
             _print_coverage(cfg, replan(live, topo, cfg, init, init), topo, set(live))
         if cfg.parallel.spares:
-            from .planner import substitute_spares
+            from .plan.planner import substitute_spares
 
             kept = substitute_spares(init, live, topo)
             if kept is not None:
@@ -134,8 +135,8 @@ def _schedule_coverage(cfg, init, topo) -> None:
     """The coverage of the plan the loop moves to after each failure of the config's fault
     schedule (in-process runtime), up to the first event whose outcome is decided at run time
     (devices returning: the loop grows only if it pays, `recovery.grow_min_gain`)."""
-    from .faults import resolve_schedule
-    from .planner import NoPlanError, replan
+    from .plan.planner import NoPlanError, replan
+    from .runtime.faults import resolve_schedule
 
     live, plan = list(topo.device_ids), init
     for ev in resolve_schedule(cfg.faults, topo, cfg.train.steps):
@@ -160,7 +161,7 @@ def _print_coverage(cfg, plan, topo, live: set[int]) -> None:
     config's snapshot settings (`recovery.plan_coverage`; shapes and shardings only)."""
     import jax
 
-    from .recovery import plan_coverage
+    from .loop.recovery import plan_coverage
 
     cpus = jax.devices("cpu")
     if len(cpus) < len(topo.device_ids):
@@ -185,7 +186,7 @@ def _print_coverage(cfg, plan, topo, live: set[int]) -> None:
 
 
 def _compare(args) -> int:
-    from .compare import compare_runs, format_report
+    from .observe.compare import compare_runs, format_report
 
     print(format_report(compare_runs(args.run, args.reference, args.common_steps)))
     return 0
@@ -198,18 +199,18 @@ def _sim(args) -> int:
 
 
 def _launch(args) -> int:
-    from . import launch, launcher
+    from .launch import local, process
 
-    kills = [launch.KillSpec.parse(k) for k in args.kill]
+    kills = [process.KillSpec.parse(k) for k in args.kill]
     if args.standby:
         args.set = [*STANDBY, *args.set]
     args.set = [*args.set, *_optimizer_override(args), *_tensorboard_override(args)]
-    spares = None if args.spares is None else launch.parse_spares(args.spares)
+    spares = None if args.spares is None else process.parse_spares(args.spares)
     if args.cluster:
-        from . import jaxcompat
+        from .core import jaxcompat
 
         if args.processes is not None:
-            raise launch.ConfigError("--cluster joins a cluster's job as one of its processes; "
+            raise process.ConfigError("--cluster joins a cluster's job as one of its processes; "
                                      "allowed with --cluster: --processes not given")
         args.coordinator, args.num_processes, args.process_id = jaxcompat.cluster_params(
             args.coordinator, args.num_processes, args.process_id)
@@ -217,15 +218,15 @@ def _launch(args) -> int:
                                         ("--num-processes", args.num_processes),
                                         ("--process-id", args.process_id)) if v is None]
         if missing:
-            raise launch.ConfigError(
+            raise process.ConfigError(
                 f"--cluster found no value for {', '.join(missing)} in the environment (JAX "
                 "detects SLURM, Open MPI, Kubernetes and Cloud TPU jobs); pass them by hand")
     if args.coordinator is None:  # start the processes here, on loopback
         if args.num_processes is not None or args.process_id is not None:
-            raise launch.ConfigError("--num-processes/--process-id need --coordinator")
+            raise process.ConfigError("--num-processes/--process-id need --coordinator")
         if args.processes is None:
-            raise launch.ConfigError("give --processes P (local) or --coordinator HOST:PORT")
-        return launcher.launch_local(
+            raise process.ConfigError("give --processes P (local) or --coordinator HOST:PORT")
+        return local.launch_local(
             args.config,
             args.set,
             processes=args.processes,
@@ -242,21 +243,21 @@ def _launch(args) -> int:
             restart_backoff_s=args.restart_backoff,
             kill_coordinator=args.kill_coordinator,
             worker_restarts=args.worker_restarts,
-            **launch.settings_of(args),
+            **process.settings_of(args),
         )
     if args.kill_coordinator is not None:
-        raise launch.ConfigError(
+        raise process.ConfigError(
             "--kill-coordinator is for a local launch (--processes P), whose launcher runs the "
             "coordination process; allowed with --coordinator: not given")
     if args.max_restarts:
-        raise launch.ConfigError(
+        raise process.ConfigError(
             f"--max-restarts {args.max_restarts} supervises a local launch (--processes P), "
             "which starts and reaps every process; a process joining a cluster with "
             "--coordinator is restarted by the cluster's own scheduler; allowed values with "
             "--coordinator: 0"
         )
     if args.worker_restarts:
-        raise launch.ConfigError(
+        raise process.ConfigError(
             f"--worker-restarts {args.worker_restarts} restarts the workers of a local launch "
             "(--processes P); on a cluster the scheduler restarts a worker with its own command, "
             "and the restarted process rejoins the running job by itself; allowed values with "
@@ -265,8 +266,8 @@ def _launch(args) -> int:
     if spares is not None:  # a cluster's --num-processes counts the spares too
         args.set = [*args.set, f"parallel.spares={spares}"]
     if args.num_processes is None or args.process_id is None:  # join a cluster as one process
-        raise launch.ConfigError("--coordinator needs --num-processes and --process-id")
-    return launch.worker_main(args)  # the one worker entry point
+        raise process.ConfigError("--coordinator needs --num-processes and --process-id")
+    return process.worker_main(args)  # the one worker entry point
 
 
 def _add_train(sub) -> None:
@@ -279,7 +280,8 @@ def _add_train(sub) -> None:
     t.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (one that registers a ModelSpec)")
     t.add_argument("--hook", dest="hooks", action="append", default=[], metavar="MODULE:FUNCTION",
-                   help="call FUNCTION with each step's StepInfo and each event (elasjax.events)")
+                   help="call FUNCTION with each step's StepInfo and each event "
+                        "(elasjax.observe.events)")
     t.add_argument("--optimizer", default=None, metavar="MODULE:ATTR", help=OPTIMIZER_HELP)
     t.add_argument("--tensorboard", default=None, metavar="DIR", help=TENSORBOARD_HELP)
     t.add_argument(
@@ -361,7 +363,7 @@ def _add_launch(sub) -> None:
                    help=OPTIMIZER_HELP + "; every process builds it")
     m.add_argument("--tensorboard", default=None, metavar="DIR",
                    help=TENSORBOARD_HELP + "; the process writing metrics.jsonl writes them")
-    from .launch import add_process_flags
+    from .launch.process import add_process_flags
 
     add_process_flags(m)
     m.add_argument("--standby", action="store_true",
@@ -421,9 +423,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.cmd == "train":
         _ensure_devices(8)
-    from .compare import RunsDifferError
     from .config import ConfigError
-    from .planner import NoPlanError
+    from .observe.compare import RunsDifferError
+    from .plan.planner import NoPlanError
     from .transfer.shards import UnrecoverableStateError
 
     try:

@@ -43,13 +43,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import rng
 from .compilation.pieces_standby import PiecesStandby, StandbyProgress
 from .config import CheckpointConfig, SnapshotConfig
-from .metrics import RecoveryRecord
-from .planner import Topology
+from .core import rng
+from .core.sharding import path_str
+from .observe.metrics import RecoveryRecord
+from .plan.planner import Topology
 from .runtime.inprocess import InProcessRuntime
-from .sharding import path_str
 from .transfer import checksum, reshard
 from .transfer.checkpoint import Checkpointer
 from .transfer.coverage import Coverage, coverage, explain

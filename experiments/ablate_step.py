@@ -37,12 +37,12 @@ import user_loop  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from elasjax import step as step_mod  # noqa: E402
+from elasjax.layout import step as step_mod  # noqa: E402
 from elasjax.compilation.executables import compile_plan  # noqa: E402
-from elasjax.data import DataPipeline  # noqa: E402
-from elasjax.planner import Topology, initial_plan  # noqa: E402
-from elasjax.state import StateFactory, StateLayout, make_optimizer  # noqa: E402
-from elasjax.zero import ZeroCodec  # noqa: E402
+from elasjax.loop.data import DataPipeline  # noqa: E402
+from elasjax.plan.planner import Topology, initial_plan  # noqa: E402
+from elasjax.layout.state import StateFactory, StateLayout, make_optimizer  # noqa: E402
+from elasjax.plan.zero import ZeroCodec  # noqa: E402
 
 
 @contextlib.contextmanager

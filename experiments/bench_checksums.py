@@ -29,8 +29,8 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dis
 from bench_scale import SIZES, size_config  # noqa: E402
 
 from elasjax.compilation.executables import compile_plan  # noqa: E402
-from elasjax.planner import Topology, initial_plan  # noqa: E402
-from elasjax.state import StateFactory, make_optimizer  # noqa: E402
+from elasjax.plan.planner import Topology, initial_plan  # noqa: E402
+from elasjax.layout.state import StateFactory, make_optimizer  # noqa: E402
 
 
 def main(argv=None) -> int:

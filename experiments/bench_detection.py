@@ -47,9 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from elasjax.launch import KillSpec  # noqa: E402
-from elasjax.launcher import launch_local  # noqa: E402
-from elasjax.metrics import read_jsonl  # noqa: E402
+from elasjax.launch.process import KillSpec  # noqa: E402
+from elasjax.launch.local import launch_local  # noqa: E402
+from elasjax.observe.metrics import read_jsonl  # noqa: E402
 
 CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "multiprocess.yaml")
 STANDBY = ["standby.enabled=true", "standby.wait_at_start=true"]

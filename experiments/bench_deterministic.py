@@ -6,7 +6,7 @@ Compiles a config's initial plan (default configs/demo.yaml: data 4 x tensor 2) 
 mode and with `train.deterministic: true`, and times train steps of both alternately in one run
 (same batches). Deterministic mode computes each canonical micro-batch's gradient on one replica
 without cross-replica reduction and adds them in one fixed binary tree over the canonical
-indices (`elasjax.treesum`): the printed ratio is what bitwise reproducibility across meshes
+indices (`elasjax.core.treesum`): the printed ratio is what bitwise reproducibility across meshes
 costs here. Wall-clock on 8 fake CPU devices sharing 2 cores.
 
 Memory: the tree keeps at most ceil(log2 K) + 3 gradient-sized registers per device for K
@@ -28,10 +28,12 @@ import jax  # noqa: E402
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 import numpy as np  # noqa: E402
 
-from elasjax import config, planner, treesum  # noqa: E402
+from elasjax import config
+from elasjax.plan import planner
+from elasjax.core import treesum  # noqa: E402
 from elasjax.compilation.executables import compile_plan  # noqa: E402
-from elasjax.data import DataPipeline  # noqa: E402
-from elasjax.state import StateFactory, make_optimizer  # noqa: E402
+from elasjax.loop.data import DataPipeline  # noqa: E402
+from elasjax.layout.state import StateFactory, make_optimizer  # noqa: E402
 
 
 def setup(path: str, deterministic: bool):

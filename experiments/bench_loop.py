@@ -35,11 +35,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 
-from elasjax import config, trainer  # noqa: E402
+from elasjax import config
+from elasjax.loop import trainer  # noqa: E402
 from elasjax.compilation.executables import ExecutableCache  # noqa: E402
-from elasjax.data import DataPipeline  # noqa: E402
-from elasjax.planner import Topology, initial_plan  # noqa: E402
-from elasjax.state import StateFactory, make_optimizer  # noqa: E402
+from elasjax.loop.data import DataPipeline  # noqa: E402
+from elasjax.plan.planner import Topology, initial_plan  # noqa: E402
+from elasjax.layout.state import StateFactory, make_optimizer  # noqa: E402
 
 
 def plain_loop(exe, data, plan, steps: int, every: int) -> float:

@@ -32,7 +32,9 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices
 import jax  # noqa: E402
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 
-from elasjax import config, trainer, zero  # noqa: E402
+from elasjax import config
+from elasjax.loop import trainer
+from elasjax.plan import zero  # noqa: E402
 
 
 def rss_mb() -> float:

@@ -26,7 +26,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-from elasjax import config, trainer  # noqa: E402
+from elasjax import config
+from elasjax.loop import trainer  # noqa: E402
 from elasjax.transfer import checksum
 
 

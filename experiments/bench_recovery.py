@@ -36,11 +36,12 @@ import jax  # noqa: E402
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 import numpy as np  # noqa: E402
 
-from elasjax import config, planner  # noqa: E402
-from elasjax.faults import inject  # noqa: E402
-from elasjax.mesh import make_mesh  # noqa: E402
+from elasjax import config
+from elasjax.plan import planner  # noqa: E402
+from elasjax.runtime.faults import inject  # noqa: E402
+from elasjax.core.mesh import make_mesh  # noqa: E402
 from elasjax.runtime.inprocess import InProcessRuntime  # noqa: E402
-from elasjax.state import StateFactory, make_optimizer  # noqa: E402
+from elasjax.layout.state import StateFactory, make_optimizer  # noqa: E402
 from elasjax.transfer.copies import CopyThreads  # noqa: E402
 from elasjax.transfer.reshard import TransitionPlanCache, transition  # noqa: E402
 from elasjax.transfer.shards import ShardStore, describe_state  # noqa: E402
@@ -194,7 +195,7 @@ def snapshot_cost(args):
     with each snapshot waited for right after its step (serial: its whole cost). The modes
     alternate in blocks of two steps, `args.steps` rounds; medians of the per-step times."""
     from elasjax.compilation.executables import compile_plan
-    from elasjax.data import DataPipeline
+    from elasjax.loop.data import DataPipeline
 
     cfg = build(args, "interleaved")
     devs = {d.id: d for d in jax.devices()}

@@ -90,15 +90,16 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from elasjax import config, trainer  # noqa: E402
+from elasjax import config
+from elasjax.loop import trainer  # noqa: E402
 from elasjax.compilation.executables import ExecutableCache, compile_plan  # noqa: E402
-from elasjax.data import DataPipeline  # noqa: E402
-from elasjax.mesh import DATA, make_mesh, replicated  # noqa: E402
-from elasjax.planner import Topology, initial_plan  # noqa: E402
-from elasjax.sharding import batch_shardings  # noqa: E402
-from elasjax.state import StateFactory, TrainState, make_optimizer  # noqa: E402
-from elasjax.step import abstract_batch, make_grad_fn  # noqa: E402
-from elasjax.zero import ZeroCodec  # noqa: E402
+from elasjax.loop.data import DataPipeline  # noqa: E402
+from elasjax.core.mesh import DATA, make_mesh, replicated  # noqa: E402
+from elasjax.plan.planner import Topology, initial_plan  # noqa: E402
+from elasjax.core.sharding import batch_shardings  # noqa: E402
+from elasjax.layout.state import StateFactory, TrainState, make_optimizer  # noqa: E402
+from elasjax.layout.step import abstract_batch, make_grad_fn  # noqa: E402
+from elasjax.plan.zero import ZeroCodec  # noqa: E402
 from user_loop import UserLoop, memory_mb, timed_run  # noqa: E402
 
 SIZES = {  # name -> (d_model, layers, heads)
@@ -423,7 +424,7 @@ def _timed(fn) -> float:
 def failures(size: str, steps: int, standby: bool) -> dict:
     """elasjax ZeRO-1 through a device failure (step steps//3) and a host failure
     (2 * steps // 3): recovery phases, time lost per failure, goodput, bytes moved."""
-    from elasjax.metrics import read_jsonl
+    from elasjax.observe.metrics import read_jsonl
 
     faults = (f"faults=[{{at_step: {steps // 3}, devices: [3]}}, "
               f"{{at_step: {2 * steps // 3}, hosts: [0]}}]")

@@ -14,7 +14,7 @@ compiled executables (`executables.ExecutableCache`):
   checkpoint_restart                    Orbax checkpoint every `--ckpt-every` steps, restore in
                                         process onto the new mesh, redo the lost steps
 
-Convergence deviation of a run against its reference (`elasjax.compare`):
+Convergence deviation of a run against its reference (`elasjax.observe.compare`):
 
     dev = mean over post-failure steps s >= s_fail of |loss(s) - loss_ref(s)| / loss_ref(s)
 
@@ -39,10 +39,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 
-from elasjax import config, trainer  # noqa: E402
-from elasjax.compare import compare_runs  # noqa: E402
+from elasjax import config
+from elasjax.loop import trainer  # noqa: E402
+from elasjax.observe.compare import compare_runs  # noqa: E402
 from elasjax.compilation.executables import ExecutableCache  # noqa: E402
-from elasjax.metrics import losses_by_step, read_jsonl  # noqa: E402
+from elasjax.observe.metrics import losses_by_step, read_jsonl  # noqa: E402
 
 # name -> (overrides, reference run or None, with the failure schedule?)
 RUNS = {

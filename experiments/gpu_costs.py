@@ -41,12 +41,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from elasjax import config  # noqa: E402
-from elasjax.data import DataPipeline  # noqa: E402
-from elasjax.mesh import make_mesh, replicated  # noqa: E402
-from elasjax.planner import Topology, initial_plan  # noqa: E402
-from elasjax.sharding import batch_shardings  # noqa: E402
-from elasjax.state import StateFactory, TrainState, make_optimizer  # noqa: E402
-from elasjax.step import abstract_batch, make_grad_fn  # noqa: E402
+from elasjax.loop.data import DataPipeline  # noqa: E402
+from elasjax.core.mesh import make_mesh, replicated  # noqa: E402
+from elasjax.plan.planner import Topology, initial_plan  # noqa: E402
+from elasjax.core.sharding import batch_shardings  # noqa: E402
+from elasjax.layout.state import StateFactory, TrainState, make_optimizer  # noqa: E402
+from elasjax.layout.step import abstract_batch, make_grad_fn  # noqa: E402
 from elasjax.transfer import checksum  # noqa: E402
 
 LINK = "device->host copy of the state's bytes (one array)"

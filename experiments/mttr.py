@@ -43,10 +43,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # elasjax.runtime.dispatch
 
-from elasjax import config, trainer
+from elasjax import config
+from elasjax.loop import trainer
 from elasjax.bench import restart  # noqa: E402
 from elasjax.compilation.executables import ExecutableCache  # noqa: E402
-from elasjax.metrics import read_jsonl  # noqa: E402
+from elasjax.observe.metrics import read_jsonl  # noqa: E402
 
 PHASES = ("process start", "detect", "plan", "compile", "transfer / restore", "verify",
           "first step", "redo steps")
@@ -149,8 +150,8 @@ def launch_rows(args, out: Path) -> list[dict]:
     right after it dispatched step 3; then a fresh launch of the 3 survivors timed from spawn to
     its first logged step (the restart alternative, without its detection, checkpoint restore
     or redone steps: a lower bound)."""
-    from elasjax.launch import KillSpec
-    from elasjax.launcher import launch_local
+    from elasjax.launch.process import KillSpec
+    from elasjax.launch.local import launch_local
 
     run = out / "runs/launch_kill"
     shutil.rmtree(run, ignore_errors=True)

@@ -29,9 +29,9 @@ os.environ["XLA_FLAGS"] = (
 import conftest  # noqa: E402,F401 - 8 fake devices, the suite's XLA settings
 from conftest import tiny_config  # noqa: E402
 
-from elasjax import trainer  # noqa: E402
+from elasjax.loop import trainer  # noqa: E402
 from elasjax.compilation.executables import ExecutableCache, compile_plan, rebind  # noqa: E402
-from elasjax.planner import replan  # noqa: E402
+from elasjax.plan.planner import replan  # noqa: E402
 
 
 def main() -> int:

@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elasjax.compare import compare_runs  # noqa: E402
-from elasjax.metrics import read_jsonl  # noqa: E402
+from elasjax.observe.compare import compare_runs  # noqa: E402
+from elasjax.observe.metrics import read_jsonl  # noqa: E402
 
 PROCESSES = 4
 ABORT = "Received data size doesn't match expected size"

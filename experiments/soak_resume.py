@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elasjax.metrics import read_jsonl  # noqa: E402
+from elasjax.observe.metrics import read_jsonl  # noqa: E402
 
 SKEW = re.compile(r"(start/\w+) entry barrier: arrivals at the entry barrier: .*?; process (\d+) "
                   r"last, ([0-9.]+)s after the first")

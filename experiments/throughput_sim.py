@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elasjax.sim import config as simconfig  # noqa: E402
+from elasjax.sim import settings as simconfig  # noqa: E402
 from elasjax.sim import run as simrun  # noqa: E402
 from elasjax.sim.cluster import make_group, step_time  # noqa: E402
 from elasjax.sim.hardware import cpu_device  # noqa: E402

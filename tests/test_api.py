@@ -31,7 +31,7 @@ _DISPATCH = """
 import json, warnings
 import jax
 import elasjax
-from elasjax.planner import Topology
+from elasjax.plan.planner import Topology
 from elasjax.runtime.inprocess import InProcessRuntime
 out = {"after_import": jax.config.read("jax_cpu_enable_async_dispatch")}
 if {touch}:
@@ -393,7 +393,7 @@ def test_the_loop_and_the_pieces_raise_one_error_for_a_state_that_does_not_verif
 
     from conftest import tiny_config
 
-    from elasjax import trainer
+    from elasjax.loop import trainer
 
     assert trainer.RecoveryVerificationError is elasjax.StateMismatchError
     tx = optax.adam(1e-2)

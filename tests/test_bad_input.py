@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import tiny_config
 
-from elasjax import cli, trainer
-from elasjax.metrics import read_jsonl
+from elasjax import cli
+from elasjax.loop import trainer
+from elasjax.observe.metrics import read_jsonl
 from elasjax.transfer.checkpoint import CheckpointFormatError
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")

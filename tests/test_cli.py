@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from elasjax import cli, config, trainer
-from elasjax.compare import compare_runs
+from elasjax import cli, config
+from elasjax.loop import trainer
+from elasjax.observe.compare import compare_runs
 
 
 def test_plan_command(capsys):
@@ -81,7 +82,7 @@ def test_import_finds_a_module_in_the_current_directory(tmp_path, monkeypatch):
     import sys
 
     from elasjax.config import ConfigError
-    from elasjax.launch import import_modules
+    from elasjax.launch.process import import_modules
 
     (tmp_path / "my_cwd_model.py").write_text("LOADED = True\n")
     monkeypatch.chdir(tmp_path)

@@ -16,7 +16,8 @@ def test_demo_config_loads():
 def test_demo_grow_config_loads_and_resolves():
     import yaml
 
-    from elasjax import faults, planner
+    from elasjax.runtime import faults
+    from elasjax.plan import planner
 
     cfg = config.load("configs/demo_grow.yaml")
     assert [f.join is not None for f in cfg.faults] == [False, False, True, True]
@@ -98,7 +99,8 @@ def test_fault_beyond_run():
 
 
 def test_fault_at_the_cut_over_is_one_process_only():
-    from elasjax import faults, planner
+    from elasjax.runtime import faults
+    from elasjax.plan import planner
 
     cfg = config.load(None, ["faults=[{at_step: 3, hosts: [1], phase: cutover}]"])
     topo = planner.Topology(tuple(range(8)), 2)

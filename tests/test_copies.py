@@ -13,10 +13,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import elasjax
-from elasjax import config, trainer
+from elasjax import config
+from elasjax.loop import trainer
 from elasjax.config import ConfigError, SnapshotConfig
-from elasjax.metrics import read_jsonl
-from elasjax.planner import Topology
+from elasjax.observe.metrics import read_jsonl
+from elasjax.plan.planner import Topology
 from elasjax.runtime.inprocess import InProcessRuntime
 from elasjax.transfer.snapshot import SnapshotPool
 
@@ -200,8 +201,8 @@ def test_the_loop_with_two_copies_survives_two_hosts_failing_together(exe_cache,
 
 
 def _loop_coverage(cfg):
-    from elasjax.planner import initial_plan
-    from elasjax.recovery import plan_coverage
+    from elasjax.plan.planner import initial_plan
+    from elasjax.loop.recovery import plan_coverage
 
     topo = Topology(tuple(range(8)), cfg.parallel.devices_per_host)
     return plan_coverage(cfg, initial_plan(topo, cfg), topo, set(range(8)),

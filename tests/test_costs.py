@@ -4,8 +4,8 @@ run's goodput, on hand-made timelines whose answer is known, then on a real run.
 import pytest
 
 from conftest import tiny_config
-from elasjax import trainer
-from elasjax.metrics import RecoveryEvent, Timeline, failure_costs, paces
+from elasjax.loop import trainer
+from elasjax.observe.metrics import RecoveryEvent, Timeline, failure_costs, paces
 
 
 def _recovery(step, to_plan, *, compile_s=0.5, transfer_s=0.2, first_step_s=3.0):
@@ -86,7 +86,7 @@ def test_a_run_reports_time_lost_and_goodput(tmp_path):
     """A real run with a device failure: one `failure_cost` event and a goodput in the end
     event, the same as the summary's; the time lost is at least the recovery's phases before
     its first step."""
-    from elasjax.metrics import read_jsonl
+    from elasjax.observe.metrics import read_jsonl
 
     cfg = tiny_config("faults=[{at_step: 3, devices: [3]}]", "train.steps=8")
     run = trainer.run(cfg, tmp_path)
@@ -116,7 +116,7 @@ def test_step_clock_notes_when_a_step_finished_not_when_it_was_read():
     import jax
     import jax.numpy as jnp
 
-    from elasjax.metrics import StepClock
+    from elasjax.observe.metrics import StepClock
 
     clock = StepClock()
     try:

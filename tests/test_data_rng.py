@@ -6,9 +6,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import tiny_config
-from elasjax import config, planner, rng
-from elasjax.data import DataPipeline, global_sample_ids
-from elasjax.mesh import make_mesh
+from elasjax import config
+from elasjax.plan import planner
+from elasjax.core import rng
+from elasjax.loop.data import DataPipeline, global_sample_ids
+from elasjax.core.mesh import make_mesh
 from elasjax.models.gpt import sample_dropout
 
 TOPO = planner.Topology(tuple(range(8)), 2)

@@ -10,9 +10,10 @@ import jax
 import pytest
 from conftest import optimised_compiles, tiny_config
 
-from elasjax import planner, treesum
+from elasjax.plan import planner
+from elasjax.core import treesum
 from elasjax.compilation.executables import compile_plan
-from elasjax.state import StateFactory, make_optimizer
+from elasjax.layout.state import StateFactory, make_optimizer
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import optimised_compiles, tiny_config
 
-from elasjax import trainer
-from elasjax.state import StateFactory, make_optimizer
+from elasjax.loop import trainer
+from elasjax.layout.state import StateFactory, make_optimizer
 
 pytestmark = pytest.mark.slow
 

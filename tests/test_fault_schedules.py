@@ -36,10 +36,12 @@ from hypothesis import strategies as st
 
 import jax
 
-from elasjax import faults, planner, trainer
+from elasjax.runtime import faults
+from elasjax.plan import planner
+from elasjax.loop import trainer
 from elasjax.config import FaultConfig, standby_on
-from elasjax.contingencies import Contingencies
-from elasjax.recovery import plan_losses
+from elasjax.plan.contingencies import Contingencies
+from elasjax.loop.recovery import plan_losses
 from elasjax.transfer.shards import UnrecoverableStateError
 
 pytestmark = pytest.mark.slow

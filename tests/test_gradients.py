@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from elasjax import planner, step
-from elasjax.data import DataPipeline
-from elasjax.mesh import make_mesh
-from elasjax.sharding import batch_shardings
-from elasjax.state import StateFactory, make_optimizer
+from elasjax.plan import planner
+from elasjax.layout import step
+from elasjax.loop.data import DataPipeline
+from elasjax.core.mesh import make_mesh
+from elasjax.core.sharding import batch_shardings
+from elasjax.layout.state import StateFactory, make_optimizer
 
 CFG = tiny_config()
 TOPO = planner.Topology(tuple(range(8)), 2)

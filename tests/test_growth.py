@@ -15,11 +15,14 @@ import jax
 import pytest
 from conftest import assert_same_computation, tiny_config
 
-from elasjax import config, faults, planner, trainer
+from elasjax import config
+from elasjax.runtime import faults
+from elasjax.plan import planner
+from elasjax.loop import trainer
 from elasjax.compilation.executables import ExecutableCache
 from elasjax.config import ConfigError
-from elasjax.contingencies import Contingencies
-from elasjax.metrics import read_jsonl
+from elasjax.plan.contingencies import Contingencies
+from elasjax.observe.metrics import read_jsonl
 from elasjax.transfer import checksum
 
 TOPO = planner.Topology(tuple(range(8)), 2)
@@ -103,12 +106,12 @@ def test_join_shape_phase_strategy_order_and_runtime():
         _resolve("[{at_step: 2, hosts: [1]}, {at_step: 6, join: {hosts: [1]}}]",
                  faults.MULTI_CONTROLLER)
     # `elasjax launch` checks the schedule before it starts any process
-    from elasjax import launch
+    from elasjax.launch import process
 
     cfg = tiny_config("faults=[{at_step: 2, hosts: [1]}, {at_step: 6, join: {hosts: [1]}}]")
     with pytest.raises(ConfigError, match=r"'faults\[1\].join' is not available under `elasjax "
                                           r"launch`"):
-        launch.resolve_config(cfg, 4, 2)
+        process.resolve_config(cfg, 4, 2)
     # a recovery-phase fault needs a failure at its step, not a join
     with pytest.raises(ConfigError, match=r"'faults\[2\].phase' = 'recovery' needs a failure"):
         _resolve("[{at_step: 2, devices: [3]}, {at_step: 6, join: {devices: [3]}}, "
@@ -290,7 +293,7 @@ def test_an_interim_plan_uses_the_most_devices_then_the_measured_time():
     agreed), by prediction where one has no measured time."""
     from types import SimpleNamespace
 
-    from elasjax.cutover import Cutovers
+    from elasjax.loop.cutover import Cutovers
 
     class OneProcess:
         def agree(self, value):

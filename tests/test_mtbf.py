@@ -9,9 +9,12 @@ return, losses within relative 1e-5 of the fault-free run (`conftest.assert_same
 import pytest
 from conftest import assert_same_computation, tiny_config
 
-from elasjax import config, faults, planner, trainer
+from elasjax import config
+from elasjax.runtime import faults
+from elasjax.plan import planner
+from elasjax.loop import trainer
 from elasjax.config import ConfigError
-from elasjax.metrics import read_jsonl
+from elasjax.observe.metrics import read_jsonl
 
 TOPO = planner.Topology(tuple(range(8)), 2)  # 4 hosts of 2 devices
 
@@ -140,11 +143,11 @@ def test_bad_fields_are_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"'faults\[0\].mtbf' is not available under `elasjax "
                                           r"launch`.*run 'mtbf' with `elasjax train`"):
         faults.resolve_schedule(cfg.faults, TOPO, 40, faults.MULTI_CONTROLLER)
-    from elasjax import launch
+    from elasjax.launch import process
 
     with pytest.raises(ConfigError, match=r"'faults\[0\].mtbf' is not available under `elasjax "
                                           r"launch`"):
-        launch.resolve_config(cfg, 4, 2)
+        process.resolve_config(cfg, 4, 2)
 
 
 def test_demo_mtbf_config_resolves_to_the_events_its_header_states():

@@ -50,14 +50,15 @@ import yaml
 from jax.errors import JaxRuntimeError
 from conftest import PIPE, TINY, deaths, optimised_compiles, tiny_config
 
-from elasjax import planner, trainer
+from elasjax.plan import planner
+from elasjax.loop import trainer
 from elasjax.config import ConfigError
-from elasjax.launch import KillSpec, parse_spares, resolve_config
-from elasjax.mesh import make_mesh
-from elasjax.metrics import MTTR_PHASES, read_jsonl
+from elasjax.launch.process import KillSpec, parse_spares, resolve_config
+from elasjax.core.mesh import make_mesh
+from elasjax.observe.metrics import MTTR_PHASES, read_jsonl
 from elasjax.runtime import membership
 from elasjax.runtime.startup import RuntimeConfig, xla_flags
-from elasjax.state import StateFactory, make_optimizer
+from elasjax.layout.state import StateFactory, make_optimizer
 from elasjax.transfer import checksum, copies
 from elasjax.transfer.copies import pack, packed_size, unpack
 from elasjax.transfer.reshard import plan_transition
@@ -1115,7 +1116,7 @@ CHECKPOINTED = (*_ONE_EACH, "zero.stage=1", "snapshot.buddy=false", "snapshot.ho
 
 
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::elasjax.trainer.UnprotectedStateWarning")
+@pytest.mark.filterwarnings("ignore::elasjax.loop.trainer.UnprotectedStateWarning")
 def test_a_partition_with_no_live_copy_comes_back_from_the_checkpoint(exe_cache, tmp_path):
     """ZeRO-1 with snapshots opted out: process 1 is SIGKILLed in step 5 and its optimizer
     partition has no live copy. The survivors restore the step-4 checkpoint onto their 3
@@ -1199,7 +1200,7 @@ def test_deterministic_zero1_optimised_is_bitwise_under_launch(tmp_path):
 
 
 def test_liveness_knobs_and_slow_option_are_checked():
-    from elasjax.launch import parse_slow
+    from elasjax.launch.process import parse_slow
 
     with pytest.raises(ValueError, match="liveness_interval_s"):
         RuntimeConfig("h:1", 2, 0, liveness_interval_s=0.0)
@@ -1273,7 +1274,7 @@ print("RESULT " + json.dumps(out), flush=True)
 if mode == "fence":  # the job goes on a while: the fenced process reads its verdict meanwhile
     time.sleep(4.0)
 rt.close()
-from elasjax.launch import _shutdown
+from elasjax.launch.process import _shutdown
 _shutdown()
 """
 
@@ -1409,7 +1410,7 @@ def _result(proc, out: str) -> dict:
 
 
 def _guard_job(mode: str, tmp_path: Path):
-    from elasjax.launcher import _free_port
+    from elasjax.launch.local import _free_port
     from elasjax.runtime import coordinator
 
     port = _free_port()
@@ -1427,7 +1428,7 @@ def _guard_job(mode: str, tmp_path: Path):
 def _outputs(procs, timeout: int, coord) -> list[str]:
     """Each worker's output once it ended (within `timeout` s each); then every worker still
     alive is killed and the coordination process stopped."""
-    from elasjax.launcher import _stop_coordinator
+    from elasjax.launch.local import _stop_coordinator
 
     outs = []
     try:

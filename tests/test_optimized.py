@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from conftest import PIPE, assert_params_close, assert_same_computation, optimised_compiles, tiny_config
 
-from elasjax import trainer
-from elasjax.metrics import read_jsonl
-from elasjax.state import StateFactory, make_optimizer
+from elasjax.loop import trainer
+from elasjax.observe.metrics import read_jsonl
+from elasjax.layout.state import StateFactory, make_optimizer
 
 pytestmark = pytest.mark.slow
 

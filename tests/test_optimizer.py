@@ -15,8 +15,8 @@ import user_optim
 from conftest import TINY, assert_same_computation, tiny_config
 from elasjax import cli, config
 from elasjax.config import ConfigError
-from elasjax.metrics import read_jsonl
-from elasjax.state import BUILTIN_OPTIMIZER, choose_optimizer, load_optimizer
+from elasjax.observe.metrics import read_jsonl
+from elasjax.layout.state import BUILTIN_OPTIMIZER, choose_optimizer, load_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = user_optim.STEPS

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from elasjax.partition import (
+from elasjax.core.partition import (
     MAKESPAN_RTOL,
     Partition,
     brute_force_partition,

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import elasjax
 from elasjax.compilation import executables
-from elasjax.counters import CompileCounter
+from elasjax.core.counters import CompileCounter
 from elasjax.compilation.pieces_standby import shape_key
 
 AXES = {"data": -1, "model": (2, 1)}

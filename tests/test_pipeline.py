@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 from conftest import PIPE, tiny_config
 
-from elasjax import pipeline, planner, rng, step
-from elasjax.data import DataPipeline
-from elasjax.faults import inject
-from elasjax.mesh import make_mesh
-from elasjax.state import StateFactory, make_optimizer
+from elasjax.layout import pipeline, step
+from elasjax.plan import planner
+from elasjax.core import rng
+from elasjax.loop.data import DataPipeline
+from elasjax.runtime.faults import inject
+from elasjax.core.mesh import make_mesh
+from elasjax.layout.state import StateFactory, make_optimizer
 from elasjax.transfer import checksum
 from elasjax.transfer.reshard import transition
 from elasjax.runtime.inprocess import InProcessRuntime

@@ -9,8 +9,9 @@ fault-free run, as in test_trainer.
 import pytest
 
 from conftest import PIPE, tiny_config
-from elasjax import planner, trainer
-from elasjax.metrics import read_jsonl
+from elasjax.plan import planner
+from elasjax.loop import trainer
+from elasjax.observe.metrics import read_jsonl
 
 TOPO = planner.Topology(tuple(range(8)), 2)
 

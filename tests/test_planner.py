@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elasjax import config
-from elasjax.planner import (
+from elasjax.plan.planner import (
     TIE_TOLERANCE,
     NoPlanError,
     Topology,

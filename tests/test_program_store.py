@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from elasjax import trainer
+from elasjax.loop import trainer
 from elasjax.compilation.executables import ExecutableCache, compile_plan, rebind
 from elasjax.compilation.store import ProgramStore
-from elasjax.counters import CompileCounter
-from elasjax.planner import replan
+from elasjax.core.counters import CompileCounter
+from elasjax.plan.planner import replan
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,14 @@
-"""docs/config-reference.md and docs/events-reference.md are what `python -m elasjax.reference`
-writes from the dataclasses: a field added, removed or re-commented without rewriting them
-fails here."""
+"""docs/config-reference.md and docs/events-reference.md are what
+`python -m elasjax.observe.reference` writes from the dataclasses: a field added, removed or
+re-commented without rewriting them fails here."""
 
-from elasjax import config, reference
+from elasjax import config
+from elasjax.observe import reference
 
 
 def test_the_generated_references_are_the_codes():
-    assert reference.main(["--check"]) == 0, "run `python -m elasjax.reference` and commit docs/"
+    assert reference.main(["--check"]) == 0, (
+        "run `python -m elasjax.observe.reference` and commit docs/")
 
 
 def test_every_config_key_and_event_type_is_in_the_references():

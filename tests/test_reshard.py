@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from elasjax import planner
-from elasjax.faults import inject
-from elasjax.mesh import make_mesh
-from elasjax.sharding import path_str
-from elasjax.state import StateFactory, make_optimizer
+from elasjax.plan import planner
+from elasjax.runtime.faults import inject
+from elasjax.core.mesh import make_mesh
+from elasjax.core.sharding import path_str
+from elasjax.layout.state import StateFactory, make_optimizer
 from elasjax.transfer.reshard import transition
 from elasjax.transfer.shards import ShardStore, UnrecoverableStateError
 

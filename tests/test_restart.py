@@ -6,7 +6,7 @@ import math
 import pytest
 from conftest import skip_if_not_enough_devices, tiny_config
 
-from elasjax import trainer
+from elasjax.loop import trainer
 from elasjax.bench import restart
 
 

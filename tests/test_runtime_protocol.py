@@ -5,7 +5,7 @@ import inspect
 import typing
 from pathlib import Path
 
-from elasjax.planner import Topology
+from elasjax.plan.planner import Topology
 from elasjax.runtime.base import Runtime
 from elasjax.runtime.inprocess import InProcessRuntime
 from elasjax.runtime.multicontroller import MultiControllerRuntime
@@ -45,7 +45,7 @@ def test_both_runtimes_define_every_member_of_the_protocol():
 
 
 def test_the_trainer_asks_the_runtime_by_capability_not_by_hasattr():
-    src = (Path(__file__).parents[1] / "elasjax" / "trainer.py").read_text()
+    src = (Path(__file__).parents[1] / "elasjax" / "loop" / "trainer.py").read_text()
     assert "hasattr(self.rt" not in src and "getattr(self.rt" not in src
 
 
@@ -68,7 +68,7 @@ def test_each_detector_setting_is_defined_once_and_reaches_the_worker_unchanged(
     argv -> worker parser -> RuntimeConfig."""
     import dataclasses
 
-    from elasjax.launch import worker_parser
+    from elasjax.launch.process import worker_parser
     from elasjax.runtime.startup import SETTINGS, RuntimeConfig
 
     rc = RuntimeConfig("127.0.0.1:1234", 4, 2, heartbeat_timeout_s=7, collective_timeout_s=3,
@@ -78,7 +78,7 @@ def test_each_detector_setting_is_defined_once_and_reaches_the_worker_unchanged(
     assert all(getattr(rc, s.field) != getattr(defaults, s.field) for s in SETTINGS)
     args = worker_parser().parse_args(["--coordinator", rc.coordinator, "--num-processes", "4",
                                        "--process-id", "2", *rc.settings_argv()])
-    from elasjax.launch import settings_of
+    from elasjax.launch.process import settings_of
 
     again = RuntimeConfig(args.coordinator, args.num_processes, args.process_id,
                           **settings_of(args))
@@ -95,7 +95,7 @@ def test_the_launch_section_sets_the_detector_and_a_flag_given_wins():
     import pytest
 
     from elasjax import config
-    from elasjax.launch import worker_parser
+    from elasjax.launch.process import worker_parser
     from elasjax.runtime.startup import SETTINGS, RuntimeConfig, resolve_settings, settings_of
 
     defaults = RuntimeConfig("127.0.0.1:1234", 4, 2)

@@ -129,7 +129,7 @@ def test_the_key_is_the_same_for_equal_inputs_and_differs_otherwise():
     from conftest import tiny_config
 
     from elasjax.compilation.executables import ExecutableCache
-    from elasjax.planner import Topology, initial_plan
+    from elasjax.plan.planner import Topology, initial_plan
 
     cfg = tiny_config()
     plan = initial_plan(Topology(tuple(range(8)), 2), cfg)

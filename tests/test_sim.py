@@ -7,13 +7,13 @@ import pytest
 
 from elasjax.config import ConfigError
 from elasjax.config import HardwareConfig
-from elasjax.costmodel import bubble_fraction, pipeline_step_cost, ring_allreduce_s
-from elasjax.partition import minimax_partition
-from elasjax.sim import config as simconfig
+from elasjax.models.costmodel import bubble_fraction, pipeline_step_cost, ring_allreduce_s
+from elasjax.core.partition import minimax_partition
+from elasjax.sim import settings as simconfig
 from elasjax.sim.cluster import Layout, greedy_spread_reference, make_group, spread_microbatches
 from elasjax.sim.dvfs import PowerModel, balance, stage_time
 from elasjax.sim.hardware import ascend910
-from elasjax.sim.planner import plan_heterogeneous
+from elasjax.sim.hetplan import plan_heterogeneous
 from elasjax.sim.run import post_change_study
 from elasjax.sim.scenario import Scenario
 from elasjax.sim.spares import simulate_policy

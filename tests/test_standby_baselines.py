@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from elasjax import trainer
-from elasjax.counters import CompileCounter, map_usage
+from elasjax.loop import trainer
+from elasjax.core.counters import CompileCounter, map_usage
 from elasjax.compilation.executables import rebind
 from elasjax.compilation.standby import BackgroundJobs, StandbyCompiler
 from elasjax.compilation.worker import CompileCancelled
-from elasjax.metrics import read_jsonl
+from elasjax.observe.metrics import read_jsonl
 from elasjax.transfer import checksum
 
 
@@ -121,7 +121,7 @@ def test_a_program_compiled_for_some_devices_is_rebound_to_others_with_the_same_
     shape on other devices) with no XLA compile, runs on its own devices, and a step on it gives
     bitwise the state, metrics and checksums of that plan compiled for its devices."""
     from elasjax.compilation.executables import ExecutableCache, compile_plan
-    from elasjax.planner import replan
+    from elasjax.plan.planner import replan
 
     cfg = tiny_config("faults=[]")
     t = trainer.Trainer(cfg, None, exe_cache=ExecutableCache())
@@ -220,7 +220,7 @@ def test_the_mapping_check_collects_once_and_never_while_the_collector_is_held()
     there stops the loop)."""
     import gc
 
-    from elasjax.counters import within_map_budget
+    from elasjax.core.counters import within_map_budget
 
     if map_usage() is None:
         pytest.skip("no /proc memory-mapping counts on this platform")
@@ -456,7 +456,7 @@ _WORKER_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config  # the suite's XLA settings
-from elasjax import trainer
+from elasjax.loop import trainer
 t = trainer.Trainer(tiny_config(*{overrides!r}), {out!r})
 s = t.run()
 print(json.dumps({{
@@ -505,9 +505,9 @@ import json, sys
 sys.path.insert(0, {tests!r})
 from conftest import tiny_config  # the suite's XLA settings
 import jax, numpy as np
-from elasjax import trainer
+from elasjax.loop import trainer
 from elasjax.compilation.executables import ExecutableCache, can_rebind, compile_plan
-from elasjax.planner import replan
+from elasjax.plan.planner import replan
 from elasjax.transfer import checksum
 trainer.enable_compilation_cache({cache!r})  # process-wide: hence a process of its own
 cfg = tiny_config("faults=[]")
@@ -573,7 +573,7 @@ def test_standby_covers_every_likely_failure_unless_capped():
     a cap keeps its number, counts the rest and warns. `depth: 2` adds one plan per program a
     second failure needs."""
     from elasjax.compilation.standby import StandbyCoverageWarning
-    from elasjax.trainer import Trainer
+    from elasjax.loop.trainer import Trainer
 
     t = Trainer(tiny_config("standby.enabled=true"))
     try:

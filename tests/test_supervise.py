@@ -1,4 +1,4 @@
-"""Supervision under `elasjax launch` (`--max-restarts N`, `elasjax/supervisor.py`).
+"""Supervision under `elasjax launch` (`--max-restarts N`, `elasjax/launch/supervisor.py`).
 
 Pure parts first: the policy and its refusals, which checkpoint a restart resumes from, which
 fault-schedule entries a restarted job keeps. Then the CLI's refusals (no process starts).
@@ -30,10 +30,11 @@ from test_multiprocess import (
     _worker_ended,
 )
 
-from elasjax import cli, trainer
+from elasjax import cli
+from elasjax.loop import trainer
 from elasjax.config import ConfigError, FaultConfig, load
-from elasjax.metrics import read_jsonl
-from elasjax.supervisor import (
+from elasjax.observe.metrics import read_jsonl
+from elasjax.launch.supervisor import (
     COMMIT_MARKER,
     RestartPolicy,
     check_out,

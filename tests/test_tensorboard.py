@@ -1,5 +1,5 @@
-"""TensorBoard scalars (`elasjax.tensorboard`, `--tensorboard DIR`, `metrics.tensorboard_dir`):
-read back from the event file and compared with the run's jsonl files."""
+"""TensorBoard scalars (`elasjax.observe.tensorboard`, `--tensorboard DIR`,
+`metrics.tensorboard_dir`): read back from the event file and compared with the run's jsonl files."""
 
 import json
 import os
@@ -15,16 +15,17 @@ import pytest
 import yaml
 from conftest import TINY, deaths, tiny_config
 
-from elasjax import cli, trainer
+from elasjax import cli
+from elasjax.loop import trainer
 from elasjax.config import ConfigError
-from elasjax.events import Event, StepInfo
-from elasjax.metrics import MTTR_PHASES, read_jsonl
+from elasjax.observe.events import Event, StepInfo
+from elasjax.observe.metrics import MTTR_PHASES, read_jsonl
 
 tensorboardX = pytest.importorskip("tensorboardX")
 from tensorboardX.proto.event_pb2 import Event as EventProto
 from tensorboardX.record_writer import masked_crc32c
 
-from elasjax.tensorboard import INSTALL_HINT, TensorBoardWriter
+from elasjax.observe.tensorboard import INSTALL_HINT, TensorBoardWriter
 
 
 def read_records(path: Path):
@@ -169,7 +170,8 @@ def test_missing_tensorboardx_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert last["type"] == "error" and last["error"] == "ConfigError"
     assert not tb.exists()
     code = ("import sys; sys.modules['tensorboardX'] = None; "
-            "import elasjax, elasjax.trainer, elasjax.cli, elasjax.launch, elasjax.tensorboard")
+            "import elasjax, elasjax.loop.trainer, elasjax.cli, elasjax.launch.process, "
+            "elasjax.observe.tensorboard")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
 

@@ -12,10 +12,11 @@ import pytest
 from conftest import LOSS_RTOL, assert_params_close, assert_same_computation, tiny_config
 
 import elasjax
-from elasjax import config, trainer
+from elasjax import config
+from elasjax.loop import trainer
 from elasjax.config import ConfigError
-from elasjax.faults import FaultEvent
-from elasjax.metrics import MTTR_PHASES, read_jsonl
+from elasjax.runtime.faults import FaultEvent
+from elasjax.observe.metrics import MTTR_PHASES, read_jsonl
 from elasjax.runtime.inprocess import InProcessRuntime
 from elasjax.transfer.shards import UnrecoverableStateError
 
@@ -112,7 +113,7 @@ def test_no_garbage_collection_runs_from_a_failure_to_its_first_good_step(exe_ca
         if when == "start":
             collections[phase[0]] += 1
 
-    from elasjax.recovery import Recoverer
+    from elasjax.loop.recovery import Recoverer
 
     orig_recover = Recoverer.recover
 

@@ -1,4 +1,4 @@
-"""The fixed-order tree sum of deterministic mode (`elasjax.treesum`), as numpy programs.
+"""The fixed-order tree sum of deterministic mode (`elasjax.core.treesum`), as numpy programs.
 
 Every layout the planner deals (each replica count 1..K+2 over K canonical micro-batches, ranges
 from `Plan.canonical_slots`) must give the tree's sum bit for bit, with at most
@@ -7,8 +7,8 @@ from `Plan.canonical_slots`) must give the tree's sum bit for bit, with at most
 import numpy as np
 import pytest
 
-from elasjax import treesum
-from elasjax.planner import Plan
+from elasjax.core import treesum
+from elasjax.plan.planner import Plan
 
 
 def slots(K: int, D: int) -> np.ndarray:

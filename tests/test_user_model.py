@@ -46,7 +46,7 @@ def test_a_registered_model_recovers_with_the_fault_free_computation(zero, exe_c
 def test_deterministic_mode_is_bitwise_for_a_registered_model():
     """Compiled as users compile (XLA's optimisations on): the suite's unoptimised compiles
     are not bitwise across meshes (test_optimized.py), and the fixed-tree reduction
-    (`elasjax.treesum`) is bitwise in the optimised build that runs."""
+    (`elasjax.core.treesum`) is bitwise in the optimised build that runs."""
     from conftest import optimised_compiles
 
     det = ["train.deterministic=true", "parallel.replan=keep_tensor"]
@@ -179,9 +179,9 @@ def test_a_registered_model_with_a_layer_stack_is_pipelined_through_a_failure(ex
 def test_a_masked_sequence_model_states_its_own_normaliser():
     """Variable-length sequences: `count` gives each example its real tokens, so the loop's
     normaliser (sum of the real samples' counts) is per real token, padding slots count 0."""
-    from elasjax import planner
-    from elasjax.data import DataPipeline
-    from elasjax.planner import Topology
+    from elasjax.plan import planner
+    from elasjax.loop.data import DataPipeline
+    from elasjax.plan.planner import Topology
 
     T = 6
     lengths = np.array([1, 6, 3, 4, 2, 5, 6, 1], np.int32)

@@ -7,10 +7,10 @@ from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasjax import planner, zero
-from elasjax.faults import inject
-from elasjax.mesh import make_mesh
-from elasjax.state import StateFactory, make_optimizer
+from elasjax.plan import planner, zero
+from elasjax.runtime.faults import inject
+from elasjax.core.mesh import make_mesh
+from elasjax.layout.state import StateFactory, make_optimizer
 from elasjax.transfer import checksum
 from elasjax.transfer.reshard import TransitionPlanCache, transition
 from elasjax.transfer.shards import UnrecoverableStateError, describe_state

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from elasjax import trainer
+from elasjax.loop import trainer
 from elasjax.config import ConfigError, SnapshotConfig
-from elasjax.metrics import read_jsonl
+from elasjax.observe.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -192,7 +192,7 @@ def test_a_job_of_one_device_takes_no_snapshot_and_says_what_a_failure_costs():
     """With no other device, a copy could never be restored: the automatic choice takes none
     (a whole-state host copy each step would only cost; on a GPU's link, many steps' time), and
     the run warns that its device's failure needs a checkpoint."""
-    from elasjax.trainer import UnprotectedStateWarning
+    from elasjax.loop.trainer import UnprotectedStateWarning
 
     cfg = tiny_config("train.steps=3", "parallel.devices=1", "parallel.devices_per_host=1",
                       "parallel.data=1", "parallel.tensor=1", "faults=[]")

@@ -220,11 +220,11 @@ def restart_child(
 
     from ..compilation.executables import compile_plan
     from ..config import ConfigError, load
-    from ..data import DataPipeline
-    from ..mesh import make_mesh
-    from ..planner import Topology, initial_plan, replan
-    from ..rng import check_backend_config
-    from ..state import StateFactory, make_optimizer
+    from ..core.mesh import make_mesh
+    from ..core.rng import check_backend_config
+    from ..layout.state import StateFactory, make_optimizer
+    from ..loop.data import DataPipeline
+    from ..plan.planner import Topology, initial_plan, replan
     from ..transfer import checksum
     from ..transfer.checkpoint import Checkpointer, restore_onto
 
@@ -244,7 +244,7 @@ def restart_child(
         )
     cache_dir = getattr(cfg.standby, "cache_dir", None)
     if cache_dir:  # the job's persistent compilation cache: a restart may load, not compile
-        from ..trainer import enable_compilation_cache
+        from ..loop.trainer import enable_compilation_cache
 
         enable_compilation_cache(cache_dir)
     job = {d.id: d for d in devices[:n]}

@@ -18,16 +18,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from .. import jaxcompat, models
+from .. import models
 from ..config import Config
-from ..mesh import make_mesh, replicated
-from ..planner import Plan
-from ..sharding import batch_shardings
-from ..state import StateFactory, StateLayout, TrainState
-from ..step import abstract_batch, make_eval_step, make_train_step
+from ..core import jaxcompat
+from ..core.counters import CompileCounter, within_map_budget
+from ..core.mesh import make_mesh, replicated
+from ..core.sharding import batch_shardings
+from ..layout.state import StateFactory, StateLayout, TrainState
+from ..layout.step import abstract_batch, make_eval_step, make_train_step
+from ..plan.planner import Plan
 from ..transfer.checksum import rebind_checksums
 from ..transfer.shards import index_to_box
-from ..counters import CompileCounter, within_map_budget
 
 
 @dataclasses.dataclass
@@ -309,7 +310,7 @@ def _load(serialized: tuple, old_ids: tuple[int, ...], flat: list) -> Any:
     load = jaxcompat.executable_loader()
     if load is None:  # callers ask `can_load` first
         raise RuntimeError(f"jax {jax.__version__} cannot load executables onto other devices "
-                           "(elasjax.jaxcompat.executable_loader); compile instead")
+                           "(elasjax.core.jaxcompat.executable_loader); compile instead")
     return load(serialized, old_ids, flat)
 
 
@@ -476,7 +477,7 @@ def function_rebind_blocker(mesh: Mesh) -> str | None:
     backend's executables must take a new device assignment (`REBINDABLE`)."""
     if not can_load():
         return (f"jax {jax.__version__} cannot load an executable onto other devices "
-                "(elasjax.jaxcompat.executable_loader)")
+                "(elasjax.core.jaxcompat.executable_loader)")
     platform = mesh.devices.flat[0].client.platform
     if platform not in REBINDABLE:
         return (f"the {platform} backend's executables keep their devices (rebinding works on "

@@ -12,12 +12,12 @@ from collections.abc import Callable
 import jax
 
 from ..config import Config, ConfigError
-from ..planner import Plan
-from ..state import StateFactory
+from ..layout.state import StateFactory
+from ..plan.planner import Plan
 from .executables import ExecutableCache, Executables, from_portable, on_devices, warm_up
 from .shared import SharedBuilds
-from .store import ProgramStore
 from .standby import StandbyCompiler, StandbyCoverageWarning
+from .store import ProgramStore
 from .worker import CompileWorker, unavailable
 
 

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..counters import within_map_budget
+from ..core.counters import within_map_budget
 from .worker import CompileCancelled
 
 

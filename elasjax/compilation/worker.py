@@ -42,8 +42,8 @@ from pathlib import Path
 
 import jax
 
+from ..layout.state import StateFactory, make_optimizer
 from ..runtime.liveness import cpu_s
-from ..state import StateFactory, make_optimizer
 from .executables import can_load, compile_plan
 from .store import ProgramStore
 
@@ -76,7 +76,7 @@ def unavailable(cfg, custom_optimizer: bool, multi_process: bool) -> str | None:
         return "the optimizer passed to `run` exists in this process only"
     if not can_load():
         return (f"jax {jax.__version__} cannot load a serialized executable onto this "
-                "process's devices (elasjax.jaxcompat.executable_loader)")
+                "process's devices (elasjax.core.jaxcompat.executable_loader)")
     return None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from ..modelspec import registered
+from ..core.modelspec import registered
 from .sections import (
     CheckpointConfig,
     Config,

@@ -172,7 +172,7 @@ class PipelineConfig:
 class ZeroConfig:
     """ZeRO stage (0: replicated over `data`; 1: optimizer state partitioned; 2: + gradient
     accumulators partitioned; 3: + parameters partitioned, gathered per layer in the step) and
-    the partition layout (`elasjax.zero`)."""
+    the partition layout (`elasjax.plan.zero`)."""
 
     stage: Literal[0, 1, 2, 3] = 0
     layout: Literal["contiguous", "interleaved"] = "interleaved"
@@ -383,12 +383,12 @@ class RecoveryConfig:
     returned devices make possible a plan the run has stood on before (the start plan, one it
     left at a failure) that is predicted faster than the current one, cut over at once to such a
     plan on the most devices (among as many, the one that ran fastest) and to the best plan once
-    it is compiled (`elasjax.cutover`).
+    it is compiled (`elasjax.loop.cutover`).
 
     `worker_restarts` (`elasjax launch` only; `--worker-restarts N` sets it): a worker that
     dies is started again, at most this many times in all; the restarted process rejoins the
-    running job, which grows back onto its devices (`elasjax.admission`). The fault schedule may
-    then kill a process again after its death (its restarted incarnation), at most this many
+    running job, which grows back onto its devices (`elasjax.loop.admission`). The fault schedule
+    may then kill a process again after its death (its restarted incarnation), at most this many
     times."""
 
     strategy: Literal["elastic", "checkpoint_restart", "torchft_like"] = "elastic"
@@ -505,7 +505,7 @@ class HardwareConfig:
 class MetricsConfig:
     """Where the run's metrics go besides `metrics.jsonl` and `events.jsonl` (which are always
     written under `--out`). `tensorboard_dir`: TensorBoard scalars of the steps, recoveries,
-    failure costs and goodput (`elasjax.tensorboard`; needs `pip install
+    failure costs and goodput (`elasjax.observe.tensorboard`; needs `pip install
     'elasjax[tensorboard]'`), written by the process that writes the jsonl files; null: none.
     `elasjax train|launch --tensorboard DIR` sets it."""
 

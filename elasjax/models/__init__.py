@@ -1,4 +1,5 @@
-"""Models the loop can train: `model.type` -> a `ModelSpec` (the contract, `elasjax.modelspec`).
+"""Models the loop can train: `model.type` -> a `ModelSpec` (the contract,
+`elasjax.core.modelspec`).
 
 `gpt` is elasjax's own decoder-only GPT, built from the `model` section's dimensions. A user's
 model is registered once (`register`) and selected by its name; the `model` section's GPT
@@ -12,9 +13,17 @@ import functools
 import jax
 import numpy as np
 
-from ..costmodel import ModelProfile
-from ..modelspec import ArraySource, DataSource, LayerStack, ModelSpec, names, register, registered
+from ..core.modelspec import (
+    ArraySource,
+    DataSource,
+    LayerStack,
+    ModelSpec,
+    names,
+    register,
+    registered,
+)
 from . import gpt
+from .costmodel import ModelProfile
 
 __all__ = [
     "ArraySource", "DataSource", "LayerStack", "ModelSpec", "get", "names", "profile", "register",

@@ -5,8 +5,8 @@ Parameters carry logical axis names (`nn.with_logical_partitioning`), read once 
 leading `layers` axis (`nn.scan`) so a stage split is a slice of that axis.
 
 Dropout is keyed per sample, not per batch: the caller passes one key per sample (derived from
-the step and the sample's global id, see `elasjax.rng`), and each dropout site folds in its layer
-id and site id. A sample therefore draws the same mask whichever device, replica, micro-batch or
+the step and the sample's global id, see `elasjax.core.rng`), and each dropout site folds in its
+layer id and site id. A sample therefore draws the same mask whichever device, replica, micro-batch or
 slot runs it, which is what makes a re-planned run compute the fault-free run's function.
 Flax's own `nn.Dropout` draws one mask for the whole (sharded) batch from one key, so a sample's
 mask would depend on its position in the batch; it is not used.
@@ -23,8 +23,8 @@ import optax
 from flax import linen as nn
 
 from ..config import ModelConfig, allowed_tensor_degrees
-from ..costmodel import ModelProfile
-from ..modelspec import LayerStack, ModelSpec
+from ..core.modelspec import LayerStack, ModelSpec
+from .costmodel import ModelProfile
 from .text_data import make_source
 
 INIT_STD = 0.02

@@ -2,7 +2,7 @@
 files, real text that ships with every Python, split into train and validation by a hash of each
 file's relative path, so the split is fixed for a given Python version; runs are comparable on
 the same interpreter) or synthetic affine sequences (`synthetic`: `x[t+1] = (a*x[t] + c) mod V`,
-learnable and cheap). Which windows a step uses is `elasjax.data`'s.
+learnable and cheap). Which windows a step uses is `elasjax.loop.data`'s.
 """
 
 from __future__ import annotations

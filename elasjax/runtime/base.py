@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 
-from ..planner import Topology
+from ..plan.planner import Topology
 from .collectives import Renewal
 from .membership import Admission, Admitted
 

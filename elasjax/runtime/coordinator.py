@@ -29,7 +29,7 @@ READY = "elasjax coordinator: serving"
 def serve(port: int, processes: int, heartbeat_timeout_s: int) -> None:
     """Run the service until SIGTERM or SIGINT. Announces itself on stdout with `READY`."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # it needs no accelerator, and takes none
-    from .. import jaxcompat
+    from ..core import jaxcompat
 
     service = jaxcompat.start_coordination_service(f"[::]:{port}", processes, heartbeat_timeout_s)
     stop = threading.Event()

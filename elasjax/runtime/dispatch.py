@@ -22,7 +22,7 @@ import warnings
 
 import jax
 
-from .. import jaxcompat
+from ..core import jaxcompat
 
 SETTING = "jax_cpu_enable_async_dispatch"
 

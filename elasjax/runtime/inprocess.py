@@ -1,6 +1,6 @@
 """Where a job runs: the runtime object the trainer is given (ARCHITECTURE.md, section 4).
 
-There is one training loop and one recovery path (`elasjax.trainer`). What differs between one
+There is one training loop and one recovery path (`elasjax.loop.trainer`). What differs between one
 process with fake devices and a real multi-host job is this object:
 
 | concern | `InProcessRuntime` | `multicontroller.MultiControllerRuntime` |
@@ -29,11 +29,11 @@ import jax
 import numpy as np
 
 from ..config import Config, ConfigError
-from ..faults import IN_PROCESS, FaultEvent
-from ..planner import Topology
+from ..plan.planner import Topology
 from ..transfer.copies import CopyThreads
 from ..transfer.shards import ShardStore
 from .dispatch import require_sync_cpu_dispatch
+from .faults import IN_PROCESS, FaultEvent
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,7 +71,7 @@ class Counters:
 @dataclasses.dataclass(frozen=True)
 class Admission:
     """What the writer posts to one newcomer (pickled): the live processes' counters and the
-    loop's package (`elasjax.loopstate.LoopPackage`)."""
+    loop's package (`elasjax.loop.loopstate.LoopPackage`)."""
 
     counters: Counters
     loop: Any

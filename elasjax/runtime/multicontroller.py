@@ -1,5 +1,5 @@
 """The multi-controller runtime: one process per host on `jax.distributed`, surviving the death
-of any process. The trainer (`elasjax.trainer`) runs on it unchanged.
+of any process. The trainer (`elasjax.loop.trainer`) runs on it unchanged.
 
 One Python process per host (here: per group of `devices_per_process` CPU devices) runs the same
 program; `jax.distributed` connects them through a coordination service that runs in a process
@@ -60,25 +60,26 @@ import jax
 import numpy as np
 from jax.errors import JaxRuntimeError
 
-from ..faults import MULTI_CONTROLLER, FaultEvent
-from ..planner import Topology
+from ..plan.planner import Topology
 from ..transfer.copies import CopyThreads, pack, packed_size, unpack
 from ..transfer.shards import ShardStore
+from . import failures, membership
 from .collectives import (
     Renewal,
     abort_collectives,
     drain,
+    rendezvous_note,
     renew_cpu_client,
     renewal_reason,
-    rendezvous_note,
 )
-from .inprocess import DeviceFailure, FailureReport
-from . import failures, membership
 from .deathnote import DeathNotes
+from .faults import MULTI_CONTROLLER, FaultEvent
+from .inprocess import DeviceFailure, FailureReport
 from .liveness import Liveness, ProcessExits, Throttle, peer_state
-from .verdict import Barriers, Verdict
 from .p2p import TransferLinks
 from .startup import STARTED, STARVED_MAX_S, RuntimeConfig, kv_client, kv_float
+from .verdict import Barriers, Verdict
+
 
 class RejoinUnsupportedError(RuntimeError):
     """Growing the membership (a process rejoining) is not possible on this platform (GPU)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from .. import jaxcompat
+from ..core import jaxcompat
 
 
 class TransferLinks:

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 from jax.errors import JaxRuntimeError
 
-from .. import jaxcompat
 from ..config import LaunchConfig, check_launch
+from ..core import jaxcompat
 from .dispatch import SETTING
 
 # set by the writer once the job's first guard completed: a process that starts after it is a

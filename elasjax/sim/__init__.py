@@ -2,8 +2,8 @@
 *simulated*.
 
 Pure Python + numpy (no JAX devices): synchronous DP x PP x TP training on 96 .. 100,000
-devices, driven by the same cost model as the planner (`elasjax.costmodel`, the 1F1B
-`pipeline_step_cost`) and the minimax layer partition (`elasjax.partition`). Modules:
+devices, driven by the same cost model as the planner (`elasjax.models.costmodel`, the 1F1B
+`pipeline_step_cost`) and the minimax layer partition (`elasjax.core.partition`). Modules:
 
 - `hardware`: stated device parameters with sources (Ascend-910-like NPU, H100 SXM).
 - `workload`: per-item (embedding, blocks, head) costs of one micro-batch from FLOP counts.
@@ -24,11 +24,11 @@ while the closed-form 1F1B time is exact for the synchronous schedules modelled 
 """
 
 from .cluster import Layout, PipeGroup, spread_microbatches, step_time
-from .config import SimConfig, load, scenario
 from .dvfs import PowerModel, balance
 from .hardware import Device, ascend910, h100_sxm
-from .planner import HetPlan, plan_heterogeneous
+from .hetplan import HetPlan, plan_heterogeneous
 from .scenario import Outcome, RecoveryCosts, Scenario
+from .settings import SimConfig, load, scenario
 from .strategies import STRATEGIES, failure_free, ideal_tokens_per_s
 from .traces import TraceParams, make_trace
 from .workload import GptDims, Workload, build_workload

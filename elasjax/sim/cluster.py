@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..costmodel import pipeline_step_cost
+from ..models.costmodel import pipeline_step_cost
 
 
 @dataclasses.dataclass(frozen=True)

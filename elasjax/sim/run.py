@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import config as simconfig
-from .planner import plan_heterogeneous
+from . import settings as simconfig
+from .hetplan import plan_heterogeneous
 from .scenario import Scenario
 from .spares import simulate_policy, spare_hosts_for, swap_seconds
 from .strategies import STRATEGIES, failure_free

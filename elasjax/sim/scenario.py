@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..partition import Partition, minimax_partition
+from ..core.partition import Partition, minimax_partition
 from .cluster import Layout
 from .dvfs import PowerModel
 from .hardware import Device

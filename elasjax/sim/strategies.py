@@ -45,10 +45,10 @@ import types
 
 import numpy as np
 
-from ..costmodel import pipeline_step_cost
+from ..models.costmodel import pipeline_step_cost
 from .cluster import PipeGroup, assign, make_group, step_time
 from .dvfs import step_energy_j
-from .planner import broken_classes, plan_heterogeneous, reroute_step, reshape_class
+from .hetplan import broken_classes, plan_heterogeneous, reroute_step, reshape_class
 from .scenario import Outcome, Scenario
 
 

@@ -9,7 +9,7 @@ tensor-parallel group at the nominal clock the workload states
 - `tm`: time that does not scale (the memory-bound share, tensor-parallel all-reduces),
 - parameters (for migration bytes, gradient sync and memory) and activation bytes.
 
-FLOP counts match `elasjax.costmodel.ModelProfile` (6 FLOPs per parameter per token plus
+FLOP counts match `elasjax.models.costmodel.ModelProfile` (6 FLOPs per parameter per token plus
 attention scores), so the planner and the simulator rank layouts with the same model.
 Activation memory per block uses Korthikanti et al. 2022 ("Reducing Activation Recomputation
 in Large Transformer Models", Table 2) with sequence parallelism and selective recomputation:
@@ -28,7 +28,7 @@ import dataclasses
 import numpy as np
 
 from ..config import HardwareConfig
-from ..costmodel import ring_allreduce_s
+from ..models.costmodel import ring_allreduce_s
 from .hardware import Device
 
 BYTES_PARAM = 2  # bf16 parameters

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..config import CheckpointConfig, ConfigError
-from ..zero import ZeroLayout
+from ..plan.zero import ZeroLayout
 from .lone_writer import LoneWriter
 from .reshard import transition
 from .shards import Shard, ShardStore

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import jaxcompat
-from ..counters import CompileCounter
-from ..sharding import path_str
+from ..core import jaxcompat
+from ..core.counters import CompileCounter
+from ..core.sharding import path_str
 from .shards import StateMismatchError
 
 _K1 = np.uint32(0x9E3779B1)

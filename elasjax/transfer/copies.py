@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import jaxcompat
+from ..core import jaxcompat
 from .shards import Shard
 
 # ---------------------------------------------------------------------------------------------

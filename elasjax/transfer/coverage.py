@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
 
-from ..planner import Topology
+from ..plan.planner import Topology
 from .shards import ShardStore, box_str, uncovered
 
 

@@ -9,7 +9,7 @@ buddy devices or in host memory). A transition
    global and deterministic, so every process computes the same one). Leaves whose meaning does
    not change with the plan (parameters, scalars) are matched by *box* (a hyper-rectangle of the
    global array): each destination box is covered by source boxes, cut into cells where no
-   single source covers it. ZeRO storage leaves (`elasjax.zero`) are matched by *canonical
+   single source covers it. ZeRO storage leaves (`elasjax.plan.zero`) are matched by *canonical
    element ranges*, because the same element sits at a different storage position on a
    different plan. Each needed piece gets exactly one source, the cheapest rung first: the
    destination itself, a live device, a buddy snapshot, a host snapshot; then a source in the

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..sharding import path_str
+from ..core.sharding import path_str
 
 PyTree = Any
 Box = tuple[tuple[int, int], ...]

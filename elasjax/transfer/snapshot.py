@@ -38,8 +38,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..config import ConfigError, HardwareConfig, SnapshotConfig
-from ..planner import Topology
-from ..sharding import path_str
+from ..core.sharding import path_str
+from ..plan.planner import Topology
 from . import checksum, copies
 from .shards import Box, Shard, box_size, described, index_to_box
 

@@ -1,5 +1,5 @@
 """The rule every move of the training state ends with: a recovery, a cut-over, an admission
-(`elasjax.recovery`, `elasjax.cutover`, `elasjax.admission`, each through
+(`elasjax.loop.recovery`, `elasjax.loop.cutover`, `elasjax.loop.admission`, each through
 `recovery.protect_moved`) and the pieces' `ElasticState.recover`.
 
 After the state has been moved to its new layout, and before anything uses it, its checksums

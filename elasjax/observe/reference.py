@@ -1,7 +1,7 @@
 """The config and event references, written from the dataclasses that define them.
 
-    python -m elasjax.reference            # rewrites docs/config-reference.md, docs/events-reference.md
-    python -m elasjax.reference --check    # exit 1 if either file differs from the code
+    python -m elasjax.observe.reference          # rewrites docs/{config,events}-reference.md
+    python -m elasjax.observe.reference --check  # exit 1 if either differs from the code
 
 Each config section is its dataclass in `config/sections.py` (`Config`'s fields, in order): the class's
 docstring, then each key with its type, its default and the comment written beside or above it
@@ -23,12 +23,12 @@ import tokenize
 import typing
 from pathlib import Path
 
-from . import config as config_module
+from .. import config as config_module
 from . import events, metrics
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
-HEADER = ("<!-- Written by `python -m elasjax.reference` from the dataclasses; edit the code, "
-          "not this file. -->\n\n")
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+HEADER = ("<!-- Written by `python -m elasjax.observe.reference` from the dataclasses; edit the "
+          "code, not this file. -->\n\n")
 
 
 def _comments(cls: type) -> dict[str, str]:
@@ -141,8 +141,8 @@ def _records() -> list[tuple[str, type]]:
 def events_reference() -> str:
     out = [HEADER, "# Event reference\n\n",
            "Every record of `events.jsonl`, by its `type` (the typed records of "
-           "`elasjax/events.py` and `elasjax/metrics.py`; a hook gets each as an `Event` whose "
-           "`record` is the class named here). Fields marked *omitted when null* are left out of "
+           "`elasjax/observe/events.py` and `elasjax/observe/metrics.py`; a hook gets each as an "
+           "`Event` whose `record` is the class named here). Fields marked *omitted when null* are left out of "
            "the line when they have no value. What the events mean: "
            "[reference.md](reference.md#output-files---out-dir).\n"]
     for kind, cls in _records():
@@ -181,7 +181,8 @@ def main(argv=None) -> int:
             path.write_text(text)
             print(f"wrote {path}")
     if stale:
-        print(f"stale: {', '.join(stale)} (run `python -m elasjax.reference`)", file=sys.stderr)
+        print(f"stale: {', '.join(stale)} (run `python -m elasjax.observe.reference`)",
+              file=sys.stderr)
         return 1
     return 0
 

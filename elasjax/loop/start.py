@@ -14,17 +14,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from .compilation.executables import Executables
-from .compilation.source import ExecutableSource
-from .config import Config
-from .planner import Plan, Topology, replan
+from ..compilation.executables import Executables
+from ..compilation.source import ExecutableSource
+from ..config import Config
+from ..layout.state import StateFactory
+from ..plan.planner import Plan, Topology, replan
+from ..runtime.base import Runtime
+from ..runtime.inprocess import DeviceFailure
+from ..transfer import checksum
+from ..transfer.checkpoint import Checkpointer, form_of, restore_onto
+from ..transfer.snapshot import SnapshotPool
 from .recovery import Position, host_checksums
-from .runtime.base import Runtime
-from .runtime.inprocess import DeviceFailure
-from .state import StateFactory
-from .transfer import checksum
-from .transfer.checkpoint import Checkpointer, form_of, restore_onto
-from .transfer.snapshot import SnapshotPool
 
 
 @dataclasses.dataclass(frozen=True)

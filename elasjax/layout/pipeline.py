@@ -33,9 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from . import models, rng
-from .config import ModelConfig
-from .mesh import STAGE
+from .. import models
+from ..config import ModelConfig
+from ..core import rng
+from ..core.mesh import STAGE
 
 PyTree = Any
 

@@ -22,15 +22,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import rng, treesum
-from .config import Config
-from .mesh import DATA, LOGICAL_RULES, replicated
-from .microbatch import accumulate
+from ..config import Config
+from ..core import rng, treesum
+from ..core.mesh import DATA, LOGICAL_RULES, replicated
+from ..core.microbatch import accumulate
+from ..core.sharding import path_str
+from ..core.treesum import TreeSum
+from ..plan.planner import Plan
 from .pipeline import pipeline_loss, pipeline_slot_losses
-from .planner import Plan
-from .sharding import path_str
 from .state import StateLayout, TrainState
-from .treesum import TreeSum
 
 PyTree = Any
 

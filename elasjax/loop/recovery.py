@@ -1,4 +1,4 @@
-"""Recovery as a plan transition (growth and cut-over: `elasjax.cutover`).
+"""Recovery as a plan transition (growth and cut-over: `elasjax.loop.cutover`).
 
 One recovery path for both runtimes (the trainer is given a runtime, `elasjax.runtime`). A
 recovery is the timeline of ARCHITECTURE.md, section 1, each phase timed:
@@ -34,23 +34,23 @@ from typing import Any
 
 import jax
 
-from .compilation.executables import Executables
-from .compilation.source import ExecutableSource
-from .compilation.standby import BackgroundJobs
-from .config import Config
-from .contingencies import Contingencies
-from .mesh import make_mesh
-from .metrics import RecoveryEvent
-from .planner import Plan, Topology, same_shape, torchft_kept, torchft_plan
-from .runtime.collectives import Renewal
-from .runtime.inprocess import DeviceFailure, host_values
-from .sharding import path_str
-from .state import StateFactory, make_optimizer
-from .transfer import checksum
-from .transfer.checkpoint import restore_onto
-from .transfer.coverage import LOOP, coverage, explain
-from .transfer.reshard import TransitionPlanCache, transition
-from .transfer.shards import (
+from ..compilation.executables import Executables
+from ..compilation.source import ExecutableSource
+from ..compilation.standby import BackgroundJobs
+from ..config import Config
+from ..core.mesh import make_mesh
+from ..core.sharding import path_str
+from ..layout.state import StateFactory, make_optimizer
+from ..observe.metrics import RecoveryEvent
+from ..plan.contingencies import Contingencies
+from ..plan.planner import Plan, Topology, same_shape, torchft_kept, torchft_plan
+from ..runtime.collectives import Renewal
+from ..runtime.inprocess import DeviceFailure, host_values
+from ..transfer import checksum
+from ..transfer.checkpoint import restore_onto
+from ..transfer.coverage import LOOP, coverage, explain
+from ..transfer.reshard import TransitionPlanCache, transition
+from ..transfer.shards import (
     ShardStore,
     StateMismatchError,
     Transfer,
@@ -63,9 +63,8 @@ from .transfer.shards import (
     map_shard_data,
     uncovered,
 )
-from .transfer.snapshot import SnapshotPool
-from .transfer.verified import Protected, verify_and_protect
-
+from ..transfer.snapshot import SnapshotPool
+from ..transfer.verified import Protected, verify_and_protect
 
 # the loop's earlier name for the one error of a state that does not verify
 RecoveryVerificationError = StateMismatchError

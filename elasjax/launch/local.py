@@ -2,13 +2,13 @@
 
 It starts the coordination process first (`elasjax.runtime.coordinator`: JAX's coordination
 service in a process of its own, so any worker may die, process 0 included), then the workers
-(`python -m elasjax.launch`, `elasjax.launch.worker_main`), each its own process group; it
-watches them (`_monitor`: the end of the run, a death, the coordination process lost, the
+(`python -m elasjax.launch.process`, `elasjax.launch.process.worker_main`), each its own process
+group; it watches them (`_monitor`: the end of the run, a death, the coordination process lost, the
 timeout), SIGKILLs what is left on the way out and writes `launch.json`. The coordination
 process's death ends every worker; the launcher then reports it and reaps whatever is left (see
 docs/multiprocess.md). `--worker-restarts N` starts dead workers again to rejoin the running job
 (`_Restarts`); `--max-restarts N` starts the whole job again from its newest checkpoint
-(`elasjax.supervisor`).
+(`elasjax.launch.supervisor`).
 """
 
 from __future__ import annotations
@@ -22,26 +22,26 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections import defaultdict
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-
-from .config import Config, ConfigError, load
-from .events import load_hooks
-from .faults import MULTI_CONTROLLER, resolve_schedule
-from .launch import KillSpec, import_modules, parse_slow, parse_spares, resolve_config
-from .metrics import read_jsonl
-from .planner import Topology
-from .runtime import coordinator
-from .runtime.startup import (
+from ..config import Config, ConfigError, load
+from ..layout.state import load_optimizer
+from ..observe.events import load_hooks
+from ..observe.metrics import read_jsonl
+from ..observe.tensorboard import check_available as check_tensorboard
+from ..plan.planner import Topology
+from ..runtime import coordinator
+from ..runtime.faults import MULTI_CONTROLLER, resolve_schedule
+from ..runtime.startup import (
     COORDINATION_HEARTBEAT_S,
     RuntimeConfig,
     resolve_settings,
     xla_flags,
 )
-from .state import load_optimizer
+from .process import KillSpec, import_modules, parse_slow, parse_spares, resolve_config
 from .supervisor import (
     RESTARTABLE,
     USAGE_ERROR,
@@ -53,7 +53,6 @@ from .supervisor import (
     restarts_line,
     stop_reason,
 )
-from .tensorboard import check_available as check_tensorboard
 
 
 def _free_port() -> int:
@@ -105,8 +104,8 @@ def launch_local(
     `timeout_s`. Every worker is its own process group and is SIGKILLed on the way out if still
     running. Writes `launch.json` (per-process exit status) and `worker<i>.log` to `out`.
 
-    `max_restarts` > 0 supervises the job (`elasjax.supervisor`): when it cannot continue, every
-    process is reaped and the whole job starts again as a new job (fresh coordinator port)
+    `max_restarts` > 0 supervises the job (`elasjax.launch.supervisor`): when it cannot continue,
+    every process is reaped and the whole job starts again as a new job (fresh coordinator port)
     resuming from the newest checkpoint of `checkpoint.dir`, after `restart_backoff_s` (doubled
     at each next restart), at most `max_restarts` times within `timeout_s` in all. The return
     code is then the last attempt's. Each ended attempt's files move to `out/attempt<k>/`;
@@ -115,7 +114,7 @@ def launch_local(
     `worker_restarts` > 0: a worker that dies is started again, at most that many times in
     all (`_Restarts`; backoff `restart_backoff_s`, doubled per restart of one process); the
     restarted process rejoins the running job, which grows back onto its devices
-    (`elasjax.admission`).
+    (`elasjax.loop.admission`).
 
     `kill_coordinator` (a step): the launcher SIGKILLs the coordination process once that step's
     metrics row is logged, in the first attempt only (the loss of the node it runs on).
@@ -264,7 +263,7 @@ class _Job:
             sys.executable,
             "-u",
             "-m",
-            "elasjax.launch",
+            "elasjax.launch.process",
             *([self.config_path] if self.config_path else []),
             "--coordinator",
             coordinator,

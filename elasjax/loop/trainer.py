@@ -4,9 +4,9 @@ One loop drives both runtimes (`elasjax.runtime`): a single process with fake de
 simulated failures, and the multi-controller runtime of `elasjax launch`, where a failure is a
 process that dies. Each step runs in a runtime `guard`; a failure inside it raises
 `DeviceFailure` on every survivor, and the loop hands it to the one recovery path
-(`elasjax.recovery`), then runs the step again on the new plan with the same samples and keys.
+(`elasjax.loop.recovery`), then runs the step again on the new plan with the same samples and keys.
 Devices that return (a schedule's `join`) join at a step boundary; the run grows onto them with
-a background compile and a cut-over (`elasjax.cutover`).
+a background compile and a cut-over (`elasjax.loop.cutover`).
 
 The loop is the one writer of its state (`loopstate.LoopState`: where training stands, the
 snapshot pool, the pending cut-over, the run's record); its collaborators are given what they
@@ -35,13 +35,12 @@ from typing import Any
 import jax
 import optax
 
-from .counters import CompileCounter
-from .compilation.executables import ExecutableCache
-from .compilation.shared import SharedBuilds
-from .compilation.source import ExecutableSource
-from .compilation.standby import StandbyCompiler
-from .compilation.worker import CompileWorker, unavailable
-from .config import (
+from ..compilation.executables import ExecutableCache
+from ..compilation.shared import SharedBuilds
+from ..compilation.source import ExecutableSource
+from ..compilation.standby import StandbyCompiler
+from ..compilation.worker import CompileWorker, unavailable
+from ..config import (
     Config,
     ConfigError,
     dump,
@@ -50,15 +49,13 @@ from .config import (
     standby_on,
     with_optimizer_object,
 )
-from .admission import Admissions
-from .runtime.membership import Admitted
-from .contingencies import Contingencies
-from .cutover import Cutovers
-from .data import DataPipeline
-from .events import (
+from ..core.counters import CompileCounter
+from ..core.rng import check_backend_config
+from ..layout.state import StateFactory, check_elementwise, choose_optimizer
+from ..observe.events import (
     CutoverEvent,
-    EndEvent,
     Emitter,
+    EndEvent,
     ErrorEvent,
     FailureBeforeStart,
     FailureCost,
@@ -68,17 +65,8 @@ from .events import (
     StartEvent,
     WarningEvent,
 )
-from .faults import IN_PROCESS, resolve_schedule
-from .loopstate import LoopState
-from .metrics import JsonlWriter, RecoveryEvent, StepClock, failure_costs, paces
-from .planner import Plan, initial_plan
-from .recovery import (
-    Position,
-    Recoverer,
-    RecoveryVerificationError,
-    TransitionPlanner,
-)
-from .report import (
+from ..observe.metrics import JsonlWriter, RecoveryEvent, StepClock, failure_costs, paces
+from ..observe.report import (
     Progress,
     join_line,
     migration_line,
@@ -91,17 +79,29 @@ from .report import (
     standby_line,
     standby_ready_line,
 )
-from .rng import check_backend_config
-from .stepping import READ_BEHIND, InFlight, Stepper
-from .runtime.inprocess import DeviceFailure, InProcessRuntime
-from .runtime.base import Runtime
+from ..observe.tensorboard import TensorBoardWriter
+from ..plan.contingencies import Contingencies
+from ..plan.planner import Plan, initial_plan
+from ..runtime.base import Runtime
+from ..runtime.faults import IN_PROCESS, resolve_schedule
+from ..runtime.inprocess import DeviceFailure, InProcessRuntime
+from ..runtime.membership import Admitted
+from ..transfer import checksum
+from ..transfer.checkpoint import Checkpointer, form_of
+from ..transfer.shards import TransferLog
+from ..transfer.snapshot import SnapshotPool, check_coverable, prepare_checksums
+from .admission import Admissions
+from .cutover import Cutovers
+from .data import DataPipeline
+from .loopstate import LoopState
+from .recovery import (
+    Position,
+    Recoverer,
+    RecoveryVerificationError,
+    TransitionPlanner,
+)
 from .start import Started, start
-from .state import StateFactory, check_elementwise, choose_optimizer
-from .tensorboard import TensorBoardWriter
-from .transfer import checksum
-from .transfer.checkpoint import Checkpointer, form_of
-from .transfer.shards import TransferLog
-from .transfer.snapshot import SnapshotPool, check_coverable, prepare_checksums
+from .stepping import READ_BEHIND, InFlight, Stepper
 
 __all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer", "run"]
 
@@ -790,7 +790,7 @@ def run(
     `weight_decay` and (outside deterministic mode) `grad_clip` must keep their defaults
     (`ConfigError` otherwise). Deterministic mode clips gradients itself (`train.grad_clip`), so
     leave clipping out of `optimizer` there.
-    `hooks`: callables given each step's `StepInfo` and each event (`elasjax.events`)."""
+    `hooks`: callables given each step's `StepInfo` and each event (`elasjax.observe.events`)."""
     return Trainer(
         cfg, out_dir, progress=progress, exe_cache=exe_cache, runtime=runtime, optimizer=optimizer,
         hooks=hooks,

@@ -1,9 +1,9 @@
 """`elasjax launch`: one job as P cooperating processes on JAX's multi-controller runtime,
 surviving real process failures (SIGKILL). This module is a process of the job: the config as a
-launch runs it (`resolve_config`), and the worker (`python -m elasjax.launch CONFIG --coordinator
-... --process-id I`, `worker_main`), which joins the job and trains. The local launcher, which
+launch runs it (`resolve_config`), and the worker (`python -m elasjax.launch.process CONFIG
+--coordinator ... --process-id I`, `worker_main`), which joins the job and trains. The local launcher, which
 starts the coordination process and the workers on this machine, watches, reaps and restarts
-them, is `elasjax.launcher`.
+them, is `elasjax.launch.local`.
 
 Each worker runs the same `trainer.Trainer` as `elasjax train`, on the multi-controller runtime
 (`elasjax.runtime.multicontroller`): every feature the trainer has (ZeRO, pipelines and async migration,
@@ -30,21 +30,21 @@ from pathlib import Path
 
 import jax
 
-from .config import Config, ConfigError, FaultConfig, load
-from .events import import_user_module, load_hooks
-from .faults import MULTI_CONTROLLER, resolve_schedule
-from .planner import Topology, initial_plan
-from .runtime.membership import JobEndedError
-from .runtime.multicontroller import MultiControllerRuntime, RejoinUnsupportedError
-from .runtime.startup import (
+from ..config import Config, ConfigError, FaultConfig, load
+from ..loop.trainer import Trainer
+from ..observe.events import import_user_module, load_hooks
+from ..plan.planner import Topology, initial_plan
+from ..runtime.faults import MULTI_CONTROLLER, resolve_schedule
+from ..runtime.membership import JobEndedError
+from ..runtime.multicontroller import MultiControllerRuntime, RejoinUnsupportedError
+from ..runtime.startup import (
     RuntimeConfig,
     add_setting_flags,
     initialize,
     resolve_settings,
     settings_of,
 )
-from .trainer import Trainer
-from .transfer.snapshot import check_coverable
+from ..transfer.snapshot import check_coverable
 
 # ---------------------------------------------------------------------------------------------
 # The config as a launch runs it.
@@ -148,7 +148,7 @@ def run_worker(
     hooks: Sequence[str] = (),
 ) -> int:
     """Join the job described by `rc` and train; returns a process exit code. `hooks`:
-    `MODULE:FUNCTION` names (`elasjax.events`), called in this process."""
+    `MODULE:FUNCTION` names (`elasjax.observe.events`), called in this process."""
     fns = load_hooks(hooks)
     initialize(rc)
     try:
@@ -174,7 +174,7 @@ def _shutdown() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Worker entry point: `python -m elasjax.launch CONFIG --coordinator ... --process-id I`.
+# Worker entry point: `python -m elasjax.launch.process CONFIG --coordinator ... --process-id I`.
 
 
 def add_process_flags(ap: argparse.ArgumentParser) -> None:
@@ -187,11 +187,11 @@ def add_process_flags(ap: argparse.ArgumentParser) -> None:
                     help="import MODULE first in every process (one that registers a ModelSpec)")
     ap.add_argument("--hook", dest="hooks", action="append", default=[],
                     metavar="MODULE:FUNCTION", help="call FUNCTION with each step's StepInfo and "
-                    "each event, in every process (elasjax.events)")
+                    "each event, in every process (elasjax.observe.events)")
 
 
 def worker_parser(ap: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    ap = ap or argparse.ArgumentParser(prog="python -m elasjax.launch", description=__doc__)
+    ap = ap or argparse.ArgumentParser(prog="python -m elasjax.launch.process", description=__doc__)
     ap.add_argument("config", nargs="?", default=None)
     ap.add_argument("--coordinator", required=True, metavar="HOST:PORT",
                     help="the coordination process (python -m elasjax.runtime.coordinator)")
@@ -217,8 +217,8 @@ def import_modules(names: Sequence[str]) -> None:
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    """One process of a job (`python -m elasjax.launch ...`, which the local launcher starts,
-    and `elasjax launch --coordinator ...` on a cluster): join it and train."""
+    """One process of a job (`python -m elasjax.launch.process ...`, which the local launcher
+    starts, and `elasjax launch --coordinator ...` on a cluster): join it and train."""
     import_modules(args.imports)
     cfg = load(args.config, args.set)  # its `launch` section: the flags given win over it
     rc = RuntimeConfig(

@@ -1,7 +1,7 @@
 """TensorBoard scalars of a run, beside its jsonl files.
 
-`TensorBoardWriter` is a hook (`elasjax.events`): called with each step's `StepInfo` and each
-event, it writes scalars with tensorboardX (a maintained event-file writer that needs no
+`TensorBoardWriter` is a hook (`elasjax.observe.events`): called with each step's `StepInfo` and
+each event, it writes scalars with tensorboardX (a maintained event-file writer that needs no
 TensorFlow), an optional dependency: `pip install 'elasjax[tensorboard]'`. Importing elasjax
 does not import it; asking for a writer without it installed is a `ConfigError` that says how to
 install it. The loop makes one when `metrics.tensorboard_dir` is set (`--tensorboard DIR`), in
@@ -38,7 +38,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
 from .events import Event, StepInfo
 from .metrics import MTTR_PHASES
 

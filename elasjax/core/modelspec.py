@@ -4,7 +4,7 @@ The trainer (`elasjax.run`) plans, steps and recovers any model given as a `Mode
 
 - `init_params(key)`: the parameter pytree;
 - `logical_specs()`: a pytree like the parameters of `PartitionSpec`s over *logical* axis names
-  (`elasjax.mesh.LOGICAL_RULES`: e.g. `"mlp"`, `"heads"` or `"vocab"` split over `tensor`,
+  (`elasjax.core.mesh.LOGICAL_RULES`: e.g. `"mlp"`, `"heads"` or `"vocab"` split over `tensor`,
   `"embed"` or None replicated; a name outside the table is an error);
 - `loss(params, batch, keys, weights, deterministic, layer_transform)`: the *summed weighted*
   loss of a micro-batch, `sum_i weights[i] * loss_i`, where `batch` holds the example arrays with

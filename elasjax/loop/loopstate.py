@@ -15,11 +15,11 @@ import collections
 import dataclasses
 from typing import Any
 
-from .events import CutoverAbandoned, CutoverEvent, JoinEvent
-from .metrics import RecoveryEvent, Timeline
-from .planner import Plan
+from ..observe.events import CutoverAbandoned, CutoverEvent, JoinEvent
+from ..observe.metrics import RecoveryEvent, Timeline
+from ..plan.planner import Plan
+from ..transfer.shards import TransferLog
 from .recovery import PendingCutover, Position
-from .transfer.shards import TransferLog
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,8 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .mesh import DATA, TENSOR, LOGICAL_RULES
-from .sharding import path_str
+from ..core.mesh import DATA, LOGICAL_RULES, TENSOR
+from ..core.sharding import path_str
 
 PyTree = Any
 MAX_TIERS = 4

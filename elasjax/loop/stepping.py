@@ -17,14 +17,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from .config import Config
+from ..config import Config
+from ..observe.events import Emitter
+from ..observe.metrics import JsonlWriter, StepClock
+from ..plan.planner import Plan
+from ..runtime.inprocess import host_values
+from ..transfer import checksum
 from .data import DataPipeline
-from .events import Emitter
 from .loopstate import LoopState
-from .metrics import JsonlWriter, StepClock
-from .planner import Plan
-from .runtime.inprocess import host_values
-from .transfer import checksum
 
 READ_BEHIND = 2  # steps the host may dispatch before it reads the oldest one's metrics
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-
-from .config import HardwareConfig, ModelConfig
+from ..config import HardwareConfig, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

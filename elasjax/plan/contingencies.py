@@ -5,7 +5,7 @@ planned in the background (`recovery.TransitionPlanner`)."""
 
 from __future__ import annotations
 
-from .config import Config, grow_standby
+from ..config import Config, grow_standby
 from .planner import (
     NoPlanError,
     Plan,

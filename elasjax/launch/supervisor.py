@@ -10,8 +10,8 @@ backoff, said on the console and recorded, one JSON line each, in `supervisor.js
 
 Why a whole new job: without the coordination service, or with state no snapshot covers, there
 is no running job a replacement could rejoin (a single dead worker is restarted in place and
-rejoins instead: `--worker-restarts N`, `elasjax.admission`). Checkpoint resume is the one path by
-which every process enters the same state at the same step.
+rejoins instead: `--worker-restarts N`, `elasjax.loop.admission`). Checkpoint resume is the one path
+by which every process enters the same state at the same step.
 
 This module holds the launcher-side rules, pure and testable without processes: the policy and
 its checks, which checkpoint a restart resumes from (read from the directory names Orbax commits,
@@ -28,8 +28,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .config import Config, ConfigError, FaultConfig, to_dict
-from .metrics import read_jsonl
+from ..config import Config, ConfigError, FaultConfig, to_dict
+from ..observe.metrics import read_jsonl
 
 SUPERVISOR_LOG = "supervisor.jsonl"
 

@@ -17,9 +17,9 @@ import zlib
 
 import numpy as np
 
-from . import models
-from .config import DataConfig, ModelConfig, RngConfig
-from .planner import Plan
+from .. import models
+from ..config import DataConfig, ModelConfig, RngConfig
+from ..plan.planner import Plan
 
 
 def global_sample_ids(step: int, global_batch: int) -> np.ndarray:

@@ -6,7 +6,7 @@ standby hit is printed only when the executable was ready at detection.
 
 from __future__ import annotations
 
-from .planner import Plan
+from ..plan.planner import Plan
 
 
 def recovery_line(ev) -> str:

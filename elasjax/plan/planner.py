@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import models
-from .config import (
+from .. import models
+from ..config import (
     Config,
     ConfigError,
     HardwareConfig,
@@ -40,7 +40,8 @@ from .config import (
     deterministic_by_default,
     layer_count,
 )
-from .costmodel import (
+from ..core.partition import minimax_partition
+from ..models.costmodel import (
     ModelProfile,
     StepCost,
     ceil_div,
@@ -48,7 +49,6 @@ from .costmodel import (
     pipelined_plan_cost,
     spmd_step_cost,
 )
-from .partition import minimax_partition
 from .zero import ZeroLayout, evolve, fresh_layout, kept_ranks
 
 TIE_TOLERANCE = 0.05  # relative; plans closer than this are ranked by devices used

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

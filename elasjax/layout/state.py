@@ -25,20 +25,20 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import models
-from .config import (
+from .. import models
+from ..config import (
     Config,
     ConfigError,
     check_custom_optimizer,
     optimizer_spec_ok,
 )
-from .events import import_user_module
-from .mesh import DATA, STAGE, TENSOR
+from ..core.mesh import DATA, STAGE, TENSOR
+from ..core.rng import root_key
+from ..core.sharding import named_shardings, opt_state_logical, path_str
+from ..observe.events import import_user_module
+from ..plan.zero import ZeroCodec
+from ..transfer import checksum
 from .pipeline import StageLayout, from_slots, slot_logical, to_slots
-from .rng import root_key
-from .sharding import named_shardings, opt_state_logical, path_str
-from .transfer import checksum
-from .zero import ZeroCodec
 
 PyTree = Any
 MAX_LAYOUTS = 32  # StateFactory.layout keeps this many forms

@@ -17,7 +17,7 @@ A `join` entry returns devices that failed earlier (repaired ones) at a step bou
 resolved against the same running set of live devices: joining a live device, a device or host
 that is not part of the job, or more devices than the job started with is a `ConfigError`. Under
 the multi-controller runtime a join entry is refused: devices return only with their process,
-which rejoins when it is restarted (`elasjax launch --worker-restarts N`, `elasjax.admission`).
+which rejoins when it is restarted (`elasjax launch --worker-restarts N`, `elasjax.loop.admission`).
 Hot spares (`parallel.spares`, `elasjax launch --spares K`) keep a launched job's size with no
 restart: processes started with the job, outside the mesh, one of which takes a dead process's
 place (`planner.substitute_spares`).
@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, FaultConfig
-from .planner import Topology
-from .transfer.shards import ShardStore
+from ..config import ConfigError, FaultConfig
+from ..plan.planner import Topology
+from ..transfer.shards import ShardStore
 
 IN_PROCESS = "in-process"
 MULTI_CONTROLLER = "multi-controller"
@@ -159,7 +159,7 @@ def resolve_schedule(
         ids, kind, spec, hosts = _resolve_targets(f, key, topo, live, taken, runtime)
         _check_phase(f, key, events, runtime)
         restarted = kind == "process" and 0 < len(hosts) <= restarts_left[0]
-        if restarted:  # started again: its devices return (`elasjax.admission`)
+        if restarted:  # started again: its devices return (`elasjax.loop.admission`)
             restarts_left[0] -= len(hosts)
             down = {d for e in events if e.at_step == f.at_step and e.kind == "process"
                     for d in e.device_ids} | set(ids)

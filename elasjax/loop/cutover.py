@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from .compilation.source import ExecutableSource
-from .config import Config
-from .events import CutoverAbandoned, CutoverEvent, JoinEvent
-from .planner import Plan, Topology, growth_plan, predict_step_s
+from ..compilation.source import ExecutableSource
+from ..config import Config
+from ..observe.events import CutoverAbandoned, CutoverEvent, JoinEvent
+from ..plan.planner import Plan, Topology, growth_plan, predict_step_s
+from ..transfer.reshard import transition
+from ..transfer.shards import ShardStore, TransferLog
 from .recovery import PendingCutover, Position, TransitionPlanner, protect_moved
-from .transfer.reshard import transition
-from .transfer.shards import ShardStore, TransferLog
 
 
 @dataclasses.dataclass

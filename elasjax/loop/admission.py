@@ -37,18 +37,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from .compilation.executables import Executables, from_portable
-from .compilation.source import ExecutableSource
-from .config import Config
+from ..compilation.executables import Executables, from_portable
+from ..compilation.source import ExecutableSource
+from ..config import Config
+from ..layout.state import StateFactory
+from ..observe.events import JoinEvent
+from ..plan.planner import Plan
+from ..runtime.faults import FaultEvent
+from ..runtime.membership import Admitted
+from ..transfer.reshard import transition
+from ..transfer.shards import ShardStore, is_key
 from .cutover import Cutovers
-from .events import JoinEvent
-from .faults import FaultEvent
-from .planner import Plan
 from .recovery import PendingCutover, Position, TransitionPlanner, protect_moved
-from .runtime.membership import Admitted
-from .state import StateFactory
-from .transfer.reshard import transition
-from .transfer.shards import ShardStore, is_key
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ with their own stage counts, layer partitions and micro-batch counts, plus optio
 Candidates, in the order they are evaluated (digest section 2.8):
 
 1. **repartition**: every broken pipeline keeps its surviving stages and re-splits its layers
-   over them with the minimax DP (`elasjax.partition`), preferring the split that moves the
+   over them with the minimax DP (`elasjax.core.partition`), preferring the split that moves the
    fewest bytes (a surviving stage keeps the layers it has where that costs no step time);
    healthy pipelines keep their partition; micro-batches are spread by greedy min-max so the
    global batch is unchanged.
@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from ..partition import partition_with_moves, stage_of_layers
+from ..core.partition import partition_with_moves, stage_of_layers
 from .cluster import PipeGroup, StepTime, assign, make_group, step_time
 from .dvfs import balance, step_energy_j
 
