@@ -18,7 +18,7 @@ elasjax's own otherwise, not a copy:
                         gradient constrained whole (`ZeroCodec.annotate_exact` off): the step
                         as it was before issue 46
 Such programs compute the same state but not the checksums a recovery verifies: they are for
-measuring only. ZeRO-0 rows separate the ZeRO-1 storage (`zero.ZeroCodec`) from the rest.
+measuring only. ZeRO-0 rows separate the ZeRO-1 storage (`storage.ZeroCodec`) from the rest.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from elasjax.compilation.executables import compile_plan  # noqa: E402
 from elasjax.loop.data import DataPipeline  # noqa: E402
 from elasjax.plan.planner import Topology, initial_plan  # noqa: E402
 from elasjax.layout.state import StateFactory, StateLayout, make_optimizer  # noqa: E402
-from elasjax.plan.zero import ZeroCodec  # noqa: E402
+from elasjax.layout.storage import ZeroCodec  # noqa: E402
 
 
 @contextlib.contextmanager

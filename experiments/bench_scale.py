@@ -99,7 +99,7 @@ from elasjax.plan.planner import Topology, initial_plan  # noqa: E402
 from elasjax.core.sharding import batch_shardings  # noqa: E402
 from elasjax.layout.state import StateFactory, TrainState, make_optimizer  # noqa: E402
 from elasjax.layout.step import abstract_batch, make_grad_fn  # noqa: E402
-from elasjax.plan.zero import ZeroCodec  # noqa: E402
+from elasjax.layout.storage import ZeroCodec  # noqa: E402
 from user_loop import UserLoop, memory_mb, timed_run  # noqa: E402
 
 SIZES = {  # name -> (d_model, layers, heads)

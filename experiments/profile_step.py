@@ -71,7 +71,7 @@ from elasjax.compilation.executables import compile_plan  # noqa: E402
 from elasjax.loop.data import DataPipeline  # noqa: E402
 from elasjax.plan.planner import Topology, initial_plan  # noqa: E402
 from elasjax.layout.state import StateFactory, make_optimizer  # noqa: E402
-from elasjax.plan.zero import ZeroCodec  # noqa: E402
+from elasjax.layout.storage import ZeroCodec  # noqa: E402
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 

@@ -7,14 +7,15 @@ from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasjax.plan import planner, zero
-from elasjax.runtime.faults import inject
 from elasjax.core.mesh import make_mesh
 from elasjax.layout.state import StateFactory, make_optimizer
+from elasjax.layout.storage import ZeroCodec, tier_widths
+from elasjax.plan import planner, zero
+from elasjax.runtime.faults import inject
+from elasjax.runtime.inprocess import InProcessRuntime
 from elasjax.transfer import checksum
 from elasjax.transfer.reshard import TransitionPlanCache, transition
 from elasjax.transfer.shards import UnrecoverableStateError, describe_state
-from elasjax.runtime.inprocess import InProcessRuntime
 from elasjax.transfer.snapshot import SnapshotPool
 
 DEVS = {d.id: d for d in jax.devices()}
@@ -85,7 +86,7 @@ def test_codec_round_trip_and_layer_gather(kind, tensor):
     lay = plan.zero
     if kind == "interleaved":
         lay, _ = zero.evolve(lay, {j: j for j in range(plan.data - 1)}, plan.data - 1)
-    codec = zero.ZeroCodec(f.abstract.params, f.param_logical, lay, tensor)
+    codec = ZeroCodec(f.abstract.params, f.param_logical, lay, tensor)
     params = jax.device_get(jax.jit(f._init_params)())
     storage = jax.jit(codec.to_storage)(params)
     back = jax.jit(codec.from_storage)(storage)
@@ -120,8 +121,8 @@ def test_annotated_and_per_device_storage_agree(kind, monkeypatch):
         return storage, jax.jit(lambda s: c.from_storage(s, mesh))(storage)
 
     annotated = convert(codec)
-    monkeypatch.setattr(zero.ZeroCodec, "annotate_exact", False)
-    sliced = zero.ZeroCodec(f.abstract.params, f.param_logical, plan.zero, 2)
+    monkeypatch.setattr(ZeroCodec, "annotate_exact", False)
+    sliced = ZeroCodec(f.abstract.params, f.param_logical, plan.zero, 2)
     assert not sliced.exact_units
     per_device = convert(sliced)
     jax.tree.map(np.testing.assert_array_equal, annotated, per_device)
@@ -130,7 +131,7 @@ def test_annotated_and_per_device_storage_agree(kind, monkeypatch):
     # after a shrink the layout is evolved: no unit is exact, every one is sliced per device
     evolved, _ = zero.evolve(plan.zero, {j: j for j in range(3)}, 3)
     if kind == "interleaved":
-        assert not zero.ZeroCodec(f.abstract.params, f.param_logical, evolved, 2).exact_units
+        assert not ZeroCodec(f.abstract.params, f.param_logical, evolved, 2).exact_units
 
 
 # -- recovery through the snapshot pool --------------------------------------------------------
@@ -434,7 +435,7 @@ GPT7B_UNITS = [(32, 4096 * 3 * 4096), (32, 4096 * 4096), (32, 4096 * 16384), (32
 def _rank_elements(lay, units):
     """Elements every rank allocates (each tier as wide as its longest rank's pieces) and the
     ideal share total / data."""
-    alloc = sum(max(1, n) * sum(zero.tier_widths(lay, row)) for n, row in units)
+    alloc = sum(max(1, n) * sum(tier_widths(lay, row)) for n, row in units)
     return alloc, sum(max(1, n) * row for n, row in units) / lay.data
 
 

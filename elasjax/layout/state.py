@@ -5,7 +5,7 @@ same functions give the fresh state, the restore target of a checkpoint on a new
 target layout of a transition, so resharding after a failure is not a special code path.
 Initial values depend on `train.seed` only (threefry is partitionable), never on the mesh.
 
-With ZeRO (stage >= 1) the optimizer state lives in the `zero.ZeroCodec` storage layout of the
+With ZeRO (stage >= 1) the optimizer state lives in the `storage.ZeroCodec` storage layout of the
 plan (and, for stage 3, the parameters too). The *canonical* form of a state is the ZeRO-0 form:
 full parameters and an optimizer state shaped like them. Checkpoints store the canonical form,
 so they restore onto any plan; checksums are computed on the storage directly but are defined
@@ -36,9 +36,9 @@ from ..core.mesh import DATA, STAGE, TENSOR
 from ..core.rng import root_key
 from ..core.sharding import named_shardings, opt_state_logical, path_str
 from ..observe.events import import_user_module
-from ..plan.zero import ZeroCodec
 from ..transfer import checksum
 from .pipeline import StageLayout, from_slots, slot_logical, to_slots
+from .storage import ZeroCodec
 
 PyTree = Any
 MAX_LAYOUTS = 32  # StateFactory.layout keeps this many forms

@@ -248,7 +248,7 @@ def restore_latest(cfg: CheckpointConfig, abstract_target: Any) -> tuple[Any, di
         ck.close()
 
 
-# The ZeRO storage format `form_of` records: 2 is `zero.ZeroCodec`'s rows of unpadded pieces
+# The ZeRO storage format `form_of` records: 2 is `storage.ZeroCodec`'s rows of unpadded pieces
 # in each tensor rank's own element order (1, before it, had padded pieces in tensor-major order)
 STORAGE_FORMAT = 2
 
