@@ -9,7 +9,7 @@ dies has a host that lives on: a tiny sidecar process there (no JAX, stdlib only
 worker, waits on its parent's pidfd and, the moment the parent exits, sends a UDP datagram
 `dead <process> <pid>` to every peer's listener. A peer's listener thread treats it as proof of
 death (as the kernel's word is for a same-host peer): the collectives of a step are shut down at
-once (`MultiControllerRuntime._on_exit`) and the arbiter declares the process dead without a
+once (`aborts.CollectiveAborts.on_exit`) and the arbiter declares the process dead without a
 timeout. A whole host's loss (power, network) sends no notice: the heartbeat still decides that.
 
 A normal exit says `bye` to the sidecar first, which then ends silently. The notice names the

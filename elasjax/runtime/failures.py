@@ -37,7 +37,7 @@ def describe(verdict: Verdict, procs: list[int], phase: str, err: BaseException 
              collective_timeout_s: float, heartbeat_timeout_s: float) -> FailureReport:
     """The report of `procs`' death, declared by `verdict` at the `phase` guard's barrier;
     `err`: this process's block's error (None: it completed); `aborted`: how this process shut
-    its collectives down (`MultiControllerRuntime._abort`), if it did."""
+    its collectives down (`aborts.CollectiveAborts.abort`), if it did."""
     c = clocks
     cause = (str(err).splitlines() or [""])[0] if err is not None else ""
     if err is None:

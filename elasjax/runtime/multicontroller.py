@@ -24,12 +24,12 @@ tolerance; this module wires them up:
   reads. A slow process keeps beating and is waited for. (This replaces `multihost_utils.live_devices`, whose
   membership check waits for the coordination service's own, slower heartbeat:
   experiments/RESULTS.md, "Detecting a death".)
-- Cross-process copies (a transition's pieces, snapshot copies) go point to point through
-  `jax.experimental.transfer` (`p2p.TransferLinks`): only the planned bytes travel, and a pull
-  from a dead process fails at once. (Cross-process `jax.device_put` onto a different device set
-  is refused by the runtime.)
-- `agree` exchanges small values (snapshot refusals, cut-over readiness) through the coordination
-  service's key-value store.
+- A peer known dead inside a guard's block (its exit, a death notice, a long heartbeat silence)
+  has this process's collectives shut down at once (`aborts.CollectiveAborts`), and the recovery
+  renews the CPU client (`renew_collectives`).
+- Cross-process copies and small values (a transition's pieces, snapshot copies, snapshot
+  refusals, cut-over readiness) go through `dataplane.DataPlane`: point to point for arrays, the
+  key-value store for values, numbered alike on every process.
 - Kills are real: a scheduled `kill_process` event makes that process write the time to the
   key-value store and send itself SIGKILL right after dispatching its step (its collectives in
   flight), or during a recovery's transfer; survivors report kill -> error.
@@ -44,15 +44,11 @@ process needs the service); rejoining is implemented on CPU/gloo only.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
-import pickle
 import signal
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,17 +57,12 @@ import numpy as np
 from jax.errors import JaxRuntimeError
 
 from ..plan.planner import Topology
-from ..transfer.copies import CopyThreads, pack, packed_size, unpack
+from ..transfer.copies import CopyThreads
 from ..transfer.shards import ShardStore
 from . import failures, membership
-from .collectives import (
-    Renewal,
-    abort_collectives,
-    drain,
-    rendezvous_note,
-    renew_cpu_client,
-    renewal_reason,
-)
+from .aborts import CollectiveAborts
+from .collectives import Renewal, drain, rendezvous_note, renew_cpu_client, renewal_reason
+from .dataplane import DataPlane
 from .deathnote import DeathNotes
 from .faults import MULTI_CONTROLLER, FaultEvent
 from .inprocess import DeviceFailure, FailureReport
@@ -85,9 +76,6 @@ class RejoinUnsupportedError(RuntimeError):
     """Growing the membership (a process rejoining) is not possible on this platform (GPU)."""
 
 
-# a peer silent this many liveness timeouts inside a step has this process's collectives shut
-# down (`MultiControllerRuntime._on_silent`, which says why not 1)
-SILENCE_ABORT_FACTOR = 2.0
 # A live process seen waiting at another barrier than this process's for this long means the
 # processes ran different guards and wait for each other forever: the job stops with
 # `DivergedError` instead of hanging silently
@@ -146,12 +134,13 @@ class MultiControllerRuntime:
         self.live: set[int] = set(self.devices)
         self.local = jax.local_devices()
         self.threads = CopyThreads()
-        self.epoch, self._seq = 0, 0
         self._started = False
         self.generation = 0  # CPU clients replaced so far (`renew_collectives`, `admit`)
         self._steps = 0  # step guards entered (for `rc.slow`)
         self._retries = 0  # collective failures among live processes since the last good step
         self.links = TransferLinks(self.client, self.me, rc.host, max(30, rc.collective_timeout_s))
+        self.plane = DataPlane(self.client, self.me, self.links, rc.collective_timeout_s + 5,
+                               self.devices, self.process_of, self.processes, self.current)
         if self.admission is not None:
             self._adopt_counters(self.admission.counters)
         self.links.start(self.local[0])
@@ -172,18 +161,12 @@ class MultiControllerRuntime:
                                  rc.heartbeat_timeout_s, rc.num_processes, rc.init_timeout_s,
                                  self.diverge_after_s, STARVED_MAX_S,
                                  self.admission.counters.guards if self.admission else 0)
-        # a same-host peer's exit aborts this process's collectives at once (they would wait
-        # for the collective timeout), when a renewed client can replace them
-        self._in_body = False
-        self._aborted: str | None = None  # why this process shut its collectives down
-        self._abort_lock = threading.Lock()
-        aborts = rc.platform == "cpu" and rc.renew_collectives != "never"
-        self.notes = DeathNotes(self.client, self.me, rc.host,
-                                lambda p, pid: self._on_notice(p, pid, aborts), rc.death_notices)
-        if aborts:
-            self.exits.start_watcher(self._on_exit)
-            self.liveness.on_silent = self._on_silent
-            self.liveness.on_silent_after = SILENCE_ABORT_FACTOR * rc.liveness_timeout_s
+        # a peer known dead inside a block shuts this process's collectives down at once (they
+        # would wait for the collective timeout), when a renewed client can replace them
+        self.aborts = CollectiveAborts(rc, self.exits, self.liveness, self.processes, self.log)
+        self.notes = DeathNotes(self.client, self.me, rc.host, self.aborts.on_notice,
+                                rc.death_notices)
+        self.aborts.start()
         self._throttle: Throttle | None = None
 
     # -- who is where ---------------------------------------------------------------------------
@@ -257,13 +240,7 @@ class MultiControllerRuntime:
         err: BaseException | None = None
         t_err = None
         t_body = time.time()  # collectives can only wait from here on
-        with self._abort_lock:
-            self._in_body = True
-        # a peer whose exit was reported after the entry barrier's verdict, before this block
-        # (the report found no block to abort): its collectives would wait for the timeout
-        gone = [p for p in self.processes() if p != self.me and self.exits.exited(p)]
-        if gone and self.rc.platform == "cpu" and self.rc.renew_collectives != "never":
-            self._abort(f"when process {gone[0]} was found exited as the {phase} began")
+        self.aborts.enter_block(phase)
         try:
             yield
         except Exception as e:  # decided at the barrier, with every other live process
@@ -272,8 +249,7 @@ class MultiControllerRuntime:
             if note is not None:
                 self.log(f"{phase}: {note} ({t_err - t_body:.1f}s into the block)")
         finally:
-            with self._abort_lock:
-                self._in_body = False
+            self.aborts.leave_block()
         self._drain(phase, err)
         verdict = self._exit_barrier(err, self.liveness_timeout(phase, at_exit=True))
         self._check_fenced(verdict, phase, err)
@@ -376,7 +352,7 @@ class MultiControllerRuntime:
         committed what it dispatched (`commit`). The wait is in the failure's detail
         (`drain_s`)."""
         self._drained = None
-        if err is None and self._aborted is None:
+        if err is None and self.aborts.reason is None:
             return
         t0 = time.perf_counter()
         n, failed = drain(jax.live_arrays())
@@ -406,65 +382,9 @@ class MultiControllerRuntime:
             return self.rc.liveness_timeout_s
         return max(self.rc.liveness_timeout_s, float(self.rc.heartbeat_timeout_s))
 
-    def _on_exit(self, p: int) -> None:
-        """A watched peer exited (the exit watcher's thread): inside a guard's block, shut this
-        process's collectives down (`collectives.abort_collectives`), so that a collective
-        waiting for the dead peer, or for a survivor already released by its error, fails now
-        rather than at the collective timeout. Recovery then renews the client."""
-        if p not in self.processes():  # a newcomer not admitted yet: no collective waits for it
-            return
-        n = self._abort(f"when process {p} exited (pidfd)")
-        if n is not None:
-            self.log(f"process {p} exited (pidfd): shut down {n} collective sockets of this "
-                     "process")
-
-    def _on_notice(self, p: int, pid: int, aborts: bool) -> None:
-        """A death notice from process p's host (the notes' listener thread): proof of its
-        death, as the kernel's exit is for a same-host peer (`_on_exit`)."""
-        if not self.exits.notice(p, pid) or not aborts or p not in self.processes():
-            return
-        n = self._abort(f"when a death notice from process {p}'s host arrived")
-        if n is not None:
-            self.log(f"process {p} died (death notice from its host): shut down {n} collective "
-                     "sockets of this process")
-
-    def _abort(self, when: str) -> int | None:
-        """Inside a guard's block, shut this process's collectives down, once
-        (`collectives.abort_collectives`: every connection but the coordination service's), and
-        record why; returns the sockets shut, or None outside a block or after an abort."""
-        with self._abort_lock:
-            if not self._in_body or self._aborted is not None:
-                return None
-            port = int(self.rc.coordinator.rpartition(":")[2])
-            n = abort_collectives([port])
-            self._aborted = (f"it shut down its collectives ({n} sockets) {when}, to end their "
-                             "waits at once")
-        return n
-
-    def _on_silent(self, p: int, silent: float) -> None:
-        """Process p's heartbeat has been silent past `SILENCE_ABORT_FACTOR` x
-        `liveness_timeout_s` (the liveness watcher's thread). Inside a step's block, for a peer
-        whose exit the kernel cannot report (another host's, or any with `--no-watch-exits`),
-        shut this process's collectives down as `_on_exit` does: a collective waiting for a dead
-        peer elsewhere fails now rather than at the collective timeout. A compile starves
-        heartbeats, so other guards are left alone.
-
-        The abort is evidence of a failure at the exit barrier, where a peer silent past the
-        liveness timeout is then declared dead: a live peer whose heartbeat thread starved that
-        long is fenced off. Hence the factor: a live process's heartbeat was seen silent 1.12 s
-        in a step beside a background compile on a loaded 2-core machine (experiments/
-        RESULTS.md, "bench_detection with the exit watch off, collective timeout 8 s"), which
-        at 1 x the liveness timeout cost a live process."""
-        if self.liveness.phase != "step" or self.exits.watching(p):
-            return
-        n = self._abort(f"when process {p}'s heartbeat was silent {silent:.2f}s")
-        if n is not None:
-            self.log(f"process {p} silent {silent:.2f}s (heartbeat): shut down {n} collective "
-                     "sockets of this process")
-
     def _exit_barrier(self, err: BaseException | None, timeout: float,
                       where: str = "exit") -> Verdict:
-        self.exits.watch()  # every process: its exit watcher aborts collectives (`_on_exit`)
+        self.exits.watch()  # every process: its exit watcher aborts collectives (`aborts`)
         self.notes.refresh(self.processes())  # where to send this process's death notice
         return self.barriers.barrier(err, timeout, where, sorted(self.processes()))
 
@@ -485,17 +405,16 @@ class MultiControllerRuntime:
         self.live -= failed
         self.liveness.forget(procs)
         self.exits.forget(procs)
-        self.epoch += 1
-        self._seq = 0
+        incident = self.plane.next_incident()
         self.links.forget(procs)
         report = failures.describe(
-            verdict, procs, phase, err, clocks, aborted=self._aborted,
-            drain_s=self._drained[0] if self._drained else None, incident=self.epoch,
+            verdict, procs, phase, err, clocks, aborted=self.aborts.reason,
+            drain_s=self._drained[0] if self._drained else None, incident=incident,
             collective_timeout_s=self.rc.collective_timeout_s,
             heartbeat_timeout_s=self.rc.heartbeat_timeout_s)
         k2d = report.kill_to_detect_s
         # this survivor's kill -> detected time, for the writer's `detection_report`
-        self.client.key_value_set(f"elasjax/detect/{self.epoch}/{self.me}", json.dumps(k2d),
+        self.client.key_value_set(f"elasjax/detect/{incident}/{self.me}", json.dumps(k2d),
                                   allow_overwrite=True)
         self.log(failures.log_line(report, phase, sorted(failed), bool(kills)))
         return DeviceFailure(
@@ -524,7 +443,8 @@ class MultiControllerRuntime:
         it at the same point (a recovery's plan phase, a start's retry). Returns what happened
         (for the event), or None when nobody asked. After a renewal, executables are reloaded on use
         (`executables.on_devices`), shard buffers copied over by `current`."""
-        mine = renewal_reason(self.rc.renew_collectives, self.rc.platform, failure, self._aborted)
+        mine = renewal_reason(self.rc.renew_collectives, self.rc.platform, failure,
+                              self.aborts.reason)
         votes = self.agree(mine)  # each live process's reason, or None
         why = "; ".join(f"process {p}: {v}" for p, v in sorted(votes.items()) if v)
         if not why:
@@ -546,8 +466,7 @@ class MultiControllerRuntime:
         self.devices.update({d.id: d for d in devs})
         self.local = jax.local_devices()
         self.links.start(self.local[0])
-        with self._abort_lock:
-            self._aborted = None  # the new client's collectives are whole
+        self.aborts.clear()  # the new client's collectives are whole
 
     # -- membership growth (`membership`) -------------------------------------------------------
 
@@ -566,7 +485,7 @@ class MultiControllerRuntime:
         """The live processes' counters at the admission: every numbered exchange (guards,
         agreements, copies, transfer servers) continues where theirs do."""
         self.live = set(c.live)
-        self.epoch, self._seq = c.epoch, c.seq  # (the guards' count: `Barriers`, below)
+        self.plane.incident, self.plane.seq = c.epoch, c.seq  # (guards: `Barriers`, below)
         self._steps, self._retries, self.generation = c.steps, c.retries, c.generation
         self.links.started = c.xfer_started
         self.rejoined = set(c.rejoined)
@@ -593,7 +512,8 @@ class MultiControllerRuntime:
         if self.writer:
             counters = membership.Counters(
                 live=tuple(sorted(live)), processes=tuple(sorted(self.processes() | set(procs))),
-                guards=self.barriers.guards, epoch=self.epoch, seq=self._seq, steps=self._steps,
+                guards=self.barriers.guards, epoch=self.plane.incident, seq=self.plane.seq,
+                steps=self._steps,
                 retries=self._retries, generation=gen, xfer_started=self.links.started,
                 rejoined=tuple(sorted(self.rejoined | set(procs))), admitted=tuple(procs),
                 admitted_devices=tuple(sorted(added)),
@@ -655,77 +575,19 @@ class MultiControllerRuntime:
             drain(leaves)
             raise
 
-    # -- point-to-point copies (`p2p`) ----------------------------------------------------------
+    # -- between processes (`dataplane`) --------------------------------------------------------
 
     def exchange(self, sends: dict[int, list[np.ndarray]], recvs: dict[int, list[tuple]]) -> dict:
-        """Send `sends[q]` (host arrays) to process q and receive `recvs[p]` ((shape, dtype)
-        each) from process p, one packed buffer per pair. Every process calls it the same
-        number of times (it numbers the transfers)."""
-        self._seq += 1
-        tag, dev = (self.epoch, self._seq), self.local[0]
-        for q, arrays in sends.items():
-            self.links.send(tag, q, [jax.device_put(pack(arrays), dev)])
-        pulled = {}
-        for p, specs in recvs.items():
-            spec = jax.ShapeDtypeStruct(
-                (packed_size(specs),), np.uint8, sharding=jax.sharding.SingleDeviceSharding(dev)
-            )
-            pulled[p] = self.links.pull(tag, p, [spec])[0]
-        return {p: unpack(np.asarray(x), recvs[p]) for p, x in pulled.items()}
+        return self.plane.exchange(sends, recvs, self.local[0])
 
     def move(self, items: Sequence[tuple]) -> list:
-        """(src device, dst device, array or None, shape, dtype) -> the arrays on the
-        destinations this process holds (None elsewhere), device to device."""
-        self._seq += 1
-        tag = (self.epoch, self._seq)
-        out: list = [None] * len(items)
-        sends: dict[int, list] = defaultdict(list)
-        recvs: dict[int, list] = defaultdict(list)
-        local_put = []
-        for i, (src, dst, x, shape, dtype) in enumerate(items):
-            sp, dp = self.process_of(src), self.process_of(dst)
-            if sp == self.me and dp == self.me:
-                local_put.append(i)
-            elif sp == self.me:
-                sends[dp].append(x)
-            elif dp == self.me:
-                sh = jax.sharding.SingleDeviceSharding(self.devices[dst])
-                recvs[sp].append((i, jax.ShapeDtypeStruct(shape, dtype, sharding=sh)))
-        if local_put:
-            moved = jax.device_put(
-                [self.current(items[i][2]) for i in local_put],
-                [self.devices[items[i][1]] for i in local_put],
-            )
-            for i, x in zip(local_put, moved):
-                out[i] = x
-        for q, arrays in sends.items():
-            self.links.send(tag, q, [self.current(x) for x in arrays])
-        for p, entries in recvs.items():
-            got = self.links.pull(tag, p, [s for _, s in entries])
-            for (i, _), x in zip(entries, got):
-                out[i] = x
-        return out
+        return self.plane.move(items)
 
     def agree(self, value) -> dict[int, Any]:
-        """Every live process's `value` (JSON-able), through the key-value store."""
-        self._seq += 1
-        key = f"elasjax/agree/{self.epoch}/{self._seq}"
-        self.client.key_value_set(f"{key}/{self.me}", json.dumps(value), allow_overwrite=True)
-        wait_ms = (self.rc.collective_timeout_s + 5) * 1000
-        return {
-            p: json.loads(self.client.blocking_key_value_get(f"{key}/{p}", wait_ms))
-            for p in sorted(self.processes())
-        }
+        return self.plane.agree(value)
 
     def share(self, value, src: int):
-        """Process `src`'s `value` (a small tree of numpy arrays), on every live process."""
-        self._seq += 1
-        key = f"elasjax/share/{self.epoch}/{self._seq}"
-        if self.me == src:
-            self.client.key_value_set(key, base64.b64encode(pickle.dumps(value)).decode())
-            return value
-        wait_ms = (self.rc.collective_timeout_s + 5) * 1000
-        return pickle.loads(base64.b64decode(self.client.blocking_key_value_get(key, wait_ms)))
+        return self.plane.share(value, src)
 
     def close(self, finished: bool = True) -> None:
         """End this process's part; `finished`: it is leaving after a normal end (its death

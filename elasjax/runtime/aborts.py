@@ -1,0 +1,123 @@
+"""Ending a guard's collectives at once when a peer is known dead (`CollectiveAborts`).
+
+A survivor's collective that waits for a dead peer, or for a survivor already released by its
+own error, would wait for the collective timeout: gloo reports a dead socket only when its
+timed-out receive returns, and there is no way to abort a CPU collective from Python. So when
+this process learns of a death inside a guard's block it shuts its collective sockets down
+(`collectives.abort_collectives`: every connection but the coordination service's), once per
+block, and records why; the recovery then renews the CPU client (`collectives.renewal_reason`).
+
+Three detectors call in, each on its own thread: the kernel's exit of a same-host peer
+(`on_exit`, `liveness.ProcessExits`), a death notice from the dead process's host (`on_notice`,
+`deathnote`), and a heartbeat silent past `SILENCE_ABORT_FACTOR` liveness timeouts inside a step
+(`on_silent`, `liveness.Liveness`), which says why not 1.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from .collectives import abort_collectives
+from .liveness import Liveness, ProcessExits
+from .startup import RuntimeConfig
+
+# a peer silent this many liveness timeouts inside a step has this process's collectives shut
+# down (`CollectiveAborts.on_silent`, which says why not 1)
+SILENCE_ABORT_FACTOR = 2.0
+
+
+class CollectiveAborts:
+    """This process's collectives, shut down at most once per guard's block (see the module
+    docstring). `enabled`: on CPU where a renewed client can replace them (`renew_collectives`
+    is not `never`); otherwise nothing is ever shut down. `reason` says why they were, until a
+    new client clears it (`clear`)."""
+
+    def __init__(self, rc: RuntimeConfig, exits: ProcessExits, liveness: Liveness,
+                 processes: Callable[[], set[int]], log: Callable[[str], None]):
+        self.enabled = rc.platform == "cpu" and rc.renew_collectives != "never"
+        self._port = int(rc.coordinator.rpartition(":")[2])
+        self._exits, self._liveness = exits, liveness
+        self._processes, self._log = processes, log
+        self._lock = threading.Lock()
+        self._in_body = False
+        self.reason: str | None = None  # why this process shut its collectives down
+
+    def start(self) -> None:
+        """Listen to the kernel's exits and the heartbeats (the death notices call `on_notice`
+        from the notes' listener)."""
+        if self.enabled:
+            self._exits.start_watcher(self.on_exit)
+            self._liveness.on_silent = self.on_silent
+            self._liveness.on_silent_after = SILENCE_ABORT_FACTOR * self._liveness.timeout
+
+    def enter_block(self, phase: str) -> None:
+        """A guard's block begins: from now on a death shuts the collectives down. A peer whose
+        exit was reported after the entry barrier's verdict, before this block (the report
+        found no block to abort), does so at once: its collectives would wait for the timeout."""
+        with self._lock:
+            self._in_body = True
+        gone = [p for p in self._processes() if p != self._exits.me and self._exits.exited(p)]
+        if gone and self.enabled:
+            self.abort(f"when process {gone[0]} was found exited as the {phase} began")
+
+    def leave_block(self) -> None:
+        with self._lock:
+            self._in_body = False
+
+    def clear(self) -> None:
+        """A new CPU client: its collectives are whole."""
+        with self._lock:
+            self.reason = None
+
+    def abort(self, when: str) -> int | None:
+        """Inside a guard's block, shut this process's collectives down, once, and record why;
+        returns the sockets shut, or None outside a block or after an abort."""
+        with self._lock:
+            if not self._in_body or self.reason is not None:
+                return None
+            n = abort_collectives([self._port])
+            self.reason = (f"it shut down its collectives ({n} sockets) {when}, to end their "
+                           "waits at once")
+        return n
+
+    def on_exit(self, p: int) -> None:
+        """A watched peer exited (the exit watcher's thread): shut the collectives down, so
+        that a collective waiting for the dead peer fails now rather than at the collective
+        timeout. Recovery then renews the client."""
+        if p not in self._processes():  # a newcomer not admitted yet: no collective waits for it
+            return
+        n = self.abort(f"when process {p} exited (pidfd)")
+        if n is not None:
+            self._log(f"process {p} exited (pidfd): shut down {n} collective sockets of this "
+                      "process")
+
+    def on_notice(self, p: int, pid: int) -> None:
+        """A death notice from process p's host (the notes' listener thread): proof of its
+        death, as the kernel's exit is for a same-host peer (`on_exit`)."""
+        if not self._exits.notice(p, pid) or not self.enabled or p not in self._processes():
+            return
+        n = self.abort(f"when a death notice from process {p}'s host arrived")
+        if n is not None:
+            self._log(f"process {p} died (death notice from its host): shut down {n} collective "
+                      "sockets of this process")
+
+    def on_silent(self, p: int, silent: float) -> None:
+        """Process p's heartbeat has been silent past `SILENCE_ABORT_FACTOR` x the liveness
+        timeout (the liveness watcher's thread). Inside a step's block, for a peer whose exit
+        the kernel cannot report (another host's, or any with `--no-watch-exits`), shut the
+        collectives down as `on_exit` does. A compile starves heartbeats, so other guards are
+        left alone.
+
+        The abort is evidence of a failure at the exit barrier, where a peer silent past the
+        liveness timeout is then declared dead: a live peer whose heartbeat thread starved that
+        long is fenced off. Hence the factor: a live process's heartbeat was seen silent 1.12 s
+        in a step beside a background compile on a loaded 2-core machine (experiments/
+        RESULTS.md, "bench_detection with the exit watch off, collective timeout 8 s"), which
+        at 1 x the liveness timeout cost a live process."""
+        if self._liveness.phase != "step" or self._exits.watching(p):
+            return
+        n = self.abort(f"when process {p}'s heartbeat was silent {silent:.2f}s")
+        if n is not None:
+            self._log(f"process {p} silent {silent:.2f}s (heartbeat): shut down {n} collective "
+                      "sockets of this process")
