@@ -118,6 +118,33 @@ class LoopState:
             raise AssertionError(f"{len(self.inflight)} steps still in flight: read them first")
         return dataclasses.replace(self.pos, good=self.good)
 
+    def end_notes(self, standby: str | None = None) -> list[str]:
+        """What the run did not do that it was asked or expected to (the `end` event's notes):
+        abandoned cut-overs, cut-over faults that never fired, the `standby`'s note if any, a
+        cut-over still pending at the end."""
+        notes = [
+            f"the cut-over to {a.optimal_plan} was abandoned at step {a.step}: its "
+            f"background compile failed ({next(iter(a.errors.values()))[:200]}); the run "
+            f"stayed on {'its plan' if a.kind == 'growth' else 'its fast path'}"
+            for a in self.abandoned
+        ]
+        notes += [
+            f"the fault '{e.spec}' (phase cutover, from step {e.at_step}) never fired: the run "
+            "did not cut over at or after that step"
+            for e in self.pending if e.phase == "cutover"
+        ]
+        notes += [standby] if standby is not None else []
+        if self.cutover is not None:
+            pc = self.cutover
+            since = "the join" if pc.kind == "growth" else "the failure"
+            notes.append(
+                f"the run ended on {self.pos.plan.name}: the "
+                f"{'bigger' if pc.kind == 'growth' else 'optimal'} plan {pc.plan.name} (pending "
+                f"since {since} at step {pc.step}) was not ready on every process before the "
+                "last step"
+            )
+        return notes
+
     def package(self, lines: tuple[int, int], run_s: float) -> LoopPackage:
         """The rejoin message at this boundary; `lines`: the lines written so far to
         metrics.jsonl and events.jsonl, `run_s`: the run's time so far."""

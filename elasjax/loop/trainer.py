@@ -229,9 +229,8 @@ class Trainer:
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
         self.donate, self._threaded_snapshots = donation(cfg, self.rt)
         check_coverable(cfg.snapshot, self.topo)
-        self.ckpt = (
-            Checkpointer(cfg.checkpoint, self.rt.processes()) if cfg.checkpoint.dir is not None else None
-        )
+        self.ckpt = (Checkpointer(cfg.checkpoint, self.rt.processes())
+                     if cfg.checkpoint.dir is not None else None)
         self.compiles = CompileCounter()
         # a runtime that admits restarted processes (`admission`) may grow at any step
         grows = (any(e.is_join for e in self.schedule) or grow_standby(cfg)
@@ -573,7 +572,11 @@ class Trainer:
         T, pos = self.cfg.train.steps, ls.pos
         self.steps.flush(ls, mw, ew)
         ls.pool.complete()  # the last step's snapshot, taken beside the loop, is filed
-        notes = self._end_notes(ls)
+        sb = self.standby
+        notes = ls.end_notes(None if sb is None or not sb.over_budget else (
+            f"standby left {sb.over_budget} queued plan(s) unbuilt: the process reached "
+            f"standby.map_budget = {self.cfg.standby.map_budget} of its memory-mapping limit "
+            "(vm.max_map_count); recoveries to them compile"))
         costs, goodput = failure_costs(
             ls.timeline, self.initial.name, time.perf_counter() - self._t_run)
         costs = [FailureCost(**c) for c in costs]
@@ -616,36 +619,6 @@ class Trainer:
             ls.digests, pos.state, ls.migrations, ls.transfer_logs, notes, ls.joins,
             ls.growths, costs, goodput,
         )
-
-    def _end_notes(self, ls: LoopState) -> list[str]:
-        """What the run did not do that it was asked or expected to (the `end` event's notes)."""
-        notes = [
-            f"the cut-over to {a.optimal_plan} was abandoned at step {a.step}: its "
-            f"background compile failed ({next(iter(a.errors.values()))[:200]}); the run "
-            f"stayed on {'its plan' if a.kind == 'growth' else 'its fast path'}"
-            for a in ls.abandoned
-        ]
-        notes += [
-            f"the fault '{e.spec}' (phase cutover, from step {e.at_step}) never fired: the run "
-            "did not cut over at or after that step"
-            for e in ls.pending if e.phase == "cutover"
-        ]
-        if self.standby is not None and self.standby.over_budget:
-            notes.append(
-                f"standby left {self.standby.over_budget} queued plan(s) unbuilt: the process "
-                f"reached standby.map_budget = {self.cfg.standby.map_budget} of its memory-mapping "
-                "limit (vm.max_map_count); recoveries to them compile"
-            )
-        if ls.cutover is not None:
-            pc = ls.cutover
-            since = "the join" if pc.kind == "growth" else "the failure"
-            notes.append(
-                f"the run ended on {ls.pos.plan.name}: the "
-                f"{'bigger' if pc.kind == 'growth' else 'optimal'} plan {pc.plan.name} (pending "
-                f"since {since} at step {pc.step}) was not ready on every process before the "
-                "last step"
-            )
-        return notes
 
     def _hold_gc(self) -> None:
         """No garbage collection from a failure to the recovery's first good step: Python's
