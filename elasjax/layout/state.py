@@ -245,10 +245,12 @@ class StateLayout:
             )
         # from the canonical shapes: tracing the model's init again would cost far more
         self.abstract = jax.eval_shape(self.from_canonical, factory.abstract)
-        self._tags = self._leaf_tags()
+        # per leaf of `abstract` (flatten order): (key, ZeRO storage unit or None, tier); what
+        # the transition planner and the checkpoint read a layout by (`transfer.reshard.LeafTag`)
+        self.tags = self._leaf_tags()
         self._slot_leaf = [
             self.stage_layout is not None and unit is None and "layers" in key.split("/")
-            for key, unit, _ in self._tags
+            for key, unit, _ in self.tags
         ]
         # the order of `stacked_checksums`' rows
         self.checksum_keys = sorted(jax.eval_shape(self.checksums, self.abstract))
@@ -428,7 +430,7 @@ class StateLayout:
         ]
         plain: list[tuple[str, jax.Array, Any]] = []
         for i, ((key, unit, tier), slot, x) in enumerate(
-            zip(self._tags, self._slot_leaf, jax.tree.leaves(state))
+            zip(self.tags, self._slot_leaf, jax.tree.leaves(state))
         ):
             if slot:
                 out[key] = self._slot_checksum(x)

@@ -329,7 +329,7 @@ def _as_checkpoint_sources(store, saved) -> None:
     shards (several ranks and rows of one leaf on one device) into one shard per (rank, row),
     the unit the transition planner reads storage in. The cuts are slices on the device that
     holds them: nothing crosses devices."""
-    for i, (tag, shape) in enumerate(zip(saved._tags, store.shapes)):
+    for i, (tag, shape) in enumerate(zip(saved.tags, store.shapes)):
         out = []
         for s in store.shards[i]:
             if tag[1] is None:
@@ -372,7 +372,7 @@ def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, t
         state, meta = ckpt.restore(step, _targets(exe.layout.abstract, exe.state_shardings))
         return state, meta, {"peak_restore_bytes": _peak_device_bytes(state)}
     data_dims = [None if t[1] is None else len(x.shape) - 3
-                 for t, x in zip(saved._tags, jax.tree.leaves(saved.abstract))]
+                 for t, x in zip(saved.tags, jax.tree.leaves(saved.abstract))]
     sh = spread_shardings(saved.abstract, [by_id[i] for i in live], data_dims)
     restored, meta = ckpt.restore(step, _targets(saved.abstract, sh))
     peak = _peak_device_bytes(restored)

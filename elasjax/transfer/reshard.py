@@ -569,7 +569,7 @@ def plan_transition(
     log = TransferLog()
     target_flat = _target_leaves(target_shardings)
     if new_layout is not None:
-        new_tags = [LeafTag(*t) for t in new_layout._tags]
+        new_tags = [LeafTag(*t) for t in new_layout.tags]
         target_treedef = jax.tree_util.tree_structure(new_layout.abstract)
         shapes = [tuple(x.shape) for x in jax.tree.leaves(new_layout.abstract)]
         dtypes = [x.dtype for x in jax.tree.leaves(new_layout.abstract)]
@@ -578,7 +578,7 @@ def plan_transition(
         target_treedef = store.treedef
         shapes, dtypes = store.shapes, store.dtypes
     old_tags = (
-        [LeafTag(*t) for t in old_layout._tags]
+        [LeafTag(*t) for t in old_layout.tags]
         if old_layout is not None
         else [LeafTag(p) for p in store.paths]
     )
