@@ -550,6 +550,31 @@ def _wrap_keys(store: ShardStore, state: PyTree) -> PyTree:
     ])
 
 
+@dataclasses.dataclass
+class _Planning:
+    """What the leaves of one transition share while they are planned: the sources (the store,
+    extra sources by leaf key), both layouts and their tags, and the indexes of old storage
+    built once per family of leaves."""
+
+    store: ShardStore
+    extra: dict[str, list[Shard]]
+    picker: _Picker
+    log: TransferLog
+    old_layout: Any
+    new_layout: Any
+    old_tags: list[LeafTag]
+    families: dict[str, list[int]]  # leaf key -> its storage leaves in the old layout, by tier
+    old_tables: Any
+    new_tables: Any
+    indexes: dict[str, _SegmentIndex] = dataclasses.field(default_factory=dict)
+    leaf_indexes: dict[str, _SegmentIndex] = dataclasses.field(default_factory=dict)
+    seg_cache: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def by_path(self) -> dict[str, int]:
+        return {p: i for i, p in enumerate(self.store.paths)}
+
+
 def plan_transition(
     store: ShardStore,
     target_shardings: PyTree,
@@ -564,9 +589,6 @@ def plan_transition(
     the destination shards of every process. `where` maps a device (or "host:<h>") to its
     process; None means one process."""
     t_start = time.perf_counter()
-    extra = extra_sources or {}
-    picker = _Picker(where)
-    log = TransferLog()
     target_flat = _target_leaves(target_shardings)
     if new_layout is not None:
         new_tags = [LeafTag(*t) for t in new_layout.tags]
@@ -582,101 +604,131 @@ def plan_transition(
         if old_layout is not None
         else [LeafTag(p) for p in store.paths]
     )
-    by_path = {p: i for i, p in enumerate(store.paths)}
     families: dict[str, list[int]] = defaultdict(list)
     for i, t in enumerate(old_tags):
         if t.unit is not None:
             families[t.key].append(i)
-    indexes: dict[str, _SegmentIndex] = {}
-    leaf_indexes: dict[str, _SegmentIndex] = {}
-    seg_cache: dict = {}
+    pl = _Planning(store, extra_sources or {}, _Picker(where), TransferLog(), old_layout,
+                   new_layout, old_tags, families, _slot_table(old_layout),
+                   _slot_table(new_layout))
+    by_path = pl.by_path
     dsts: list[DstShard] = []
-    old_tables = _slot_table(old_layout)
-    new_tables = _slot_table(new_layout)
     for li, (tag, sh, shape, dtype) in enumerate(zip(new_tags, target_flat, shapes, dtypes)):
-        itemsize = np.dtype(dtype).itemsize
-        dmap = sh.devices_indices_map(shape)  # every process's shards: the plan is global
         if tag.unit is None:
-            oi = by_path[tag.key]
-            sources = store.shards[oi] + extra.get(tag.key, [])
-            layered = "layers" in tag.key.split("/") and _differ(old_tables, new_tables)
-            for d, idx in dmap.items():
-                box = index_to_box(idx, shape)
-                ds = DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, 0, box)
-                if layered:
-                    plan_layered_leaf(
-                        tag.key, itemsize, sources, ds, box, old_tables, new_tables, picker
-                    )
-                    ds.box = ()  # layer-level copies: logged by their own index
-                else:
-                    plan_box_leaf(tag.key, itemsize, sources, ds, box, picker)
-                dsts.append(ds)
+            dsts += _plan_array_leaf(pl, li, tag, by_path[tag.key], sh, shape, dtype)
+        else:
+            dsts += _plan_storage_leaf(pl, li, tag, sh, shape, dtype)
+    _log_copies(pl, dsts, new_tags)
+    for ds in dsts:
+        if ds.reuse is None:
+            _find_gaps(ds)
+    return TransitionPlan(
+        signature, dsts, pl.log, target_flat, shapes, dtypes, target_treedef,
+        time.perf_counter() - t_start, (old_layout, new_layout),
+    )
+
+
+def _plan_array_leaf(pl: _Planning, li: int, tag: LeafTag, oi: int, sh, shape,
+                     dtype) -> list[DstShard]:
+    """A regular array's destination shards (every process's: the plan is global), each from
+    the boxes of its old shards and extra sources, layer by layer where pipeline slots moved."""
+    itemsize = np.dtype(dtype).itemsize
+    sources = pl.store.shards[oi] + pl.extra.get(tag.key, [])
+    layered = "layers" in tag.key.split("/") and _differ(pl.old_tables, pl.new_tables)
+    out = []
+    for d, idx in sh.devices_indices_map(shape).items():
+        box = index_to_box(idx, shape)
+        ds = DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, 0, box)
+        if layered:
+            plan_layered_leaf(
+                tag.key, itemsize, sources, ds, box, pl.old_tables, pl.new_tables, pl.picker
+            )
+            ds.box = ()  # layer-level copies: logged by their own index
+        else:
+            plan_box_leaf(tag.key, itemsize, sources, ds, box, pl.picker)
+        out.append(ds)
+    return out
+
+
+def _plan_storage_leaf(pl: _Planning, li: int, tag: LeafTag, sh, shape,
+                       dtype) -> list[DstShard]:
+    """A ZeRO storage leaf's destination shards: a rank that keeps its pieces of this tier in
+    place reuses its buffer; the others are matched in row identities (every layer at once
+    where both plans hold the same rows) or in the full leaves' identities."""
+    old_layout, new_layout = pl.old_layout, pl.new_layout
+    itemsize = np.dtype(dtype).itemsize
+    codec, unit = new_layout.codec, new_layout.codec.unit(tag.unit)
+    batch = len(unit.batch_shape)
+    old_unit = old_layout.codec.unit(tag.unit) if old_layout.codec is not None else None
+    old_batch = len(old_unit.batch_shape) if old_unit is not None else 0
+    new_ids = codec.stacked_layer_ids(unit) if batch else None
+    # the same rows on both plans: unstacked both, or stacked with the same layer in every
+    # position (ZeRO-3, a pipeline keeping its partition); otherwise a layer may sit in
+    # another slot (or stage), or in a unit of the whole leaf: matched in leaf identities
+    same_rows = old_batch == batch and (batch == 0 or np.array_equal(
+        old_layout.codec.stacked_layer_ids(old_unit), new_ids))
+    # every layer at once where every shard holds every layer (a pipeline's shards hold
+    # their stage's: their row identities alone do not say which layer)
+    all_layers = same_rows and (batch == 0 or (
+        codec.layer_axis is None and old_layout.codec.layer_axis is None))
+    same_pieces = _same_pieces(old_layout, new_layout)
+    natural = _natural(old_layout, new_layout)
+    L = _layers_of(codec, unit) if batch else 0
+    family = pl.families[tag.key]
+    old_tier = family[tag.tier] if tag.tier < len(family) else None
+    held = {s.device: s for s in pl.store.shards[old_tier]} if old_tier is not None else {}
+    out = []
+    for d, idx in sh.devices_indices_map(shape).items():
+        box = index_to_box(idx, shape)
+        rank, row = storage_rank_row(box, batch)
+        ds = DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, batch)
+        out.append(ds)
+        old = held.get(d.id)
+        if (
+            same_pieces
+            and same_rows
+            and old is not None
+            and tuple(b - a for a, b in old.box) == ds.shape
+            # the same tensor row: a device can change its tensor rank in a new group
+            and storage_rank_row(old.box, batch)[1] == row
+            and tuple(old_layout.codec.tables[tag.tier][storage_rank_row(old.box, batch)[0]])
+            == tuple(codec.tables[tag.tier][rank])
+            and old.box[:batch] == box[:batch]
+        ):
+            ds.reuse = old.data  # this rank keeps this tier in place: no copy
+            pl.log.kept_bytes += math.prod(ds.shape) * itemsize
             continue
-        codec, unit = new_layout.codec, new_layout.codec.unit(tag.unit)
-        batch = len(unit.batch_shape)
-        old_unit = old_layout.codec.unit(tag.unit) if old_layout.codec is not None else None
-        old_batch = len(old_unit.batch_shape) if old_unit is not None else 0
-        new_ids = codec.stacked_layer_ids(unit) if batch else None
-        # the same rows on both plans: unstacked both, or stacked with the same layer in every
-        # position (ZeRO-3, a pipeline keeping its partition); otherwise a layer may sit in
-        # another slot (or stage), or in a unit of the whole leaf: matched in leaf identities
-        same_rows = old_batch == batch and (batch == 0 or np.array_equal(
-            old_layout.codec.stacked_layer_ids(old_unit), new_ids))
-        # every layer at once where every shard holds every layer (a pipeline's shards hold
-        # their stage's: their row identities alone do not say which layer)
-        all_layers = same_rows and (batch == 0 or (
-            codec.layer_axis is None and old_layout.codec.layer_axis is None))
-        same_pieces = _same_pieces(old_layout, new_layout)
-        natural = _natural(old_layout, new_layout)
-        L = _layers_of(codec, unit) if batch else 0
-        old_tier = families[tag.key][tag.tier] if tag.tier < len(families[tag.key]) else None
-        held = {s.device: s for s in store.shards[old_tier]} if old_tier is not None else {}
-        for d, idx in dmap.items():
-            box = index_to_box(idx, shape)
-            rank, row = storage_rank_row(box, batch)
-            ds = DstShard(li, d.id, tuple(sh.shard_shape(shape)), dtype, batch)
-            old = held.get(d.id)
-            if (
-                same_pieces
-                and same_rows
-                and old is not None
-                and tuple(b - a for a, b in old.box) == ds.shape
-                # the same tensor row: a device can change its tensor rank in a new group
-                and storage_rank_row(old.box, batch)[1] == row
-                and tuple(old_layout.codec.tables[tag.tier][storage_rank_row(old.box, batch)[0]])
-                == tuple(codec.tables[tag.tier][rank])
-                and old.box[:batch] == box[:batch]
-            ):
-                ds.reuse = old.data  # this rank keeps this tier in place: no copy
-                log.kept_bytes += math.prod(ds.shape) * itemsize
-                dsts.append(ds)
-                continue
-            segs = _shard_segments(codec, unit, tag.tier, rank, row, natural, seg_cache)
-            if all_layers:
-                if tag.key not in indexes:
-                    indexes[tag.key] = _index_family(
-                        store, old_layout, families[tag.key], old_tags, extra, natural, seg_cache
-                    )
-                plan_storage_shard(tag.key, itemsize, unit.layers, indexes[tag.key], segs, ds,
-                                   picker)
-                dsts.append(ds)
-                continue
-            if tag.key not in leaf_indexes:
-                leaf_indexes[tag.key] = _index_family_leaf(
-                    store, old_layout, families[tag.key], old_tags, extra, natural, seg_cache
+        segs = _shard_segments(codec, unit, tag.tier, rank, row, natural, pl.seg_cache)
+        if all_layers:
+            if tag.key not in pl.indexes:
+                pl.indexes[tag.key] = _index_family(
+                    pl.store, old_layout, family, pl.old_tags, pl.extra, natural, pl.seg_cache
                 )
-            if batch:
-                (b0, b1) = box[0]
-                want = [
-                    (x0, x0 + g1 - g0, off, pos - b0)
-                    for pos in range(b0, b1) if new_ids[pos] >= 0
-                    for g0, g1, off in segs
-                    for x0 in [_leaf_space(unit, int(new_ids[pos]), g0, natural, L)]
-                ]
-            else:
-                want = [(g0, g1, off, None) for g0, g1, off in segs]
-            plan_storage_shard_leaf(tag.key, itemsize, leaf_indexes[tag.key], want, ds, picker)
-            dsts.append(ds)
+            plan_storage_shard(tag.key, itemsize, unit.layers, pl.indexes[tag.key], segs, ds,
+                               pl.picker)
+            continue
+        if tag.key not in pl.leaf_indexes:
+            pl.leaf_indexes[tag.key] = _index_family_leaf(
+                pl.store, old_layout, family, pl.old_tags, pl.extra, natural, pl.seg_cache
+            )
+        if batch:
+            (b0, b1) = box[0]
+            want = [
+                (x0, x0 + g1 - g0, off, pos - b0)
+                for pos in range(b0, b1) if new_ids[pos] >= 0
+                for g0, g1, off in segs
+                for x0 in [_leaf_space(unit, int(new_ids[pos]), g0, natural, L)]
+            ]
+        else:
+            want = [(g0, g1, off, None) for g0, g1, off in segs]
+        plan_storage_shard_leaf(tag.key, itemsize, pl.leaf_indexes[tag.key], want, ds,
+                                pl.picker)
+    return out
+
+
+def _log_copies(pl: _Planning, dsts: list[DstShard], new_tags: list[LeafTag]) -> None:
+    """Every planned copy in the transfer log (its leaf, box, source and rung), and the bytes
+    that cross processes."""
     for ds in dsts:
         if ds.reuse is not None and not ds.copies:
             continue
@@ -689,16 +741,10 @@ def plan_transition(
                 )
             else:
                 box = tuple((o + s.start, o + s.stop) for (o, _), s in zip(ds.box, c.dst_idx))
-            log.entries.append(Transfer(leaf, box, c.src.device, ds.device, c.nbytes, c.src.rung))
-            if picker.where(c.src.device) != picker.where(ds.device):
-                log.cross_process_bytes += c.nbytes
-    for ds in dsts:
-        if ds.reuse is None:
-            _find_gaps(ds)
-    return TransitionPlan(
-        signature, dsts, log, target_flat, shapes, dtypes, target_treedef,
-        time.perf_counter() - t_start, (old_layout, new_layout),
-    )
+            pl.log.entries.append(
+                Transfer(leaf, box, c.src.device, ds.device, c.nbytes, c.src.rung))
+            if pl.picker.where(c.src.device) != pl.picker.where(ds.device):
+                pl.log.cross_process_bytes += c.nbytes
 
 
 def _find_gaps(ds: DstShard) -> None:
