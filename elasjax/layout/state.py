@@ -246,7 +246,7 @@ class StateLayout:
         # from the canonical shapes: tracing the model's init again would cost far more
         self.abstract = jax.eval_shape(self.from_canonical, factory.abstract)
         # per leaf of `abstract` (flatten order): (key, ZeRO storage unit or None, tier); what
-        # the transition planner and the checkpoint read a layout by (`transfer.reshard.LeafTag`)
+        # the transition planner and the checkpoint read a layout by (`transfer.matching.LeafTag`)
         self.tags = self._leaf_tags()
         self._slot_leaf = [
             self.stage_layout is not None and unit is None and "layers" in key.split("/")
