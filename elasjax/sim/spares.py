@@ -82,6 +82,77 @@ def spare_hosts_for(sc: Scenario, fraction: float) -> int:
     return int(np.ceil(fraction * hosts)) if fraction > 0 else 0
 
 
+class _Fleet:
+    """The hosts under a policy: which physical host holds each of the job's places
+    (`host_at`, `place`), the idle spare hosts (`pool`), the hosts out for repair (`out`), which
+    devices work (`alive`), and the job's device slots without a working device (`down`)."""
+
+    def __init__(self, policy: str, groups: int, dph: int, spare_hosts: int):
+        self.policy, self.dph = policy, dph
+        self.host_at = list(range(groups))  # slot group (a host's place in the job) -> host
+        self.place = {h: g for g, h in enumerate(self.host_at)}  # host in the job -> its place
+        self.pool = list(range(groups, groups + (spare_hosts if policy == "spares" else 0)))
+        self.out: set[int] = set()  # physical hosts out of the job, waiting for their repair
+        self.alive = np.ones((groups + max(spare_hosts, 0)) * dph, dtype=bool)
+        self.down: set[int] = set()  # the job's slots without a working device
+        self.swaps = 0  # spare hosts swapped in
+
+    def slot(self, d: int) -> int:
+        return self.place[d // self.dph] * self.dph + d % self.dph
+
+    def swap_in(self, g: int) -> None:
+        """A pool host takes place `g`; the host there leaves for repair."""
+        dph, old = self.dph, self.host_at[g]
+        del self.place[old]
+        if not self.alive[old * dph:(old + 1) * dph].all():
+            self.out.add(old)
+        elif self.policy == "spares":
+            self.pool.append(old)
+        new = self.pool.pop(0)
+        self.host_at[g], self.place[new] = new, g
+        self.down.difference_update(range(g * dph, (g + 1) * dph))
+        self.swaps += 1
+
+    def fail(self, devs: list[int]) -> str | None:
+        """Devices `devs` fail: None where the job loses no working slot, "swapped" where spare
+        hosts took the hit hosts' places, "shrunk" where the job goes on without the slots."""
+        dph = self.dph
+        self.alive[devs] = False
+        for h in {d // dph for d in devs}:
+            if h in self.pool:  # an idle spare failed: out of the pool until repaired
+                self.pool.remove(h)
+                self.out.add(h)
+        hit = [d for d in devs if d // dph in self.place and self.slot(d) not in self.down]
+        if not hit:
+            return None
+        if self.policy == "spares" and self.pool:
+            for g in sorted({self.place[d // dph] for d in hit}):
+                if self.pool:
+                    self.swap_in(g)
+            self.down.update(self.slot(d) for d in hit if d // dph in self.place)
+            return "swapped"
+        self.down.update(self.slot(d) for d in hit)
+        return "shrunk"
+
+    def repair(self, devs: list[int]) -> bool:
+        """Devices `devs` are repaired: a whole repaired host out of the job refills the pool
+        (spares), a repaired device in the job returns to its slot (not under shrink), and pool
+        hosts fill the job's empty places. True where the job's slots changed."""
+        dph = self.dph
+        self.alive[devs] = True
+        before = set(self.down)
+        for h in {d // dph for d in devs}:
+            if h in self.out and self.alive[h * dph:(h + 1) * dph].all():
+                self.out.discard(h)
+                if self.policy == "spares":
+                    self.pool.append(h)
+            elif h in self.place and self.policy != "shrink":
+                self.down.difference_update(self.slot(d) for d in devs if d // dph == h)
+        while self.policy == "spares" and self.pool and self.down:
+            self.swap_in(min(self.down) // dph)
+        return self.down != before
+
+
 def simulate_policy(
     sc: Scenario,
     policy: str,
@@ -111,81 +182,37 @@ def simulate_policy(
     if n % dph:
         raise ValueError(f"the job's {n} devices are not whole hosts of {dph}")
     swap = swap_seconds(sc) if swap_s is None else float(swap_s)
-    groups = n // dph
-    host_at = list(range(groups))  # slot group (a host's place in the job) -> physical host
-    place = {h: g for g, h in enumerate(host_at)}  # physical host in the job -> its place
-    pool = list(range(groups, groups + (spare_hosts if policy == "spares" else 0)))
-    out: set[int] = set()  # physical hosts out of the job, waiting for their repair
-    alive = np.ones((groups + max(spare_hosts, 0)) * dph, dtype=bool)
-    down: set[int] = set()  # the job's slots without a working device
+    fleet = _Fleet(policy, n // dph, dph, spare_hosts)
     memo: dict[frozenset, Outcome] = {}
 
     def outcome() -> Outcome:
-        key = frozenset(down)
+        key = frozenset(fleet.down)
         if key not in memo:
-            memo[key] = fn(sc, sorted(down))
+            memo[key] = fn(sc, sorted(fleet.down))
         return memo[key]
-
-    def slot(d: int) -> int:
-        return place[d // dph] * dph + d % dph
-
-    def swap_in(g: int) -> None:
-        """A pool host takes place `g`; the host there leaves for repair."""
-        old = host_at[g]
-        del place[old]
-        if not alive[old * dph:(old + 1) * dph].all():
-            out.add(old)
-        elif policy == "spares":
-            pool.append(old)
-        new = pool.pop(0)
-        host_at[g], place[new] = new, g
-        down.difference_update(range(g * dph, (g + 1) * dph))
 
     horizon = hours * 3600.0
     current = outcome()
     segments: list[list[float]] = []
     filled: list[tuple[float, int]] = [(0.0, n)]
     seg_start = resume_at = downtime = lost = 0.0
-    transitions = swaps = fallbacks = 0
+    transitions = fallbacks = 0
     for ev in trace:
         te = ev.time_s
         if te > horizon:
             break
-        devs = [d for d in ev.devices if d < alive.size]
+        devs = [d for d in ev.devices if d < fleet.alive.size]
         if ev.kind == "fail":
-            alive[devs] = False
-            for h in {d // dph for d in devs}:
-                if h in pool:  # an idle spare failed: out of the pool until repaired
-                    pool.remove(h)
-                    out.add(h)
-            hit = [d for d in devs if d // dph in place and slot(d) not in down]
-            if not hit:
+            took = fleet.fail(devs)
+            if took is None:
                 continue
-            if policy == "spares" and pool:
-                for g in sorted({place[d // dph] for d in hit}):
-                    if pool:
-                        swap_in(g)
-                        swaps += 1
-                down.update(slot(d) for d in hit if d // dph in place)
+            if took == "swapped":
                 wait = swap
             else:
-                down.update(slot(d) for d in hit)
                 fallbacks += policy == "spares"
                 wait = None
         else:
-            alive[devs] = True
-            before = set(down)
-            for h in {d // dph for d in devs}:
-                if h in out and alive[h * dph:(h + 1) * dph].all():
-                    out.discard(h)
-                    if policy == "spares":
-                        pool.append(h)
-                elif h in place and policy != "shrink":
-                    down.difference_update(slot(d) for d in devs if d // dph == h)
-            while policy == "spares" and pool and down:
-                swap_in(min(down) // dph)
-                swaps += 1
-            if down == before:
+            if not fleet.repair(devs):
                 continue
             wait = -1.0  # a growth: the new plan's grow_s
         start = max(seg_start, resume_at)
@@ -200,14 +227,14 @@ def simulate_policy(
         else:
             if new.plan == current.plan and new.tokens_per_s == current.tokens_per_s:
                 current = new
-                filled.append((te, n - len(down)))
+                filled.append((te, n - len(fleet.down)))
                 continue
             wait = new.grow_s
         transitions += 1
         resume_at, idle = resume_after(te, wait, ev.kind, resume_at)
         downtime += idle
         current = new
-        filled.append((te, n - len(down)))
+        filled.append((te, n - len(fleet.down)))
     start = max(seg_start, resume_at)
     if horizon > start:
         segments.append([start, horizon, current.tokens_per_s / step_cost])
@@ -221,7 +248,7 @@ def simulate_policy(
         mean_goodput=mean, goodput_per_total_device=mean * n / total,
         mean_filled=float(np.sum(np.diff(t) * k) / (horizon * n)),
         downtime_s=float(downtime), lost_work_s=float(lost), transitions=transitions,
-        swaps=swaps, fallbacks=fallbacks,
+        swaps=fleet.swaps, fallbacks=fallbacks,
     )
 
 
