@@ -137,7 +137,7 @@ class Admissions:
         and `stood_on`: as `Cutovers.join` takes them)."""
         rt, exe = self.rt, pos.exe
         # the likely failures change with the newcomers: their transitions are planned again
-        # once the job has grown (`Trainer._protect`)
+        # once the job has grown (`Preparations.protect`)
         self.transitions.cache.clear()
         new_state, _ = transition(
             ShardStore.capture(pos.state).map_data(rt.current), exe.state_shardings,

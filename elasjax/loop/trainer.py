@@ -13,7 +13,8 @@ snapshot pool, the pending cut-over, the run's record); its collaborators are gi
 need and return what they did: `ExecutableSource` (executables, the standby set),
 `Contingencies` (the plans after the likely next failures), `TransitionPlanner` (transfers
 planned ahead), `Recoverer`, `Cutovers` (growth and cut-over), `Admissions` (rejoins), `Stepper`
-(a step's batch, dispatch and metrics).
+(a step's batch, dispatch and metrics), `Preparations` (the standby and the transitions of the
+likely next failures set going, waited for, announced).
 
 A step's metrics are read `stepping.READ_BEHIND` steps late, so the devices stay busy while the
 host prepares the next batches; steps that need the values at once are read at once: the first
@@ -61,7 +62,6 @@ from ..observe.events import (
     FailureCost,
     Hook,
     JoinEvent,
-    StandbyReady,
     StartEvent,
     WarningEvent,
 )
@@ -76,8 +76,6 @@ from ..observe.report import (
     shared_cost_line,
     standby_cost,
     standby_cost_line,
-    standby_line,
-    standby_ready_line,
 )
 from ..observe.tensorboard import TensorBoardWriter
 from ..plan.contingencies import Contingencies
@@ -94,6 +92,7 @@ from .admission import Admissions
 from .cutover import Cutovers
 from .data import DataPipeline
 from .loopstate import LoopState
+from .prepare import Preparations
 from .recovery import (
     Position,
     Recoverer,
@@ -269,6 +268,9 @@ class Trainer:
         self.loop: LoopState | None = None  # the run's loop state, once it runs
         self.clock = StepClock()  # when each step finished (read later)
         self.steps = Stepper(cfg, self.rt, self.data, self.initial, self.clock)
+        self.prep = Preparations(cfg, self.rt, self.source, self.contingencies, self.transitions,
+                                 on=self.standby_on, no_worker=self.no_worker,
+                                 progress=self.progress)
         self._gc_held = False  # the collector is off for a recovery (`_hold_gc`)
 
     @property
@@ -456,7 +458,7 @@ class Trainer:
         ls.pos, ls.pool, ls.cutover, mig = done.pos, done.pool, done.pending, done.event
         ls.transfer_logs.append(done.log)
         if ls.cutover is None:  # (else the next cut-over's plan is all that matters)
-            self._protect(ls)
+            self.prep.protect(ls.pos, ls.pool)
         ls.timeline.cutover(ls.pos.plan.name, mig.stall_s)
         (ls.growths if mig.kind == "growth" else ls.migrations).append(mig)
         ew.emit(mig, migration_line(mig))
@@ -540,16 +542,16 @@ class Trainer:
         if ls.open_event is not None:
             self._close_recovery(ls, ew)
         elif ls.protect_due:
-            self._protect(ls)
+            self.prep.protect(ls.pos, ls.pool)
             ls.protect_due = False
             ls.standby_building = self.standby_on
             if self.cfg.standby.wait_after_recovery and pos.step < T:  # steps left
                 self.steps.flush(ls, mw, ew)
-                ls.timeline.pause(self._wait_standby(ew, pos.step))
+                ls.timeline.pause(self.prep.wait(ew, pos.step))
                 ls.standby_building = False
         elif ls.standby_building and self.standby.wait_all(timeout=0):
             ls.standby_building = False
-            self._standby_ready(ew, pos.step, 0.0, 0.0, f"step {pos.step}: standby ready, built "
+            self.prep.ready(ew, pos.step, 0.0, 0.0, f"step {pos.step}: standby ready, built "
                                 "in the background without pausing training")
         if self.ckpt is not None and self.ckpt.due(pos.step):
             with self.rt.guard("checkpoint"):
@@ -640,20 +642,14 @@ class Trainer:
     def _start(self, ew: Emitter) -> tuple[Position, SnapshotPool]:
         """The initial position and its snapshot pool (`start.start`: a fresh start or a
         checkpoint resume, on whoever is alive); then the standby and the transitions of its
-        likely failures set going, and the start announced (`_announce`)."""
+        likely failures set going (`prepare.Preparations`), and the start announced
+        (`_announce`)."""
         s = start(self.cfg, self.rt, self.topo, self.initial, self.source, self.factory,
                   self.ckpt, self._new_pool)
-        pos, pool, plan, live = s.pos, s.pool, s.pos.plan, set(s.pos.live)
-        ahead = self.contingencies.standby_plans(plan, live | set(plan.spare_ids))
-        self.source.refresh(plan, ahead)
-        # the plans it builds: `standby.max_plans` may leave some out (and warns)
-        n_ahead = len(ahead) - (self.standby.dropped if self.standby is not None else 0)
-        standby = standby_line(self.cfg, self.standby_on, self.no_worker, self.worker,
-                               self.source.shared is not None, n_ahead)
-        self.rt.log(standby)
-        self.transitions.for_failures(pos, pool)
+        pos, pool = s.pos, s.pool
+        n_ahead, standby = self.prep.start(pos, pool)
         if self.cfg.standby.wait_at_start:
-            self._wait_standby(ew, None)
+            self.prep.wait(ew, None)
         self._announce(s, n_ahead, standby, ew)
         return pos, pool
 
@@ -705,43 +701,6 @@ class Trainer:
             ew.emit(WarningEvent("snapshot", risk))
             if self.rt.writer:
                 warnings.warn(risk, UnprotectedStateWarning, stacklevel=3)
-
-    def _wait_standby(self, ew: Emitter, step: int | None) -> float:
-        """Block until the standby of the current plan is built and its transitions planned
-        (`standby.wait_at_start` before step 0, `step` None; `standby.wait_after_recovery` after
-        a recovery's first good step); warm what was built (one process). Logged and written as
-        a `standby_ready` event: the training pause it costs is its `wait_s` (after a
-        recovery, a pause the failure's time lost counts). Returns the seconds it paused (the
-        loop puts a recovery's in its timeline)."""
-        t_all = time.perf_counter()
-        if self.standby is not None:
-            compile_s, warm_s = self.source.wait_all(self.cfg.standby.warm)
-            head = (f"standby ready in {compile_s + warm_s:.1f}s" if step is None else
-                    f"step {step}: training paused {compile_s + warm_s:.1f}s until the standby "
-                    "of the new plan was ready")
-            self._standby_ready(ew, step, compile_s + warm_s, warm_s, head)
-        self.transitions.wait_idle()  # the likely transitions are planned too
-        return time.perf_counter() - t_all
-
-    def _standby_ready(self, ew: Emitter, step: int | None, wait_s: float, warm_s: float,
-                       head: str) -> None:
-        """The `standby_ready` event and its line: the standby set is built, after `wait_s` of
-        paused training (0: built in the background while training went on)."""
-        sb = self.standby
-        ew.emit(StandbyReady(step, sb.compiled + sb.rebound + sb.loaded, sb.compiled, sb.rebound,
-                             wait_s, sb.compile_s, sb.rebind_s, warm_s, sb.over_budget,
-                             sb.loaded, sb.load_s))
-        line = standby_ready_line(head, sb, wait_s, warm_s, self.cfg.standby.map_budget)
-        self.rt.log(line)
-        if self.progress:
-            print(line)
-
-    def _protect(self, ls: LoopState) -> None:
-        """Prepare for the likely next failures: their plans built in the background (standby)
-        and their transitions planned (with the pool's snapshots as sources)."""
-        pos = ls.pos
-        self.source.refresh(pos.plan, self.contingencies.standby_plans(pos.plan, set(pos.live)))
-        self.transitions.for_failures(pos, ls.pool)
 
 
 def run(
