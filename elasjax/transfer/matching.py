@@ -335,10 +335,6 @@ class Planning:
     leaf_indexes: dict[str, _SegmentIndex] = dataclasses.field(default_factory=dict)
     seg_cache: dict = dataclasses.field(default_factory=dict)
 
-    @property
-    def by_path(self) -> dict[str, int]:
-        return {p: i for i, p in enumerate(self.store.paths)}
-
 
 def plan_array_leaf(pl: Planning, li: int, tag: LeafTag, oi: int, sh, shape,
                      dtype) -> list[DstShard]:

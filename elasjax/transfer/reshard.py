@@ -314,7 +314,7 @@ def plan_transition(
     pl = Planning(store, extra_sources or {}, Picker(where), TransferLog(), old_layout,
                    new_layout, old_tags, families, slot_table(old_layout),
                    slot_table(new_layout))
-    by_path = pl.by_path
+    by_path = {p: i for i, p in enumerate(store.paths)}
     dsts: list[DstShard] = []
     for li, (tag, sh, shape, dtype) in enumerate(zip(new_tags, target_flat, shapes, dtypes)):
         if tag.unit is None:
