@@ -86,7 +86,7 @@ class Preparations:
         sb = self.standby
         ew.emit(StandbyReady(step, sb.compiled + sb.rebound + sb.loaded, sb.compiled, sb.rebound,
                              wait_s, sb.compile_s, sb.rebind_s, warm_s, sb.over_budget,
-                             sb.loaded, sb.load_s))
+                             sb.loaded, sb.load_s, self.rt.me))
         line = standby_ready_line(head, sb, wait_s, warm_s, self.cfg.standby.map_budget)
         self.rt.log(line)
         if self.progress:

@@ -62,6 +62,7 @@ from ..observe.events import (
     FailureCost,
     Hook,
     JoinEvent,
+    LOCAL_TYPES,
     StartEvent,
     WarningEvent,
 )
@@ -308,7 +309,8 @@ class Trainer:
         # the files are written by the runtime's writer; when it dies, the next one takes over
         writes = lambda: self.rt.writer  # noqa: E731
         mw = JsonlWriter(out / "metrics.jsonl" if out else None, writes)
-        ew = self.emit = Emitter(JsonlWriter(out / "events.jsonl" if out else None, writes), None,
+        ew = self.emit = Emitter(JsonlWriter(out / "events.jsonl" if out else None, writes,
+                                             LOCAL_TYPES), None,
                                  self.rt.log, self.hooks, self.rt.me)
         tb = None
         try:

@@ -162,6 +162,10 @@ class StandbyReady(Record):
     # (`standby.programs_dir`)
     loaded: int = 0
     load_s: float = 0.0
+    # whose standby: under launch each process builds or loads its own and sees it built at a
+    # step of its own, so the file holds the one of the process writing it at the time
+    # (`LOCAL_TYPES`); after a writer's death its successor writes its own
+    process: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -302,6 +306,12 @@ class ErrorEvent(Record):
     error: str
     message: str
     process: int
+
+
+# Records one process alone emits, at a time of its own (`metrics.JsonlWriter`'s `local_types`):
+# its standby seen built, its own error (a hook that raised in it alone). Only the process
+# writing the file at the time writes one.
+LOCAL_TYPES = frozenset({StandbyReady.type, ErrorEvent.type})
 
 
 class Emitter:
