@@ -3,6 +3,7 @@ process does when the compile it waits for will never come. The key-value store 
 the same protocol under `elasjax launch`, with real processes, is in tests/test_multiprocess.py
 (`test_sigkill_one_of_four_processes_matches_the_single_process_run`)."""
 
+import pickle
 import threading
 import time
 from types import SimpleNamespace
@@ -139,3 +140,51 @@ def test_the_key_is_the_same_for_equal_inputs_and_differs_otherwise():
     assert SharedBuilds.key(cfg, ExecutableCache.key(cfg, plan, True)) != key
     other = tiny_config("model.d_mlp=128")
     assert SharedBuilds.key(other, ExecutableCache.key(other, plan, False)) != key
+
+
+def test_where_a_program_stands_is_read_without_waiting():
+    store = Store()
+    a, b = _builds(store, 0, gone=lambda p: p == 2), _builds(store, 1, gone=lambda p: p == 2)
+    assert a.state("k") == b.state("k") == "free"
+    store.key_value_set("elasjax/build/k/lease/0", "0")  # process 0 compiles it
+    assert a.state("k") == "free" and b.state("k") == "claimed"
+    store.key_value_set_bytes("elasjax/build/k/exe", pickle.dumps((("payload", 0), 1.5)))
+    assert a.state("k") == b.state("k") == "published"
+    store.key_value_set("elasjax/build/j/lease/0", "2")  # its holder died before publishing
+    assert b.state("j") == "free"
+    store.key_value_set("elasjax/build/j/lease/1", "0")  # the next generation's holder lives
+    assert b.state("j") == "claimed"
+
+
+def _plan(name, ids):
+    return SimpleNamespace(name=name, device_ids=tuple(ids))
+
+
+def test_processes_start_their_standby_on_different_plans_and_leave_their_own_death_last():
+    """`ExecutableSource.standby_order` (this test process is process 0 and holds devices 0-7):
+    what another process published comes first (a load), then what nobody builds, the plans
+    this process takes part in before its own death's, and last what another live process is
+    compiling now."""
+    from elasjax.compilation.source import ExecutableSource
+
+    states = {"pub": "published", "busy": "claimed"}
+    src = SimpleNamespace(shared=SimpleNamespace(state=lambda key: states.get(key, "free")),
+                          _shared_key=lambda p: p.name)
+    plans = [_plan("busy", [0, 1]), _plan("own death", [100, 101]), _plan("a", [0, 1]),
+             _plan("b", [2, 3]), _plan("pub", [0, 1])]
+    got = ExecutableSource.standby_order(src, plans)
+    assert [p.name for p in got] == ["pub", "a", "b", "own death", "busy"]
+
+
+def test_the_standby_takes_its_compiles_in_the_order_it_is_given():
+    from elasjax.compilation.standby import StandbyCompiler
+
+    built = []
+    sb = StandbyCompiler(lambda plan: built.append(plan) or plan,
+                         order=lambda plans: sorted(plans, reverse=True))
+    try:
+        sb.submit(["p1", "p2", "p3", "p4"])  # queued at once: the thread sees all four
+        assert sb.wait_all(timeout=10)
+    finally:
+        sb.close()
+    assert built == ["p4", "p3", "p2", "p1"]

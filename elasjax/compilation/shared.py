@@ -87,6 +87,24 @@ class SharedBuilds:
                      f"({time.perf_counter() - t0:.2f}s)")
             return exe
 
+    def state(self, key: str) -> str:
+        """Where program `key` stands in the job, without waiting: "published" (loadable now),
+        "claimed" (a live process other than this one holds its lease and compiles it) or
+        "free" (nobody builds it, or only a dead process or this one did)."""
+        base = f"{PREFIX}/{key}"
+        if self._published(base) is not None:
+            return "published"
+        holder, gen = None, 0
+        while True:  # the latest generation's holder
+            try:
+                holder = int(self.client.key_value_try_get(f"{base}/lease/{gen}"))
+            except (JaxRuntimeError, ValueError):
+                break
+            gen += 1
+        if holder is None or holder == self.me or self.gone(holder):
+            return "free"
+        return "claimed"
+
     def close(self) -> None:
         """Stop waiting (the run ends): a waiter compiles on its own."""
         self._closed.set()

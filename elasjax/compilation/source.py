@@ -77,6 +77,7 @@ class ExecutableSource:
             map_budget=cfg.standby.map_budget,
             cancel=self.worker.kill if self.worker is not None else None,
             shed=self.exe_cache.shed,
+            order=self.standby_order if shared is not None else None,
         )
 
     # -- getting a plan's executables -----------------------------------------------------------
@@ -161,14 +162,40 @@ class ExecutableSource:
             reuse_programs=self.cfg.standby.rebind, build=self._build(plan), store=self.store,
         )
 
+    def _shared_key(self, plan: Plan) -> str:
+        return self.shared.key(self.cfg, ExecutableCache.key(self.cfg, plan, self.donate,
+                                                               self.factory.tx_key))
+
+    def standby_order(self, plans: list) -> list:
+        """Where the job's processes share their compiles (`shared`), the order in which this
+        process's standby takes the plans that need a compile, so that the processes build
+        different plans side by side rather than all waiting on the first one's compiler: those
+        another process has published (a load), then those nobody builds yet, first the ones
+        this process takes part in, rotated by its index so that processes start on different
+        plans, then the ones it does not (its own death's: a compile it would lose with
+        itself), and last those another live process is compiling (waited for and loaded when
+        nothing else is left) (tests/test_shared_builds.py)."""
+        me = jax.process_index()
+        here = {d.id for d in jax.local_devices()}
+        published, mine, others, claimed = [], [], [], []
+        for p in plans:
+            state = self.shared.state(self._shared_key(p))
+            if state == "published":
+                published.append(p)
+            elif state == "claimed":
+                claimed.append(p)
+            else:
+                (mine if here & set(p.device_ids) else others).append(p)
+        k = me % len(mine) if mine else 0
+        return published + mine[k:] + mine[:k] + others + claimed
+
     def _build(self, plan: Plan):
         """How `plan` is compiled where it must be: through the job's shared builds (`shared`)
         where there are some, else None (compiled here)."""
         sh = self.shared
         if sh is None:
             return None
-        key = sh.key(self.cfg, ExecutableCache.key(self.cfg, plan, self.donate,
-                                                     self.factory.tx_key))
+        key = self._shared_key(plan)
 
         def load(portable, compile_s: float) -> Executables:
             return from_portable(self.cfg, self.factory, plan, self.devices, portable, compile_s)

@@ -50,6 +50,7 @@ class StandbyCompiler:
         map_budget: float | None = None,
         cancel: Callable[[], bool] | None = None,
         shed: Callable[[float], bool] | None = None,
+        order: Callable[[list], list] | None = None,
     ):
         """`cheap(plan)`: can `plan` be built now without an XLA compile (`executables.rebind`)?
         Such plans are built first; a plan made urgent (`expedite`, `wait`, `submit(front=)`)
@@ -61,8 +62,11 @@ class StandbyCompiler:
         built). `cancel`: ends the build under way (the worker process it runs in), making
         `compile_fn` raise `CompileCancelled`; None where a build cannot be ended. `shed(budget)`:
         frees mappings held elsewhere for reuse (`ExecutableCache.shed`), asked over budget after
-        the stale ready plans and before the queue is dropped."""
+        the stale ready plans and before the queue is dropped. `order(plans)`: the queued
+        plans that need a compile, in the order to take them (where processes share their
+        compiles: `source.ExecutableSource.standby_order`); the queue's order without it."""
         self.compile_fn, self.max_plans, self.cheap = compile_fn, max_plans, cheap
+        self.order = order
         self.cancel_fn, self.shed_fn = cancel, shed
         self.cancelled = 0  # builds ended by `drop_queued`
         self._waiting: dict = {}  # plan -> callers blocked in `wait` for it
@@ -328,7 +332,7 @@ class StandbyCompiler:
 
     def _next(self) -> Any:
         """The plan to build next (under the lock): the first urgent one, else the first that
-        builds without a compile, else the first queued."""
+        builds without a compile, else the first queued (in `order`'s order where given)."""
         for p in self._queue:
             if p in self._urgent:
                 return p
@@ -336,6 +340,11 @@ class StandbyCompiler:
             for p in self._queue:
                 if self.cheap(p):
                     return p
+        if self.order is not None and len(self._queue) > 1:
+            try:
+                return self.order(list(self._queue))[0]
+            except Exception:  # noqa: BLE001 (an order is a preference: never in the way)
+                pass
         return self._queue[0]
 
     def close(self) -> None:
