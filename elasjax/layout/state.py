@@ -245,6 +245,13 @@ class StateLayout:
             )
         # from the canonical shapes: tracing the model's init again would cost far more
         self.abstract = jax.eval_shape(self.from_canonical, factory.abstract)
+        # per leaf of the optimizer state: the ZeRO storage leaf it follows ("unit\x00tier"), or
+        # "" (a count, a schedule's state). Found once here: `optax.tree_map_params` runs the
+        # optimizer's init on placeholders, eagerly, a small program on the current client; at
+        # every `shardings` call it compiled once more on each renewed CPU client, the one
+        # compile of a ZeRO standby hit under launch (experiments/RESULTS.md, "The standby's
+        # plans spread over the processes")
+        self._opt_tags = self._opt_state_tags() if self.codec is not None else None
         # per leaf of `abstract` (flatten order): (key, ZeRO storage unit or None, tier); what
         # the transition planner and the checkpoint read a layout by (`transfer.matching.LeafTag`)
         self.tags = self._leaf_tags()
@@ -371,14 +378,16 @@ class StateLayout:
         return named_shardings(f.abstract.params, f.param_logical, mesh)
 
     def _opt_storage_shardings(self, mesh: Mesh):
-        return optax.tree_map_params(
-            self.tx,
-            lambda _, s: s,
-            self.abstract.opt_state,
-            self.codec.storage_shardings(mesh),
-            transform_non_params=lambda _: NamedSharding(mesh, PartitionSpec()),
-            is_leaf=lambda s: isinstance(s, NamedSharding),
-        )
+        storage = self.codec.storage_shardings(mesh)
+        rep = NamedSharding(mesh, PartitionSpec())
+
+        def one(tag: str) -> NamedSharding:
+            if not tag:
+                return rep
+            unit, tier = tag.split("\x00")
+            return storage[unit][int(tier)]
+
+        return jax.tree.map(one, self._opt_tags, is_leaf=_is_tag)
 
     def abstract_on(self, mesh: Mesh) -> TrainState:
         sh = self.shardings(mesh)
@@ -388,23 +397,32 @@ class StateLayout:
 
     # -- checksums -------------------------------------------------------------------------------
 
+    def _storage_tags(self) -> dict[str, tuple[str, ...]]:
+        """The ZeRO storage's tree (`ZeroCodec.storage_shardings`' structure), each leaf tagged
+        "unit\x00tier"."""
+        return {
+            u.name: tuple(f"{u.name}\x00{i}" for i in range(len(self.codec.tables)))
+            for u in self.codec.units
+        }
+
+    def _opt_state_tags(self):
+        """Per leaf of the optimizer state: its storage leaf's tag, or "" (see `__init__`)."""
+        return optax.tree_map_params(
+            self.tx,
+            lambda _, t: t,
+            self.abstract.opt_state,
+            self._storage_tags(),
+            transform_non_params=lambda _: "",
+            is_leaf=_is_tag,
+        )
+
     def _leaf_tags(self) -> list[tuple[str, str | None, int]]:
         """Per leaf of the abstract state (flatten order): (key, storage unit or None, tier)."""
         if self.codec is None:
             return [(path_str(p), None, 0) for p, _ in jax.tree_util.tree_flatten_with_path(self.abstract)[0]]
-        tag_tree = {
-            u.name: tuple(f"{u.name}\x00{i}" for i in range(len(self.codec.tables)))
-            for u in self.codec.units
-        }
-        opt_tags = optax.tree_map_params(
-            self.tx,
-            lambda _, t: t,
-            self.abstract.opt_state,
-            tag_tree,
-            transform_non_params=lambda _: "",
-            is_leaf=_is_tag,
-        )
-        tagged = TrainState("", tag_tree if self.stage == 3 else jax.tree.map(lambda _: "", self.abstract.params), opt_tags)
+        params = (self._storage_tags() if self.stage == 3
+                  else jax.tree.map(lambda _: "", self.abstract.params))
+        tagged = TrainState("", params, self._opt_tags)
         tags = jax.tree.leaves(tagged, is_leaf=_is_tag)
         out = []
         for (path, _), tag in zip(jax.tree_util.tree_flatten_with_path(self.abstract)[0], tags):
