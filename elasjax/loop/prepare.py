@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 
 from ..compilation.source import ExecutableSource
-from ..compilation.standby import StandbyCompiler
-from ..compilation.worker import CompileWorker
 from ..config import Config
 from ..observe.events import Emitter, StandbyReady
 from ..observe.report import standby_line, standby_ready_line
@@ -35,22 +33,15 @@ class Preparations:
         self.contingencies, self.transitions = contingencies, transitions
         self.on, self.no_worker, self.progress = on, no_worker, progress
 
-    @property
-    def standby(self) -> StandbyCompiler | None:
-        return self.source.standby
-
-    @property
-    def worker(self) -> CompileWorker | None:
-        return self.source.worker
-
     def start(self, pos: Position, pool: SnapshotPool) -> tuple[int, str]:
         """Set the preparations of the start's position going; returns the plans the standby
         builds (`standby.max_plans` may leave some out, and warns) and its start line."""
         plan, live = pos.plan, set(pos.live)
         ahead = self.contingencies.standby_plans(plan, live | set(plan.spare_ids))
         self.source.refresh(plan, ahead)
-        n_ahead = len(ahead) - (self.standby.dropped if self.standby is not None else 0)
-        line = standby_line(self.cfg, self.on, self.no_worker, self.worker,
+        sb = self.source.standby
+        n_ahead = len(ahead) - (sb.dropped if sb is not None else 0)
+        line = standby_line(self.cfg, self.on, self.no_worker, self.source.worker,
                             self.source.shared is not None, n_ahead)
         self.rt.log(line)
         self.transitions.for_failures(pos, pool)
@@ -70,7 +61,7 @@ class Preparations:
         recovery, a pause the failure's time lost counts). Returns the seconds it paused (the
         loop puts a recovery's in its timeline)."""
         t_all = time.perf_counter()
-        if self.standby is not None:
+        if self.source.standby is not None:
             compile_s, warm_s = self.source.wait_all(self.cfg.standby.warm)
             head = (f"standby ready in {compile_s + warm_s:.1f}s" if step is None else
                     f"step {step}: training paused {compile_s + warm_s:.1f}s until the standby "
@@ -83,7 +74,7 @@ class Preparations:
               head: str) -> None:
         """The `standby_ready` event and its line: the standby set is built, after `wait_s` of
         paused training (0: built in the background while training went on)."""
-        sb = self.standby
+        sb = self.source.standby
         ew.emit(StandbyReady(step, sb.compiled + sb.rebound + sb.loaded, sb.compiled, sb.rebound,
                              wait_s, sb.compile_s, sb.rebind_s, warm_s, sb.over_budget,
                              sb.loaded, sb.load_s, self.rt.me))

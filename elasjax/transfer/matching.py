@@ -190,6 +190,20 @@ class _SegmentIndex:
         return [t for t in self.items[lo:hi] if t[1] > g0 and t[0] < g1]
 
 
+def _cover(family: str, index: _SegmentIndex, g: int, end: int, dst: DstShard, picker: Picker):
+    """The indexed source entry that holds element `g` and its source shard, picked among all
+    holders (the destination first, then the cheapest rung), and where its run ends (at most
+    `end`). Raises when no live device or snapshot holds `g`."""
+    cands = index.covering(g, g + 1)
+    if not cands:
+        raise UnrecoverableStateError(
+            family, ((g, end),), "no live device or snapshot holds these elements"
+        )
+    chosen = picker.pick([c[3] for c in cands], dst.device, 0)
+    c = next(c for c in cands if c[3] is chosen)
+    return c, chosen, min(c[1], end)
+
+
 def plan_storage_shard(
     family: str, itemsize: int, batch: int, index: _SegmentIndex, segments, dst: DstShard,
     picker: Picker,
@@ -198,17 +212,7 @@ def plan_storage_shard(
     for g0, g1, doff in segments:
         g = g0
         while g < g1:
-            cands = index.covering(g, g + 1)
-            if not cands:
-                raise UnrecoverableStateError(
-                    family, ((g, g1),), "no live device or snapshot holds these elements"
-                )
-            # among holders of element g, prefer the destination, then the cheapest rung
-            end_of = {id(c): min(c[1], g1) for c in cands}
-            by_src = [c[3] for c in cands]
-            chosen = picker.pick(by_src, dst.device, 0)
-            c = next(c for c in cands if c[3] is chosen)
-            e = end_of[id(c)]
+            c, chosen, e = _cover(family, index, g, g1, dst, picker)
             n = e - g
             nbytes = n * itemsize * max(batch, 1)
             if chosen.device != dst.device:
@@ -278,14 +282,7 @@ def plan_storage_shard_leaf(
     for x0, x1, doff, dpos in segments:
         g = x0
         while g < x1:
-            cands = index.covering(g, g + 1)
-            if not cands:
-                raise UnrecoverableStateError(
-                    family, ((g, x1),), "no live device or snapshot holds these elements"
-                )
-            chosen = picker.pick([c[3] for c in cands], dst.device, 0)
-            c = next(c for c in cands if c[3] is chosen)
-            e = min(c[1], x1)
+            c, chosen, e = _cover(family, index, g, x1, dst, picker)
             n = e - g
             if chosen.device != dst.device:
                 picker.load[chosen.device] += n * itemsize
