@@ -23,13 +23,13 @@ The slow tests start real `jax.distributed` jobs (gloo collectives on CPU) and S
   size (4 devices before and after) and the losses equal the fault-free run.
 - What launch claims, one launch each: ZeRO-3 with two buddy copies and evaluation (two
   processes killed together), the checkpoint rung (a partition with no live copy), a pipeline's
-  async migration, and the deterministic ZeRO-1 mode with XLA's optimisations on (bitwise, the
-  same state digest).
+  async migration (the deterministic ZeRO-1 mode with XLA's optimisations on, bitwise with the
+  same state digest, is in test_deterministic_zero.py beside its fault-free reference).
 
 Bounded: each job runs under the launcher's own timeout, inside a subprocess timeout; workers
 die with the launcher (PR_SET_PDEATHSIG) and `finally` SIGKILLs any worker pid still alive.
-Workers run with `JAX_DISABLE_MOST_OPTIMIZATIONS=1`, as this process does (conftest), but for the
-optimised deterministic launch, which runs as users compile.
+Workers run with `JAX_DISABLE_MOST_OPTIMIZATIONS=1`, as this process does (conftest); the
+optimised deterministic launch (test_deterministic_zero.py) runs as users compile.
 """
 
 import json
@@ -48,7 +48,7 @@ import numpy as np
 import pytest
 import yaml
 from jax.errors import JaxRuntimeError
-from conftest import PIPE, TINY, deaths, optimised_compiles, tiny_config
+from conftest import PIPE, TINY, deaths, tiny_config
 
 from elasjax.plan import planner
 from elasjax.loop import trainer
@@ -59,7 +59,7 @@ from elasjax.observe.metrics import MTTR_PHASES, read_jsonl
 from elasjax.runtime import membership
 from elasjax.runtime.startup import RuntimeConfig, xla_flags
 from elasjax.layout.state import StateFactory, make_optimizer
-from elasjax.transfer import checksum, copies
+from elasjax.transfer import copies
 from elasjax.transfer.copies import pack, packed_size, unpack
 from elasjax.transfer.reshard import plan_transition
 from elasjax.transfer.shards import ShardStore, buffers, describe
@@ -1167,31 +1167,6 @@ def test_a_pipeline_resumes_on_the_fast_path_and_cuts_over_under_launch(exe_cach
     metrics = read_jsonl(out / "metrics.jsonl")
     _assert_matches(metrics, ref)
     assert metrics[-1]["plan"] == mig["to_plan"]
-
-
-DETERMINISTIC_ZERO1 = ("train.deterministic=true", "zero.stage=1")
-
-
-@pytest.mark.slow
-def test_deterministic_zero1_optimised_is_bitwise_under_launch(tmp_path):
-    """The deterministic ZeRO-1 mode, every process compiling with XLA's optimisations on (as
-    users run it; the suite's default is off, conftest.py): process 2 is SIGKILLed at step 4;
-    every loss and the final state's digest equal the single-process fault-free run's, bit for
-    bit."""
-    with optimised_compiles() as cache:
-        ref = _reference(cache, *DETERMINISTIC_ZERO1)
-    out = tmp_path / "det"
-    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:2",
-                         sets=DETERMINISTIC_ZERO1, timeout=480,
-                         env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"})
-    assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
-    assert _recovery(out)["verified"]
-    metrics = read_jsonl(out / "metrics.jsonl")
-    assert {r["step"]: r["loss"] for r in metrics} == ref.losses
-    end = read_jsonl(out / "events.jsonl")[-1]
-    assert end["type"] == "end" and end["state_digest"] == checksum.digest(ref.checksums)
-    assert jax.config.values["jax_disable_most_optimizations"]  # the suite's setting is back
 
 
 # ---------------------------------------------------------------------------------------------
