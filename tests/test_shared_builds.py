@@ -188,3 +188,32 @@ def test_the_standby_takes_its_compiles_in_the_order_it_is_given():
     finally:
         sb.close()
     assert built == ["p4", "p3", "p2", "p1"]
+
+
+def test_the_standby_orders_its_queue_outside_its_lock():
+    """`order` may read the job's key-value store (`ExecutableSource.standby_order`): another
+    thread (a recovery's `expedite`) takes the standby's lock meanwhile without waiting."""
+    import threading
+
+    from elasjax.compilation.standby import StandbyCompiler
+
+    got_lock = []
+
+    def order(plans):
+        def take():
+            got = sb._cv.acquire(timeout=5)
+            if got:
+                sb._cv.release()
+            got_lock.append(got)
+        t = threading.Thread(target=take)
+        t.start()
+        t.join()
+        return sorted(plans)
+
+    sb = StandbyCompiler(lambda plan: plan, order=order)
+    try:
+        sb.submit(["p1", "p2"])
+        assert sb.wait_all(timeout=20)
+    finally:
+        sb.close()
+    assert got_lock and all(got_lock), got_lock

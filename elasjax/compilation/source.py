@@ -57,6 +57,9 @@ class ExecutableSource:
         self.store = ProgramStore.from_setting(cfg.standby.programs_dir, cfg.standby.programs_max_mb)
         self.donate, self._prepare, self._log = donate, prepare, log
         self.errors: list[str] = []  # standby compiles that failed while a recovery waited
+        # each plan's name in the job's shared builds (a digest of the config's repr: computed
+        # once, not at every pick of `standby_order`)
+        self._shared_keys: dict[tuple[Plan, bool], str] = {}
         self.first_compile_cpu_s = 0.0  # CPU seconds of the start's compile (0: none here)
         self.worker: CompileWorker | None = None
         self.standby: StandbyCompiler | None = None
@@ -163,8 +166,11 @@ class ExecutableSource:
         )
 
     def _shared_key(self, plan: Plan) -> str:
-        return self.shared.key(self.cfg, ExecutableCache.key(self.cfg, plan, self.donate,
-                                                               self.factory.tx_key))
+        k = (plan, self.donate)
+        if k not in self._shared_keys:
+            self._shared_keys[k] = self.shared.key(
+                self.cfg, ExecutableCache.key(self.cfg, plan, self.donate, self.factory.tx_key))
+        return self._shared_keys[k]
 
     def standby_order(self, plans: list) -> list:
         """Where the job's processes share their compiles (`shared`), the order in which this

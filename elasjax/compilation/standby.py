@@ -270,7 +270,16 @@ class StandbyCompiler:
                 self._cv.wait_for(lambda: self._queue or self._stop)
                 if self._stop:
                     return
-                plan = self._next()
+                queued = list(self._queue)
+            # outside the lock: `order` may read the job's key-value store, and a recovery's
+            # `expedite` must not wait on those reads
+            ordered = self._ordered(queued)
+            with self._cv:
+                if self._stop:
+                    return
+                if not self._queue:
+                    continue
+                plan = self._next(ordered)
                 if plan not in self._urgent and not self._within_budget():
                     self.over_budget += len(self._queue)
                     self._queue = []
@@ -330,9 +339,20 @@ class StandbyCompiler:
             self._ready.pop(stale[0])
         return True
 
-    def _next(self) -> Any:
+    def _ordered(self, queued: list) -> list:
+        """`queued` in `order`'s order; [] without one (or where it fails: an order is a
+        preference, never in the way)."""
+        if self.order is None or len(queued) < 2:
+            return []
+        try:
+            return list(self.order(queued))
+        except Exception:  # noqa: BLE001
+            return []
+
+    def _next(self, ordered: list) -> Any:
         """The plan to build next (under the lock): the first urgent one, else the first that
-        builds without a compile, else the first queued (in `order`'s order where given)."""
+        builds without a compile, else the first of `ordered` (`_ordered`, taken just before)
+        still queued, else the first queued."""
         for p in self._queue:
             if p in self._urgent:
                 return p
@@ -340,11 +360,9 @@ class StandbyCompiler:
             for p in self._queue:
                 if self.cheap(p):
                     return p
-        if self.order is not None and len(self._queue) > 1:
-            try:
-                return self.order(list(self._queue))[0]
-            except Exception:  # noqa: BLE001 (an order is a preference: never in the way)
-                pass
+        for p in ordered:
+            if p in self._queue:
+                return p
         return self._queue[0]
 
     def close(self) -> None:
