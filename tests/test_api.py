@@ -523,3 +523,27 @@ def test_standby_miss_is_reported_as_a_miss():
     state, total = es.executable()(es.state, {"x": x})
     assert float(total) == 5.0
     es.close()
+
+
+def test_a_runtime_orders_a_ranks_collectives_only_where_xla_cpu_needs_it(monkeypatch):
+    """jaxlib 0.11+'s XLA:CPU lets a rank run two all-reduces at once and can deadlock
+    (`runtime.dispatch`): before the backends start the runtime turns that scheduler off in
+    `XLA_FLAGS`; not on jaxlib 0.10, not once the backends run, and never over the user's own
+    setting of the flag."""
+    from elasjax.core import jaxcompat
+    from elasjax.runtime import dispatch
+
+    flag = dispatch.SERIAL_COLLECTIVES_FLAG
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setattr(jaxcompat, "backends_initialized", lambda: False)
+    monkeypatch.setattr(dispatch, "version", lambda name: "0.10.2")
+    assert not dispatch.order_cpu_collectives()
+    monkeypatch.setattr(dispatch, "version", lambda name: "0.12.0")
+    assert dispatch.order_cpu_collectives()
+    assert os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {flag}"
+    assert not dispatch.order_cpu_collectives()  # once
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=true")
+    assert not dispatch.order_cpu_collectives()  # the user's choice stands
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(jaxcompat, "backends_initialized", lambda: True)
+    assert not dispatch.order_cpu_collectives() and os.environ["XLA_FLAGS"] == ""
