@@ -138,6 +138,13 @@ def test_mesh_checksums_equal_leaf_checksums_on_every_layout(monkeypatch, split_
             (mesh3, np.float32(3.5), P()),
             (mesh7, rng.normal(size=(13, 11)).astype(np.float32), P()),  # 143 % 7
             (mesh7, rng.normal(size=(4,)).astype(jnp.bfloat16), P()),
+            # leaves of one shape and layout are hashed in one pass: other dtypes beside the
+            # float32 ones above, and a float64 beside the int64 (both two words an element)
+            (mesh3, rng.integers(-9, 9, size=(24, 32)).astype(np.int32), P(None, "tensor")),
+            (mesh3, rng.normal(size=(24, 32)).astype(jnp.bfloat16), P(None, "tensor")),
+            (mesh3, rng.normal(size=(8, 4)), P("data", None)),
+            (mesh3, rng.normal(size=(5, 3)) > 0, P()),
+            (mesh7, rng.normal(size=(13, 11)).astype(np.float32), P()),
         ]
         for mesh, x, spec in cases:
             a = jax.device_put(x, NamedSharding(mesh, spec))
@@ -152,6 +159,17 @@ def test_mesh_checksums_equal_leaf_checksums_on_every_layout(monkeypatch, split_
             flipped = np.array(x, copy=True)
             flipped.reshape(-1).view(np.uint8)[-1] ^= 1
             assert checksum.hex_of(f(jax.device_put(flipped, a.sharding))[0]) != want
+        for mesh in (mesh3, mesh7):  # all of a mesh's leaves at once: each its own checksum
+            mine = [(x, spec) for m, x, spec in cases if m is mesh]
+            arrays = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in mine]
+            want = [checksum.hex_of(checksum.np_leaf_checksum(np.asarray(x))) for x, _ in mine]
+            assert [checksum.hex_of(r) for r in checksum.leaf_checksums(arrays)] == want
+            on = [i for i, (x, spec) in enumerate(mine) if checksum.on_mesh(x.shape, spec, mesh)]
+            if not on:
+                continue
+            rows = jax.jit(lambda *ys, mesh=mesh, on=on: checksum.mesh_checksums(
+                ys, [mine[i][1] for i in on], mesh))(*[arrays[i] for i in on])
+            assert [checksum.hex_of(r) for r in rows] == [want[i] for i in on]
         assert not checksum.on_mesh((5, 3), P("tensor", None), mesh3)  # shard_map: even blocks
         key = jax.device_put(jax.random.key(3), NamedSharding(mesh3, P()))
         got = checksum.mesh_checksums([key], [P()], mesh3)[0]

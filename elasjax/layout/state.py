@@ -447,18 +447,26 @@ class StateLayout:
             s.spec for s in jax.tree.leaves(self.shardings(mesh))
         ]
         plain: list[tuple[str, jax.Array, Any]] = []
+        whole: list[tuple[str, jax.Array]] = []  # hashed as one array (GSPMD gathers it)
+        slots: list[tuple[str, jax.Array]] = []
         for i, ((key, unit, tier), slot, x) in enumerate(
             zip(self.tags, self._slot_leaf, jax.tree.leaves(state))
         ):
             if slot:
-                out[key] = self._slot_checksum(x)
+                slots.append((key, x))
             elif unit is None:
                 if specs is not None and checksum.on_mesh(x.shape, specs[i], mesh):
                     plain.append((key, x, specs[i]))
                 else:
-                    out[key] = checksum.leaf_checksum(x)
+                    whole.append((key, x))
             else:  # Adam's moments share every storage tier's element identities
                 storage.setdefault((unit, tier), []).append((key, x))
+        if whole:
+            rows = checksum.leaf_checksums([x for _, x in whole])
+            out.update((key, rows[i]) for i, (key, _) in enumerate(whole))
+        if slots:
+            rows = self._slot_checksums([x for _, x in slots])
+            out.update((key, rows[i]) for i, (key, _) in enumerate(slots))
         if storage:
             keys = [k for group in storage.values() for k, _ in group]
             rows = self._storage_sums(storage, mesh)
@@ -542,15 +550,22 @@ class StateLayout:
         """Traceable: `checksums` as one uint32[n, 2] array, rows in `checksum_keys` order."""
         return checksum.stack(self.checksums(state, mesh))
 
-    def _slot_checksum(self, x: jax.Array) -> jax.Array:
-        """Checksum of a slot leaf [S, Lmax, *rest] with the element identities of the canonical
-        leaf [L, *rest] (layer-major), so it equals the unpipelined state's checksum."""
+    def _slot_checksums(self, xs: list[jax.Array]) -> jax.Array:
+        """uint32[n, 2]: the checksum of each slot leaf [S, Lmax, *rest] with the element
+        identities of the canonical leaf [L, *rest] (layer-major), so it equals the unpipelined
+        state's checksum; leaves of one shape share their identities (one pass)."""
         table = jnp.asarray(self.stage_layout.slot_layer())
-        rest = int(np.prod(x.shape[2:])) if x.ndim > 2 else 1
-        lid = jnp.broadcast_to(table.reshape(table.shape + (1,) * (x.ndim - 2)), x.shape)
-        r = jax.lax.broadcasted_iota(jnp.uint32, (1, 1, rest), 2).reshape((1, 1) + x.shape[2:])
-        idx = lid.astype(jnp.uint32) * jnp.uint32(rest) + r
-        return checksum.weighted_checksum(checksum._bits(x), idx, lid >= 0)
+        groups = checksum.same_shape_groups(xs)
+        sums = []
+        for group in groups:
+            shape = xs[group[0]].shape
+            rest = int(np.prod(shape[2:])) if len(shape) > 2 else 1
+            lid = jnp.broadcast_to(table.reshape(table.shape + (1,) * (len(shape) - 2)), shape)
+            r = jax.lax.broadcasted_iota(jnp.uint32, (1, 1, rest), 2).reshape((1, 1) + shape[2:])
+            w = checksum.weights(lid.astype(jnp.uint32) * jnp.uint32(rest) + r, lid >= 0)
+            sums.append(jnp.stack([checksum.checksum_with(checksum._bits(xs[i]), w)
+                                   for i in group]))
+        return checksum.in_order(groups, sums)
 
     # -- deterministic mode ----------------------------------------------------------------------
 

@@ -139,7 +139,13 @@ def tile_sums(xs: Sequence[jax.Array], ident, start=None, count: int | None = No
             valid = inside if valid is None else valid & inside
         w = weights(jnp.broadcast_to(idx, shape),
                     None if valid is None else jnp.broadcast_to(valid, shape))
-        return jnp.stack([checksum_with(_bits(b), w) for b in blocks])
+        if len(blocks) == 1:
+            return checksum_with(_bits(blocks[0]), w)[None]
+        # one reduction per sum for all the blocks, not one per block: the same values, a
+        # program half the size for XLA to compile (a tile's blocks are cache-sized)
+        sums = checksum_with(jnp.stack([_bits(b) for b in blocks]), (w[0][None], w[1][None]),
+                             keep_axis=0)
+        return sums.T
 
     C = tile_elements()
     if n <= C:  # one pass
@@ -190,21 +196,50 @@ def tile_sums(xs: Sequence[jax.Array], ident, start=None, count: int | None = No
     return jax.lax.fori_loop(0, steps, step, zero)
 
 
-def grid_sums(bits: jax.Array, row_base=None, start=None, count: int | None = None,
-              stop=None) -> jax.Array:
+def grid_sums(bits, row_base=None, start=None, count: int | None = None, stop=None) -> jax.Array:
     """uint32[2] checksum of `bits` viewed as [rows, inner], the element at (r, c) having the
     identity `row_base(r) + c` (default: its row-major position); `start`, `count`, `stop`: a
-    share, as in `tile_sums`."""
-    inner = bits.shape[1]
+    share, as in `tile_sums`. Given a list of same-shaped arrays, uint32[len, 2], their
+    identities computed once for all of them."""
+    xs = list(bits) if isinstance(bits, (list, tuple)) else [bits]
+    inner = xs[0].shape[1]
     base = row_base if row_base is not None else (lambda r: r * jnp.uint32(inner))
-    return tile_sums([bits], lambda rows, cols: (base(rows)[:, None] + cols, None),
-                     start, count, stop)[0]
+    sums = tile_sums(xs, lambda rows, cols: (base(rows)[:, None] + cols, None), start, count, stop)
+    return sums if isinstance(bits, (list, tuple)) else sums[0]
+
+
+def same_shape_groups(xs: Sequence[Any], key=lambda x: tuple(x.shape)) -> list[list[int]]:
+    """Positions of `xs` grouped by `key` (in order of first appearance). Arrays of one shape
+    share their element identities, so one pass hashes them all: a leaf's checksum is the same
+    alone or in a group, only the program is smaller (a tiny GPT's 57 state leaves fall into 13
+    groups; experiments/RESULTS.md, "The checksum code's compile")."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(key(x), []).append(i)
+    return list(groups.values())
+
+
+def in_order(groups: list[list[int]], sums: Sequence[jax.Array]) -> jax.Array:
+    """uint32[n, 2] in the original order, from each group's uint32[len(group), 2]."""
+    rows = jnp.concatenate(list(sums)) if len(sums) > 1 else sums[0]
+    at = np.argsort(np.concatenate([np.asarray(g) for g in groups]), kind="stable")
+    return rows if (at == np.arange(len(at))).all() else rows[at]
 
 
 def leaf_checksum(x: jax.Array) -> jax.Array:
     """uint32[2] checksum of one array (any sharding); element identity = row-major index."""
-    flat = _words(x).reshape(-1)
-    return grid_sums(flat.reshape(1, -1) if flat.size > tile_elements() else flat.reshape(-1, 1))
+    return leaf_checksums([x])[0]
+
+
+def leaf_checksums(xs: Sequence[jax.Array]) -> jax.Array:
+    """uint32[n, 2]: `leaf_checksum` of each of `xs`, arrays of one shape hashed in one pass."""
+    flat = [_words(x).reshape(-1) for x in xs]
+    groups = same_shape_groups(flat)
+    sums = []
+    for group in groups:
+        big = flat[group[0]].size > tile_elements()
+        sums.append(grid_sums([flat[i].reshape((1, -1) if big else (-1, 1)) for i in group]))
+    return in_order(groups, sums)
 
 
 def _axes_of(entry) -> tuple[str, ...]:
@@ -225,34 +260,35 @@ def _axes_index(mesh, names: Sequence[str]):
     return index, count
 
 
-def _block_sums(mesh, x: jax.Array, spec, global_shape: tuple[int, ...]) -> jax.Array:
-    """This device's uint32[2] share of the checksum of a leaf of `global_shape` laid out by
-    `spec`, from its block `x` (inside a `shard_map`): the block's elements at their global
-    row-major identities; a block held by R devices (replicated over the mesh axes `spec` leaves
-    out) is split R ways, so each element is counted once over the mesh."""
-    bits = _words(x)
+def _block_sums(mesh, xs: Sequence[jax.Array], spec, global_shape: tuple[int, ...]) -> jax.Array:
+    """This device's uint32[len(xs), 2] share of the checksums of leaves of `global_shape` laid
+    out by `spec`, from their same-shaped blocks `xs` (inside a `shard_map`): the blocks'
+    elements at their global row-major identities; a block held by R devices (replicated over
+    the mesh axes `spec` leaves out) is split R ways, so each element is counted once over the
+    mesh."""
+    bits = [_words(x) for x in xs]
     # a 64-bit element's two words are a trailing axis, whole on every device
-    shape = tuple(global_shape) + tuple(bits.shape[x.ndim:])
+    shape = tuple(global_shape) + tuple(bits[0].shape[xs[0].ndim:])
     entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
     used = {a for e in entries for a in _axes_of(e)}
     r, R = _axes_index(mesh, [a for a in mesh.axis_names if a not in used])
     if not used:
-        grid, row_base = bits.reshape(1, -1), None
+        grids, row_base = [b.reshape(1, -1) for b in bits], None
     else:
-        grid, row_base = _block_grid(mesh, bits, shape, entries)
+        grids, row_base = _block_grid(mesh, bits, shape, entries)
     if R == 1:
-        return grid_sums(grid, row_base)
-    n = bits.size
+        return grid_sums(grids, row_base)
+    n = bits[0].size
     c = -(-n // R)  # this device's share of the block's flat elements
-    return grid_sums(grid, row_base, start=r * jnp.uint32(c), count=c, stop=n)
+    return grid_sums(grids, row_base, start=r * jnp.uint32(c), count=c, stop=n)
 
 
-def _block_grid(mesh, bits: jax.Array, shape: tuple[int, ...], entries):
-    """(this device's block `bits` as [rows, inner], row -> global row-major identity of the
-    row's first element) for an array of `shape` (inside a `shard_map`). The block's dimensions
-    from the last sharded one on are one contiguous run of the global order (`inner`
-    elements); a row's start follows from its leading coordinates."""
-    local = bits.shape
+def _block_grid(mesh, bits: Sequence[jax.Array], shape: tuple[int, ...], entries):
+    """(this device's same-shaped blocks `bits` each as [rows, inner], row -> global row-major
+    identity of the row's first element) for arrays of `shape` (inside a `shard_map`). The
+    block's dimensions from the last sharded one on are one contiguous run of the global order
+    (`inner` elements); a row's start follows from its leading coordinates."""
+    local = bits[0].shape
     nd = len(shape)
     sharded = [i for i in range(nd) if _axes_of(entries[i])]
     last = sharded[-1]
@@ -278,7 +314,7 @@ def _block_grid(mesh, bits: jax.Array, shape: tuple[int, ...], entries):
             row = row // jnp.uint32(extent)
         return idx
 
-    return bits.reshape(-1, inner), row_base
+    return [b.reshape(-1, inner) for b in bits], row_base
 
 
 # elements: a replicated leaf smaller than this is hashed whole on every device that holds it (no
@@ -309,9 +345,15 @@ def mesh_checksums(xs: Sequence[jax.Array], specs: Sequence[Any], mesh) -> jax.A
             specs[i] = jax.sharding.PartitionSpec(*specs[i], *([None] * (xs[i].ndim - x.ndim)))
     shapes = [tuple(x.shape) for x in xs]
 
+    # leaves of one shape, dtype width and layout share their blocks' element identities
+    groups = same_shape_groups(range(len(xs)), lambda i: (
+        shapes[i], xs[i].dtype.itemsize == 8, tuple(specs[i]) + (None,) * (len(shapes[i]) - len(
+            tuple(specs[i])))))
+
     def local(*blocks):
-        sums = jnp.stack([_block_sums(mesh, b, sp, sh) for b, sp, sh in zip(blocks, specs, shapes)])
-        return jax.lax.psum(sums, tuple(mesh.axis_names))
+        sums = [_block_sums(mesh, [blocks[i] for i in g], specs[g[0]], shapes[g[0]])
+                for g in groups]
+        return jax.lax.psum(in_order(groups, sums), tuple(mesh.axis_names))
 
     return jax.shard_map(
         local, mesh=mesh, in_specs=tuple(specs), out_specs=jax.sharding.PartitionSpec(),
@@ -358,7 +400,12 @@ def tree_checksums(tree: Any, shardings: Any = None) -> Any:
         if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh
         and on_mesh(x.shape, s.spec, mesh)
     ]
-    out = [leaf_checksum(x) for x in leaves]
+    rest = [i for i in range(len(leaves)) if i not in set(take)]
+    out: list[Any] = [None] * len(leaves)
+    if rest:
+        rows = leaf_checksums([leaves[i] for i in rest])
+        for j, i in enumerate(rest):
+            out[i] = rows[j]
     if take:
         rows = mesh_checksums([leaves[i] for i in take], [shs[i].spec for i in take], mesh)
         for j, i in enumerate(take):
@@ -424,8 +471,7 @@ def _leaf_checksums(mesh: Mesh, specs: tuple):
     ndim = len(mesh.axis_names)
 
     def local(*blocks):
-        sums = jnp.stack([leaf_checksum(b) for b in blocks])
-        return sums[(None,) * ndim]
+        return leaf_checksums(blocks)[(None,) * ndim]
 
     return jax.shard_map(
         local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(*mesh.axis_names),
