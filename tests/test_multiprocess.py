@@ -1139,6 +1139,40 @@ def test_a_partition_with_no_live_copy_comes_back_from_the_checkpoint(exe_cache,
         assert abs(r["loss"] - ref.losses[r["step"]]) <= LOSS_RTOL * ref.losses[r["step"]], r
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["torchft_like", "checkpoint_restart"])
+def test_the_baselines_recover_a_sigkill_under_launch_as_they_do_in_one_process(
+        strategy, reference, tmp_path):
+    """The two baselines (`recovery.strategy`) under `elasjax launch`, process 2 SIGKILLed:
+    torchft_like drops the dead replica group and keeps training on a smaller global batch (24
+    of 32: its computation is not the fault-free run's after the kill); checkpoint_restart goes
+    back to the step-4 checkpoint whatever copies live, re-plans onto the 6 survivors and
+    redoes step 4, every loss (the redone one included) within 1e-5 of the fault-free run."""
+    out = tmp_path / strategy
+    kill, sets = "4:2", [f"recovery.strategy={strategy}"]
+    if strategy == "checkpoint_restart":
+        kill, sets = "5:2", [*sets, "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'ck'}"]
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", kill,
+                         sets=sets)
+    assert rc == 0, stdout
+    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
+    ev = _recovery(out)
+    assert ev["verified"] and ev["failed_processes"] == [2] and ev["strategy"] == strategy, ev
+    rows = read_jsonl(out / "metrics.jsonl")
+    if strategy == "torchft_like":
+        assert (ev["rung"], ev["to_plan"][:4]) == ("replica", "d3t2"), ev
+        assert [r["global_batch"] for r in rows] == [32] * 4 + [24] * (STEPS - 4)
+        _assert_matches(rows[:4], reference, steps=4)
+    else:
+        assert (ev["rung"], ev["resumed_at_step"], ev["steps_lost"]) == ("checkpoint", 4, 1), ev
+        assert ev["to_plan"].startswith("d6t1"), ev
+        assert [r["step"] for r in rows if r.get("redo")] == [4]
+        _assert_matches([r for r in rows if not r.get("redo")], reference)
+        for r in rows:
+            assert abs(r["loss"] - reference.losses[r["step"]]) <= LOSS_RTOL * reference.losses[
+                r["step"]], r
+
+
 PIPELINE = (*PIPE, f"train.steps={STEPS}")
 
 
