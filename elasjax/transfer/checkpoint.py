@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,35 @@ def _leaf_key(path) -> tuple[str, ...]:
     """A leaf's path as its names and indices (Orbax's metadata tree and the state's own tree
     spell the same path differently: `['params']` and `.params`)."""
     return tuple(re.findall(r"\w+", jax.tree_util.keystr(path)))
+
+
+def _first_words(e: BaseException, limit: int = 300) -> str:
+    """The first line of `e`'s message, cut at a word boundary past `limit` characters."""
+    line = (str(e).splitlines() or [""])[0]
+    return line if len(line) <= limit else line[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _is_closed_loop_noise(u) -> bool:
+    return isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+
+
+def _quiet_abandoned_reads() -> None:
+    """When a read of damaged files fails, Orbax closes its event loop while TensorStore still
+    completes the read's other futures on its own threads; each completion's callback then finds
+    the loop closed and Python reports it as an unraisable `RuntimeError: Event loop is closed`,
+    dozens of tracebacks before and after the one error that says what is wrong
+    (tests/test_bad_input.py). From the first checkpoint read on, exactly those reports are
+    dropped (`sys.unraisablehook`); every other goes to the hook installed before."""
+    before = sys.unraisablehook
+    if getattr(before, "elasjax_quiet_reads", False):
+        return
+
+    def hook(u):
+        if not _is_closed_loop_noise(u):
+            before(u)
+
+    hook.elasjax_quiet_reads = True
+    sys.unraisablehook = hook
 
 
 class Checkpointer:
@@ -168,13 +198,14 @@ class Checkpointer:
         """Checkpoint `step`'s arrays against the target's leaves (shapes and dtypes), before
         anything is read: a checkpoint of another model or shape is a `CheckpointFormatError`
         naming the first leaf that differs."""
+        _quiet_abandoned_reads()
         try:
             stored = ocp.StandardCheckpointHandler().metadata(self.dir / str(step) / "state")
         except Exception as e:  # noqa: BLE001 (any unreadable metadata: said as such)
             raise CheckpointFormatError(
                 f"checkpoint {step} in {self.dir}: its array metadata cannot be read "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is damaged or not an "
-                "elasjax checkpoint") from None
+                f"({type(e).__name__}: {_first_words(e)}); it is damaged or not an elasjax "
+                "checkpoint") from None
         have = {_leaf_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(stored)[0]}
         want = {_leaf_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract_target)[0]}
         for key in sorted(set(want) | set(have)):
@@ -210,7 +241,7 @@ class Checkpointer:
         except (ValueError, OSError, RuntimeError) as e:
             raise CheckpointFormatError(
                 f"checkpoint {step} in {self.dir} cannot be read: {type(e).__name__}: "
-                f"{str(e).splitlines()[0][:300]} (damaged or incomplete files?)") from e
+                f"{_first_words(e)} (damaged or incomplete files?)") from e
         return out["state"], out["meta"]
 
     def metadata(self, step: int) -> dict:
