@@ -144,40 +144,81 @@ def test_every_wrong_resume_says_what_it_found_and_what_it_needs(saved, tmp_path
                                                     r"metadata cannot be read| cannot be read)"):
         _resume(broken, 2, exe_cache)
     assert sorted(int(p.name) for p in saved.iterdir() if p.name.isdigit()) == [2, 4]  # none lost
-    # and through the CLI, as a user meets it: one line, not the failed read's abandoned futures
-    # reporting Orbax's closed event loop dozens of times around it (`checkpoint.
-    # _quiet_abandoned_reads`)
-    sets = [a for o in (*TINY, "train.steps=4", "faults=[]", f"checkpoint.dir={broken}",
-                        "checkpoint.resume_step=2") for a in ("--set", o)]
-    p = subprocess.run([sys.executable, "-m", "elasjax.cli", "train", DEMO, *sets, "--out",
-                        str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
-    assert re.match(r"elasjax: error: checkpoint 2 in .*broken: its array metadata cannot be "
-                    r"read \(ValueError: .*\); it is damaged or not an elasjax checkpoint$",
-                    lines[0]), lines[0]
+    # only the data files cut (a quarter off): the metadata reads, the arrays do not
+    cut_data = tmp_path / "cut_data"
+    shutil.copytree(saved, cut_data)
+    cut = [p for p in (cut_data / "2" / "state").glob("ocdbt.process_*/**/*")
+           if p.is_file() and p.stat().st_size > 64]
+    assert cut
+    for p in cut:
+        p.write_bytes(p.read_bytes()[: p.stat().st_size * 3 // 4])
+    with pytest.raises(CheckpointFormatError, match=r"checkpoint 2 in .*cut_data cannot be read: "
+                                                    r"ValueError: OUT_OF_RANGE: Error reading"):
+        _resume(cut_data, 2, exe_cache)
+    # both through the CLI, as a user meets them: one line each, not the failed read's abandoned
+    # work reporting itself around it (`checkpoint._AbandonedReads`)
+    for ck, msg in ((broken, r"its array metadata cannot be read \(ValueError: .*\); it is "
+                             r"damaged or not an elasjax checkpoint"),
+                    (cut_data, r"cannot be read: ValueError: OUT_OF_RANGE: .* \(damaged or "
+                               r"incomplete files\?\)")):
+        sets = [a for o in (*TINY, "train.steps=4", "faults=[]", f"checkpoint.dir={ck}",
+                            "checkpoint.resume_step=2") for a in ("--set", o)]
+        p = subprocess.run([sys.executable, "-m", "elasjax.cli", "train", DEMO, *sets, "--out",
+                            str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+        assert re.match(rf"elasjax: error: checkpoint 2 in {re.escape(str(ck))}:? {msg}$",
+                        lines[0]), lines[0]
 
 
-def test_a_failed_checkpoint_read_drops_only_the_closed_loop_reports(monkeypatch):
-    """After a failed read, TensorStore completes the abandoned futures on its own threads
-    (when, is a race: 0 to 38 reports a run, measured): each `RuntimeError: Event loop is
-    closed` report is dropped, any other unraisable still reaches the hook installed before."""
+def test_a_failed_checkpoint_read_drops_only_its_abandoned_works_reports(monkeypatch, caplog,
+                                                                         tmp_path):
+    """After a failed read, Orbax's abandoned work reports itself (when, is a race: 0 to 777
+    lines a run, measured): each `RuntimeError: Event loop is closed`, each never-retrieved
+    error of a task that read the checkpoint's directory and, once a read failed, each
+    finalisation error of Orbax's own coroutines is dropped; any other unraisable or asyncio
+    error still goes where it went."""
+    import logging
     import types
 
-    from elasjax.transfer import checkpoint
+    from elasjax.transfer.checkpoint import _AbandonedReads
 
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    checkpoint._quiet_abandoned_reads()
-    checkpoint._quiet_abandoned_reads()  # once: not a hook around a hook
-    report = lambda e: types.SimpleNamespace(exc_type=type(e), exc_value=e, exc_traceback=None,
-                                             err_msg=None, object=None)
+    monkeypatch.setattr(_AbandonedReads, "dirs", set())
+    monkeypatch.setattr(_AbandonedReads, "failed", False)
+    ck = tmp_path / "ck"
+    _AbandonedReads.install(ck)
+    _AbandonedReads.install(ck)  # once: not a hook around a hook
+    report = lambda e, obj=None: types.SimpleNamespace(
+        exc_type=type(e), exc_value=e, exc_traceback=None, err_msg=None, object=obj)
+    orbax_coro = types.SimpleNamespace(cr_code=types.SimpleNamespace(
+        co_filename="/site-packages/orbax/checkpoint/_src/serialization/serialization.py"))
+    users_coro = types.SimpleNamespace(cr_code=types.SimpleNamespace(co_filename="/home/me.py"))
+    dying = report(ImportError("sys.meta_path is None, Python is likely shutting down"),
+                   orbax_coro)
+    other = [report(RuntimeError("something else")), report(ValueError("Event loop is closed")),
+             dying, report(ImportError("shutting down"), users_coro)]
     sys.unraisablehook(report(RuntimeError("Event loop is closed")))
-    other = [report(RuntimeError("something else")), report(ValueError("Event loop is closed"))]
     for u in other:
         sys.unraisablehook(u)
-    assert seen == other
+    assert seen == other  # no read failed yet: Orbax's coroutines still reported
+    _AbandonedReads.failed = True
+    seen.clear()
+    for u in other:
+        sys.unraisablehook(u)
+    assert seen == [other[0], other[1], other[3]]
+    log = logging.getLogger("asyncio")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        log.error("Task exception was never retrieved\nfuture: <Task exception=ValueError("
+                  "'DATA_LOSS: Error reading \"x/.zarray\" in OCDBT database at local file "
+                  f"\"{ck}/2/state/\"')>")
+        log.error("Future exception was never retrieved\nfuture: <Future finished exception="
+                  f"ValueError('DATA_LOSS: ... at local file \"{ck}/2/state/\"')>")
+        log.error("Task exception was never retrieved\nfuture: <Task exception=ValueError('a "
+                  "task of the user's own')>")
+    assert [r.getMessage()[-20:] for r in caplog.records] == ["a task of the user's own')>"[-20:]]
 
 
 @pytest.mark.slow
