@@ -663,6 +663,30 @@ def test_a_collective_that_times_out_among_live_processes_is_retried_on_fresh_co
     assert ev["from_plan"] == ev["to_plan"] and ev["bytes_moved"] == 0
 
 
+def test_a_collective_failure_among_live_processes_stops_the_job_where_it_cannot_be_retried(
+        tmp_path):
+    """The same stall with `launch.renew_collectives: never` (no fresh collectives, so no
+    retry): every process raises `PeerError` at the same step, nobody is declared dead, and the
+    launch ends with the reason and the way out (a longer collective timeout)."""
+    out = tmp_path / "peer"
+    rc, stdout = _launch(
+        out, "--processes", "2", "--devices-per-process", "4", "--collective-timeout", "1",
+        sets=["faults=[{at_step: 3, stall_process: 1, stall_s: 3}]",
+              "launch.renew_collectives=never"],
+    )
+    assert rc == 1, stdout
+    summary = json.loads((out / "launch.json").read_text())
+    assert summary["outcome"] == "failed"
+    assert [p["returncode"] for p in summary["processes"]] == [1, 1]
+    for line in (summary["message"], (out / "worker1.log").read_text()):
+        assert "PeerError: step: failed on process(es) [0" in line
+        assert "while every process was alive" in line
+    assert ("no process is declared dead, the job stops" in (out / "worker0.log").read_text())
+    assert "raise --collective-timeout above" in stdout
+    assert not [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "recovery"]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1, 2]
+
+
 # ZeRO-1 on 4 processes x 1 device, partitions snapshotted to a buddy in another process
 _ZERO = ("parallel.devices=4", "parallel.devices_per_host=1", "parallel.data=4",
          "parallel.tensor=1", "zero.stage=1", "snapshot.buddy=true")

@@ -38,3 +38,18 @@ def test_restart_process_restores_and_reproduces_the_step(tmp_path, exe_cache):
 def test_restart_refuses_a_config_without_a_checkpoint():
     with pytest.raises(ValueError, match="checkpoint.dir"):
         restart.measure_restart(tiny_config(), failed=[3])
+
+
+@pytest.mark.slow
+def test_a_restart_process_that_fails_is_a_restart_error_with_its_stderr(tmp_path):
+    """The child finds no checkpoint in the directory it is given: `RestartError` says how it
+    ended and quotes the end of its stderr, the child's one-line reason."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = tiny_config("train.steps=4", "faults=[]", f"checkpoint.dir={empty}")
+    with pytest.raises(restart.RestartError, match=(
+            r"restart process reported no result; its stderr ends with:\nrestart: error: config "
+            r"'checkpoint.resume_step' = 2: no checkpoint 2 in .*empty \(it holds no committed "
+            r"checkpoint\)")):
+        restart.measure_restart(cfg, failed=[3], step=2, timeout_s=240,
+                                env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"})

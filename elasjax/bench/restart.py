@@ -264,9 +264,8 @@ def restart_child(
 
     ckpt = Checkpointer(cfg.checkpoint)
     try:
-        ck_step = ckpt.latest_step() if step is None else step
-        if ck_step is None:
-            raise FileNotFoundError(f"no checkpoint in {ckpt.dir}")
+        # a step that is not there is a CheckpointFormatError saying what the directory holds
+        ck_step = ckpt.resolve(-1 if step is None else step)
         state, meta, _ = restore_onto(ckpt, ck_step, factory, exe, devices=job)
         jax.block_until_ready(state)
         t = _lap(phases, "restore", t)
@@ -328,9 +327,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = (
             flags + f" --xla_force_host_platform_device_count={args.devices}"
         ).strip()
-    result = restart_child(
-        args.config, failed, step=args.step, spawn_time=args.spawn_time, overrides=args.set
-    )
+    from ..config import ConfigError
+
+    try:
+        result = restart_child(
+            args.config, failed, step=args.step, spawn_time=args.spawn_time, overrides=args.set
+        )
+    except ConfigError as e:  # a wrong config or checkpoint: its one line, for the parent
+        print(f"restart: error: {e}", file=sys.stderr)
+        return 2
     sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
     sys.stdout.flush()
     if args.spawn_time is None:  # run by hand: also print a readable table
