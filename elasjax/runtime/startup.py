@@ -16,7 +16,7 @@ from jax.errors import JaxRuntimeError
 
 from ..config import LaunchConfig, check_launch
 from ..core import jaxcompat
-from .dispatch import SETTING
+from .dispatch import SETTING, order_cpu_collectives
 
 # set by the writer once the job's first guard completed: a process that starts after it is a
 # restarted one, which rejoins (`membership`) instead of creating a CPU client at once
@@ -204,6 +204,9 @@ def initialize(rc: RuntimeConfig) -> None:
     """Join the job. Must run before anything creates a JAX backend in this process."""
     os.environ["XLA_FLAGS"] = xla_flags(rc, os.environ.get("XLA_FLAGS", ""))
     if rc.platform == "cpu":
+        # jaxlib 0.11+: a rank's collectives one at a time, as the in-process runtime does (a
+        # process's local ranks share one Eigen pool; `runtime.dispatch`); inert on jaxlib 0.10
+        order_cpu_collectives()
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.config.update("jax_num_cpu_devices", rc.devices_per_process)
