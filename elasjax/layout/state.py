@@ -502,8 +502,7 @@ class StateLayout:
                     lid = lid.reshape(-1, 1, 1, 1)
                     g = g[None] + lid.astype(jnp.uint32) * jnp.uint32(u.total)
                     valid = valid[None] & (lid >= 0)
-                w = checksum.weights(g, valid)
-                rows.append(jnp.stack([checksum.checksum_with(checksum._bits(x), w) for x in xs]))
+                rows.append(checksum.sums_with(xs, checksum.weights(g, valid)))
             return jnp.concatenate(rows)
         specs = [codec.storage_spec(codec.unit(unit)) for unit, _ in order for _ in groups[unit, _]]
         arrays = [x for k in order for _, x in groups[k]]
@@ -563,8 +562,7 @@ class StateLayout:
             lid = jnp.broadcast_to(table.reshape(table.shape + (1,) * (len(shape) - 2)), shape)
             r = jax.lax.broadcasted_iota(jnp.uint32, (1, 1, rest), 2).reshape((1, 1) + shape[2:])
             w = checksum.weights(lid.astype(jnp.uint32) * jnp.uint32(rest) + r, lid >= 0)
-            sums.append(jnp.stack([checksum.checksum_with(checksum._bits(xs[i]), w)
-                                   for i in group]))
+            sums.append(checksum.sums_with([xs[i] for i in group], w))
         return checksum.in_order(groups, sums)
 
     # -- deterministic mode ----------------------------------------------------------------------

@@ -82,10 +82,15 @@ def checksum_with(
     )
 
 
-def weighted_checksum(bits: jax.Array, idx: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-    """uint32[2] checksum of `bits` (uint32) at element identities `idx` (uint32, same shape);
-    elements with `valid == False` do not count."""
-    return checksum_with(bits, weights(idx, valid))
+def sums_with(blocks: Sequence[jax.Array], w: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """uint32[len(blocks), 2]: the checksums of same-shaped `blocks` (any 8-32-bit values or
+    uint32 words) with shared `weights` `w`, one reduction per sum for all of them, not one per
+    block: the same values, a program half the size for XLA to compile (experiments/RESULTS.md,
+    "The checksum code's compile")."""
+    if len(blocks) == 1:
+        return checksum_with(_bits(blocks[0]), w)[None]
+    return checksum_with(jnp.stack([_bits(b) for b in blocks]), (w[0][None], w[1][None]),
+                         keep_axis=0).T
 
 
 # Elements hashed per loop step on the CPU. Hashing a large array in one fused pass writes its
@@ -139,13 +144,7 @@ def tile_sums(xs: Sequence[jax.Array], ident, start=None, count: int | None = No
             valid = inside if valid is None else valid & inside
         w = weights(jnp.broadcast_to(idx, shape),
                     None if valid is None else jnp.broadcast_to(valid, shape))
-        if len(blocks) == 1:
-            return checksum_with(_bits(blocks[0]), w)[None]
-        # one reduction per sum for all the blocks, not one per block: the same values, a
-        # program half the size for XLA to compile (a tile's blocks are cache-sized)
-        sums = checksum_with(jnp.stack([_bits(b) for b in blocks]), (w[0][None], w[1][None]),
-                             keep_axis=0)
-        return sums.T
+        return sums_with(blocks, w)
 
     C = tile_elements()
     if n <= C:  # one pass
@@ -400,7 +399,8 @@ def tree_checksums(tree: Any, shardings: Any = None) -> Any:
         if isinstance(s, jax.sharding.NamedSharding) and s.mesh == mesh
         and on_mesh(x.shape, s.spec, mesh)
     ]
-    rest = [i for i in range(len(leaves)) if i not in set(take)]
+    taken = set(take)
+    rest = [i for i in range(len(leaves)) if i not in taken]
     out: list[Any] = [None] * len(leaves)
     if rest:
         rows = leaf_checksums([leaves[i] for i in rest])
