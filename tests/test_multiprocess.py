@@ -1261,7 +1261,7 @@ initialize(rc)
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from elasjax.runtime.inprocess import DeviceFailure
-from elasjax.runtime.multicontroller import DeclaredDeadError
+from elasjax.runtime.failures import DeclaredDeadError
 import subprocess
 rt = MultiControllerRuntime(rc)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,41 +53,29 @@ from ..core.counters import CompileCounter
 from ..core.rng import check_backend_config
 from ..layout.state import StateFactory, check_elementwise, choose_optimizer
 from ..observe.events import (
-    CutoverEvent,
     Emitter,
-    EndEvent,
     ErrorEvent,
-    FailureBeforeStart,
-    FailureCost,
     Hook,
-    JoinEvent,
     LOCAL_TYPES,
-    StartEvent,
     WarningEvent,
 )
-from ..observe.metrics import JsonlWriter, RecoveryEvent, StepClock, failure_costs, paces
+from ..observe.metrics import JsonlWriter, RecoveryEvent, StepClock, paces
 from ..observe.report import (
     Progress,
     join_line,
     migration_line,
-    print_summary,
     recovery_line,
-    shared_cost,
-    shared_cost_line,
-    standby_cost,
-    standby_cost_line,
 )
 from ..observe.tensorboard import TensorBoardWriter
 from ..plan.contingencies import Contingencies
-from ..plan.planner import Plan, initial_plan
+from ..plan.planner import initial_plan
 from ..runtime.base import Runtime
 from ..runtime.faults import IN_PROCESS, resolve_schedule
 from ..runtime.inprocess import DeviceFailure, InProcessRuntime
 from ..runtime.membership import Admitted
-from ..transfer import checksum
 from ..transfer.checkpoint import Checkpointer, form_of
-from ..transfer.shards import TransferLog
 from ..transfer.snapshot import SnapshotPool, check_coverable, prepare_checksums
+from .accounts import RunSummary, UnprotectedStateWarning, announce, conclude
 from .admission import Admissions
 from .cutover import Cutovers
 from .data import DataPipeline
@@ -100,54 +87,11 @@ from .recovery import (
     RecoveryVerificationError,
     TransitionPlanner,
 )
-from .start import Started, start
+from .start import start
 from .stepping import READ_BEHIND, InFlight, Stepper
 
-__all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer", "run"]
-
-
-@dataclasses.dataclass
-class RunSummary:
-    """What a run did (`elasjax.run` returns it; the files under `out_dir` say the same):
-
-    - `out_dir`: where config.yaml, metrics.jsonl and events.jsonl were written (None: nowhere);
-    - `losses`, `eval_losses`: step -> training loss, and held-out loss at the evaluated steps;
-    - `recoveries`: one `RecoveryEvent` per recovery (its MTTR phases, rung, plans, bytes);
-    - `plans`: every plan the run stood on, in order; `final_plan`: the last one (a `Plan`);
-    - `checksums`: the final state's per-leaf checksums (equal across runs = bitwise equal state);
-    - `sample_digests`: step -> digest of the dataset indices it used (`elasjax compare` checks
-      them against a reference run);
-    - `state`: the final train state (`TrainState`: params, optimizer state, step) on the final
-      plan's mesh, in its storage layout: how to get the trained parameters back;
-    - `migrations`, `growths`, `joins`: the `migration`, `growth` and `join` events
-      (`events.CutoverEvent`, `events.JoinEvent`: dataclasses, readable as mappings too);
-    - `transfer_logs`: one `TransferLog` per recovery and per cut-over, in order;
-    - `notes`: what the run did not do that it was asked or expected to (the `end` event's);
-    - `failure_costs`: the time each failure cost until the run was back at pace
-      (`events.FailureCost`);
-    - `goodput`: the run's goodput and badput by cause (`metrics.failure_costs`)."""
-
-    out_dir: Path | None
-    losses: dict[int, float]
-    eval_losses: dict[int, float]
-    recoveries: list[RecoveryEvent]
-    plans: list[str]
-    final_plan: Plan
-    checksums: dict[str, str]
-    sample_digests: dict[int, str]
-    state: Any = None
-    migrations: list[CutoverEvent] = dataclasses.field(default_factory=list)
-    transfer_logs: list[TransferLog] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)
-    joins: list[JoinEvent] = dataclasses.field(default_factory=list)
-    growths: list[CutoverEvent] = dataclasses.field(default_factory=list)
-    failure_costs: list[FailureCost] = dataclasses.field(default_factory=list)
-    goodput: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def final_loss(self) -> float | None:
-        """The last trained step's loss; None when no step was left to train."""
-        return self.losses[max(self.losses)] if self.losses else None
+__all__ = ["RecoveryEvent", "RecoveryVerificationError", "RunSummary", "Trainer",
+           "UnprotectedStateWarning", "run"]
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -172,10 +116,6 @@ def donation(cfg: Config, rt) -> tuple[bool, bool]:
     threaded = bool((snap.buddy or snap.host) and SnapshotPool.thread_helps(rt))
     donate = rt.donate and not (cfg.standby.rebind or cfg.standby.cache_dir or threaded)
     return donate, threaded
-
-
-class UnprotectedStateWarning(UserWarning):
-    """The run opted out of snapshots and its plan holds state that one failure can lose."""
 
 
 class Trainer:
@@ -572,57 +512,13 @@ class Trainer:
         self._release_gc()
 
     def _finish(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> RunSummary:
-        """The last reads, the failures' costs, the `end` event, the printed summary."""
-        T, pos = self.cfg.train.steps, ls.pos
+        """The last reads, then the run's account (`accounts.conclude`)."""
         self.steps.flush(ls, mw, ew)
         ls.pool.complete()  # the last step's snapshot, taken beside the loop, is filed
-        sb = self.standby
-        notes = ls.end_notes(None if sb is None or not sb.over_budget else (
-            f"standby left {sb.over_budget} queued plan(s) unbuilt: the process reached "
-            f"standby.map_budget = {self.cfg.standby.map_budget} of its memory-mapping limit "
-            "(vm.max_map_count); recoveries to them compile"))
-        costs, goodput = failure_costs(
-            ls.timeline, self.initial.name, time.perf_counter() - self._t_run)
-        costs = [FailureCost(**c) for c in costs]
-        for c in costs:
-            ew.emit(c)
-        shared = shared_cost(self.source.shared)
-        standby = standby_cost(self.standby, self.worker)
-        ew.emit(EndEvent(
-            goodput=goodput,
-            step=pos.step,
-            final_loss=ls.losses.get(T - 1),  # None: resumed at the run's end
-            plan=pos.plan.name,
-            # digest of every leaf's layout-independent checksum: equal digests = bitwise equal
-            # final parameters and optimizer state
-            state_digest=checksum.digest(ls.good),
-            transfer_plans_prepared=self.transitions.done,
-            transfer_plan_errors=self.transitions.errors[:5],
-            standby_errors=self.source.errors[:5],
-            cutover_pending=ls.cutover is not None,
-            standby=standby,
-            notes=notes,
-            runtime=self.rt.kind,
-            shared_compiles=shared,
-            processes=sorted({self.rt.process_of(d) for d in pos.live}),
-        ))
-        if standby is not None:
-            line = standby_cost_line(standby)
-            self.rt.log(line)
-            if self.progress:
-                print(line)
-        if shared is not None:
-            self.rt.log(shared_cost_line(shared))
-        for note in notes:
-            self.rt.log(note)
-        if self.progress:
-            print_summary(ls.recoveries, ls.losses, ls.evals, pos.plan, self.out_dir, notes,
-                          ls.growths, costs, goodput)
-        return RunSummary(
-            self.out_dir, ls.losses, ls.evals, ls.recoveries, ls.plans, pos.plan, ls.good,
-            ls.digests, pos.state, ls.migrations, ls.transfer_logs, notes, ls.joins,
-            ls.growths, costs, goodput,
-        )
+        return conclude(ls, ew, self.cfg, self.rt, source=self.source,
+                        transitions=self.transitions, initial=self.initial,
+                        run_s=time.perf_counter() - self._t_run, out_dir=self.out_dir,
+                        progress=self.progress)
 
     def _hold_gc(self) -> None:
         """No garbage collection from a failure to the recovery's first good step: Python's
@@ -645,64 +541,23 @@ class Trainer:
         """The initial position and its snapshot pool (`start.start`: a fresh start or a
         checkpoint resume, on whoever is alive); then the standby and the transitions of its
         likely failures set going (`prepare.Preparations`), and the start announced
-        (`_announce`)."""
+        (`accounts.announce`)."""
         s = start(self.cfg, self.rt, self.topo, self.initial, self.source, self.factory,
                   self.ckpt, self._new_pool)
-        pos, pool = s.pos, s.pool
-        n_ahead, standby = self.prep.start(pos, pool)
+        n_ahead, line = self.prep.start(s.pos, s.pool)
         if self.cfg.standby.wait_at_start:
             self.prep.wait(ew, None)
-        self._announce(s, n_ahead, standby, ew)
-        return pos, pool
-
-    def _announce(self, s: Started, n_ahead: int, standby: str, ew: Emitter) -> None:
-        """The start's events (the failures before it, a resume's deleted checkpoints, the
-        `start` record, an unprotected state's warning) and its lines."""
-        pos, pool, plan, step = s.pos, s.pool, s.pos.plan, s.pos.step
-        for f in s.failures:
-            ew.emit(FailureBeforeStart(sorted(f.devices), f.phase, f.cause, f.report.as_dict()))
-        if s.dropped:  # a checkpoint is never deleted without a word
-            msg = (f"resumed from checkpoint {step}: deleted the newer checkpoints "
-                   f"{list(s.dropped)} in {self.ckpt.dir} (they belong to the timeline "
-                   "this run abandons; their steps are trained again)")
-            ew.emit(WarningEvent("checkpoint.resume_step", msg), f"warning: {msg}")
-            if self.rt.writer:
-                warnings.warn(msg, stacklevel=3)
-        mode = mode_line(self.cfg, self.optimizer_source == "python")
-        ew.emit(StartEvent(
-            step=step,
-            plan=plan.name,
-            plan_detail=plan.describe(),
-            devices=sorted(pos.live),
-            devices_per_host=self.topo.devices_per_host,
-            runtime=self.rt.kind,
-            processes=sorted({self.rt.process_of(d) for d in pos.live}),
-            compile_s=pos.exe.compile_s,
-            n_params=self.factory.n_params,
-            optimizer=self.optimizer_name,
-            deterministic=bool(self.cfg.deterministic),
-            mode=mode,
-            snapshot_bytes_per_step=pool.bytes_per_step,
-            snapshot={"buddy": pool.cfg.buddy, "host": pool.cfg.host,
-                      "copies": pool.cfg.copies, "auto": pool.given.auto,
-                      "cost": pool.cost_line(self.cfg.hardware)},
+        announce(
+            s, ew, self.cfg, self.rt, ckpt_dir=self.ckpt.dir if self.ckpt else None,
+            n_params=self.factory.n_params, optimizer=self.optimizer_name,
+            mode=mode_line(self.cfg, self.optimizer_source == "python"),
             standby={"on": self.standby_on, "enabled": self.cfg.standby.enabled,
                      "plans": n_ahead if self.standby_on else 0,
                      "compiler": None if not self.standby_on else
                      "process" if self.worker is not None else "thread"},
-            resumed_from_checkpoint=step if self.cfg.checkpoint.resume_step is not None else None,
-            dropped_newer_checkpoints=list(s.dropped),
-            faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],
-        ))
-        if self.progress:
-            print(mode)
-            print(pool.cost_line(self.cfg.hardware))
-            print(standby)
-        risk = pool.risk()
-        if risk is not None:
-            ew.emit(WarningEvent("snapshot", risk))
-            if self.rt.writer:
-                warnings.warn(risk, UnprotectedStateWarning, stacklevel=3)
+            standby_line=line, faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],
+            progress=self.progress)
+        return s.pos, s.pool
 
 
 def run(

@@ -1,14 +1,28 @@
-"""How the multi-controller runtime describes a death it found at a barrier: which detector saw
-it, its account in words, and the timings from the kill (`FailureReport`; docs/launch-internals.md,
-"Detecting a death"). Nothing here changes the runtime's state; `MultiControllerRuntime._failure`
-updates the live set and calls `describe`."""
+"""What a guard's verdict means for this process, in the multi-controller runtime: a death it
+found at a barrier described (which detector saw it, its account in words, the timings from the
+kill: `FailureReport`; docs/launch-internals.md, "Detecting a death"), this process fenced off
+(`fenced`), or a failure among live processes, retried (`collective_retry`) or ending the job
+(`peer_error`). Nothing here changes the runtime's state; `MultiControllerRuntime` updates the
+live set and its counters and raises what these return."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from .inprocess import FailureReport
+from .inprocess import DeviceFailure, FailureReport
 from .verdict import Verdict
+
+# consecutive collective failures among live processes retried before the job stops
+MAX_COLLECTIVE_RETRIES = 3
+
+
+class DeclaredDeadError(RuntimeError):
+    """This process was declared dead (a heartbeat silence) while alive: it must leave."""
+
+
+class PeerError(RuntimeError):
+    """Another live process failed inside a guard while no process died: every live process
+    stops with it (a guard is atomic), none is declared dead."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +111,77 @@ def victims(procs, killed: bool) -> str:
     """'process 3 killed (SIGKILL)', or 'failed' where no kill was posted."""
     return ", ".join(f"process {p} " + ("killed (SIGKILL)" if killed else "failed")
                      for p in procs)
+
+
+def arrival_note(arrivals: dict[int, float]) -> str:
+    """Who arrived last at an entry barrier (`arrivals`: each process's arrival, in seconds
+    after the first), and how long after the first."""
+    if len(arrivals) < 2:
+        return "one process at the entry barrier"
+    late = max(arrivals, key=arrivals.get)
+    order = ", ".join(f"p{p} +{t:.2f}s" for p, t in sorted(arrivals.items(), key=lambda kv: kv[1]))
+    return (f"arrivals at the entry barrier: {order}; process {late} last, "
+            f"{arrivals[late]:.2f}s after the first")
+
+
+def fenced(verdict: Verdict, me: int, phase: str) -> DeclaredDeadError | None:
+    """The error that makes this process leave where `verdict` declared it dead (its
+    heartbeat was silent too long while it was alive: the survivors go on without it)."""
+    if me not in verdict.failed:
+        return None
+    return DeclaredDeadError(
+        f"{phase}: process {me} was declared dead by the arbiter (its heartbeat "
+        f"was silent {verdict.silent_s[me]:.2f}s > liveness timeout "
+        f"{verdict.timeout_s:g}s and it had not reached the barrier); the "
+        "survivors go on without it. Raise --liveness-timeout on a loaded machine")
+
+
+def retryable(verdict: Verdict, platform: str, renew: str, retries: int) -> bool:
+    """Can a block whose collectives failed while every process was alive be retried (a gloo
+    wait for a slow peer ran into the collective timeout and closed its pair)? Not off CPU,
+    under `renew_collectives: never`, for an error that is not a collective's, or after
+    `MAX_COLLECTIVE_RETRIES` in a row without a good step."""
+    collective = all("Gloo" in m or "Timed out" in m or "collective" in m.lower()
+                     for m in verdict.errors.values())
+    return (platform == "cpu" and renew != "never" and collective
+            and retries < MAX_COLLECTIVE_RETRIES)
+
+
+def collective_retry(verdict: Verdict, phase: str, retry: int, c: Clocks, *,
+                     drain_s: float | None, collective_timeout_s: float) -> DeviceFailure:
+    """The retry (number `retry`) of a block whose collectives failed among live processes: a
+    `DeviceFailure` of no device, whose recovery renews every process's client and redoes the
+    block from the state before it (nothing was lost)."""
+    msgs = list(verdict.errors.values())
+    why = (f"a collective failed on process(es) {sorted(verdict.errors)} while every process "
+           f"was alive (retry {retry} of {MAX_COLLECTIVE_RETRIES})")
+    return DeviceFailure(
+        set(), phase, detect_s=c.t_known - c.t_block, cause=why,
+        report=FailureReport(
+            detected_by=f"collective error, no process died: {why}",
+            detector="collective error (no process died)",
+            renew=why,
+            block_to_error_s=since(c.t_err, c.t_block),
+            body_to_error_s=since(c.t_err, c.t_body),
+            error_cause=msgs[0][:300],
+            interrupted=why,
+            drain_s=drain_s,
+            collective_timeout_s=collective_timeout_s,
+        ),
+    )
+
+
+def peer_error(verdict: Verdict, phase: str, arrivals: str, collective_timeout_s: float
+               ) -> PeerError:
+    """A block that failed on live processes, none dead, and cannot be retried: the job stops
+    on every process (`arrivals`: the entry barrier's `arrival_note`)."""
+    msg = verdict.errors_line(300)
+    hint = (
+        f" A gloo collective that waits longer than the collective timeout "
+        f"({collective_timeout_s}s) for a live peer fails and closes its "
+        "communicator for good: raise --collective-timeout above the skew between "
+        "processes." if "Gloo" in msg or "Timed out" in msg else ""
+    )
+    return PeerError(
+        f"{phase}: failed on process(es) {sorted(verdict.errors)} while every process was alive "
+        f"({msg}); no process is declared dead, the job stops ({arrivals}).{hint}")

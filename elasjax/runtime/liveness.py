@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from jax.errors import JaxRuntimeError
 
@@ -288,6 +289,34 @@ class Throttle:
         self.proc.kill()
         self.proc.wait()
         os.kill(os.getpid(), signal.SIGCONT)  # never leave this process stopped
+
+
+class SlowSteps:
+    """A process slowed on purpose (`RuntimeConfig.slow` = (process, factor, first step guard,
+    steps)): that process runs `factor` times slower (`Throttle`) for `steps` step guards from
+    the given one on; every other process is left alone."""
+
+    def __init__(self, slow: tuple | None, me: int, log: Callable[[str], None]):
+        self.slow = slow if slow is not None and slow[0] == me else None
+        self.log = log
+        self.throttle: Throttle | None = None
+
+    def at(self, step: int) -> None:
+        """Step guard number `step` (0-based) begins."""
+        if self.slow is None:
+            return
+        _, factor, start, steps = self.slow
+        if step == start and self.throttle is None:
+            self.log(f"slowing myself {factor:g}x (SIGSTOP/SIGCONT) for {steps} steps")
+            self.throttle = Throttle(factor)
+        elif step == start + steps and self.throttle is not None:
+            self.stop()
+            self.log(f"back to full speed after {steps} slowed steps")
+
+    def stop(self) -> None:
+        if self.throttle is not None:
+            self.throttle.stop()
+            self.throttle = None
 
 
 def _boot_id() -> str:

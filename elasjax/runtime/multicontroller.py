@@ -65,8 +65,8 @@ from .collectives import Renewal, drain, rendezvous_note, renew_cpu_client, rene
 from .dataplane import DataPlane
 from .deathnote import DeathNotes
 from .faults import MULTI_CONTROLLER, FaultEvent
-from .inprocess import DeviceFailure, FailureReport
-from .liveness import Liveness, ProcessExits, Throttle, peer_state
+from .inprocess import DeviceFailure
+from .liveness import Liveness, ProcessExits, SlowSteps, peer_state
 from .p2p import TransferLinks
 from .startup import STARTED, STARVED_MAX_S, RuntimeConfig, kv_client, kv_float
 from .verdict import Barriers, Verdict
@@ -80,15 +80,6 @@ class RejoinUnsupportedError(RuntimeError):
 # processes ran different guards and wait for each other forever: the job stops with
 # `DivergedError` instead of hanging silently
 DIVERGE_AFTER_S = 120.0
-
-
-class DeclaredDeadError(RuntimeError):
-    """This process was declared dead (a heartbeat silence) while alive: it must leave."""
-
-
-class PeerError(RuntimeError):
-    """Another live process failed inside a guard while no process died: every live process
-    stops with it (a guard is atomic), none is declared dead."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +158,7 @@ class MultiControllerRuntime:
         self.notes = DeathNotes(self.client, self.me, rc.host, self.aborts.on_notice,
                                 rc.death_notices)
         self.aborts.start()
-        self._throttle: Throttle | None = None
+        self.slowed = SlowSteps(rc.slow, self.me, self.log)  # `rc.slow`: for benchmarks
 
     # -- who is where ---------------------------------------------------------------------------
 
@@ -227,14 +218,17 @@ class MultiControllerRuntime:
         t_block = time.time()
         self.liveness.phase = phase
         if phase == "step":
-            self._slow_step()
+            self._steps += 1
+            self.slowed.at(self._steps - 1)
         # entry barrier: nobody enters a collective while a peer is still busy with local work
         # (a compile): with a short collective timeout that wait would fail the collective
         verdict = self._exit_barrier(None, self.liveness_timeout(phase, at_exit=False), "entry")
         self._arrivals = verdict.arrived
         if phase.startswith("start") and len(self._arrivals) > 1:
             self.log(f"{phase} entry barrier: {self._arrival_note()}")
-        self._check_fenced(verdict, phase, None)
+        fence = failures.fenced(verdict, self.me, phase)
+        if fence is not None:
+            raise fence from None
         if verdict.failed:
             raise self._failure(verdict, phase, t_block, None, None)
         err: BaseException | None = None
@@ -252,27 +246,27 @@ class MultiControllerRuntime:
             self.aborts.leave_block()
         self._drain(phase, err)
         verdict = self._exit_barrier(err, self.liveness_timeout(phase, at_exit=True))
-        self._check_fenced(verdict, phase, err)
+        fence = failures.fenced(verdict, self.me, phase)
+        if fence is not None:
+            raise fence from err
         if verdict.failed:
             raise self._failure(verdict, phase, t_block, t_err, err, t_body) from err
         if verdict.errors:
             if err is not None and not isinstance(err, JaxRuntimeError):
                 raise err  # this process's own error (every process raises; none is dead)
-            procs = sorted(verdict.errors)
-            msg = verdict.errors_line(300)
-            retry = self._collective_retry(verdict, phase, t_block, t_err, t_body, err)
-            if retry is not None:
+            if failures.retryable(verdict, self.rc.platform, self.rc.renew_collectives,
+                                  self._retries):
+                self._retries += 1
+                retry = failures.collective_retry(
+                    verdict, phase, self._retries,
+                    failures.Clocks(t_block, time.time(), t_err, t_body),
+                    drain_s=self._drained[0] if self._drained else None,
+                    collective_timeout_s=self.rc.collective_timeout_s)
+                self.log(f"{phase}: {retry.cause}: renewing the collectives and redoing the "
+                         f"{phase} ({verdict.errors_line(160)}; {self._arrival_note()})")
                 raise retry from err
-            hint = (
-                f" A gloo collective that waits longer than the collective timeout "
-                f"({self.rc.collective_timeout_s}s) for a live peer fails and closes its "
-                "communicator for good: raise --collective-timeout above the skew between "
-                "processes." if "Gloo" in msg or "Timed out" in msg else ""
-            )
-            raise PeerError(
-                f"{phase}: failed on process(es) {procs} while every process was alive ({msg}); "
-                f"no process is declared dead, the job stops ({self._arrival_note()}).{hint}"
-            ) from err
+            raise failures.peer_error(verdict, phase, self._arrival_note(),
+                                      self.rc.collective_timeout_s) from err
         if phase == "step":
             self._retries = 0  # a good step: collective retries start again
             self._joining = dict(verdict.joining)
@@ -281,68 +275,8 @@ class MultiControllerRuntime:
             if self.writer:
                 self.client.key_value_set(STARTED, repr(time.time()), allow_overwrite=True)
 
-    # consecutive collective failures among live processes retried before the job stops
-    MAX_COLLECTIVE_RETRIES = 3
-
-    def _collective_retry(self, verdict: Verdict, phase, t_block, t_err, t_body,
-                          err) -> DeviceFailure | None:
-        """A block whose collectives failed while every process was alive (a gloo wait for a
-        slow peer ran into the collective timeout and closed its pair) is retried: a
-        `DeviceFailure` of no device, whose recovery renews every process's client and redoes
-        the step from the state before it (nothing was lost). None where it cannot be: not on
-        CPU, `renew_collectives: never`, an error that is not a collective's, or
-        `MAX_COLLECTIVE_RETRIES` in a row without a good step."""
-        msgs = list(verdict.errors.values())
-        collective = all("Gloo" in m or "Timed out" in m or "collective" in m.lower() for m in msgs)
-        if (
-            self.rc.platform != "cpu" or self.rc.renew_collectives == "never" or not collective
-            or self._retries >= self.MAX_COLLECTIVE_RETRIES
-        ):
-            return None
-        self._retries += 1
-        procs = sorted(verdict.errors)
-        why = (f"a collective failed on process(es) {procs} while every process was alive "
-               f"(retry {self._retries} of {self.MAX_COLLECTIVE_RETRIES})")
-        self.log(f"{phase}: {why}: renewing the collectives and redoing the {phase} "
-                 f"({verdict.errors_line(160)}; {self._arrival_note()})")
-        return DeviceFailure(
-            set(), phase, detect_s=time.time() - t_block, cause=why,
-            report=FailureReport(
-                detected_by=f"collective error, no process died: {why}",
-                detector="collective error (no process died)",
-                renew=why,
-                block_to_error_s=None if t_err is None else t_err - t_block,
-                body_to_error_s=None if t_err is None or t_body is None else t_err - t_body,
-                error_cause=msgs[0][:300],
-                interrupted=why,
-                drain_s=self._drained[0] if self._drained else None,
-                collective_timeout_s=self.rc.collective_timeout_s,
-            ),
-        )
-
-    def _slow_step(self) -> None:
-        self._steps += 1
-        if self.rc.slow is None or self.rc.slow[0] != self.me:
-            return
-        _, factor, start, steps = self.rc.slow
-        step = self._steps - 1
-        if step == start and self._throttle is None:
-            self.log(f"slowing myself {factor:g}x (SIGSTOP/SIGCONT) for {steps} steps")
-            self._throttle = Throttle(factor)
-        elif step == start + steps and self._throttle is not None:
-            self._throttle.stop()
-            self._throttle = None
-            self.log(f"back to full speed after {steps} slowed steps")
-
     def _arrival_note(self) -> str:
-        """Who arrived last at the last entry barrier, and how long after the first."""
-        if len(self._arrivals) < 2:
-            return "one process at the entry barrier"
-        late = max(self._arrivals, key=self._arrivals.get)
-        order = ", ".join(f"p{p} +{t:.2f}s" for p, t in
-                          sorted(self._arrivals.items(), key=lambda kv: kv[1]))
-        return (f"arrivals at the entry barrier: {order}; process {late} last, "
-                f"{self._arrivals[late]:.2f}s after the first")
+        return failures.arrival_note(self._arrivals)
 
     def _drain(self, phase: str, err: BaseException | None) -> None:
         """Before a block that raised (or whose collectives this process shut down) is reported,
@@ -361,15 +295,6 @@ class MultiControllerRuntime:
         if took > 0.05:
             self.log(f"{phase}: waited {took:.2f}s for {n} arrays ({failed} failed) of the "
                      "interrupted block's programs before reporting it")
-
-    def _check_fenced(self, verdict: Verdict, phase: str, err) -> None:
-        if self.me in verdict.failed:  # silent too long while alive: fenced off, leave
-            raise DeclaredDeadError(
-                f"{phase}: process {self.me} was declared dead by the arbiter (its heartbeat "
-                f"was silent {verdict.silent_s[self.me]:.2f}s > liveness timeout "
-                f"{verdict.timeout_s:g}s and it had not reached the barrier); the "
-                "survivors go on without it. Raise --liveness-timeout on a loaded machine"
-            ) from err
 
     def liveness_timeout(self, phase: str, at_exit: bool = True) -> float:
         """The silence that makes a process absent from a barrier dead: the fast
@@ -592,9 +517,7 @@ class MultiControllerRuntime:
     def close(self, finished: bool = True) -> None:
         """End this process's part; `finished`: it is leaving after a normal end (its death
         notice is withdrawn), else its exit is announced to the peers (`deathnote`)."""
-        if self._throttle is not None:
-            self._throttle.stop()
-            self._throttle = None
+        self.slowed.stop()
         self.liveness.close()
         self.exits.close()
         self.notes.close(announce=not finished)
