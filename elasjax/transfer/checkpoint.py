@@ -69,8 +69,8 @@ class _AbandonedReads(logging.Filter):
     when the interpreter finalises them. Measured: 0 to 777 lines of tracebacks a run, before and
     after the one error that says what is wrong (tests/test_bad_input.py). Exactly those are
     dropped: the closed-loop reports; the never-retrieved errors that name a checkpoint
-    directory being read (`dirs`); after a read failed (`failed`), the finalisation errors of
-    Orbax's own coroutines. Every other report goes where it went before (the hook installed
+    directory being read (`dirs`); the finalisation errors of Orbax's own coroutines that name
+    one, and after a read failed (`failed`) all of them. Every other report goes where it went before (the hook installed
     before, the "asyncio" logger's handlers)."""
 
     dirs: set[str] = set()
@@ -80,15 +80,24 @@ class _AbandonedReads(logging.Filter):
         text = record.getMessage()
         return not (text.startswith(("Task exception was never retrieved",
                                      "Future exception was never retrieved"))
-                    and any(d in text for d in self.dirs))
+                    and self.names_a_read(text))
+
+    @classmethod
+    def names_a_read(cls, text: str) -> bool:
+        return any(d in text for d in cls.dirs)
 
     @classmethod
     def dropped(cls, u) -> bool:
-        """Whether the unraisable report `u` is the noise of an abandoned read."""
+        """Whether the unraisable report `u` is the noise of an abandoned read: an Orbax
+        coroutine's error is dropped once a read failed, or before (the collector may finalise
+        it while the read's error is still on its way up) where the error names a checkpoint
+        directory being read."""
         if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
             return True
         code = getattr(u.object, "cr_code", None)
-        return cls.failed and code is not None and "orbax" in code.co_filename
+        if code is None or "orbax" not in code.co_filename:
+            return False
+        return cls.failed or cls.names_a_read(str(u.exc_value))
 
     @classmethod
     def install(cls, directory: Path) -> None:
