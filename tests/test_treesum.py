@@ -18,6 +18,19 @@ def slots(K: int, D: int) -> np.ndarray:
     return plan.canonical_slots()
 
 
+def pieces(lo: int, hi: int, K: int) -> int:
+    """The tree's nodes that [lo, hi) is made of, the largest ones (a replica's pending nodes)."""
+    def count(level, j):
+        a, b = j << level, min((j + 1) << level, K)
+        if lo <= a and b <= hi:
+            return 1
+        if b <= lo or hi <= a:
+            return 0
+        right = count(level - 1, 2 * j + 1) if ((2 * j + 1) << (level - 1)) < K else 0
+        return count(level - 1, 2 * j) + right
+    return count(treesum.tree_levels(K), 0)
+
+
 def values(K: int, seed: int) -> np.ndarray:
     # magnitudes spread over 12 decades, so that any change of the addition order shows in the bits
     rng = np.random.default_rng(seed)
@@ -35,10 +48,17 @@ def test_every_dealing_gives_the_trees_bits_within_the_register_bound(K):
         got = treesum.simulate(sched, s, x)
         assert got.view(np.uint32).tolist() == ref.view(np.uint32).tolist(), f"D={D}"
         assert sched.n_regs <= treesum.register_bound(K), f"D={D}: {sched.n_regs} registers"
-        for rd in sched.rounds:  # one send and one receive per replica per round at most
-            src, dst = zip(*rd.perm) if rd.perm else ((), ())
-            assert len(set(src)) == len(src) and len(set(dst)) == len(dst)
-        assert len([r for r in sched.rounds if r.perm]) <= treesum.tree_levels(K)
+        # a replica's pending nodes are the canonical pieces of its range; the cross phase adds
+        # each node spanning two replicas once (one addition fewer than the pieces, in all)
+        held = [[c for c in s[:, r] if c >= 0] for r in range(D)]
+        n = [pieces(h[0], h[-1] + 1, K) if h else 0 for h in held]
+        assert sched.pending.shape[1] == max(1, max(n)) <= max(1, 2 * treesum.tree_levels(K))
+        assert len(sched.cross) == sum(n) - 1, (D, n, sched.cross)
+    # a replica holding a whole subtree has one pending node: the fault-free layouts of powers
+    # of two exchange one gradient per replica
+    if K & (K - 1) == 0:
+        for D in (d for d in range(1, K + 1) if K % d == 0):
+            assert treesum.schedule(slots(K, D)).pending.shape[1] == 1, (K, D)
 
 
 def test_the_tree_is_not_a_left_fold():

@@ -11,26 +11,30 @@ the number of replicas or on which replica holds which micro-batch.
 The planner deals each replica a contiguous run of canonical indices (`Plan.canonical_slots`).
 A replica computes every node whose indices it holds entirely ("local" nodes) as its
 micro-batch gradients arrive, at most `MERGES_PER_STEP` additions per micro-batch (the rest
-after its last one), keeping only the nodes still waiting for a sibling. Every other node spans
-a boundary between replicas; it is computed by the replica holding its first index, in rounds
-of one level each: the replica holding the right child sends it (one `ppermute` per round; each
-replica sends at most one gradient and receives at most one per round, since at most one
-node of a level contains its range's first index, and at most one its last). The root ends on
-replica 0 and is broadcast by a `psum` in which every other replica contributes -0.0, which
-leaves every bit of it unchanged (x + -0.0 == x for every float x, -0.0 included).
+after its last one), keeping only the nodes still waiting for a sibling: its "pending" nodes,
+the canonical pieces of its range (at most 2 * ceil(log2 K), one where its range is a whole
+subtree, as in a fault-free layout of whole powers of two). Every other node spans a boundary
+between replicas. Those are computed by every replica, each on its own 1/D-th of the elements:
+one `all_to_all` over the data axis gives each replica its chunk of every replica's pending
+nodes, every replica runs the same additions, in the tree's order, on its chunk (elementwise:
+the chunking changes no bit), and one `all_gather` puts the root's chunks together on every
+replica. The leaves of one dtype travel packed in one vector: two collectives per dtype.
 
-Memory per device: `TreeSchedule.n_regs - 1` gradient-sized registers (the device's shard of
-the gradient under tensor parallelism; the schedule's scratch register is never stored);
-`n_regs` is at most ceil(log2 K) + 3 for every layout the planner deals (tests/test_treesum.py
-checks every replica count 1..K for K up to 64), so the extra memory is
-O(log K) gradients and does not grow with the replica count. The plain data-parallel step
-keeps one accumulator.
+Memory per device: `TreeSchedule.n_regs - 1` gradient-sized registers for the local phase (the
+device's shard of the gradient under tensor parallelism; the schedule's scratch register is
+never stored), at most ceil(log2 K) + 3 for every layout the planner deals (tests/test_treesum.py
+checks every replica count 1..K for K up to 64); then the pending nodes packed for the exchange
+and the chunks received, P gradients' worth each (P: the most pending nodes of a replica), a
+chunk per cross-replica node and the gathered sum.
+None of it grows with the replica count. The plain data-parallel step keeps one accumulator.
 
-Communication per device: at most one gradient per tree level sent and one received (ceil(log2
-K) rounds; fewer in practice: only replicas whose range boundary falls inside a node of that
-level take part), then the broadcast, an all-reduce of one gradient. A plain data-parallel
-all-reduce moves about 2 gradients per device (ring reduce-scatter + all-gather), so the tree
-costs at most (ceil(log2 K) + 2) / 2 times that in bytes, and ceil(log2 K) extra latency steps.
+Communication per device: P (D - 1) / D gradients sent and received by the `all_to_all`, and
+(D - 1) / D by the `all_gather`: two collectives per dtype whatever the tree's depth. A plain
+all-reduce moves about 2 (D - 1) / D (ring reduce-scatter + all-gather): the same where P = 1.
+An earlier form sent the boundary nodes level by level (one `ppermute` per leaf and level, then
+a broadcast): under `elasjax launch`, where each collective crosses processes, the ZeRO demo's
+step takes 0.50-0.62 of its time with this one (experiments/RESULTS.md, "The tree sum's
+cross-replica phase").
 """
 
 from __future__ import annotations
@@ -52,32 +56,24 @@ SCRATCH = 0  # register that padding slots and no-op additions write to; never r
 
 
 @dataclasses.dataclass(frozen=True)
-class Round:
-    """One step of the cross-replica phase: an optional transfer, then local additions.
-
-    `perm` is the (source, destination) data ranks of the transfer (empty: none); `send[r]` is
-    the register rank r sends, `recv[r]` the one it writes what it receives to (SCRATCH when it
-    takes no part). `ops[r, i]` = (dst, a, b): rank r sets register dst to a + b."""
-
-    perm: tuple[tuple[int, int], ...]
-    send: np.ndarray  # [D] int32
-    recv: np.ndarray  # [D] int32
-    ops: np.ndarray  # [D, n, 3] int32
-
-
-@dataclasses.dataclass(frozen=True)
 class TreeSchedule:
     """Register-level program of the fixed-order tree sum for one layout (see module docstring).
 
-    `write[r, k]`: register rank r stores its k-th micro-batch's value in (SCRATCH for a padding
-    slot); `step_ops[r, k, i]` = (dst, a, b) additions after that write; then `rounds`; the sum
-    ends in register `root` of rank 0."""
+    Local phase, rank r: `write[r, k]` is the register its k-th micro-batch's value goes to
+    (SCRATCH for a padding slot), `step_ops[r, k, i]` = (dst, a, b) the additions after that
+    write (register dst = a + b), `flush[r, i]` those after its last micro-batch. Cross phase:
+    `pending[r]` are the registers of rank r's pending nodes (P of them, in canonical order; a
+    rank with fewer repeats register 1, never read); in the gathered table, entry r * P + i is
+    `pending[r][i]` and `cross` = ((dst, a, b), ...) appends entry dst = a + b, in order; the sum
+    is entry `root`."""
 
     n_canonical: int
     n_regs: int
     write: np.ndarray  # [D, m] int32
     step_ops: np.ndarray  # [D, m, MERGES_PER_STEP, 3] int32
-    rounds: tuple[Round, ...]
+    flush: np.ndarray  # [D, n, 3] int32 (n >= 1; SCRATCH rows are no-ops)
+    pending: np.ndarray  # [D, P] int32
+    cross: tuple[tuple[int, int, int], ...]
     root: int
 
     @property
@@ -192,56 +188,41 @@ def schedule(slots: np.ndarray) -> TreeSchedule:
         while ready:
             flush[r].append(merge())
 
-    rounds = [_round(D, (), {}, {}, flush)] if any(flush) else []
-    # cross-replica phase: level by level, the nodes spanning a boundary
-    for level in range(1, L + 1):
-        perm, send, recv = [], {}, {}
-        ops: list[list[tuple[int, int, int]]] = [[] for _ in range(D)]
-        freed: list[tuple[int, int]] = []
-        for j in range(((K - 1) >> level) + 1):
-            node = (level, j)
-            if is_local(*node):
-                continue
-            kids = _children(*node, K)
-            a = int(owner[span(*kids[0])[0]])
-            if len(kids) == 1:
-                where[node] = where.pop(kids[0])
-                continue
-            b = int(owner[span(*kids[1])[0]])
-            ra, rb = where.pop(kids[0]), where.pop(kids[1])
-            if a != b:
-                if a in recv or b in send:
-                    raise AssertionError(f"rank {a} or {b} in two transfers at level {level}")
-                perm.append((b, a))
-                send[b] = rb
-                recv[a] = regs[a].alloc()
-                freed.append((b, rb))
-                ops[a].append((ra, ra, recv[a]))
-                freed.append((a, recv[a]))
-            else:
-                ops[a].append((ra, ra, rb))
-                freed.append((a, rb))
-            where[node] = ra
-        for r, reg in freed:
-            regs[r].release(reg)
-        if perm or any(ops):
-            rounds.append(_round(D, tuple(perm), send, recv, ops))
-    root = where.pop((L, 0))
-    if owner[0] != 0 or where:
-        raise AssertionError("the tree sum did not end on rank 0 alone")
+    n = max(1, max(len(f) for f in flush))
+    flush_tab = np.full((D, n, 3), SCRATCH, np.int32)
+    for r, f in enumerate(flush):
+        if f:
+            flush_tab[r, : len(f)] = f
+    pending, cross, root = _cross_phase(where, owner, K, L, D)
     n_regs = max(rg.top for rg in regs)
-    return TreeSchedule(K, n_regs, write, step_ops, tuple(rounds), root)
+    return TreeSchedule(K, n_regs, write, step_ops, flush_tab, pending, cross, root)
 
 
-def _round(D, perm, send, recv, ops) -> Round:
-    n = max(1, max(len(o) for o in ops))
-    tab = np.full((D, n, 3), SCRATCH, np.int32)
-    for r, o in enumerate(ops):
-        if o:
-            tab[r, : len(o)] = o
-    s = np.array([send.get(r, SCRATCH) for r in range(D)], np.int32)
-    v = np.array([recv.get(r, SCRATCH) for r in range(D)], np.int32)
-    return Round(perm, s, v, tab)
+def _cross_phase(where, owner, K: int, L: int, D: int):
+    """(pending registers [D, P], cross additions, root entry) from the local phase's end:
+    `where` maps each pending node to its register on the rank holding its first index."""
+    held = [sorted((j << level, (level, j)) for (level, j) in where if owner[j << level] == r)
+            for r in range(D)]
+    P = max(1, max(len(h) for h in held))
+    entry: dict[tuple[int, int], int] = {}
+    pending = np.ones((D, P), np.int32)
+    for r, h in enumerate(held):
+        for i, (_, node) in enumerate(h):
+            entry[node] = r * P + i
+            pending[r, i] = where[node]
+    cross: list[tuple[int, int, int]] = []
+    for level in range(1, L + 1):
+        for j in range(((K - 1) >> level) + 1):
+            a, b = j << level, min((j + 1) << level, K)
+            if (level, j) in entry or owner[a] == owner[b - 1]:
+                continue  # pending, or inside a pending node
+            kids = _children(level, j, K)
+            if len(kids) == 1:  # no addition: the node is its only child
+                entry[(level, j)] = entry[kids[0]]
+                continue
+            entry[(level, j)] = D * P + len(cross)
+            cross.append((D * P + len(cross), entry[kids[0]], entry[kids[1]]))
+    return pending, tuple(cross), entry[(L, 0)]
 
 
 def reference_sum(values: np.ndarray) -> np.ndarray:
@@ -256,7 +237,7 @@ def reference_sum(values: np.ndarray) -> np.ndarray:
 
 def simulate(sched: TreeSchedule, slots: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Run `sched` in numpy on `values[c]` (one array per canonical micro-batch) the way the
-    device program does (registers, transfers, additions), returning rank 0's root."""
+    device program does (registers, the gathered table, additions), returning the sum."""
     m, D = np.asarray(slots).shape
     regs = np.zeros((D, sched.n_regs) + values.shape[1:], values.dtype)
     for k in range(m):
@@ -265,25 +246,26 @@ def simulate(sched: TreeSchedule, slots: np.ndarray, values: np.ndarray) -> np.n
             regs[r, sched.write[r, k]] = values[c] if c >= 0 else np.nan
             for dst, a, b in sched.step_ops[r, k]:
                 regs[r, dst] = regs[r, a] + regs[r, b]
-    for rd in sched.rounds:
-        got = {dst: regs[src, rd.send[src]].copy() for src, dst in rd.perm}
-        for r in range(D):
-            regs[r, rd.recv[r]] = got.get(r, np.nan)
-            for dst, a, b in rd.ops[r]:
-                regs[r, dst] = regs[r, a] + regs[r, b]
-    return regs[0, sched.root]
+    for r in range(D):
+        for dst, a, b in sched.flush[r]:
+            regs[r, dst] = regs[r, a] + regs[r, b]
+    regs[:, SCRATCH] = np.nan  # a padding slot's value or a no-op's result: never summed
+    table = [regs[r, reg] for r in range(D) for reg in sched.pending[r]]
+    for dst, a, b in sched.cross:
+        assert dst == len(table)
+        table.append(table[a] + table[b])
+    return table[sched.root]
 
 
 # -- the device program -------------------------------------------------------------------------
 #
 # Registers are separate arrays (SCRATCH is never stored), and every addition is static code:
-# the replicas' programs for a micro-batch (or a round) are grouped into the distinct ones, and a
-# `lax.switch` on a table indexed by the replica (and the micro-batch) runs its own. One stacked
+# the replicas' programs for a micro-batch (or the flush, or the choice of pending nodes) are
+# grouped into the distinct ones, and a `lax.switch` on a table indexed by the replica (and the
+# micro-batch) runs its own. The cross phase is the same code on every replica. One stacked
 # register file indexed at run time cost 4x this on XLA:CPU (a dynamic slice or update of the
 # file per register access, and every replica doing every addition, scratch ones included):
 # experiments/RESULTS.md, "The tree sum's device program".
-
-RECV = -1  # an operand of a round's addition: the value received in that round
 
 
 def _programs(shape: tuple[int, ...], keys: dict) -> tuple[np.ndarray, list]:
@@ -300,14 +282,11 @@ def _adds(ops) -> tuple[tuple[int, int, int], ...]:
     return tuple((int(d), int(a), int(b)) for d, a, b in ops if d != SCRATCH)
 
 
-def _run(regs: tuple, ops, got=None) -> tuple:
-    """`ops` (dst, a, b: register ids, or RECV for `got`) on the registers (register i is
-    `regs[i - 1]`)."""
+def _run(regs: tuple, ops) -> tuple:
+    """`ops` (dst, a, b: register ids) on the registers (register i is `regs[i - 1]`)."""
     regs = list(regs)
     for dst, a, b in ops:
-        va = got if a == RECV else regs[a - 1]
-        vb = got if b == RECV else regs[b - 1]
-        regs[dst - 1] = jax.tree.map(jnp.add, va, vb)
+        regs[dst - 1] = jax.tree.map(jnp.add, regs[a - 1], regs[b - 1])
     return tuple(regs)
 
 
@@ -324,7 +303,8 @@ class TreeSum:
     `specs` gives each value leaf's PartitionSpec without the data axis (its tensor sharding);
     the per-replica values passed to `step` are `[D, *leaf]`, sharded over `data` on axis 0.
     `init()` -> registers; `step(regs, values, k)` stores micro-batch k's values and does that
-    step's additions; `finish(regs)` runs the rounds and returns the sum on every replica."""
+    step's additions; `finish(regs)` adds the replicas' pending nodes (the module docstring's
+    cross phase) and returns the sum on every replica."""
 
     def __init__(self, sched: TreeSchedule, mesh: Mesh, specs: PyTree):
         self.sched, self.mesh, self.specs = sched, mesh, specs
@@ -339,27 +319,9 @@ class TreeSum:
             (r, k): (int(sched.write[r, k]), _adds(sched.step_ops[r, k]))
             for r in range(D) for k in range(m)
         })
-        self._rounds = [self._round(rd) for rd in sched.rounds]
-
-    def _round(self, rd: Round):
-        """(senders' register table, distinct registers sent, op table, distinct op programs)."""
-        senders = dict(rd.perm)
-        sent = sorted({int(rd.send[s]) for s in senders}) or [None]
-        send_tab = np.array([sent.index(int(rd.send[r])) if r in senders else 0
-                             for r in range(self.D)], np.int32)
-        receivers = {d for _, d in rd.perm}
-        progs = {}
-        for r in range(self.D):
-            recv = int(rd.recv[r]) if r in receivers else None
-            ops = _adds(rd.ops[r])
-            if recv is not None:
-                if any(d == recv for d, _, _ in ops):
-                    raise AssertionError(f"rank {r} writes its receive register {recv}")
-                ops = tuple((d, RECV if a == recv else a, RECV if b == recv else b)
-                            for d, a, b in ops)
-            progs[r] = ops
-        op_tab, op_progs = _programs((self.D,), progs)
-        return send_tab, sent, op_tab, op_progs
+        self._flush = _programs((D,), {r: _adds(sched.flush[r]) for r in range(D)})
+        self._pending = _programs((D,), {r: tuple(int(i) for i in sched.pending[r])
+                                         for r in range(D)})
 
     def _map(self, f, *trees):
         return jax.tree.map(f, *trees, is_leaf=self._is_spec)
@@ -413,23 +375,50 @@ class TreeSum:
                                rest_specs=(self._val_specs, PartitionSpec()))
 
     def finish(self, regs: tuple) -> PyTree:
-        sched, rounds = self.sched, self._rounds
+        sched, D = self.sched, self.D
+        flush_tab, flush_progs = self._flush
+        pend_tab, pend_progs = self._pending
+        P = sched.pending.shape[1]
+
+        def cross_sum(x):
+            """The sum from this replica's pending nodes packed as `x` [P, n] (one dtype)."""
+            n = x.shape[1]
+            c = -(-n // D)  # elements per chunk; the last chunk padded
+            x = jnp.pad(x, ((0, 0), (0, c * D - n))).reshape(P, D, c)
+            # [source replica, P, c]: this replica's chunk of every replica's pending nodes
+            x = jax.lax.all_to_all(x, DATA, 1, 0) if D > 1 else x.reshape(1, P, c)
+            table = [x[i // P, i % P] for i in range(D * P)]
+            for _, a, b in sched.cross:  # the same additions on every replica
+                table.append(table[a] + table[b])
+            total = table[sched.root]
+            if D > 1:
+                total = jax.lax.all_gather(total, DATA, tiled=True)
+            return total[:n]
+
+        def summed(nodes):
+            """The sum of every leaf from the P pending trees: the leaves of one dtype packed
+            into one vector, so two collectives per dtype move the whole gradient."""
+            leaves = [jax.tree.leaves(t) for t in nodes]
+            out = [None] * len(leaves[0])
+            for dtype in sorted({x.dtype.name for x in leaves[0]}):
+                idx = [i for i, x in enumerate(leaves[0]) if x.dtype.name == dtype]
+                total = cross_sum(jnp.stack([
+                    jnp.concatenate([ls[i].reshape(-1) for i in idx]) for ls in leaves]))
+                at = 0
+                for i in idx:
+                    shape = leaves[0][i].shape[1:]
+                    size = int(np.prod(shape))
+                    out[i] = total[at: at + size].reshape(shape)
+                    at += size
+            return jax.tree.unflatten(jax.tree.structure(nodes[0]), out)
 
         def local(regs):
             r = jax.lax.axis_index(DATA)
-            for rd, (send_tab, sent, op_tab, op_progs) in zip(sched.rounds, rounds):
-                got = None
-                if rd.perm:
-                    out = _select(jnp.asarray(send_tab)[r],
-                                  [lambda R, i=i: R[i - 1] for i in sent], regs)
-                    got = jax.lax.ppermute(out, DATA, rd.perm)
-                branches = [lambda R, g, ops=ops: _run(R, ops, g) for ops in op_progs]
-                regs = _select(jnp.asarray(op_tab)[r], branches, regs,
-                               got if got is not None else regs[0])
-            # only rank 0 holds the root; -0.0 elsewhere leaves its bits unchanged in the psum
-            mine = jax.tree.map(
-                lambda x: jnp.where(r == 0, x[0], jnp.array(-0.0, x.dtype)), regs[sched.root - 1]
-            )
-            return jax.lax.psum(mine, DATA)
+            regs = _select(jnp.asarray(flush_tab)[r],
+                           [lambda R, ops=ops: _run(R, ops) for ops in flush_progs], regs)
+            nodes = _select(jnp.asarray(pend_tab)[r],
+                            [lambda R, ids=ids: tuple(R[i - 1] for i in ids) for ids in pend_progs],
+                            regs)
+            return summed(nodes)
 
         return self._shard_map(local, regs, out=self.specs)

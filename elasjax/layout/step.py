@@ -163,7 +163,7 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
     one replica on its own (a `vmap` over the data axis, so nothing is reduced across
     replicas), and they are added in one fixed binary tree over the canonical indices
     (`treesum`): each replica adds the subtrees it holds whole as its micro-batches come, and
-    only the partial sums at its range's boundaries cross replicas. The result does not depend
+    the nodes spanning replicas are added chunk by chunk on every replica. The result does not depend
     on how many replicas there are or which one ran which micro-batch: runs on different meshes
     are bitwise equal (the tensor degree is kept fixed by the planner). Extra memory: at most
     ceil(log2 K) + 3 gradient-sized registers per device for K canonical micro-batches,
