@@ -76,10 +76,6 @@ class TreeSchedule:
     cross: tuple[tuple[int, int, int], ...]
     root: int
 
-    @property
-    def n_levels(self) -> int:
-        return tree_levels(self.n_canonical)
-
 
 def tree_levels(k: int) -> int:
     """Levels above the leaves: ceil(log2 k)."""
@@ -193,14 +189,15 @@ def schedule(slots: np.ndarray) -> TreeSchedule:
     for r, f in enumerate(flush):
         if f:
             flush_tab[r, : len(f)] = f
-    pending, cross, root = _cross_phase(where, owner, K, L, D)
+    pending, cross, root = _cross_phase(where, owner, is_local, K, L, D)
     n_regs = max(rg.top for rg in regs)
     return TreeSchedule(K, n_regs, write, step_ops, flush_tab, pending, cross, root)
 
 
-def _cross_phase(where, owner, K: int, L: int, D: int):
+def _cross_phase(where, owner, is_local, K: int, L: int, D: int):
     """(pending registers [D, P], cross additions, root entry) from the local phase's end:
-    `where` maps each pending node to its register on the rank holding its first index."""
+    `where` maps each pending node to its register on the rank holding its first index;
+    `is_local(level, j)`: does one rank hold all of that node's indices."""
     held = [sorted((j << level, (level, j)) for (level, j) in where if owner[j << level] == r)
             for r in range(D)]
     P = max(1, max(len(h) for h in held))
@@ -213,8 +210,7 @@ def _cross_phase(where, owner, K: int, L: int, D: int):
     cross: list[tuple[int, int, int]] = []
     for level in range(1, L + 1):
         for j in range(((K - 1) >> level) + 1):
-            a, b = j << level, min((j + 1) << level, K)
-            if (level, j) in entry or owner[a] == owner[b - 1]:
+            if (level, j) in entry or is_local(level, j):
                 continue  # pending, or inside a pending node
             kids = _children(level, j, K)
             if len(kids) == 1:  # no addition: the node is its only child
