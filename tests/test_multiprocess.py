@@ -309,6 +309,43 @@ def test_every_interrupted_block_renews_the_client_and_an_entry_barrier_failure_
         RuntimeConfig("h:1", 2, 0, renew_collectives="sometimes")
 
 
+def test_a_client_is_kept_only_where_no_communicator_among_survivors_exists():
+    """`collectives.reachable_cliques`: the communicators a later program could still use are
+    those whose devices all live (read from their rendezvous keys, intra-process ones too); a
+    process's death that leaves none keeps the client (the runtime's rule). A key of another
+    form, or a store that cannot be read, counts as reachable: the client is then renewed."""
+    from elasjax.runtime.collectives import reachable_cliques
+
+    class Store:
+        def __init__(self, keys):
+            self.keys = keys
+
+        def key_value_dir_get_bytes(self, d):
+            assert d == "cpu:gloo/"
+            return [(k, b"\x88addr") for k in self.keys]
+
+    class Broken:
+        def key_value_dir_get_bytes(self, d):
+            raise RuntimeError("UNAVAILABLE")
+
+    def keys(*cliques):
+        return [f"cpu:gloo/{c}/{r}" for c in cliques for r in range(c.count(",") + 1)]
+
+    # data 8 over 4 processes: every group spans the dead process 3 (devices 6, 7)
+    data = Store(keys("0,1,2,3,4,5,6,7"))
+    assert reachable_cliques(data, range(6)) == []
+    # a tensor pair inside process 0 survives with it: renew
+    pairs = Store(keys("0,1,2,3,4,5,6,7", "0,1", "6,7"))
+    assert reachable_cliques(pairs, range(6)) == ["0,1"]
+    # after a kept client the new plan's group is new; a second death leaves it out of reach too
+    assert reachable_cliques(Store(keys("0,1,2,3,4,5,6,7", "0,1,2,3,4,5")), range(4)) == []
+    assert reachable_cliques(Store(["cpu:gloo/0,1/x"]), range(8)) == ["? (cpu:gloo/0,1/x)"]
+    assert reachable_cliques(Store(["cpu:gloo/a,b/0"]), range(8)) == ["? (cpu:gloo/a,b/0)"]
+    assert reachable_cliques(Broken(), range(8)) == ["? (the store: RuntimeError)"]
+    assert reachable_cliques(Store([]), range(8)) == []
+    assert reachable_cliques(Store(keys("0", "1")), range(8)) == []  # one rank: no message
+
+
 def test_a_failed_gloo_rendezvous_names_the_ranks_that_never_published():
     """`collectives.rendezvous_note`, logged where a block failed in gloo's communicator creation:
     per clique, the ranks whose address is in the coordination service, the missing ones named

@@ -353,7 +353,8 @@ class Recoverer:
             renewal = self._renew_collectives(failure)
             if renewal is not None:
                 renewals.append(renewal)
-                stores[0] = stores[0].map_data(self.rt.current)
+                if not renewal.kept:
+                    stores[0] = stores[0].map_data(self.rt.current)
             store = stores[0]
             early = self._check_recoverable(pos, pool, store, dead, lost_hosts, new_plan, strategy)
             plan_s = time.perf_counter() - t0
@@ -447,9 +448,11 @@ class Recoverer:
             }) if self.cfg.parallel.spares and same_shape(pos.plan, new_plan) else [],
             from_n_devices=pos.plan.n_devices,
             to_n_devices=new_plan.n_devices,
-            collectives_renewed=bool(renewals),
+            collectives_renewed=any(not r.kept for r in renewals),
+            collectives_kept=any(r.kept for r in renewals),
             renew_s=sum(r.renew_s for r in renewals),
-            renew_reasons=" | ".join(r.reasons for r in renewals),
+            renew_reasons=" | ".join(r.reasons + (" (client kept)" if r.kept else "")
+                                     for r in renewals),
             detail=detail,
         )
 

@@ -105,6 +105,9 @@ class RecoveryEvent(RecoveryRecord):
     # a new CPU client with fresh gloo communicators was started (`elasjax.runtime.collectives`): its
     # time is in plan_s; executables of the old client are reloaded onto it when used
     collectives_renewed: bool = False
+    # a renewal was asked for and not needed: every communicator of the client includes a dead
+    # device (`collectives.reachable_cliques`); the client stayed, its transfer server renewed
+    collectives_kept: bool = False
     renew_s: float = 0.0
     renew_reasons: str = ""  # which process asked, and why
     detail: dict = dataclasses.field(default_factory=dict)  # what the runtime knows of the cause
@@ -141,6 +144,7 @@ class RecoveryEvent(RecoveryRecord):
             rungs=self.rungs + later.rungs,
             refused_snapshots=self.refused_snapshots + later.refused_snapshots,
             collectives_renewed=self.collectives_renewed or later.collectives_renewed,
+            collectives_kept=self.collectives_kept or later.collectives_kept,
             renew_reasons="; ".join(r for r in (self.renew_reasons, later.renew_reasons) if r),
             compiles=self.compiles,  # the count at this recovery's start
             detail={**later.detail, **self.detail, "first_step_failure": later.fault},

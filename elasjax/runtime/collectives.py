@@ -32,11 +32,29 @@ its peers may already have posted to; the next collective of that kind on the sa
 receives the stale message. Where the sizes differ gloo's size check throws on its own network
 thread, which has no handler: SIGABRT in a healthy survivor; where they match, the stale bytes
 are summed in silently (experiments/repro_gloo_stale_message.py shows both with plain JAX, and a
-renewal avoiding them). The old client cannot be kept "when the next plan's groups are new":
-other programs (checksums, evaluation, a later plan) reach the old communicators, and gloo may
-already hold a stale message in user space where shutting the socket down does not reach it.
+renewal avoiding them). The old client cannot be kept merely "when the next plan's groups are
+new": other programs (checksums, evaluation, a later plan) may reach an old communicator among
+survivors, and gloo may already hold a stale message in user space where shutting the socket
+down does not reach it. So the rule below asks of every communicator the client ever made.
 
-What may keep the client: a failure found at a guard's *entry* barrier by every process, none of
+What may keep the client, though a renewal was asked for:
+- A failure whose every stale communicator is out of reach (`reachable_cliques`): each communicator
+  the client made has its rendezvous keys in the coordination service (`cpu:gloo/<device ids>/
+  <rank>`, intra-process cliques too), and a communicator is only ever used again by a program
+  whose replica group is exactly its device list. When every one of them includes a dead
+  process's device, no later program of this client can reach one (a plan holds live devices
+  only; a dead process returns only through an admission, which makes a new client), so no
+  stale message can be received: the next plan's collectives make new communicators. Every live
+  process reads the keys after draining its own block and sends what it saw with its vote: a
+  communicator a survivor helped make is in that survivor's reading, so the union is complete. A
+  process that shut its sockets down (`abort_collectives`) cut the transfer server's connections
+  too: every live process starts a new transfer server instead. This is the common case of a
+  data-parallel plan losing a process (every group spans every process); a plan with a group
+  among survivors only (a tensor pair inside a process, a pipeline stage) renews. Tests:
+  tests/test_multiprocess.py::test_a_client_is_kept_only_where_no_communicator_among_survivors_exists
+  (the rule), test_deterministic_zero.py::test_deterministic_zero1_is_bitwise_under_launch (a
+  SIGKILL on the kept client, bitwise).
+- A failure found at a guard's *entry* barrier by every process, none of
 which aborted its collectives. Nothing ran since the last exit barrier, and no process posts
 "done" at an exit barrier before every program it dispatched in the block has finished (the
 block commits what it dispatched; a block that raised is drained, `drain`), so every
@@ -74,11 +92,40 @@ GLOBAL_TOPOLOGY = "cpu:global_topology"
 @dataclasses.dataclass(frozen=True)
 class Renewal:
     """Every live process's CPU client replaced at once (`Runtime.renew_collectives`): the new
-    client's generation, how long the replacement took here, and each voter's reason."""
+    client's generation, how long the replacement took here, and each voter's reason. `kept`:
+    a renewal was asked for and not needed (every communicator of the client includes a dead
+    device, `reachable_cliques`): the client stays, with new transfer servers."""
 
     generation: int
     renew_s: float
     reasons: str
+    kept: bool = False
+
+
+def reachable_cliques(client, live: Iterable[int]) -> list[str]:
+    """The gloo communicators of this CPU client that a later program could use: those whose
+    devices all live (two or more: one rank alone exchanges no message), read from their
+    rendezvous keys (`cpu:gloo/<ids>/<rank>`). A key of
+    another form, or a store that cannot be read, counts as reachable ("?"): the caller then
+    renews the client, as it would without this reading."""
+    live = set(live)
+    try:
+        keys = [k for k, _ in client.key_value_dir_get_bytes(GLOO_KEYS + "/")]
+    except Exception as err:  # noqa: BLE001 (unreadable: assume the worst)
+        return [f"? (the store: {type(err).__name__})"]
+    out = set()
+    for key in keys:
+        clique, _, rank = key[len(GLOO_KEYS) + 1:].rpartition("/")
+        try:
+            ids = [int(i) for i in clique.split(",")]
+        except ValueError:
+            out.add(f"? ({key})")
+            continue
+        if not rank.isdigit():
+            out.add(f"? ({key})")
+        elif len(ids) > 1 and set(ids) <= live:  # a communicator of one rank sends nothing
+            out.add(clique)
+    return sorted(out)
 
 
 def renewal_reason(mode: str, platform: str, failure: DeviceFailure, aborted: str | None = None) -> str | None:

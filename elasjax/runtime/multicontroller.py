@@ -61,7 +61,9 @@ from ..transfer.copies import CopyThreads
 from ..transfer.shards import ShardStore
 from . import failures, membership
 from .aborts import CollectiveAborts
-from .collectives import Renewal, drain, rendezvous_note, renew_cpu_client, renewal_reason
+from .collectives import (
+    Renewal, drain, reachable_cliques, rendezvous_note, renew_cpu_client, renewal_reason,
+)
 from .dataplane import DataPlane
 from .deathnote import DeathNotes
 from .faults import MULTI_CONTROLLER, FaultEvent
@@ -363,22 +365,38 @@ class MultiControllerRuntime:
     def renew_collectives(self, failure: DeviceFailure) -> Renewal | None:
         """After `failure`, replace every live process's CPU client by one with no gloo
         communicator when any of them votes so (`collectives.renewal_reason`: under `auto`, any
-        process whose block was interrupted or whose collectives were shut down; the module
-        docstring of `collectives` says why no narrower rule is safe). Every live process calls
-        it at the same point (a recovery's plan phase, a start's retry). Returns what happened
-        (for the event), or None when nobody asked. After a renewal, executables are reloaded on use
-        (`executables.on_devices`), shard buffers copied over by `current`."""
+        process whose block was interrupted or whose collectives were shut down) and, under
+        `auto`, some communicator of the client could still be reached: one among live devices
+        only, in any process's reading (`collectives.reachable_cliques`; the module docstring
+        of `collectives` says why that is the rule). Where none can, the client is kept and
+        every live process starts a new transfer server (an abort cut the old one's
+        connections). Every live process calls it at the same point (a recovery's plan phase,
+        a start's retry) and reaches the same decision from the same votes. Returns what
+        happened (for the event), or None when nobody asked. After a renewal, executables are
+        reloaded on use (`executables.on_devices`), shard buffers copied over by `current`."""
         mine = renewal_reason(self.rc.renew_collectives, self.rc.platform, failure,
                               self.aborts.reason)
-        votes = self.agree(mine)  # each live process's reason, or None
-        why = "; ".join(f"process {p}: {v}" for p, v in sorted(votes.items()) if v)
+        reach = (reachable_cliques(self.client, self.live)
+                 if self.rc.platform == "cpu" and self.rc.renew_collectives == "auto" else None)
+        votes = self.agree({"why": mine, "reach": reach})  # each process's reason and reading
+        why = "; ".join(f"process {p}: {v['why']}" for p, v in sorted(votes.items()) if v["why"])
         if not why:
             return None
         t0 = time.perf_counter()
+        if self.rc.renew_collectives == "auto" and not any(v["reach"] for v in votes.values()):
+            self.links.start(self.local[0])
+            self.aborts.clear()  # no communicator it shut down is used again
+            took = time.perf_counter() - t0
+            self.log(f"kept the CPU client (generation {self.generation}): every gloo "
+                     f"communicator it made includes a dead device; new transfer server in "
+                     f"{took:.3f}s ({why})")
+            return Renewal(self.generation, took, why, kept=True)
         self._new_client(self.generation + 1)
         took = time.perf_counter() - t0
+        reached = sorted({c for v in votes.values() for c in v["reach"] or ()})
+        among = f"; communicators among survivors: {reached}" if reached else ""
         self.log(f"new CPU client (generation {self.generation}, fresh gloo communicators) in "
-                 f"{took:.3f}s ({why})")
+                 f"{took:.3f}s ({why}{among})")
         return Renewal(self.generation, took, why)
 
     def _new_client(self, generation: int) -> None:
