@@ -567,45 +567,10 @@ class StateLayout:
 
     # -- deterministic mode ----------------------------------------------------------------------
 
-    def fixed_order_norm(self, params: PyTree, mesh: Mesh | None = None,
-                         specs: PyTree | None = None) -> jax.Array:
+    def fixed_order_norm(self, params: PyTree) -> jax.Array:
         """Global L2 norm of a params-shaped tree, reduced in an order that does not depend on
         the plan: a sum of squares per layer (stacked `[L, ...]` and slot `[S, Lmax, ...]`
-        leaves alike) or per leaf, added one after another in canonical leaf and layer order.
-
-        Given the `mesh` and the leaves' `specs` (an unpipelined plan: the deterministic
-        gradient in parameter form, replicated over the data axis), each device reduces its
-        own block and a `psum` over the axes a leaf is sharded on (tensor, of a fixed degree)
-        completes it: every sum is over the same elements on every plan, with no collective on
-        the data axis. Left to GSPMD, the sums were split over sub-groups of the data axis
-        (pairs and quads of replicas): partial sums that depend on the replica count, and gloo
-        communicators among some survivors of a failure that oblige the launch runtime to
-        renew its CPU client (`runtime.collectives`)."""
-        if mesh is None or specs is None or self.stage_layout is not None:
-            return self._norm_of(params)
-        leaves, treedef = jax.tree.flatten(params)
-        spec_leaves = treedef.flatten_up_to(specs)
-        paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-
-        def local(*blocks):
-            parts = []
-            for path, g, spec in zip(paths, blocks, spec_leaves):
-                layered = "layers" in path.split("/")
-                if layered and len(spec) and spec[0] is not None:
-                    raise ValueError(
-                        f"fixed_order_norm: {path} is sharded on its layer axis ({spec}); "
-                        "expected the parameter form of an unpipelined plan")
-                sq = jnp.square(g.astype(jnp.float32))
-                part = jnp.sum(sq, axis=tuple(range(1, g.ndim))) if layered else jnp.sum(sq)[None]
-                axes = tuple(a for e in spec for a in checksum._axes_of(e) if mesh.shape[a] > 1)
-                parts.append(jax.lax.psum(part, axes) if axes else part)
-            return self._ordered_root(jnp.concatenate(parts))
-
-        return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec_leaves),
-                             out_specs=PartitionSpec(), check_vma=False)(*leaves)
-
-    def _norm_of(self, params: PyTree) -> jax.Array:
-        """`fixed_order_norm` of a whole tree, reductions left to GSPMD (pipelines, no mesh)."""
+        leaves alike) or per leaf, added one after another in canonical leaf and layer order."""
         parts = []
         slots = self.stage_layout
         for path, g in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -617,11 +582,7 @@ class StateLayout:
             else:
                 per_slot = jnp.sum(sq, axis=tuple(range(2, g.ndim))).reshape(-1)
                 parts.append(jnp.take(per_slot, jnp.asarray(slots.layer_flat_slot())))
-        return self._ordered_root(jnp.concatenate(parts))
-
-    @staticmethod
-    def _ordered_root(v: jax.Array) -> jax.Array:
-        """sqrt of `v`'s elements added one after another, first to last."""
+        v = jnp.concatenate(parts)
         total, _ = jax.lax.scan(lambda acc, x: (acc + x, None), jnp.zeros((), v.dtype), v)
         return jnp.sqrt(total)
 

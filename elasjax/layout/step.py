@@ -295,16 +295,13 @@ def make_train_step(
         grad_fn = functools.partial(grad_fn, plan=plan)
     stage = layout.stage
     clip = cfg.train.grad_clip
-    # the deterministic gradient's form (`_deterministic_grad_fn`): the parameters' shardings
-    grad_specs = jax.tree.map(
-        lambda sh: sh.spec, layout.param_shardings(mesh) if stage == 3 else state_sh.params)
 
     def train_step(state: TrainState, batch: dict):
         loss, grads = grad_fn(state.params, batch, state.step)
         if cfg.deterministic:
             # the optimizer's own clipping is off in this mode (`make_optimizer`): its global
             # norm reduces in an order that depends on the layout; this one does not
-            norm = layout.fixed_order_norm(grads, mesh, grad_specs)
+            norm = layout.fixed_order_norm(grads)
             if clip > 0:
                 grads = jax.tree.map(
                     lambda g: jnp.where(norm < clip, g, (g / norm.astype(g.dtype)) * clip), grads

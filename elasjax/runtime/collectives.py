@@ -48,12 +48,12 @@ What may keep the client, though a renewal was asked for:
   process reads the keys after draining its own block and sends what it saw with its vote: a
   communicator a survivor helped make is in that survivor's reading, so the union is complete. A
   process that shut its sockets down (`abort_collectives`) cut the transfer server's connections
-  too: every live process starts a new transfer server instead. This is the common case of a
-  data-parallel plan losing a process (every group spans every process); a plan with a group
-  among survivors only (a tensor pair inside a process, a pipeline stage) renews. Tests:
-  tests/test_multiprocess.py::test_a_client_is_kept_only_where_no_communicator_among_survivors_exists
-  (the rule), test_deterministic_zero.py::test_deterministic_zero1_is_bitwise_under_launch (a
-  SIGKILL on the kept client, bitwise).
+  too: every live process starts a new transfer server instead. A plan whose every group spans
+  every process is this case; a plan with a group among survivors only (a tensor pair inside a
+  process, a pipeline stage, sub-groups of the data axis that GSPMD made, the pairs the suite's
+  4-process ZeRO-1 launches make) renews. Test of the rule: tests/test_multiprocess.py::
+  test_a_client_is_kept_only_where_no_communicator_among_survivors_exists; launches that kept
+  the client (the ZeRO demo's second kill): experiments/RESULTS.md, "A kept CPU client".
 - A failure found at a guard's *entry* barrier by every process, none of
 which aborted its collectives. Nothing ran since the last exit barrier, and no process posts
 "done" at an exit barrier before every program it dispatched in the block has finished (the
