@@ -567,10 +567,64 @@ class StateLayout:
 
     # -- deterministic mode ----------------------------------------------------------------------
 
-    def fixed_order_norm(self, params: PyTree) -> jax.Array:
+    def fixed_order_norm(self, params: PyTree, mesh: Mesh | None = None,
+                         specs: PyTree | None = None, step: jax.Array | None = None) -> jax.Array:
         """Global L2 norm of a params-shaped tree, reduced in an order that does not depend on
         the plan: a sum of squares per layer (stacked `[L, ...]` and slot `[S, Lmax, ...]`
-        leaves alike) or per leaf, added one after another in canonical leaf and layer order."""
+        leaves alike) or per leaf, added one after another in canonical leaf and layer order.
+
+        Given the `mesh`, the leaves' `specs` (an unpipelined plan: the deterministic gradient
+        in parameter form, replicated over the data axis) and the `step` count, each device
+        reduces its own block and a `psum` over the axes a leaf is sharded on (tensor, of a
+        fixed degree) completes it: every sum is over the same elements on every plan, with no
+        collective on the data axis. Left to GSPMD, the sums were split over sub-groups of the
+        data axis (pairs and quads of replicas): partial sums that depend on the replica count
+        (so did every clipped gradient), and gloo communicators among some survivors of a
+        failure, which oblige the launch runtime to renew its CPU client
+        (`runtime.collectives`). The block sums run in a conditional's branch (its predicate,
+        `step >= 0`, never false but unknown to the compiler), compiled on its own: fused with
+        the gradient's producers, the same sums over the same elements came out 1 ulp apart on
+        6 and 8 replicas where the norm also fed the clipping (tests/test_deterministic_zero.py::
+        test_a_clipped_step_is_bitwise_on_any_replica_count; `step._apply_apart` says the same
+        of the optimizer)."""
+        if mesh is None or specs is None or step is None or self.stage_layout is not None:
+            return self._norm_of(params)
+        leaves, treedef = jax.tree.flatten(params)
+        spec_leaves = treedef.flatten_up_to(specs)
+        paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        for path, spec in zip(paths, spec_leaves):
+            if "layers" in path.split("/") and len(spec) and spec[0] is not None:
+                raise ValueError(
+                    f"fixed_order_norm: {path} is sharded on its layer axis ({spec}); "
+                    "expected the parameter form of an unpipelined plan")
+
+        def block_sums(blocks):
+            out = []
+            for path, g in zip(paths, blocks):
+                sq = jnp.square(g.astype(jnp.float32))
+                if "layers" in path.split("/"):
+                    out.append(jnp.sum(sq, axis=tuple(range(1, g.ndim))))
+                else:
+                    out.append(jnp.sum(sq)[None])
+            return tuple(out)
+
+        def local(n, *blocks):
+            parts = jax.lax.cond(
+                n >= 0, block_sums,
+                lambda bs: tuple(jnp.zeros(p.shape, p.dtype)
+                                 for p in jax.eval_shape(block_sums, bs)),
+                blocks)
+            out = []
+            for part, spec in zip(parts, spec_leaves):
+                axes = tuple(a for e in spec for a in checksum._axes_of(e) if mesh.shape[a] > 1)
+                out.append(jax.lax.psum(part, axes) if axes else part)
+            return self._ordered_root(jnp.concatenate(out))
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), *spec_leaves),
+                             out_specs=PartitionSpec(), check_vma=False)(step, *leaves)
+
+    def _norm_of(self, params: PyTree) -> jax.Array:
+        """`fixed_order_norm` of a whole tree, reductions left to GSPMD (pipelines, no mesh)."""
         parts = []
         slots = self.stage_layout
         for path, g in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -582,7 +636,11 @@ class StateLayout:
             else:
                 per_slot = jnp.sum(sq, axis=tuple(range(2, g.ndim))).reshape(-1)
                 parts.append(jnp.take(per_slot, jnp.asarray(slots.layer_flat_slot())))
-        v = jnp.concatenate(parts)
+        return self._ordered_root(jnp.concatenate(parts))
+
+    @staticmethod
+    def _ordered_root(v: jax.Array) -> jax.Array:
+        """sqrt of `v`'s elements added one after another, first to last."""
         total, _ = jax.lax.scan(lambda acc, x: (acc + x, None), jnp.zeros((), v.dtype), v)
         return jnp.sqrt(total)
 

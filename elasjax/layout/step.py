@@ -260,8 +260,9 @@ def _pipelined_grad_fn(cfg: Config, mesh: Mesh, layout: StateLayout):
     return grad_fn
 
 
-def _apply_apart(tx, grads, opt_state, params, step):
-    """`tx`'s update applied to ZeRO storage in kernels of their own, for deterministic mode.
+def _apply_apart(tx, grads, opt_state, params, step, clip_scale=None):
+    """`tx`'s update applied to ZeRO storage in kernels of their own, for deterministic mode,
+    the gradient first multiplied by `clip_scale` (a scalar: the clipping's factor) where given.
 
     On storage, each device's optimizer arrays change length and provenance with the replica
     count, and XLA fuses the storage conversion into the optimizer's kernels. XLA:CPU contracts
@@ -272,18 +273,23 @@ def _apply_apart(tx, grads, opt_state, params, step):
     that (XLA removes it before fusion); a conditional's branch is compiled on its own, so its
     kernels read and write plain buffers in every layout and each element sees the same
     operations whatever the partition. The predicate is never false (the step count starts at
-    0) but is not known to the compiler, which keeps the branch."""
+    0) but is not known to the compiler, which keeps the branch. The clipping's multiply is in
+    the branch too: fused with the storage conversion outside it, it changed 1 ulp of Adam's
+    first moment on a few hundred elements between 8 and 6 replicas at a clipped step
+    (experiments/RESULTS.md, "Clipping inside the optimizer's branch")."""
 
     def update(args):
-        g, o, p = args
+        g, o, p, scale = args
+        if scale is not None:
+            g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
         updates, o = tx.update(g, o, p)
         return optax.apply_updates(p, updates), o
 
     def keep(args):
-        _, o, p = args
+        _, o, p, _ = args
         return p, o
 
-    return jax.lax.cond(step >= 0, update, keep, (grads, opt_state, params))
+    return jax.lax.cond(step >= 0, update, keep, (grads, opt_state, params, clip_scale))
 
 
 def make_train_step(
@@ -295,24 +301,28 @@ def make_train_step(
         grad_fn = functools.partial(grad_fn, plan=plan)
     stage = layout.stage
     clip = cfg.train.grad_clip
+    # the deterministic gradient's form (`_deterministic_grad_fn`): the parameters' shardings
+    grad_specs = jax.tree.map(
+        lambda sh: sh.spec, layout.param_shardings(mesh) if stage == 3 else state_sh.params)
 
     def train_step(state: TrainState, batch: dict):
         loss, grads = grad_fn(state.params, batch, state.step)
         if cfg.deterministic:
             # the optimizer's own clipping is off in this mode (`make_optimizer`): its global
             # norm reduces in an order that depends on the layout; this one does not
-            norm = layout.fixed_order_norm(grads)
-            if clip > 0:
-                grads = jax.tree.map(
-                    lambda g: jnp.where(norm < clip, g, (g / norm.astype(g.dtype)) * clip), grads
-                )
+            norm = layout.fixed_order_norm(grads, mesh, grad_specs, state.step)
+            # one scalar factor, 1 below the threshold; on ZeRO storage it is applied inside the
+            # optimizer's own branch (`_apply_apart`)
+            scale = jnp.where(norm < clip, 1.0, clip / norm).astype(jnp.float32) if clip > 0 else None
+            if scale is not None and stage == 0:
+                grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         # the gradient comes in parameter form for ZeRO-0/1 and in deterministic mode
         # (`_deterministic_grad_fn`), else in the ZeRO storage (`make_grad_fn`)
         whole = stage < 2 or cfg.deterministic
         p_opt = state.params if stage in (0, 3) else layout.to_storage(state.params, mesh)
         g_opt = layout.to_storage(grads, mesh) if stage > 0 and whole else grads
         if cfg.deterministic and stage > 0:
-            new_p, opt_state = _apply_apart(tx, g_opt, state.opt_state, p_opt, state.step)
+            new_p, opt_state = _apply_apart(tx, g_opt, state.opt_state, p_opt, state.step, scale)
         else:
             updates, opt_state = tx.update(g_opt, state.opt_state, p_opt)
             new_p = optax.apply_updates(p_opt, updates)

@@ -50,8 +50,7 @@ What may keep the client, though a renewal was asked for:
   process that shut its sockets down (`abort_collectives`) cut the transfer server's connections
   too: every live process starts a new transfer server instead. A plan whose every group spans
   every process is this case; a plan with a group among survivors only (a tensor pair inside a
-  process, a pipeline stage, sub-groups of the data axis that GSPMD made, the pairs the suite's
-  4-process ZeRO-1 launches make) renews. Test of the rule: tests/test_multiprocess.py::
+  process, a pipeline stage, the pairs the suite's 4-process ZeRO-1 launches make) renews. Test of the rule: tests/test_multiprocess.py::
   test_a_client_is_kept_only_where_no_communicator_among_survivors_exists; launches that kept
   the client (the ZeRO demo's second kill): experiments/RESULTS.md, "A kept CPU client".
 - A failure found at a guard's *entry* barrier by every process, none of
