@@ -50,9 +50,11 @@ What may keep the client, though a renewal was asked for:
   process that shut its sockets down (`abort_collectives`) cut the transfer server's connections
   too: every live process starts a new transfer server instead. A plan whose every group spans
   every process is this case; a plan with a group among survivors only (a tensor pair inside a
-  process, a pipeline stage, the pairs the suite's 4-process ZeRO-1 launches make) renews. Test of the rule: tests/test_multiprocess.py::
+  process, a pipeline stage, the pairs the suite's 4-process ZeRO-1 launches make) renews. Test
+  of the rule: tests/test_multiprocess.py::
   test_a_client_is_kept_only_where_no_communicator_among_survivors_exists; launches that kept
-  the client (the ZeRO demo's second kill): experiments/RESULTS.md, "A kept CPU client".
+  the client (the ZeRO demo at both kills, the demo at its second): experiments/RESULTS.md,
+  "Clipping inside the optimizer's branch".
 - A failure found at a guard's *entry* barrier by every process, none of
 which aborted its collectives. Nothing ran since the last exit barrier, and no process posts
 "done" at an exit barrier before every program it dispatched in the block has finished (the
@@ -104,9 +106,9 @@ class Renewal:
 def reachable_cliques(client, live: Iterable[int]) -> list[str]:
     """The gloo communicators of this CPU client that a later program could use: those whose
     devices all live (two or more: one rank alone exchanges no message), read from their
-    rendezvous keys (`cpu:gloo/<ids>/<rank>`). A key of
-    another form, or a store that cannot be read, counts as reachable ("?"): the caller then
-    renews the client, as it would without this reading."""
+    rendezvous keys (`cpu:gloo/<ids>/<rank>`). A key of another form, or a store that cannot be
+    read, counts as reachable ("?"): the caller then renews the client, as it would without
+    this reading."""
     live = set(live)
     try:
         keys = [k for k, _ in client.key_value_dir_get_bytes(GLOO_KEYS + "/")]
