@@ -592,21 +592,15 @@ class StateLayout:
         leaves, treedef = jax.tree.flatten(params)
         spec_leaves = treedef.flatten_up_to(specs)
         paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-        for path, spec in zip(paths, spec_leaves):
-            if "layers" in path.split("/") and len(spec) and spec[0] is not None:
+        layered = [_layered(path) for path in paths]
+        for path, lay, spec in zip(paths, layered, spec_leaves):
+            if lay and len(spec) and spec[0] is not None:
                 raise ValueError(
                     f"fixed_order_norm: {path} is sharded on its layer axis ({spec}); "
                     "expected the parameter form of an unpipelined plan")
 
         def block_sums(blocks):
-            out = []
-            for path, g in zip(paths, blocks):
-                sq = jnp.square(g.astype(jnp.float32))
-                if "layers" in path.split("/"):
-                    out.append(jnp.sum(sq, axis=tuple(range(1, g.ndim))))
-                else:
-                    out.append(jnp.sum(sq)[None])
-            return tuple(out)
+            return tuple(_square_sums(g, lay) for g, lay in zip(blocks, layered))
 
         def local(n, *blocks):
             parts = jax.lax.cond(
@@ -628,12 +622,11 @@ class StateLayout:
         parts = []
         slots = self.stage_layout
         for path, g in jax.tree_util.tree_flatten_with_path(params)[0]:
-            sq = jnp.square(g.astype(jnp.float32))
-            if "layers" not in path_str(path).split("/"):
-                parts.append(jnp.sum(sq)[None])
-            elif slots is None:
-                parts.append(jnp.sum(sq, axis=tuple(range(1, g.ndim))))
+            lay = _layered(path_str(path))
+            if slots is None or not lay:
+                parts.append(_square_sums(g, lay))
             else:
+                sq = jnp.square(g.astype(jnp.float32))
                 per_slot = jnp.sum(sq, axis=tuple(range(2, g.ndim))).reshape(-1)
                 parts.append(jnp.take(per_slot, jnp.asarray(slots.layer_flat_slot())))
         return self._ordered_root(jnp.concatenate(parts))
@@ -643,6 +636,17 @@ class StateLayout:
         """sqrt of `v`'s elements added one after another, first to last."""
         total, _ = jax.lax.scan(lambda acc, x: (acc + x, None), jnp.zeros((), v.dtype), v)
         return jnp.sqrt(total)
+
+
+def _layered(path: str) -> bool:
+    """Is the parameter at `path` stacked over layers (`[L, ...]`)?"""
+    return "layers" in path.split("/")
+
+
+def _square_sums(g: jax.Array, layered: bool) -> jax.Array:
+    """float32 sums of `g`'s squares: one per layer of a stacked leaf, else one ([1])."""
+    sq = jnp.square(g.astype(jnp.float32))
+    return jnp.sum(sq, axis=tuple(range(1, g.ndim))) if layered else jnp.sum(sq)[None]
 
 
 class OptimizerMeaningError(ValueError):

@@ -163,9 +163,9 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
     one replica on its own (a `vmap` over the data axis, so nothing is reduced across
     replicas), and they are added in one fixed binary tree over the canonical indices
     (`treesum`): each replica adds the subtrees it holds whole as its micro-batches come, and
-    the nodes spanning replicas are added chunk by chunk on every replica. The result does not depend
-    on how many replicas there are or which one ran which micro-batch: runs on different meshes
-    are bitwise equal (the tensor degree is kept fixed by the planner). Extra memory: at most
+    the nodes spanning replicas are added chunk by chunk on every replica. The result does not
+    depend on how many replicas there are or which one ran which micro-batch: runs on different
+    meshes are bitwise equal (the tensor degree is kept fixed by the planner). Extra memory: at most
     ceil(log2 K) + 3 gradient-sized registers per device for K canonical micro-batches,
     whatever the replica count (tests/test_deterministic_memory.py measures it).
 
@@ -313,7 +313,9 @@ def make_train_step(
             norm = layout.fixed_order_norm(grads, mesh, grad_specs, state.step)
             # one scalar factor, 1 below the threshold; on ZeRO storage it is applied inside the
             # optimizer's own branch (`_apply_apart`)
-            scale = jnp.where(norm < clip, 1.0, clip / norm).astype(jnp.float32) if clip > 0 else None
+            scale = None
+            if clip > 0:
+                scale = jnp.where(norm < clip, 1.0, clip / norm).astype(jnp.float32)
             if scale is not None and stage == 0:
                 grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         # the gradient comes in parameter form for ZeRO-0/1 and in deterministic mode
