@@ -158,6 +158,8 @@ RATIOS = [
     ("elasjax ZeRO-0", "plain JAX replicated"),
     ("elasjax ZeRO-1 no snapshots", "plain JAX ZeRO-1"),
     ("elasjax ZeRO-1", "plain JAX ZeRO-1"),
+    # the default mode (`train.deterministic: auto` is on wherever the config allows it)
+    ("elasjax deterministic ZeRO-1", "plain JAX ZeRO-1"),
     ("elasjax ZeRO-2", "plain JAX ZeRO-1"),
     ("elasjax ZeRO-3", "plain JAX ZeRO-3"),
     ("elasjax ZeRO-0", "elasjax grad + plain loop replicated"),

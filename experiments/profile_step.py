@@ -1,7 +1,7 @@
 """Where a step's time goes: the plain JAX step and elasjax's, compiled side by side.
 
     python experiments/profile_step.py [--sizes demo,3m,25m] [--reps 5] [--user-donate no]
-                                       [--deterministic] [--sliced] [--ops N]
+                                       [--deterministic] [--sliced] [--ops N] [--writes N]
                                        [--out results/profile]
 
 For each size (`bench_scale.SIZES`, configs from `bench_scale.size_config`: batch 32 x 64
@@ -39,6 +39,14 @@ per-operation spans by kind (`op_ms`): a second table lists the N kinds whose CP
 differs most from (a)'s. It says which operations an extra cost is in (the fusions' names are
 XLA's: a fusion is named after its root operations).
 
+`--writes N` adds a table of the MB each program's device writes per step (`written_mb`: every
+instruction's output in the optimized HLO outside fusion bodies, loops multiplied by their trip
+counts), grouped by phase (forward, backward, the rest of the step) and primitive, the N groups
+that differ most from (a)'s. It is the program's static account, not a timing: on fake CPU
+devices a step of this size is bound by memory traffic, and the op spans of `--ops` are wall
+times of 8 threads sharing the cores (a span includes the time its thread waited for a core), so
+they move with what the other threads do; the written bytes do not.
+
 Reading the table: what elasjax's step adds is (b) - (a), row by row. The host time elasjax's
 loop spends per step outside its device program (batches, dispatch, checksum reads,
 snapshots) is NOT measured here: it is bench_scale's per-step time of the whole run minus this
@@ -66,6 +74,7 @@ import bench_scale  # noqa: E402  (sets 8 fake CPU devices before jax loads)
 import user_loop  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from elasjax.compilation.executables import compile_plan  # noqa: E402
 from elasjax.loop.data import DataPipeline  # noqa: E402
@@ -118,6 +127,102 @@ def op_counts(hlo: str) -> dict:
     return out
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_NO_WRITE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "call",
+             "conditional", "after-all", "partition-id", "replica-id"}
+
+
+def _array_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        total += int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) \
+            * _DTYPE_BYTES[dtype]
+    return total
+
+
+def written_mb(hlo: str) -> dict:
+    """MB one device's program writes per step, by where it comes from: each instruction's output
+    in the optimized HLO outside fusion bodies (a fusion counts its own output, an in-place
+    dynamic-update-slice only its update: its smallest array operand), a while loop's body
+    multiplied by its `known_trip_count` (1 where XLA gives none), a conditional counted as its
+    largest branch, `call`s followed. Keyed "phase/primitive": the phase "forward" (under `jvp`),
+    "backward" (under `transpose`) or "step", the primitive the last part of the instruction's
+    `op_name` (a fusion's is its root's). Static accounting, not a measurement: what the program
+    is written to store, not what the caches make of it."""
+    comps: dict[str, list] = {}
+    cur = None
+    for line in re.sub(r"/\*.*?\*/", "", hlo).splitlines():
+        head = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and " = " not in line.split("{")[0]:
+            cur = head.group(1)
+            comps[cur] = []
+            if line.lstrip().startswith("ENTRY"):
+                entry = cur
+            continue
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$", line)
+        if m and cur is not None:
+            comps[cur].append(m.groups())
+
+    memo: dict[str, Counter] = {}
+
+    def total(comp: str) -> Counter:
+        if comp in memo:
+            return memo[comp]
+        out, shapes = Counter(), {}
+        for name, shape, op, rest in comps.get(comp, []):
+            shapes[name] = shape
+            if op == "while":
+                body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
+                trip = re.search(r'known_trip_count":\{"n":"(\d+)"', rest)
+                for k, v in total(body).items():
+                    out[k] += v * (int(trip.group(1)) if trip else 1)
+            elif op == "call":
+                out.update(total(re.search(r"to_apply=%?([\w.\-]+)", rest).group(1)))
+            elif op == "conditional":
+                names = re.findall(r"%?([\w.\-]+)", re.search(
+                    r"branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+)", rest
+                ).group(0).split("=", 1)[1])
+                out.update(max((total(b) for b in names), key=lambda c: sum(c.values())))
+            elif op not in _NO_WRITE:
+                size = _array_bytes(shape)
+                if "dynamic-update-slice" in name or op == "dynamic-update-slice":
+                    args = [_array_bytes(shapes.get(a, "")) for a in
+                            re.findall(r"%([\w.\-]+)", rest.split(")")[0])]
+                    size = min([a for a in args if a > 8] or [size])
+                where = re.search(r'op_name="([^"]*)"', rest)
+                path = where.group(1) if where else op
+                phase = ("backward" if "transpose(" in path else
+                         "forward" if "jvp(" in path else "step")
+                prim = re.sub(r"\.\d+$", "", path.rsplit("/", 1)[-1]) or op
+                out[f"{phase}/{prim}"] += size / 2**20
+        memo[comp] = out
+        return out
+
+    return dict(total(entry))
+
+
+def writes_table(result: dict, top: int) -> str:
+    """The "phase/primitive" groups whose MB written per step differ most from (a)'s."""
+    rows = {k: r["written_mb"] for k, r in result["rows"].items() if "written_mb" in r}
+    base_name = next((k for k in rows if k.startswith("(a)")), None)
+    if base_name is None or len(rows) < 2:
+        return ""
+    base = rows[base_name]
+    others = [k for k in rows if k != base_name and "checksum" not in k]
+    kinds = set(base).union(*(rows[k] for k in others))
+    spread = {k: max(abs(rows[o].get(k, 0) - base.get(k, 0)) for o in others) for k in kinds}
+    head = ["MB written per device per step (static)", base_name] + others
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for k in sorted(kinds, key=lambda k: -spread[k])[:top]:
+        lines.append(f"| {k} | {base.get(k, 0):.1f} | "
+                     + " | ".join(f"{rows[o].get(k, 0):.1f}" for o in others) + " |")
+    lines.append("| all | " + " | ".join(f"{sum(rows[n].values()):.1f}"
+                                         for n in [base_name] + others) + " |")
+    return "\n".join(lines)
+
+
 def describe(lowered, compiled, seconds: float) -> dict:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per HLO module
@@ -135,6 +240,7 @@ def describe(lowered, compiled, seconds: float) -> dict:
             k: getattr(mem, f"{k}_size_in_bytes") / 2**20
             for k in ("argument", "output", "temp", "alias")},
         "ops": op_counts(compiled.as_text()),
+        "written_mb": written_mb(compiled.as_text()),
         "ops_pre": pre,
     }
 
@@ -291,6 +397,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="also trace each program and list the N op kinds whose CPU time per "
                          "step differs most from (a)'s (`op_ms`)")
+    ap.add_argument("--writes", type=int, default=0, metavar="N",
+                    help="also list the N phase/primitive groups whose MB written per step "
+                         "(static, from the optimized HLO: `written_mb`) differ most from (a)'s")
     ap.add_argument("--out", help="a folder for profile.md and a JSON per size")
     args = ap.parse_args(argv)
     donates = {"no": [False], "yes": [True], "both": [True, False]}[args.user_donate]
@@ -305,6 +414,8 @@ def main(argv=None) -> int:
         text += ["", f"## {size} ({r['n_params'] / 1e6:.2f}M parameters)", "", table(r)]
         if args.ops:
             text += ["", op_table(r, args.ops)]
+        if args.writes:
+            text += ["", writes_table(r, args.writes)]
         print("\n".join(text[-6:]), flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)

@@ -83,34 +83,43 @@ def test_bad_dealings_are_refused():
         treesum.schedule(np.array([[0, 0]]))
 
 
-@pytest.mark.parametrize("K", [7, 8, 13])
-def test_the_device_program_gives_the_trees_bits_on_every_replica_count(K):
+@pytest.mark.parametrize("K,own", [(7, None), (8, None), (13, None), (13, 4)])
+def test_the_device_program_gives_the_trees_bits_on_every_replica_count(K, own, monkeypatch):
     """`TreeSum` on meshes of 1..8 replicas (the planner's dealings, padding slots included):
-    every replica ends with the tree's sum, bit for bit."""
+    every replica ends with the tree's sum of each leaf, bit for bit. With `own` = 4 the leaf of
+    4 elements is exchanged on its own and the two of 3 packed together (`OWN_EXCHANGE`);
+    otherwise all three are packed."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+    if own is not None:
+        monkeypatch.setattr(treesum, "OWN_EXCHANGE", own)
     x = values(K, K)
-    ref = treesum.reference_sum(x)
+    parts = {"g": x, "h": x[:, :3], "k": x[:, 1:]}
+    refs = {name: treesum.reference_sum(v) for name, v in parts.items()}
     for D in range(1, 9):
         s = slots(K, D)
         m = s.shape[0]
         mesh = Mesh(np.array(jax.devices()[:D]).reshape(D), ("data",))
-        # the per-slot values [m, D, 4]; padding slots hold NaN, which must never be added
-        per = np.where((s >= 0)[..., None], x[np.maximum(s, 0)], np.nan).astype(np.float32)
-        tree = treesum.TreeSum(treesum.schedule(s), mesh, {"g": P()})
+        # the per-slot values [m, D, n]; padding slots hold NaN, which must never be added
+        per = {name: np.where((s >= 0)[..., None], v[np.maximum(s, 0)], np.nan).astype(np.float32)
+               for name, v in parts.items()}
+        tree = treesum.TreeSum(treesum.schedule(s), mesh, {name: P() for name in parts})
+        assert len(treesum._exchanges([v[0] for v in parts.values()])) == (1 if own is None else 2)
 
         @jax.jit
         def run(v):
             def micro(regs, kv):
                 k, xs = kv
-                return tree.step(regs, tree.constrain({"g": xs}), k), None
+                return tree.step(regs, tree.constrain(xs), k), None
 
-            regs, _ = jax.lax.scan(micro, tree.init({"g": jnp.zeros(4, jnp.float32)}),
-                                   (jnp.arange(m, dtype=jnp.int32), v))
-            return tree.finish(regs)["g"]
+            like = {name: jnp.zeros(a.shape[1:], jnp.float32) for name, a in parts.items()}
+            regs, _ = jax.lax.scan(micro, tree.init(like), (jnp.arange(m, dtype=jnp.int32), v))
+            return tree.finish(regs)
 
         got = run(jax.device_put(per, NamedSharding(mesh, P(None, "data"))))
-        for shard in got.addressable_shards:  # the sum on every replica
-            assert np.asarray(shard.data).view(np.uint32).tolist() == ref.view(np.uint32).tolist(), D
+        for name, ref in refs.items():
+            for shard in got[name].addressable_shards:  # the sum on every replica
+                assert (np.asarray(shard.data).view(np.uint32).tolist()
+                        == ref.view(np.uint32).tolist()), (name, D)

@@ -18,7 +18,8 @@ between replicas. Those are computed by every replica, each on its own 1/D-th of
 one `all_to_all` over the data axis gives each replica its chunk of every replica's pending
 nodes, every replica runs the same additions, in the tree's order, on its chunk (elementwise:
 the chunking changes no bit), and one `all_gather` puts the root's chunks together on every
-replica. The leaves of one dtype travel packed in one vector: two collectives per dtype.
+replica. A leaf of `OWN_EXCHANGE` elements or more travels on its own, the smaller leaves of one
+dtype packed in one vector: two collectives per such group.
 
 Memory per device: `TreeSchedule.n_regs - 1` gradient-sized registers for the local phase (the
 device's shard of the gradient under tensor parallelism; the schedule's scratch register is
@@ -29,7 +30,7 @@ chunk per cross-replica node and the gathered sum.
 None of it grows with the replica count. The plain data-parallel step keeps one accumulator.
 
 Communication per device: P (D - 1) / D gradients sent and received by the `all_to_all`, and
-(D - 1) / D by the `all_gather`: two collectives per dtype whatever the tree's depth. A plain
+(D - 1) / D by the `all_gather`: two collectives per group whatever the tree's depth. A plain
 all-reduce moves about 2 (D - 1) / D (ring reduce-scatter + all-gather): the same where P = 1.
 An earlier form sent the boundary nodes level by level (one `ppermute` per leaf and level, then
 a broadcast): under `elasjax launch`, where each collective crosses processes, the ZeRO demo's
@@ -52,6 +53,11 @@ from .mesh import DATA
 PyTree = Any
 
 MERGES_PER_STEP = 1  # local additions per micro-batch; later ones wait for the flush round
+# Elements (of one replica's leaf) from which a leaf is exchanged on its own in the cross phase
+# rather than packed with the others: packing copies it twice (into the vector, and padded), 0.5 s
+# of a 101M-parameter step here, against one more collective (experiments/RESULTS.md, "The cross
+# phase per large leaf"). The demos' leaves are all smaller: their programs pack everything.
+OWN_EXCHANGE = 1 << 18
 SCRATCH = 0  # register that padding slots and no-op additions write to; never read into a sum
 
 
@@ -286,6 +292,18 @@ def _run(regs: tuple, ops) -> tuple:
     return tuple(regs)
 
 
+def _exchanges(leaves: list) -> list[list[int]]:
+    """Leaf indices grouped into the cross phase's exchanges: each leaf of `OWN_EXCHANGE`
+    elements or more alone (no packing copy), the other leaves of one dtype together (one
+    exchange's latency for all of them: under `elasjax launch` each crosses processes)."""
+    groups: list[list[int]] = []
+    for dtype in sorted({x.dtype.name for x in leaves}):
+        idx = [i for i, x in enumerate(leaves) if x.dtype.name == dtype]
+        small = [i for i in idx if leaves[i].size < OWN_EXCHANGE]
+        groups += [[i] for i in idx if i not in small] + ([small] if small else [])
+    return groups
+
+
 def _select(index, branches, *args):
     """`branches[index](*args)`; static when there is one branch."""
     if len(branches) == 1:
@@ -381,8 +399,13 @@ class TreeSum:
             n = x.shape[1]
             c = -(-n // D)  # elements per chunk; the last chunk padded
             x = jnp.pad(x, ((0, 0), (0, c * D - n))).reshape(P, D, c)
+            # [destination, P, c] (a reshape where P = 1): each replica's chunks one contiguous
+            # block, which the exchange sends as it is; split on the middle axis, XLA:CPU copied
+            # every chunk out and the received ones back together (experiments/RESULTS.md,
+            # "The cross phase per large leaf")
+            x = jnp.swapaxes(x, 0, 1)
             # [source replica, P, c]: this replica's chunk of every replica's pending nodes
-            x = jax.lax.all_to_all(x, DATA, 1, 0) if D > 1 else x.reshape(1, P, c)
+            x = jax.lax.all_to_all(x, DATA, 0, 0) if D > 1 else x
             table = [x[i // P, i % P] for i in range(D * P)]
             for _, a, b in sched.cross:  # the same additions on every replica
                 table.append(table[a] + table[b])
@@ -392,12 +415,12 @@ class TreeSum:
             return total[:n]
 
         def summed(nodes):
-            """The sum of every leaf from the P pending trees: the leaves of one dtype packed
-            into one vector, so two collectives per dtype move the whole gradient."""
+            """The sum of every leaf from the P pending trees: a leaf of `OWN_EXCHANGE` elements
+            or more on its own, the smaller leaves of one dtype packed into one vector (two
+            collectives per vector)."""
             leaves = [jax.tree.leaves(t) for t in nodes]
             out = [None] * len(leaves[0])
-            for dtype in sorted({x.dtype.name for x in leaves[0]}):
-                idx = [i for i, x in enumerate(leaves[0]) if x.dtype.name == dtype]
+            for idx in _exchanges(leaves[0]):
                 total = cross_sum(jnp.stack([
                     jnp.concatenate([ls[i].reshape(-1) for i in idx]) for ls in leaves]))
                 at = 0
