@@ -203,26 +203,6 @@ def written_mb(hlo: str) -> dict:
     return dict(total(entry))
 
 
-def writes_table(result: dict, top: int) -> str:
-    """The "phase/primitive" groups whose MB written per step differ most from (a)'s."""
-    rows = {k: r["written_mb"] for k, r in result["rows"].items() if "written_mb" in r}
-    base_name = next((k for k in rows if k.startswith("(a)")), None)
-    if base_name is None or len(rows) < 2:
-        return ""
-    base = rows[base_name]
-    others = [k for k in rows if k != base_name and "checksum" not in k]
-    kinds = set(base).union(*(rows[k] for k in others))
-    spread = {k: max(abs(rows[o].get(k, 0) - base.get(k, 0)) for o in others) for k in kinds}
-    head = ["MB written per device per step (static)", base_name] + others
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for k in sorted(kinds, key=lambda k: -spread[k])[:top]:
-        lines.append(f"| {k} | {base.get(k, 0):.1f} | "
-                     + " | ".join(f"{rows[o].get(k, 0):.1f}" for o in others) + " |")
-    lines.append("| all | " + " | ".join(f"{sum(rows[n].values()):.1f}"
-                                         for n in [base_name] + others) + " |")
-    return "\n".join(lines)
-
-
 def describe(lowered, compiled, seconds: float) -> dict:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per HLO module
@@ -284,9 +264,12 @@ def op_ms(fn, state, batch, runs: int = 3) -> dict:
     return dict(out)
 
 
-def op_table(result: dict, top: int) -> str:
-    """The op kinds whose time differs most between the plain step and each elasjax row."""
-    rows = {k: r["op_ms"] for k, r in result["rows"].items() if "op_ms" in r}
+def diff_table(result: dict, field: str, title: str, total: str, top: int) -> str:
+    """The `top` kinds of a per-program breakdown (`field`: "op_ms" or "written_mb") that differ
+    most between the plain step (a) and any elasjax program, a column per program (the checksum
+    program left out), and each program's total."""
+    rows = {k: r[field] for k, r in result["rows"].items()
+            if field in r and "checksum" not in k}
     base_name = next((k for k in rows if k.startswith("(a)")), None)
     if base_name is None or len(rows) < 2:
         return ""
@@ -294,13 +277,13 @@ def op_table(result: dict, top: int) -> str:
     others = [k for k in rows if k != base_name]
     kinds = set(base).union(*(rows[k] for k in others))
     spread = {k: max(abs(rows[o].get(k, 0) - base.get(k, 0)) for o in others) for k in kinds}
-    head = ["op kind (CPU ms per step, 8 devices)", base_name] + others
+    head = [title, base_name] + others
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for k in sorted(kinds, key=lambda k: -spread[k])[:top]:
         lines.append(f"| {k} | {base.get(k, 0):.1f} | "
                      + " | ".join(f"{rows[o].get(k, 0):.1f}" for o in others) + " |")
-    lines.append("| all ops | " + " | ".join(f"{sum(rows[n].values()):.1f}"
-                                             for n in [base_name] + others) + " |")
+    lines.append(f"| {total} | " + " | ".join(f"{sum(rows[n].values()):.1f}"
+                                               for n in [base_name] + others) + " |")
     return "\n".join(lines)
 
 
@@ -413,9 +396,11 @@ def main(argv=None) -> int:
         r = profile(size, args.reps, donates, args.deterministic, args.sliced, bool(args.ops))
         text += ["", f"## {size} ({r['n_params'] / 1e6:.2f}M parameters)", "", table(r)]
         if args.ops:
-            text += ["", op_table(r, args.ops)]
+            text += ["", diff_table(r, "op_ms", "op kind (CPU ms per step, 8 devices)", "all ops",
+                                    args.ops)]
         if args.writes:
-            text += ["", writes_table(r, args.writes)]
+            text += ["", diff_table(r, "written_mb", "MB written per device per step (static)",
+                                    "all", args.writes)]
         print("\n".join(text[-6:]), flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
