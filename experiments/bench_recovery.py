@@ -58,6 +58,7 @@ def build(args, layout: str):
         f"train.steps={args.steps + 2}",
         "parallel.devices=8", "parallel.devices_per_host=2", "parallel.data=8", "parallel.tensor=1",
         "zero.stage=1", f"zero.layout={layout}", "snapshot.buddy=true", "snapshot.host=true",
+        "zero.shrink=in_place",  # what (b) measures: survivors keep their partitions
         "hardware.flops=2.0e9",
     ])
     return cfg

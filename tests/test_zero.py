@@ -7,10 +7,12 @@ from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elasjax.config import resolve_zero_shrink
 from elasjax.core.mesh import make_mesh
 from elasjax.layout.state import StateFactory, make_optimizer
 from elasjax.layout.storage import ZeroCodec, tier_widths
 from elasjax.plan import planner, zero
+from elasjax.plan.contingencies import Contingencies
 from elasjax.runtime.faults import inject
 from elasjax.runtime.inprocess import InProcessRuntime
 from elasjax.transfer import checksum
@@ -137,10 +139,11 @@ def test_annotated_and_per_device_storage_agree(kind, monkeypatch):
 # -- recovery through the snapshot pool --------------------------------------------------------
 
 
-def _setup(stage, kind, *, buddy=True, host=True):
+def _setup(stage, kind, *, buddy=True, host=True, shrink="in_place"):
     cfg = tiny_config(
         f"zero.stage={stage}", f"zero.layout={kind}", "parallel.tensor=1", "parallel.data=8",
         f"snapshot.buddy={str(buddy).lower()}", f"snapshot.host={str(host).lower()}",
+        f"zero.shrink={shrink}",
     )
     f = StateFactory(cfg, make_optimizer(cfg))
     return cfg, f
@@ -201,9 +204,12 @@ def _assert_disjoint(log):
             dst.setdefault(key, []).append((a, b))
 
 
+@pytest.mark.parametrize("shrink", ["in_place", "relayout"])
 @pytest.mark.parametrize("stage", [3])  # ZeRO-1's partitions are a subset (the moments)
-def test_8_7_5_4_interleaved_bitwise_and_minimal(stage):
-    cfg, f = _setup(stage, "interleaved")
+def test_8_7_5_4_interleaved_bitwise_and_minimal(stage, shrink):
+    """Both ways a shrink lays out the partitions (`zero.shrink`) keep every bit; `in_place`
+    moves exactly the lost bytes, `relayout` one fresh tier whatever failed."""
+    cfg, f = _setup(stage, "interleaved", shrink=shrink)
     plan = planner.initial_plan(TOPO, cfg)
     state = _bump(jax.jit(f.layout(plan).init_fn, out_shardings=f.layout(plan).shardings(_mesh(plan)))())
     ref = _canonical(f.layout(plan), _mesh(plan), state)
@@ -213,6 +219,11 @@ def test_8_7_5_4_interleaved_bitwise_and_minimal(stage):
         plan, state, log, live, pool = _fail_and_recover(cfg, f, plan, state, failed, live, dead_hosts=hosts)
         assert plan.n_devices == len(live)
         _assert_disjoint(log)
+        if shrink == "relayout":
+            assert plan.zero == zero.fresh_layout("interleaved", stage, plan.data,
+                                                  old_plan.zero.n_pieces)
+            assert log.rungs() <= {"replica", "buddy", "live"}
+            continue
         # Only the departed ranks' ZeRO pieces are copied, each once, from the snapshot pool:
         # exactly their real bytes. Surviving ranks keep theirs in place (no copy at all); the
         # pieces dealt to the buddy itself are a local copy, so fewer bytes cross devices.
@@ -537,3 +548,25 @@ def test_a_checkpoint_read_onto_a_plan_of_its_own_form_is_read_in_place(tmp_path
     got, _, _ = ckmod.restore_onto(ck, 5, f, other, devices=DEVS)
     ck.close()
     assert calls == [1] and _cks(new_lay, got) == want
+
+
+def test_a_relayout_leaves_one_program_per_mesh_shape():
+    """`zero.shrink: relayout` (the in-process runtime's default): each of the 8 single-device
+    failures leaves one program and each of the 4 host failures another (`Plan.shape_key`), so
+    the standby compiles 2 programs for its 12 plans and loads them onto the other device sets;
+    `in_place` leaves each failure a layout, and a program, of its own."""
+    for shrink, programs in (("relayout", 2), ("in_place", 12)):
+        cfg, _ = _setup(1, "interleaved", shrink=shrink)
+        plan = planner.initial_plan(TOPO, cfg)
+        c = Contingencies(cfg, TOPO, plan, device_failures=True, can_grow=False, standby=True)
+        keys = c.standby_plans(plan, set(TOPO.device_ids))
+        assert len(keys) == 12
+        assert len({k.shape_key for k in keys}) == programs, shrink
+
+
+def test_auto_shrink_is_relayout_in_one_process_and_in_place_under_launch():
+    cfg, _ = _setup(1, "interleaved", shrink="auto")
+    assert resolve_zero_shrink(cfg, one_process=True).zero.shrink == "relayout"
+    assert resolve_zero_shrink(cfg, one_process=False).zero.shrink == "in_place"
+    chosen, _ = _setup(1, "interleaved", shrink="in_place")
+    assert resolve_zero_shrink(chosen, one_process=True) is chosen

@@ -455,16 +455,23 @@ def fast_path_plan(
         partition=previous.partition, canonical_micro=previous.canonical_micro,
         predicted_step_s=cost.total_s,
     )
-    return with_zero(plan, cfg, previous)
+    return with_zero(plan, cfg, previous, in_place=True)  # a fast path moves nothing
 
 
-def with_zero(plan: Plan, cfg: Config, previous: Plan | None = None) -> Plan:
-    """Attach the ZeRO storage layout: fresh, or evolved from `previous` so that ranks whose
-    tensor group survives keep their partitions in place."""
+def with_zero(plan: Plan, cfg: Config, previous: Plan | None = None,
+              in_place: bool | None = None) -> Plan:
+    """Attach the ZeRO storage layout: fresh, or (`in_place`; by default where `zero.shrink`
+    says `in_place`) evolved from `previous` so that ranks whose tensor group survives keep
+    their partitions in place. `zero.shrink: auto` is resolved by the runtime
+    (`config.resolve_zero_shrink`); a caller without one (`elasjax plan`, the simulator) gets
+    the in-process runtime's choice, `relayout`."""
     stage = cfg.zero.stage
     if stage == 0:
         return plan
-    if previous is None or previous.zero is None or previous.tensor != plan.tensor:
+    if in_place is None:
+        in_place = cfg.zero.shrink == "in_place"
+    if previous is None or previous.zero is None or previous.tensor != plan.tensor \
+            or not in_place:
         lay = fresh_layout(cfg.zero.layout, stage, plan.data)
         if previous is not None and previous.zero is not None and cfg.zero.layout == "interleaved":
             lay = fresh_layout(cfg.zero.layout, stage, plan.data, previous.zero.n_pieces)
