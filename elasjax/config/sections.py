@@ -189,7 +189,7 @@ class ZeroConfig:
 
     stage: Literal[0, 1, 2, 3] = 0
     layout: Literal["contiguous", "interleaved"] = "interleaved"
-    shrink: Literal["auto", "in_place", "relayout"] = "auto"  # what a shrink does to the partitions (above)
+    shrink: Literal["auto", "in_place", "relayout"] = "auto"  # when ranks leave (above)
 
 
 @dataclasses.dataclass(frozen=True)
