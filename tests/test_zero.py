@@ -7,7 +7,6 @@ from conftest import tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elasjax.config import resolve_zero_shrink
 from elasjax.core.mesh import make_mesh
 from elasjax.layout.state import StateFactory, make_optimizer
 from elasjax.layout.storage import ZeroCodec, tier_widths
@@ -551,22 +550,18 @@ def test_a_checkpoint_read_onto_a_plan_of_its_own_form_is_read_in_place(tmp_path
 
 
 def test_a_relayout_leaves_one_program_per_mesh_shape():
-    """`zero.shrink: relayout` (the in-process runtime's default): each of the 8 single-device
-    failures leaves one program and each of the 4 host failures another (`Plan.shape_key`), so
-    the standby compiles 2 programs for its 12 plans and loads them onto the other device sets;
-    `in_place` leaves each failure a layout, and a program, of its own."""
-    for shrink, programs in (("relayout", 2), ("in_place", 12)):
+    """`zero.shrink: relayout` (the default): each of the 8 single-device failures leaves one
+    program and each of the 4 host failures another (`Plan.shape_key`), so the standby compiles
+    2 programs for its 12 plans and loads them onto the other device sets; where only whole
+    processes fail (`elasjax launch`), 1 for 4. `in_place` leaves each failure a layout, and a
+    program, of its own."""
+    for shrink, device_failures, plans, programs in (
+            ("relayout", True, 12, 2), ("in_place", True, 12, 12),
+            ("relayout", False, 4, 1), ("in_place", False, 4, 4)):
         cfg, _ = _setup(1, "interleaved", shrink=shrink)
         plan = planner.initial_plan(TOPO, cfg)
-        c = Contingencies(cfg, TOPO, plan, device_failures=True, can_grow=False, standby=True)
+        c = Contingencies(cfg, TOPO, plan, device_failures=device_failures, can_grow=False,
+                          standby=True)
         keys = c.standby_plans(plan, set(TOPO.device_ids))
-        assert len(keys) == 12
-        assert len({k.shape_key for k in keys}) == programs, shrink
-
-
-def test_auto_shrink_is_relayout_in_one_process_and_in_place_under_launch():
-    cfg, _ = _setup(1, "interleaved", shrink="auto")
-    assert resolve_zero_shrink(cfg, one_process=True).zero.shrink == "relayout"
-    assert resolve_zero_shrink(cfg, one_process=False).zero.shrink == "in_place"
-    chosen, _ = _setup(1, "interleaved", shrink="in_place")
-    assert resolve_zero_shrink(chosen, one_process=True) is chosen
+        assert len(keys) == plans
+        assert len({k.shape_key for k in keys}) == programs, (shrink, device_failures)

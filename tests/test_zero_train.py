@@ -32,8 +32,8 @@ def test_zero_through_failures_matches_fault_free(exe_cache, reference, stage):
     its first device at step 0 (the initial state's snapshot is taken before step 0), then a
     host, then a device during another recovery: 8 -> 7 -> 5 -> 3, its survivors keeping their
     partitions in place (`zero.shrink: in_place`). ZeRO-3 (buddy snapshots) loses a device and a
-    host: 8 -> 7 -> 5, each shrink a fresh layout (the in-process runtime's default, `relayout`;
-    both kinds of transition through 8 -> 7 -> 5 -> 4, bitwise: test_zero.py)."""
+    host: 8 -> 7 -> 5, each shrink a fresh layout (the default, `zero.shrink: relayout`; both
+    kinds of transition through 8 -> 7 -> 5 -> 4, bitwise: test_zero.py)."""
     faults = (
         FAULTS.split(", {at_step: 9")[0] + "]" if stage == 3 else
         FAULTS.replace("at_step: 3,", "at_step: 0,")[:-1]

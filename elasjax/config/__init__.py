@@ -63,7 +63,6 @@ from .sections import (  # noqa: F401
     grow_standby,
     mode_line,
     optimizer_spec_ok,
-    resolve_zero_shrink,
     standby_on,
     unused_optimizer_fields,
     with_optimizer_object,

@@ -174,22 +174,21 @@ class ZeroConfig:
     accumulators partitioned; 3: + parameters partitioned, gathered per layer in the step) and
     the partition layout (`elasjax.plan.zero`).
 
-    `shrink`: what an interleaved layout does when data ranks leave. `in_place`: the survivors
-    keep their partitions where they are and the departed ranks' pieces are dealt out to them in
-    a new tier; recovery copies only the lost bytes, but each failure leaves a layout, and so a
-    step program, of its own (a standby compiles one per likely failure: 12 for the ZeRO demo's
-    8 devices in 4 hosts). `relayout`: a fresh layout over the survivors; recovery moves most of
-    the optimizer state (rank-to-rank copies), and every failure that leaves the same mesh
-    shape leaves the same program (compiled once, loaded onto each device set:
-    `standby.rebind`), with one tier where an in-place shrink adds one.
-    `auto` (default): `relayout` in the in-process runtime, where every copy stays in the
-    process; `in_place` under `elasjax launch`, where the bytes cross processes and a device
-    fails only with its process (one plan per process). A no-movement fast path
-    (`recovery.migration: async`) always keeps the partitions in place."""
+    `shrink`: what an interleaved layout does when data ranks leave. `relayout` (default): a
+    fresh layout over the survivors; recovery moves most of the optimizer state (rank-to-rank
+    copies, across processes under `elasjax launch`), and every failure that leaves the same
+    mesh shape leaves the same step program, compiled once and loaded onto each device set
+    (`standby.rebind`): the ZeRO demo's standby compiles 2 programs for its 12 likely failures
+    in one process, 1 for its 4 under launch (experiments/RESULTS.md, "The ZeRO standby: a
+    shrink re-lays out"). `in_place`: the survivors keep their partitions where they are and
+    the departed ranks' pieces are dealt out to them in a new tier; recovery copies only the
+    lost bytes, but each failure leaves a layout, and so a program, of its own (12 compiles and
+    4 for the same standbys) with one more tier. A no-movement fast path (`recovery.migration:
+    async`) always keeps the partitions in place."""
 
     stage: Literal[0, 1, 2, 3] = 0
     layout: Literal["contiguous", "interleaved"] = "interleaved"
-    shrink: Literal["auto", "in_place", "relayout"] = "auto"  # when ranks leave (above)
+    shrink: Literal["in_place", "relayout"] = "relayout"  # when ranks leave (above)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -608,15 +607,6 @@ def standby_on(cfg: Config, no_worker: str | None, shares_compiles: bool = False
     if shares_compiles and cfg.standby.share_compiles:
         return True
     return no_worker is None and cfg.standby.compiler != "thread"
-
-
-def resolve_zero_shrink(cfg: Config, one_process: bool) -> Config:
-    """`cfg` with `zero.shrink: auto` written as what it means on the runtime: `relayout` where
-    the job is `one_process` (the in-process runtime), else `in_place` (see `ZeroConfig`)."""
-    if cfg.zero.shrink != "auto":
-        return cfg
-    shrink = "relayout" if one_process else "in_place"
-    return cfg.replace(zero=dataclasses.replace(cfg.zero, shrink=shrink))
 
 
 def grow_standby(cfg: Config) -> bool:

@@ -46,7 +46,6 @@ from ..config import (
     dump,
     grow_standby,
     mode_line,
-    resolve_zero_shrink,
     standby_on,
     with_optimizer_object,
 )
@@ -139,8 +138,6 @@ class Trainer:
         if cfg.standby.cache_dir:
             enable_compilation_cache(cfg.standby.cache_dir)
         self.rt = runtime if runtime is not None else InProcessRuntime(cfg)
-        self.given_cfg = cfg  # what config.yaml says: a rerun on another runtime resolves again
-        cfg = resolve_zero_shrink(cfg, one_process=self.rt.kind == IN_PROCESS)
         self._owns_rt = runtime is None  # closed (its threads ended) when the run ends
         self.hooks = list(hooks)
         self.emit = Emitter(None, hooks=self.hooks)  # `run` gives it its file and process
@@ -248,7 +245,7 @@ class Trainer:
         if out is not None and self.rt.writer:
             out.mkdir(parents=True, exist_ok=True)
             python_tx = self.optimizer_name if self.optimizer_source == "python" else None
-            (out / "config.yaml").write_text(dump(self.given_cfg, python_tx))
+            (out / "config.yaml").write_text(dump(self.cfg, python_tx))
         # the files are written by the runtime's writer; when it dies, the next one takes over
         writes = lambda: self.rt.writer  # noqa: E731
         mw = JsonlWriter(out / "metrics.jsonl" if out else None, writes)

@@ -462,9 +462,7 @@ def with_zero(plan: Plan, cfg: Config, previous: Plan | None = None,
               in_place: bool | None = None) -> Plan:
     """Attach the ZeRO storage layout: fresh, or (`in_place`; by default where `zero.shrink`
     says `in_place`) evolved from `previous` so that ranks whose tensor group survives keep
-    their partitions in place. `zero.shrink: auto` is resolved by the runtime
-    (`config.resolve_zero_shrink`); a caller without one (`elasjax plan`, the simulator) gets
-    the in-process runtime's choice, `relayout`."""
+    their partitions in place."""
     stage = cfg.zero.stage
     if stage == 0:
         return plan
