@@ -177,14 +177,14 @@ class ZeroConfig:
     `shrink`: what an interleaved layout does when data ranks leave. `relayout` (default): a
     fresh layout over the survivors; recovery moves most of the optimizer state (rank-to-rank
     copies, across processes under `elasjax launch`, into new buffers while the old ones are
-    still held), and every failure that leaves the same
-    mesh shape leaves the same step program, compiled once and loaded onto each device set
-    (`standby.rebind`): the ZeRO demo's standby compiles 2 programs for its 12 likely failures
-    in one process, 1 for its 4 under launch (experiments/RESULTS.md, "The ZeRO standby: a
-    shrink re-lays out"). `in_place`: the survivors keep their partitions where they are and
-    the departed ranks' pieces are dealt out to them in a new tier; recovery copies only the
-    lost bytes and reuses the survivors' buffers, but each failure leaves a layout, and so a
-    program, of its own (12 compiles and 4 for the same standbys) with one more tier. A no-movement fast path (`recovery.migration:
+    still held), and every failure that leaves the same mesh shape leaves the same step program,
+    compiled once and loaded onto each device set (`standby.rebind`): the ZeRO demo's standby
+    compiles 2 programs for its 12 likely failures in one process, 1 for its 4 under launch
+    (experiments/RESULTS.md, "The ZeRO standby: a shrink re-lays out"). `in_place`: the
+    survivors keep their partitions where they are and the departed ranks' pieces are dealt out
+    to them in a new tier; recovery copies only the lost bytes and reuses the survivors'
+    buffers, but each failure leaves a layout, and so a program, of its own (12 compiles and 4
+    for the same standbys) with one more tier. A no-movement fast path (`recovery.migration:
     async`) always keeps the partitions in place."""
 
     stage: Literal[0, 1, 2, 3] = 0
