@@ -175,7 +175,7 @@ class ZeroConfig:
     the partition layout (`elasjax.plan.zero`).
 
     `shrink`: what an interleaved layout does when data ranks leave. `relayout` (default): a
-    fresh layout over the survivors; recovery moves most of the optimizer state (rank-to-rank
+    fresh layout over the survivors; recovery moves more of the optimizer state (rank-to-rank
     copies, across processes under `elasjax launch`, into new buffers while the old ones are
     still held), and every failure that leaves the same mesh shape leaves the same step program,
     compiled once and loaded onto each device set (`standby.rebind`): the ZeRO demo's standby
