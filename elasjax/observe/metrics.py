@@ -469,12 +469,15 @@ def failure_costs(timeline: Timeline, initial_plan: str, wall_s: float
         p = pace.get(ev.to_plan)
         c["first_step_x"] = ev.first_step_s / p if p else None  # x its plan's pace
         if c["first_step_x"] is not None and c["first_step_x"] > SLOW:
-            c["first_step_why"] = (
-                "not known: its executable had run before" if not ev.first_step_first_run
-                else "the first run of the new plan's executable, built by the standby while "
-                "training ran and not warmed" if ev.standby_hit
-                else "the first run of the new plan's executable, compiled in the recovery and "
-                "not warmed (warm it ahead with standby)")
+            if not ev.first_step_first_run:
+                why = "not known: its executable had run before"
+            elif ev.standby_hit:
+                why = ("the first run of the new plan's executable, built by the standby while "
+                       "training ran and not warmed")
+            else:
+                why = ("the first run of the new plan's executable, compiled in the recovery "
+                       "and not warmed (warm it ahead with standby)")
+            c["first_step_why"] = why
         if not c["at_pace"]:
             c["note"] = "the run ended (or failed again) before it was back at pace"
         del c["at_pace"]

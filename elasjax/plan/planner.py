@@ -468,13 +468,12 @@ def with_zero(plan: Plan, cfg: Config, previous: Plan | None = None,
         return plan
     if in_place is None:
         in_place = cfg.zero.shrink == "in_place"
-    if previous is None or previous.zero is None or previous.tensor != plan.tensor \
-            or not in_place:
-        lay = fresh_layout(cfg.zero.layout, stage, plan.data)
-        if previous is not None and previous.zero is not None and cfg.zero.layout == "interleaved":
-            lay = fresh_layout(cfg.zero.layout, stage, plan.data, previous.zero.n_pieces)
-    else:
-        lay, _ = evolve(previous.zero, kept_ranks(previous.groups, plan.groups), plan.data)
+    old = previous.zero if previous is not None else None
+    if old is not None and in_place and previous.tensor == plan.tensor:
+        lay, _ = evolve(old, kept_ranks(previous.groups, plan.groups), plan.data)
+    else:  # an interleaved layout keeps its piece count through re-layouts
+        pieces = old.n_pieces if old is not None and cfg.zero.layout == "interleaved" else None
+        lay = fresh_layout(cfg.zero.layout, stage, plan.data, pieces)
     return dataclasses.replace(plan, zero_stage=stage, zero=lay)
 
 
