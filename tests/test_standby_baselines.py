@@ -659,8 +659,9 @@ def test_the_standby_is_on_by_default_in_one_process_and_builds_without_pausing(
     """`standby.enabled: auto`, the default: in one process the `start` event says what the
     standby builds and where (the compile worker process), training never waits for it, a
     `standby_ready` event with `wait_s` 0 says when it was built, a failure after that is a
-    standby hit that compiles nothing, and the `end` event counts the worker's CPU seconds.
-    How many steps a background compile takes on 2 cores varies, so a hook plays the passage of
+    standby hit that compiles nothing and whose first step runs an executable already run once
+    (`standby.warm`: warmed between steps), and the `end` event counts the worker's CPU seconds
+    and the warm-ups. How many steps a background compile takes on 2 cores varies, so a hook plays the passage of
     training time: at step 1 it waits until the standby is built (to the loop, a slow step)."""
     from elasjax import StepInfo
     from elasjax.config import standby_on
@@ -690,8 +691,9 @@ def test_the_standby_is_on_by_default_in_one_process_and_builds_without_pausing(
     assert ready[0]["unbuilt"] == 0
     (ev,) = s.recoveries
     assert ev.standby_hit and ev.compiles == 0 and ev.verified
+    assert not ev.first_step_first_run  # warmed before it was needed
     (end,) = [e for e in events if e["type"] == "end"]
-    assert end["standby"]["compiled"] >= 1
+    assert end["standby"]["compiled"] >= 1 and end["standby"]["warmed"] == 1
     if compiler == "process":
         assert end["standby"]["worker_cpu_s"] > 0
 

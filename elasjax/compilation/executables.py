@@ -45,7 +45,7 @@ class Executables:
     eval: Any
     compile_s: float
     batch_abstract: dict[str, jax.ShapeDtypeStruct] = dataclasses.field(default_factory=dict)
-    warm_s: float = 0.0  # seconds of its warm-up run (`warm_up`), 0 if never warmed
+    warm_s: float = 0.0  # seconds of its warm-up (`warm_up`), 0 if never warmed
     runs: int = 0  # training steps run on it (the first run of an executable is slower)
     make_eval: Any = None  # mesh -> the eval function on it (`rebind` re-makes it)
     # "compiled" here; "cached": loaded from JAX's persistent compilation cache (`standby.
@@ -320,11 +320,13 @@ def can_load() -> bool:
     return jaxcompat.executable_loader() is not None
 
 
-def warm_up(exe: Executables) -> float:
+def warm_up(exe: Executables, wait: bool = True) -> float:
     """Run `exe`'s checksum and train executables once on placeholder zeros, so that the first
     real step after a recovery does not pay the executable's first-run cost (a first run is
     slower than the later ones: experiments/RESULTS.md, "`--standby` on the demo"). Needs one
-    more copy of the state on the devices while it runs. Returns its seconds."""
+    more copy of the state on the devices while it runs. Returns its seconds; without `wait`,
+    the runs are only dispatched (they run on the devices in order after what was dispatched
+    before) and the seconds are those of placing the zeros and dispatching."""
     t0 = time.perf_counter()
 
     def zeros(a: jax.ShapeDtypeStruct, sh) -> jax.Array:
@@ -334,9 +336,11 @@ def warm_up(exe: Executables) -> float:
         )
 
     state = jax.tree.map(zeros, exe.layout.abstract, exe.state_shardings)
-    jax.block_until_ready(exe.checksum(state))
+    sums = exe.checksum(state)
     batch = {k: zeros(a, exe.batch_shardings[k]) for k, a in exe.batch_abstract.items()}
-    jax.block_until_ready(exe.train(state, batch))
+    out = exe.train(state, batch)
+    if wait:
+        jax.block_until_ready((sums, out))
     return time.perf_counter() - t0
 
 

@@ -61,6 +61,8 @@ class ExecutableSource:
         # once, not at every pick of `standby_order`)
         self._shared_keys: dict[tuple[Plan, bool], str] = {}
         self.first_compile_cpu_s = 0.0  # CPU seconds of the start's compile (0: none here)
+        self.warmed_between_steps = 0  # standby executables warmed by `warm_built`
+        self._warm_failed: set[int] = set()
         self.worker: CompileWorker | None = None
         self.standby: StandbyCompiler | None = None
         if not background:
@@ -303,6 +305,28 @@ class ExecutableSource:
                     exe.warm_s = warm_up(exe)
                     warm_s += exe.warm_s
         return compile_s, warm_s
+
+    def warm_built(self, live: set[int]) -> bool:
+        """Dispatch the warm-up (`warm_up`, not waited for) of one standby executable built in
+        the background and not run yet, on live devices only; called by the training thread
+        between steps, so the zeros' runs go to the devices in order between two steps (one
+        process only: under launch every process would have to dispatch the same warm-ups in
+        the same order). Returns whether one was dispatched."""
+        if self.standby is None or not self.cfg.standby.warm or jax.process_count() > 1:
+            return False
+        for exe in self.standby.ready_values():
+            if (exe.warm_s == 0.0 and exe.runs == 0 and id(exe) not in self._warm_failed
+                    and set(exe.plan.device_ids) <= live):
+                try:
+                    exe.warm_s = warm_up(exe, wait=False)
+                except Exception as e:  # a warm-up is optional: the step that needs it runs cold
+                    self._warm_failed.add(id(exe))
+                    self._log(f"standby: warming {exe.plan.name} failed ({e!r}); its first run "
+                              "will be cold")
+                    return False
+                self.warmed_between_steps += 1
+                return True
+        return False
 
     def _standby_build(self, plan: Plan) -> Executables:
         """A standby plan's executables (the standby thread): compiled, or rebound from its

@@ -456,9 +456,12 @@ class StandbyConfig:
     each recovery's first good step, until the new plan's standby is built (a second failure
     soon after the first is then a hit too); each pause is a `standby_ready` event, outside any
     MTTR (demos and benchmarks; a long job builds them while it trains). `warm` runs each
-    executable built while training waits once on placeholder zeros, on the training thread (one
-    process), so the first step after a hit runs at steady-state speed; executables built in
-    the background are not warmed. `cache_dir` turns on JAX's persistent compilation cache
+    executable the standby built once on placeholder zeros, so the first step after a hit runs
+    at steady-state speed (one process): while training waits, on the training thread; built in
+    the background, dispatched between two steps, one per step, to run on the devices in their
+    turn (a step's work per executable, and one more copy of its plan's state while it runs).
+    Under launch they are not warmed (every process would have to run the same ones in the same
+    order). `cache_dir` turns on JAX's persistent compilation cache
     there, so a restarted job (or the next run) loads executables instead of compiling them; on
     CPU its key includes the device assignment. XLA:CPU cannot serialize an executable the cache
     loaded, so such a program is not rebound to other device sets (they compile) and, after a

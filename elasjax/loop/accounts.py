@@ -159,7 +159,7 @@ def conclude(ls: LoopState, ew: Emitter, cfg: Config, rt: Runtime, *, source: Ex
     for c in costs:
         ew.emit(c)
     shared = shared_cost(source.shared)
-    standby = standby_cost(sb, source.worker)
+    standby = standby_cost(sb, source.worker, source.warmed_between_steps)
     ew.emit(EndEvent(
         goodput=goodput,
         step=pos.step,

@@ -286,7 +286,8 @@ class EndEvent(Record):
     # process or an earlier run), "compile_s" (wall seconds of the
     # builds), "worker_cpu_s" (the compile worker process's CPU seconds; null where builds ran on
     # a thread of the training process, whose CPU time is not told apart; the compiles it
-    # finished)}; null: nothing was built in the background
+    # finished), "warmed" (executables built in the background and run once on zeros between
+    # steps, `standby.warm`)}; null: nothing was built in the background
     standby: dict | None
     notes: list[str]
     runtime: str

@@ -225,13 +225,15 @@ def standby_ready_line(head: str, sb, wait_s: float, warm_s: float, map_budget: 
                if sb.over_budget else ""))
 
 
-def standby_cost(sb, worker) -> dict | None:
-    """What the background builds cost (the `end` event's `standby`); None without them."""
+def standby_cost(sb, worker, warmed: int = 0) -> dict | None:
+    """What the background builds cost (the `end` event's `standby`); None without them.
+    `warmed`: the executables run once on zeros between steps (`ExecutableSource.warm_built`)."""
     if sb is None:
         return None
     return {"compiled": sb.compiled, "rebound": sb.rebound, "loaded": sb.loaded,
             "compile_s": round(sb.compile_s + sb.rebind_s, 3),
-            "worker_cpu_s": (round(worker.compile_cpu_s, 3) if worker is not None else None)}
+            "worker_cpu_s": (round(worker.compile_cpu_s, 3) if worker is not None else None),
+            "warmed": warmed}
 
 
 def standby_cost_line(cost: dict) -> str:
@@ -240,7 +242,8 @@ def standby_cost_line(cost: dict) -> str:
             + (f"{cost['loaded']} loaded from a compile elsewhere, " if cost["loaded"] else "")
             + f"{cost['rebound']} rebound in the background ({cost['compile_s']:.1f}s of builds"
             + (f", {cost['worker_cpu_s']:.1f} CPU seconds in the compile worker)"
-               if cost["worker_cpu_s"] is not None else " on a thread of this process)"))
+               if cost["worker_cpu_s"] is not None else " on a thread of this process)")
+            + (f"; {cost['warmed']} warmed between steps" if cost.get("warmed") else ""))
 
 
 def shared_cost(shared) -> dict | None:
