@@ -662,7 +662,8 @@ def test_the_standby_is_on_by_default_in_one_process_and_builds_without_pausing(
     standby hit that compiles nothing and whose first step runs an executable already run once
     (`standby.warm`: warmed between steps), and the `end` event counts the worker's CPU seconds
     and the warm-ups. How many steps a background compile takes on 2 cores varies, so a hook
-    plays the passage of training time: at step 1 it waits until the standby is built (to the loop, a slow step)."""
+    plays the passage of training time: at step 1 it waits until the standby is built (to the
+    loop, a slow step)."""
     from elasjax import StepInfo
     from elasjax.config import standby_on
 
