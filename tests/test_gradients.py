@@ -71,3 +71,25 @@ def test_counting_padding_breaks_the_scale(setup, reference):
     _, g = _grads(setup, plan, count_padding=True)
     with pytest.raises(AssertionError):
         _close(g, reference[1])
+
+
+def test_the_layer_loop_recomputes_all_but_its_products_and_the_gradient_stays():
+    """`model.remat: dots` (the default) puts the GPT's layer loop under `jax.checkpoint` with
+    `dots_saveable`; `none` does not. The gradient is the same to the contract's 1e-5 (the
+    elementwise work is recomputed, not changed)."""
+    from elasjax.models import gpt
+
+    cfgs = {r: tiny_config(f"model.remat={r}").model for r in ("dots", "none")}
+    params = gpt.init_params(cfgs["none"], jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, cfgs["none"].seq_len), 0, 256)
+    keys = jax.random.split(jax.random.key(2), 2)
+
+    def grad(cfg):
+        def loss(p):
+            return gpt.token_losses(p, cfg, tokens, tokens, keys, False).sum()
+        return jax.grad(loss)(params), str(jax.make_jaxpr(jax.grad(loss))(params))
+
+    (g_dots, text_dots), (g_none, text_none) = grad(cfgs["dots"]), grad(cfgs["none"])
+    assert "remat" in text_dots or "checkpoint" in text_dots
+    assert "remat" not in text_none and "checkpoint" not in text_none
+    _close(g_dots, g_none)

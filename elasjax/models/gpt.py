@@ -212,6 +212,8 @@ def forward(params, tokens, keys, cfg: ModelConfig, deterministic: bool, layer_t
             lp = layer_transform(lp)
         return block_apply(lp, x, keys, lid, cfg, deterministic), None
 
+    if cfg.remat == "dots":  # see `ModelConfig.remat`
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
     x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)))
     return head_apply(params, x, cfg)
 
