@@ -32,6 +32,10 @@ but for the plain JAX loops (random tokens from numpy):
                         of the two
   elasjax ZeRO-k ...    `trainer.Trainer` (the whole loop: batches, step, checksums read two steps
                         late, snapshots as configured), no faults, no evaluation
+  elasjax deterministic ZeRO-1 without remat
+                        the same with `model.remat=none`: the GPT's layer loop keeping every
+                        intermediate for the backward, as before `model.remat` (whose `auto` is
+                        `dots` in the deterministic mode only): the "before", beside the default
   elasjax ZeRO-1 sliced storage
                         the same with every ZeRO storage unit converted per device
                         (`ZeroCodec.annotate_exact` off): elasjax's step as it was before issue
@@ -141,6 +145,8 @@ MODES = {
     "elasjax ZeRO-3": ("elasjax", ["zero.stage=3"]),
     "elasjax deterministic": ("elasjax", ["zero.stage=0", "train.deterministic=true"]),
     "elasjax deterministic ZeRO-1": ("elasjax", ["zero.stage=1", "train.deterministic=true"]),
+    "elasjax deterministic ZeRO-1 without remat": (
+        "elasjax", ["zero.stage=1", "train.deterministic=true", "model.remat=none"]),
 }
 # the names the `elasjax grad + plain loop` rows had before issue 46 (RESULTS.md's commands)
 OLD_NAMES = {
@@ -175,6 +181,8 @@ RATIOS = [
     ("elasjax ZeRO-1", "elasjax ZeRO-1 sliced storage"),
     ("elasjax deterministic", "elasjax ZeRO-0"),
     ("elasjax deterministic ZeRO-1", "elasjax ZeRO-1"),
+    ("elasjax deterministic ZeRO-1 without remat", "plain JAX ZeRO-1"),
+    ("elasjax deterministic ZeRO-1", "elasjax deterministic ZeRO-1 without remat"),
 ]
 
 

@@ -74,10 +74,18 @@ def test_counting_padding_breaks_the_scale(setup, reference):
 
 
 def test_the_layer_loop_recomputes_all_but_its_products_and_the_gradient_stays():
-    """`model.remat: dots` (the default) puts the GPT's layer loop under `jax.checkpoint` with
-    `dots_saveable`; `none` does not. The gradient is the same to the contract's 1e-5 (the
-    elementwise work is recomputed, not changed)."""
+    """`model.remat: dots` puts the GPT's layer loop under `jax.checkpoint` with
+    `dots_saveable`; `none` does not; `auto` (the default) is `dots` in the deterministic mode
+    and `none` otherwise. The gradient is the same to the contract's 1e-5 (the elementwise work
+    is recomputed, not changed)."""
     from elasjax.models import gpt
+
+    for det, remat in ((True, "dots"), (False, "none")):
+        cfg = tiny_config(f"train.deterministic={str(det).lower()}")
+        assert cfg.model.remat == "auto" and cfg.model_in_force.remat == remat
+        assert StateFactory(cfg, make_optimizer(cfg)).model is gpt.spec(cfg.model_in_force)
+    with pytest.raises(ValueError, match="model.remat = 'auto'"):
+        gpt.forward({}, None, None, tiny_config().model, False)
 
     cfgs = {r: tiny_config(f"model.remat={r}").model for r in ("dots", "none")}
     params = gpt.init_params(cfgs["none"], jax.random.key(0))

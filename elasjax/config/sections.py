@@ -21,14 +21,16 @@ class ModelConfig:
     `d_model` must equal `n_heads * head_dim`) or the name of a model registered with
     `elasjax.register_model` (the other fields then do not apply and must stay unset).
 
-    `remat`: what the GPT's layer loop keeps from its forward pass for the backward. `dots`
-    (default): only the matrix products' outputs, the rest (norms, activations, dropout,
-    softmax) recomputed in the backward pass (`jax.checkpoint_policies.dots_saveable`); `none`:
-    everything the backward pass reads. The same arithmetic either way, recomputed rather than
-    read (gradients equal to 1e-5: tests/test_gradients.py; the bits may differ, so runs
-    compared bitwise use one setting). On fake CPU devices, which are bound by memory traffic,
-    `dots` made the 3.3M step 12% shorter in the deterministic mode (experiments/RESULTS.md,
-    "Recomputing the layer loop's elementwise work")."""
+    `remat`: what the GPT's layer loop keeps from its forward pass for the backward. `dots`:
+    only the matrix products' outputs, the rest (norms, activations, dropout, softmax)
+    recomputed in the backward pass (`jax.checkpoint_policies.dots_saveable`); `none`:
+    everything the backward pass reads; `auto` (default): `dots` in the deterministic mode,
+    `none` otherwise (`Config.model_in_force`). The same arithmetic either way, recomputed
+    rather than read (gradients equal to 1e-5: tests/test_gradients.py; the bits may differ,
+    so runs compared bitwise use one setting, as every run of one config does). On the 3.3M
+    model's device program on fake CPU devices `dots` took the deterministic step from 322 to
+    272 ms and the other mode's from 244 to 252 ms (experiments/RESULTS.md, "Recomputing the
+    layer loop's elementwise work")."""
 
     type: str = "gpt"
     vocab_size: int = 256
@@ -39,7 +41,7 @@ class ModelConfig:
     d_mlp: int = 256
     dropout: float = 0.1
     tie_embeddings: bool = False
-    remat: Literal["dots", "none"] = "dots"
+    remat: Literal["auto", "dots", "none"] = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -600,6 +602,14 @@ class Config:
         every process under `launch` decides the same)."""
         asked = self.train.deterministic
         return asked if isinstance(asked, bool) else deterministic_obstacle(self) is None
+
+    @property
+    def model_in_force(self) -> ModelConfig:
+        """The model section with `remat: auto` resolved: `dots` in the deterministic mode in
+        force, `none` otherwise (see `ModelConfig.remat`)."""
+        if self.model.remat != "auto":
+            return self.model
+        return dataclasses.replace(self.model, remat="dots" if self.deterministic else "none")
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)

@@ -169,7 +169,7 @@ class StateFactory:
         # a user's optimizer is part of what an executable depends on (the default is fixed by
         # `cfg.train`, which the executable cache keys on already)
         self.tx_key = tx if custom_tx else None
-        self.model = models.get(cfg.model)  # its ModelSpec
+        self.model = models.get(cfg.model_in_force)  # its ModelSpec, `model.remat` resolved
         self.abstract = jax.eval_shape(self._init)
         self.param_logical = self.model.logical_specs()
         self.logical = TrainState(

@@ -202,8 +202,13 @@ def forward(params, tokens, keys, cfg: ModelConfig, deterministic: bool, layer_t
 
     `layer_transform(layer_params)` runs inside the layer loop on each layer's stored parameters
     before use: ZeRO-3 gathers a layer's partitions there, so only one layer is materialised at a
-    time.
+    time. With `cfg.remat` "dots" the loop's body is rematerialised but for its matrix products
+    (`ModelConfig.remat`; ZeRO-3's gather of a layer is then made again in the backward pass);
+    "auto" must be resolved before (`Config.model_in_force`).
     """
+    if cfg.remat not in ("dots", "none"):
+        raise ValueError(f"model.remat = {cfg.remat!r} here: resolve it first "
+                         "(`Config.model_in_force`); allowed values: 'dots', 'none'")
     x = embed_apply(params, tokens, keys, cfg, deterministic)
 
     def body(x, inp):

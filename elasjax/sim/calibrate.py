@@ -70,7 +70,7 @@ def _model_config(dims: GptDims, n_layers: int):
 
     return ModelConfig(
         vocab_size=dims.vocab_size, seq_len=dims.seq_len, d_model=dims.d_model,
-        n_heads=dims.n_heads, n_layers=n_layers, d_mlp=dims.d_mlp, dropout=0.0,
+        n_heads=dims.n_heads, n_layers=n_layers, d_mlp=dims.d_mlp, dropout=0.0, remat="none",
     )
 
 
