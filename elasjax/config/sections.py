@@ -473,9 +473,9 @@ class StandbyConfig:
     the background, dispatched between two steps, one per step, to run on the devices in their
     turn (a step's work per executable, and one more copy of its plan's state while it runs).
     Under launch they are not warmed (every process would have to run the same ones in the same
-    order). `cache_dir` turns on JAX's persistent compilation cache
-    there, so a restarted job (or the next run) loads executables instead of compiling them; on
-    CPU its key includes the device assignment. XLA:CPU cannot serialize an executable the cache
+    order). `cache_dir` turns on JAX's persistent compilation cache there, so a restarted job
+    (or the next run) loads executables instead of compiling them; on CPU its key includes the
+    device assignment. XLA:CPU cannot serialize an executable the cache
     loaded, so such a program is not rebound to other device sets (they compile) and, after a
     new CPU client under launch, is built again through the cache instead of reloaded.
 
