@@ -306,7 +306,7 @@ class ExecutableSource:
                     warm_s += exe.warm_s
         return compile_s, warm_s
 
-    def warm_built(self, live: set[int]) -> bool:
+    def warm_built(self, live: frozenset[int]) -> bool:
         """Dispatch the warm-up (`warm_up`, not waited for) of one standby executable built in
         the background and not run yet, on live devices only; called by the training thread
         between steps, so the zeros' runs go to the devices in order between two steps (one
@@ -316,7 +316,7 @@ class ExecutableSource:
             return False
         for exe in self.standby.ready_values():
             if (exe.warm_s == 0.0 and exe.runs == 0 and id(exe) not in self._warm_failed
-                    and set(exe.plan.device_ids) <= live):
+                    and live.issuperset(exe.plan.device_ids)):
                 try:
                     exe.warm_s = warm_up(exe, wait=False)
                 except Exception as e:  # a warm-up is optional: the step that needs it runs cold

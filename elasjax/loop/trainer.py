@@ -496,7 +496,7 @@ class Trainer:
             self.prep.ready(ew, pos.step, 0.0, 0.0, f"step {pos.step}: standby ready, built "
                                 "in the background without pausing training")
         else:  # a standby executable built in the background runs once before it is needed
-            self.source.warm_built(set(pos.live))
+            self.source.warm_built(pos.live)
         if self.ckpt is not None and self.ckpt.due(pos.step):
             with self.rt.guard("checkpoint"):
                 self.ckpt.save(pos.step, pos.state, ls.good, form_of(pos.exe.plan))
