@@ -171,6 +171,7 @@ RATIOS = [
     ("elasjax ZeRO-0", "elasjax grad + plain loop replicated"),
     ("elasjax ZeRO-1 no snapshots", "elasjax grad + plain loop ZeRO-1"),
     ("elasjax ZeRO-1", "elasjax grad + plain loop ZeRO-1"),
+    ("elasjax deterministic ZeRO-1", "elasjax grad + plain loop ZeRO-1"),
     ("elasjax ZeRO-2", "elasjax grad + plain loop ZeRO-1"),
     ("elasjax ZeRO-3", "elasjax grad + plain loop ZeRO-3"),
     ("elasjax grad + plain loop replicated", "plain JAX replicated"),

@@ -867,9 +867,9 @@ def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path)
     without process 0's part in XLA's topology exchange, the writer's files pass on, and the
     run goes on with the fault-free computation."""
     out = tmp_path / "mp_p0"
-    # the standby's default too (`auto`: on under launch, each program compiled on a thread of
-    # one process and loaded by the others), which the start line says; process 0 dies while
-    # it builds in the background
+    # the standby's default too (`auto`: on under launch, each program compiled once for the
+    # job in one process's compile worker and loaded by the others), which the start line
+    # says; process 0 dies while it builds in the background
     rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:0",
                          sets=("standby.enabled=auto",))
     assert rc == 0, stdout
@@ -878,6 +878,7 @@ def test_killing_process_0_is_survived_like_any_other_death(reference, tmp_path)
     (start,) = [e for e in read_jsonl(out / "events.jsonl") if e["type"] == "start"]
     assert start["standby"]["on"] is True and start["standby"]["enabled"] == "auto", start
     assert ("standby: building the" in (log := (out / "worker1.log").read_text())
+            and "in a compile worker process at nice" in log
             and "each program compiled by one process of the job, loaded by the others" in log)
 
 

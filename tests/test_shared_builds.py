@@ -217,3 +217,42 @@ def test_the_standby_orders_its_queue_outside_its_lock():
     finally:
         sb.close()
     assert got_lock and all(got_lock), got_lock
+
+
+def test_one_shared_build_serves_every_device_set_of_a_program_where_programs_rebind():
+    """`ExecutableSource._shared_key`: with `standby.rebind` on a backend whose programs load
+    onto other devices, the plans after losing device 0 and device 7 (one program on two device
+    sets) share one name in the job's builds, so one process compiles it and every other loads
+    it by position; without rebinding each plan is its own."""
+    import jax
+    from conftest import tiny_config
+
+    from elasjax.compilation.source import ExecutableSource
+    from elasjax.plan.planner import Topology, initial_plan, replan
+
+    devices = {d.id: d for d in jax.devices()}
+    for rebind, same in ((True, True), (False, False)):
+        cfg = tiny_config(f"standby.rebind={str(rebind).lower()}")
+        topo = Topology(tuple(range(8)), 2)
+        start = initial_plan(topo, cfg)
+        a = replan(list(range(1, 8)), topo, cfg, start, start)
+        b = replan(list(range(7)), topo, cfg, start, start)
+        assert a.shape_key == b.shape_key and a.device_ids != b.device_ids
+        src = SimpleNamespace(cfg=cfg, devices=devices, donate=False, _shared_keys={},
+                              shared=SimpleNamespace(key=SharedBuilds.key),
+                              factory=SimpleNamespace(tx_key=None))
+        keys = [ExecutableSource._shared_key(src, p) for p in (a, b)]
+        assert (keys[0] == keys[1]) is same, (rebind, keys)
+
+
+def test_a_compile_worker_builds_for_a_launch_job_only_where_it_shares_its_compiles():
+    """`worker.unavailable`: under launch the worker's programs reach the other processes
+    through the shared builds; without them a worker is not used there."""
+    from conftest import tiny_config
+
+    from elasjax.compilation.worker import unavailable
+
+    cfg = tiny_config()
+    assert unavailable(cfg, False, multi_process=True, shared=True) is None
+    assert "share_compiles" in unavailable(cfg, False, multi_process=True, shared=False)
+    assert unavailable(cfg, False, multi_process=False) is None

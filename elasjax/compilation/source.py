@@ -14,7 +14,9 @@ import jax
 from ..config import Config, ConfigError
 from ..layout.state import StateFactory
 from ..plan.planner import Plan
-from .executables import ExecutableCache, Executables, from_portable, on_devices, warm_up
+from .executables import (
+    REBINDABLE, ExecutableCache, Executables, from_portable, on_devices, warm_up,
+)
 from .shared import SharedBuilds
 from .standby import StandbyCompiler, StandbyCoverageWarning
 from .store import ProgramStore
@@ -68,7 +70,7 @@ class ExecutableSource:
         if not background:
             return
         if cfg.standby.compiler != "thread":
-            why = unavailable(cfg, custom_tx, jax.process_count() > 1)
+            why = unavailable(cfg, custom_tx, jax.process_count() > 1, shared is not None)
             if why is None:
                 self.worker = CompileWorker(cfg)
             elif cfg.standby.compiler == "process":
@@ -80,7 +82,9 @@ class ExecutableSource:
             max_plans=cfg.standby.max_plans,
             cheap=self.rebindable,
             map_budget=cfg.standby.map_budget,
-            cancel=self.worker.kill if self.worker is not None else None,
+            # never under launch: a build ended there would leave the processes waiting for
+            # its program to compile it each for itself (`SharedBuilds.build`)
+            cancel=self.worker.kill if self.worker is not None and shared is None else None,
             shed=self.exe_cache.shed,
             order=self.standby_order if shared is not None else None,
         )
@@ -161,17 +165,29 @@ class ExecutableSource:
                 return Acquired(exe, False, False, time.perf_counter() - t0)
         return Acquired(*self._cached(plan), False, 0.0)
 
-    def _cached(self, plan: Plan) -> tuple[Executables, bool]:
+    def _cached(self, plan: Plan, compile: Callable[[], Executables] | None = None
+                ) -> tuple[Executables, bool]:
+        """`plan`'s executables from the cache, else built (`_build`), by `compile` where
+        given (a compile worker's) instead of a compile here."""
         return self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.donate,
-            reuse_programs=self.cfg.standby.rebind, build=self._build(plan), store=self.store,
+            reuse_programs=self.cfg.standby.rebind, build=self._build(plan, compile),
+            store=self.store,
         )
 
     def _shared_key(self, plan: Plan) -> str:
+        """`plan`'s name in the job's shared builds: its program's (`Plan.shape_key`) where
+        programs load onto any device set of their shape (`standby.rebind` on a backend of
+        `executables.REBINDABLE`: the payload is loaded position for position onto the plan's
+        devices), so that one compile serves every process and every device set of that shape;
+        else the plan's own."""
         k = (plan, self.donate)
         if k not in self._shared_keys:
+            by_program = (self.cfg.standby.rebind
+                          and self.devices[plan.device_ids[0]].client.platform in REBINDABLE)
+            named = plan.shape_key if by_program else plan
             self._shared_keys[k] = self.shared.key(
-                self.cfg, ExecutableCache.key(self.cfg, plan, self.donate, self.factory.tx_key))
+                self.cfg, ExecutableCache.key(self.cfg, named, self.donate, self.factory.tx_key))
         return self._shared_keys[k]
 
     def standby_order(self, plans: list) -> list:
@@ -197,18 +213,18 @@ class ExecutableSource:
         k = me % len(mine) if mine else 0
         return published + mine[k:] + mine[:k] + others + claimed
 
-    def _build(self, plan: Plan):
+    def _build(self, plan: Plan, compile: Callable[[], Executables] | None = None):
         """How `plan` is compiled where it must be: through the job's shared builds (`shared`)
-        where there are some, else None (compiled here)."""
+        where there are some, else None (compiled here, or by `compile` where given)."""
         sh = self.shared
         if sh is None:
-            return None
+            return None if compile is None else lambda here: compile()
         key = self._shared_key(plan)
 
         def load(portable, compile_s: float) -> Executables:
             return from_portable(self.cfg, self.factory, plan, self.devices, portable, compile_s)
 
-        return lambda compile: sh.build(key, plan.name, compile, load)
+        return lambda here: sh.build(key, plan.name, compile or here, load)
 
     def _worker_early(self) -> bool:
         """Has the compile worker spent less than `WORKER_WAIT_PROGRESS` of a compile's CPU
@@ -337,10 +353,13 @@ class ExecutableSource:
         if self.worker is not None and not (
             self.rebindable(plan)
             or self.exe_cache.has(self.cfg, plan, self.donate, self.factory.tx_key)
-        ):  # a compile: in the worker, which a recovery can stop
-            src, compile_s = self.worker.compile(plan, self.donate)
-            exe = from_portable(self.cfg, self.factory, plan, self.devices, src, compile_s)
-            self.exe_cache.put(self.cfg, plan, exe, self.donate, self.factory.tx_key)
+        ):  # a compile: in the worker, which a recovery can stop (under launch, where the
+            # job's shared builds give this process the program to compile, else loaded)
+            def in_worker() -> Executables:
+                src, compile_s = self.worker.compile(plan, self.donate)
+                return from_portable(self.cfg, self.factory, plan, self.devices, src, compile_s)
+
+            exe = self._cached(plan, in_worker)[0]
         else:
             exe = self._cached(plan)[0]
             if (self.cfg.standby.rebind or jax.process_count() > 1) and exe.portable_ok:

@@ -110,8 +110,10 @@ class ProgramStore:
         `device` (its backend, that backend's version, the device kind)."""
         backend = device.client
         h = hashlib.sha256()
-        # the process count too: a program compiled in one process is never loaded into a
-        # multi-process job (whose collectives cross processes), nor the other way
+        # the process count too, a precaution: a program compiled in one process runs in a
+        # multi-process job (a launch job's compile worker is one process; the ZeRO demo under
+        # launch with two kills ends bitwise on the one-process run, experiments/RESULTS.md "A
+        # compile worker under launch"), but nothing checked that for every program
         parts = [jax.__version__, _jaxlib_version(), backend.platform, backend.platform_version,
                  device.device_kind, str(jax.process_count()), _xla_flags(),
                  _jax_settings()]

@@ -15,10 +15,15 @@ device ids: fake CPU devices exist in any process) and sends the pair back seria
 Loaded executables never donate (`Trainer.donate`): a loaded train step that donates deadlocked
 XLA:CPU's collective rendezvous.
 
-Where it applies (`unavailable` says why not): one process, the CPU backend, the built-in GPT,
-the trainer's own optimizer (the child rebuilds model and optimizer from the config; a user's
-model or optax object exists only in the training process). Elsewhere the standby compiles on a
-thread (`standby.compiler: thread`).
+Where it applies (`unavailable` says why not): the CPU backend, the built-in GPT, the trainer's
+own optimizer (the child rebuilds model and optimizer from the config; a user's model or optax
+object exists only in the training process), in one process or under `elasjax launch` where the
+job shares its compiles (`compilation.shared`): there the process that takes a program's lease
+has its worker compile it, for as many fake devices as the job has, and every process loads
+the result onto its plan's devices by position. On a thread of a training process under launch,
+a compile all but stopped the job's steps for its length; beside a worker they go on
+(experiments/RESULTS.md, "A compile on a training process's thread stalls the job's steps").
+Elsewhere the standby compiles on a thread (`standby.compiler: thread`).
 
 Protocol: pickles over the child's stdin/stdout (its own output goes to stderr). The first
 message is the setup (device count, JAX settings, config), answered `("ready",)` once the child
@@ -43,7 +48,7 @@ from pathlib import Path
 import jax
 
 from ..layout.state import StateFactory, make_optimizer
-from ..runtime.liveness import cpu_s
+from ..runtime.liveness import cpu_s, die_with_parent
 from .executables import can_load, compile_plan
 from .store import ProgramStore
 
@@ -63,11 +68,15 @@ class CompileCancelled(Exception):
     """The worker was killed (a recovery took the cores) before it answered."""
 
 
-def unavailable(cfg, custom_optimizer: bool, multi_process: bool) -> str | None:
-    """None if a compile worker can build this run's executables, else why it cannot."""
-    if multi_process:
-        return ("it needs the one-process runtime (a worker cannot compile for the devices of "
-                "a multi-process job)")
+def unavailable(cfg, custom_optimizer: bool, multi_process: bool,
+                shared: bool = False) -> str | None:
+    """None if a compile worker can build this run's executables, else why it cannot. Under
+    `elasjax launch` only where the job shares its compiles (`shared`): the child compiles a
+    plan for as many fake devices as the job has, and what it sends back is loaded onto the
+    job's devices position for position, as `executables.rebind` loads any program."""
+    if multi_process and not shared:
+        return ("it needs the one-process runtime or the job's shared compiles "
+                "(standby.share_compiles)")
     if jax.default_backend() != "cpu":
         return f"it needs the CPU backend (a second process cannot share {jax.default_backend()} devices)"
     if cfg.model.type != "gpt":
@@ -117,7 +126,9 @@ class CompileWorker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
         setup = {
-            "devices": len(jax.devices()),
+            "parent": os.getpid(),
+            # the job's device ids: the child compiles for its fake devices under these ids
+            "ids": [d.id for d in jax.devices()],
             "cfg": self.cfg,
             "nice": self.nice,
             "jax_config": {n: jax.config.values[n] for n in CARRIED_CONFIG if n in jax.config.values},
@@ -232,15 +243,19 @@ def main() -> int:
     os.dup2(2, 1)  # anything the child prints goes to stderr, never into the pipe
     inp = sys.stdin.buffer
     setup = pickle.load(inp)
+    die_with_parent(setup["parent"])  # a killed training process strands no compile
     if setup["nice"]:
         os.nice(setup["nice"])  # before XLA starts its threads: they inherit it
-    jax.config.update("jax_num_cpu_devices", setup["devices"])
+    jax.config.update("jax_num_cpu_devices", len(setup["ids"]))
     for name, value in setup["jax_config"].items():
         jax.config.update(name, value)
 
     cfg = setup["cfg"]
     factory = StateFactory(cfg, make_optimizer(cfg))
-    devices = {d.id: d for d in jax.devices()}
+    # a plan names the job's device ids (a multi-process job's are not 0..n-1): each is one of
+    # this process's fake devices here; the executables go back with the fake ids, in mesh
+    # order, and are loaded by position (`executables.from_portable`)
+    devices = dict(zip(setup["ids"], jax.devices()))
     # plans compiled before (here or by the training process) are loaded, not compiled
     store = ProgramStore.from_setting(cfg.standby.programs_dir, cfg.standby.programs_max_mb)
     pickle.dump(("ready",), out, protocol=pickle.HIGHEST_PROTOCOL)

@@ -440,9 +440,9 @@ class StandbyConfig:
     worker process (one process on the CPU backend, the built-in GPT and optimizer: `elasjax
     train configs/...`), beside training at a lower priority, so that a failure after they are
     done is a standby hit; on under `elasjax launch` with `share_compiles` (the built-in GPT
-    and optimizer), where each program is compiled on a thread of one process and loaded by the
-    others; off elsewhere, where the builds could only run on a thread of each training process
-    (`true` turns it on there).
+    and optimizer), where each program is compiled once for the job, in one process's compile
+    worker, and loaded by the others onto every device set of its shape; off elsewhere, where
+    the builds could only run on a thread of each training process (`true` turns it on there).
     `standby_on` says which; the start line and the `start` event say what it builds.
 
     Each candidate device set gets its own executables, but with `rebind` (default) each
@@ -455,13 +455,16 @@ class StandbyConfig:
     plan per program), so that the standby of the plan a recovery moves to is loads only.
 
     `compiler`: where the compiles run. `process`: a child process at a lower CPU priority
-    (`elasjax.compilation.worker`; one process on the CPU backend, the built-in GPT and the
-    trainer's optimizer): training steps come first, a recovery that needs another program ends
-    the child's compile so that its own has every core, one it needs is waited for (at normal
-    priority) only when the child is a quarter of a compile's CPU time into it, and ended and
-    compiled here otherwise. `thread`: in the training process (a compile cannot be stopped and
-    shares the cores: a recovery's compile can take twice as long). `auto` (default): `process`
-    where it applies, else `thread`.
+    (`elasjax.compilation.worker`; the CPU backend, the built-in GPT and the trainer's
+    optimizer, in one process or under launch with `share_compiles`): training steps come
+    first, a recovery that needs another program ends the child's compile so that its own has
+    every core (in one process; under launch the compile goes on, other processes wait for
+    it), one it needs is waited for (at normal priority) only when the child is a quarter of a
+    compile's CPU time into it, and ended and compiled here otherwise. `thread`: in the
+    training process (a compile cannot be stopped and shares the cores: a recovery's compile
+    can take twice as long; under launch the job's steps all but stopped while one process
+    compiled, experiments/RESULTS.md "A compile on a training process's thread stalls the
+    job's steps"). `auto` (default): `process` where it applies, else `thread`.
 
     `wait_at_start` blocks before step 0 until the standby is ready and the transitions of
     `recovery.prepare_transfers` are planned; `wait_after_recovery` blocks the same way after
@@ -621,7 +624,8 @@ def standby_on(cfg: Config, no_worker: str | None, shares_compiles: bool = False
     can: `compilation.worker.unavailable`), which a recovery can stop and which shares no
     thread with training; and where the processes of a job share their compiles
     (`shares_compiles`: under `elasjax launch` with `standby.share_compiles`), so that each
-    program is compiled once in the job, on a thread of one process. Compiles on a thread of
+    program is compiled once in the job (in one process's compile worker where `no_worker` is
+    None, else on a thread of that process). Compiles on a thread of
     a lone training process, beside steps, are asked for explicitly: on XLA:CPU a collective of
     a step then waited past its 40 s rendezvous timeout for a participant (the classifier
     example, experiments/RESULTS.md)."""

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +33,7 @@ from ..loop.trainer import Trainer
 from ..observe.events import import_user_module, load_hooks
 from ..plan.planner import Topology, initial_plan
 from ..runtime.faults import MULTI_CONTROLLER, resolve_schedule
+from ..runtime.liveness import die_with_parent
 from ..runtime.membership import JobEndedError
 from ..runtime.multicontroller import MultiControllerRuntime, RejoinUnsupportedError
 from ..runtime.startup import (
@@ -231,23 +230,10 @@ def worker_main(args: argparse.Namespace) -> int:
     return run_worker(cfg, rc, args.out, kills, args.hooks)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: get SIGKILL when the launcher dies, so a killed launcher strands no worker."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = worker_parser().parse_args(argv)
     if args.die_with_parent is not None:
-        _die_with_parent(args.die_with_parent)
+        die_with_parent(args.die_with_parent)  # a killed launcher strands no worker
     try:
         return worker_main(args)
     except (ConfigError, ValueError, FileNotFoundError, RejoinUnsupportedError) as e:

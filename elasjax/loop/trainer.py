@@ -180,9 +180,10 @@ class Trainer:
         # optimizer, which every process names alike in the shared key (`SharedBuilds.key`; a
         # user's model or optimizer object may not); `no_worker` says why a worker cannot
         # build them
-        self.no_worker = unavailable(cfg, custom, self.rt.kind != IN_PROCESS)
-        self.standby_on = standby_on(cfg, self.no_worker, self.rt.shares_compiles
-                                     and cfg.model.type == "gpt" and not custom)
+        shares = self.rt.shares_compiles and cfg.model.type == "gpt" and not custom
+        self.no_worker = unavailable(cfg, custom, self.rt.kind != IN_PROCESS,
+                                     shares and cfg.standby.share_compiles)
+        self.standby_on = standby_on(cfg, self.no_worker, shares)
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
             background=self.standby_on or cfg.recovery.migration == "async" or grows,

@@ -327,6 +327,20 @@ def _boot_id() -> str:
         return ""
 
 
+def die_with_parent(parent: int) -> None:
+    """Linux: this process gets SIGKILL when its parent (pid `parent`) dies, so that a killed
+    parent strands no child (a launcher's workers, a training process's compile worker)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def cpu_s(pid: int) -> float | None:
     """CPU seconds (user and system, every thread) process `pid` has used; None where `/proc`
     cannot say (not Linux, or the process is gone)."""
