@@ -72,7 +72,12 @@ class ExecutableSource:
         if cfg.standby.compiler != "thread":
             why = unavailable(cfg, custom_tx, jax.process_count() > 1, shared is not None)
             if why is None:
-                self.worker = CompileWorker(cfg)
+                # under launch at normal priority: the job's other processes wait for what it
+                # compiles, and another process's compile at nice 0 did not stall the launch's
+                # steps (experiments/RESULTS.md, "A compile on a training process's thread
+                # stalls the job's steps"); in one process niced (`CompileWorker.NICE`)
+                nice = 0 if shared is not None else CompileWorker.NICE
+                self.worker = CompileWorker(cfg, nice=nice)
             elif cfg.standby.compiler == "process":
                 raise ConfigError(
                     f"config 'standby.compiler' = process: {why}; allowed values here: thread, auto"

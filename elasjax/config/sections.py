@@ -456,7 +456,8 @@ class StandbyConfig:
 
     `compiler`: where the compiles run. `process`: a child process at a lower CPU priority
     (`elasjax.compilation.worker`; the CPU backend, the built-in GPT and the trainer's
-    optimizer, in one process or under launch with `share_compiles`): training steps come
+    optimizer, in one process or under launch with `share_compiles`, where it runs at normal
+    priority: the other processes wait for its programs): training steps come
     first, a recovery that needs another program ends the child's compile so that its own has
     every core (in one process; under launch the compile goes on, other processes wait for
     it), one it needs is waited for (at normal priority) only when the child is a quarter of a
