@@ -234,8 +234,12 @@ class ExecutableSource:
     def _worker_early(self) -> bool:
         """Has the compile worker spent less than `WORKER_WAIT_PROGRESS` of a compile's CPU
         time (its finished compiles' mean, else this process's first compile) on the compile
-        under way? False when nothing says."""
-        progress = self.worker.progress() if self.worker is not None else None
+        under way? False when nothing says, and under launch, where a shared compile is never
+        ended (the plan would be compiled here beside it: two compiles of one program in the
+        rejoin launch of experiments/RESULTS.md, "A compile on a training process's thread
+        stalls the job's steps")."""
+        progress = (self.worker.progress()
+                    if self.worker is not None and self.shared is None else None)
         if progress is None:
             return False
         spent, full = progress
