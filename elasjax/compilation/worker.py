@@ -26,7 +26,8 @@ a compile all but stopped the job's steps for its length; beside a worker they g
 Elsewhere the standby compiles on a thread (`standby.compiler: thread`).
 
 Protocol: pickles over the child's stdin/stdout (its own output goes to stderr). The first
-message is the setup (device count, JAX settings, config), answered `("ready",)` once the child
+message is the setup (the parent's pid, the job's device ids, JAX settings, config, the nice
+value), answered `("ready",)` once the child
 has imported and set up; each later one a request `(plan, donate)`, answered
 `("ok", Portable, seconds)` or `("error", message)`.
 
