@@ -7,7 +7,7 @@ from `Plan.canonical_slots`) must give the tree's sum bit for bit, with at most
 import numpy as np
 import pytest
 
-from elasjax.core import treesum
+from elasjax.core import packing, treesum
 from elasjax.plan.planner import Plan
 
 
@@ -87,14 +87,14 @@ def test_bad_dealings_are_refused():
 def test_the_device_program_gives_the_trees_bits_on_every_replica_count(K, own, monkeypatch):
     """`TreeSum` on meshes of 1..8 replicas (the planner's dealings, padding slots included):
     every replica ends with the tree's sum of each leaf, bit for bit. With `own` = 4 the leaf of
-    4 elements is exchanged on its own and the two of 3 packed together (`OWN_EXCHANGE`);
+    4 elements is exchanged on its own and the two of 3 packed together (`packing.OWN_EXCHANGE`);
     otherwise all three are packed."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     if own is not None:
-        monkeypatch.setattr(treesum, "OWN_EXCHANGE", own)
+        monkeypatch.setattr(packing, "OWN_EXCHANGE", own)
     x = values(K, K)
     parts = {"g": x, "h": x[:, :3], "k": x[:, 1:]}
     refs = {name: treesum.reference_sum(v) for name, v in parts.items()}
@@ -106,7 +106,7 @@ def test_the_device_program_gives_the_trees_bits_on_every_replica_count(K, own, 
         per = {name: np.where((s >= 0)[..., None], v[np.maximum(s, 0)], np.nan).astype(np.float32)
                for name, v in parts.items()}
         tree = treesum.TreeSum(treesum.schedule(s), mesh, {name: P() for name in parts})
-        assert len(treesum._exchanges([v[0] for v in parts.values()])) == (1 if own is None else 2)
+        assert len(packing.groups([v[0] for v in parts.values()])) == (1 if own is None else 2)
 
         @jax.jit
         def run(v):

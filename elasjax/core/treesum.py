@@ -18,8 +18,8 @@ between replicas. Those are computed by every replica, each on its own 1/D-th of
 one `all_to_all` over the data axis gives each replica its chunk of every replica's pending
 nodes, every replica runs the same additions, in the tree's order, on its chunk (elementwise:
 the chunking changes no bit), and one `all_gather` puts the root's chunks together on every
-replica. A leaf of `OWN_EXCHANGE` elements or more travels on its own, the smaller leaves of one
-dtype packed in one vector: two collectives per such group.
+replica. A leaf of `packing.OWN_EXCHANGE` elements or more travels on its own, the smaller
+leaves of one dtype packed in one vector (`packing.groups`): two collectives per such group.
 
 Memory per device: `TreeSchedule.n_regs - 1` gradient-sized registers for the local phase (the
 device's shard of the gradient under tensor parallelism; the schedule's scratch register is
@@ -48,17 +48,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import packing
 from .mesh import DATA
 
 PyTree = Any
 
 MERGES_PER_STEP = 1  # local additions per micro-batch; later ones wait for the flush round
-# Elements (of one replica's leaf) from which a leaf is exchanged on its own in the cross phase
-# rather than packed with the others: packing copies it twice (into the vector, then padded); at
-# 101M parameters exchanging the large leaves alone took the cross phase from 2.0 to 1.0 s here,
-# for one more pair of collectives each (experiments/RESULTS.md, "The cross phase per large
-# leaf"). The demos' leaves are all smaller: their programs pack everything.
-OWN_EXCHANGE = 1 << 18
 SCRATCH = 0  # register that padding slots and no-op additions write to; never read into a sum
 
 
@@ -293,18 +288,6 @@ def _run(regs: tuple, ops) -> tuple:
     return tuple(regs)
 
 
-def _exchanges(leaves: list) -> list[list[int]]:
-    """Leaf indices grouped into the cross phase's exchanges: each leaf of `OWN_EXCHANGE`
-    elements or more alone (no packing copy), the other leaves of one dtype together (one
-    exchange's latency for all of them: under `elasjax launch` each crosses processes)."""
-    groups: list[list[int]] = []
-    for dtype in sorted({x.dtype.name for x in leaves}):
-        idx = [i for i, x in enumerate(leaves) if x.dtype.name == dtype]
-        small = [i for i in idx if leaves[i].size < OWN_EXCHANGE]
-        groups += [[i] for i in idx if i not in small] + ([small] if small else [])
-    return groups
-
-
 def _select(index, branches, *args):
     """`branches[index](*args)`; static when there is one branch."""
     if len(branches) == 1:
@@ -416,12 +399,12 @@ class TreeSum:
             return total[:n]
 
         def summed(nodes):
-            """The sum of every leaf from the P pending trees: a leaf of `OWN_EXCHANGE` elements
-            or more on its own, the smaller leaves of one dtype packed into one vector (two
-            collectives per vector)."""
+            """The sum of every leaf from the P pending trees: a leaf of `packing.OWN_EXCHANGE`
+            elements or more on its own, the smaller leaves of one dtype packed into one vector
+            (two collectives per vector)."""
             leaves = [jax.tree.leaves(t) for t in nodes]
             out = [None] * len(leaves[0])
-            for idx in _exchanges(leaves[0]):
+            for idx in packing.groups(leaves[0]):
                 total = cross_sum(jnp.stack([
                     jnp.concatenate([ls[i].reshape(-1) for i in idx]) for ls in leaves]))
                 at = 0
