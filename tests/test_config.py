@@ -81,6 +81,14 @@ def test_the_standby_is_auto_by_default_on_where_a_worker_process_builds():
         config.load(None, ["standby.enabled=maybe"])
 
 
+def test_standby_depth_auto_covers_a_second_failure_where_a_job_shares_its_compiles():
+    cfg = config.load(None, [])
+    assert config.standby_depth(cfg, True) == 2 and config.standby_depth(cfg, False) == 1
+    assert config.standby_depth(config.load(None, ["standby.share_compiles=false"]), True) == 1
+    assert config.standby_depth(config.load(None, ["standby.depth=1"]), True) == 1
+    assert config.standby_depth(config.load(None, ["standby.depth=2"]), False) == 2
+
+
 def test_standby_depth_and_map_budget_name_their_allowed_values():
     with pytest.raises(ConfigError, match=r"'standby.depth' = 3; allowed values: 1 .*, 2 "):
         config.load(None, ["standby.depth=3"])

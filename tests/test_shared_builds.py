@@ -169,11 +169,26 @@ def test_processes_start_their_standby_on_different_plans_and_leave_their_own_de
 
     states = {"pub": "published", "busy": "claimed"}
     src = SimpleNamespace(shared=SimpleNamespace(state=lambda key: states.get(key, "free")),
-                          _shared_key=lambda p: p.name)
+                          _shared_key=lambda p: p.name, _by_program=lambda p: False)
     plans = [_plan("busy", [0, 1]), _plan("own death", [100, 101]), _plan("a", [0, 1]),
              _plan("b", [2, 3]), _plan("pub", [0, 1])]
     got = ExecutableSource.standby_order(src, plans)
     assert [p.name for p in got] == ["pub", "a", "b", "own death", "busy"]
+
+
+def test_where_builds_are_named_by_program_the_standby_takes_them_in_the_queues_order():
+    """Named by program, a compile serves every device set, the process's own death's too: what
+    nobody builds is taken in the queue's order (the plans of one more failure first, then
+    those of a second: `standby.depth`), not the process's own plans first."""
+    from elasjax.compilation.source import ExecutableSource
+
+    states = {"pub": "published", "busy": "claimed"}
+    src = SimpleNamespace(shared=SimpleNamespace(state=lambda key: states.get(key, "free")),
+                          _shared_key=lambda p: p.name, _by_program=lambda p: True)
+    plans = [_plan("busy", [0, 1]), _plan("own death", [100, 101]), _plan("a", [0, 1]),
+             _plan("second failure", [2, 3]), _plan("pub", [0, 1])]
+    got = ExecutableSource.standby_order(src, plans)
+    assert [p.name for p in got] == ["pub", "own death", "a", "second failure", "busy"]
 
 
 def test_the_standby_takes_its_compiles_in_the_order_it_is_given():
@@ -241,6 +256,7 @@ def test_one_shared_build_serves_every_device_set_of_a_program_where_programs_re
         src = SimpleNamespace(cfg=cfg, devices=devices, donate=False, _shared_keys={},
                               shared=SimpleNamespace(key=SharedBuilds.key),
                               factory=SimpleNamespace(tx_key=None))
+        src._by_program = lambda p, src=src: ExecutableSource._by_program(src, p)
         keys = [ExecutableSource._shared_key(src, p) for p in (a, b)]
         assert (keys[0] == keys[1]) is same, (rebind, keys)
 

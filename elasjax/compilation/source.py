@@ -188,12 +188,15 @@ class ExecutableSource:
         else the plan's own."""
         k = (plan, self.donate)
         if k not in self._shared_keys:
-            by_program = (self.cfg.standby.rebind
-                          and self.devices[plan.device_ids[0]].client.platform in REBINDABLE)
-            named = plan.shape_key if by_program else plan
+            named = plan.shape_key if self._by_program(plan) else plan
             self._shared_keys[k] = self.shared.key(
                 self.cfg, ExecutableCache.key(self.cfg, named, self.donate, self.factory.tx_key))
         return self._shared_keys[k]
+
+    def _by_program(self, plan: Plan) -> bool:
+        """Are the job's shared builds named by program (`_shared_key`)?"""
+        return (self.cfg.standby.rebind
+                and self.devices[plan.device_ids[0]].client.platform in REBINDABLE)
 
     def standby_order(self, plans: list) -> list:
         """Where the job's processes share their compiles (`shared`), the order in which this
@@ -203,9 +206,13 @@ class ExecutableSource:
         this process takes part in, rotated by its index so that processes start on different
         plans, then the ones it does not (its own death's: a compile it would lose with
         itself), and last those another live process is compiling (waited for and loaded when
-        nothing else is left) (tests/test_shared_builds.py)."""
+        nothing else is left) (tests/test_shared_builds.py). Where the builds are named by
+        program (`_by_program`), a compile serves every device set, its own death's too: those
+        nobody builds are taken in the queue's order, the plans of one more failure before
+        those of two (`standby.depth`), each process taking the first one no other has."""
         me = jax.process_index()
         here = {d.id for d in jax.local_devices()}
+        by_program = bool(plans) and self._by_program(plans[0])
         published, mine, others, claimed = [], [], [], []
         for p in plans:
             state = self.shared.state(self._shared_key(p))
@@ -214,8 +221,8 @@ class ExecutableSource:
             elif state == "claimed":
                 claimed.append(p)
             else:
-                (mine if here & set(p.device_ids) else others).append(p)
-        k = me % len(mine) if mine else 0
+                (mine if by_program or here & set(p.device_ids) else others).append(p)
+        k = me % len(mine) if mine and not by_program else 0
         return published + mine[k:] + mine[:k] + others + claimed
 
     def _build(self, plan: Plan, compile: Callable[[], Executables] | None = None):

@@ -63,6 +63,7 @@ from .sections import (  # noqa: F401
     grow_standby,
     mode_line,
     optimizer_spec_ok,
+    standby_depth,
     standby_on,
     unused_optimizer_fields,
     with_optimizer_object,

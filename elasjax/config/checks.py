@@ -288,9 +288,10 @@ def _validate_standby(s: StandbyConfig) -> None:
     _require(0.0 < s.map_budget <= 0.9, "standby.map_budget",
              f"= {s.map_budget}; allowed values: 0 < map_budget <= 0.9 (a fraction of "
              "the process's memory-mapping limit)")
-    _require(s.depth in (1, 2), "standby.depth",
-             f"= {s.depth}; allowed values: 1 (the plans after one more failure), "
-             "2 (and after a second one)")
+    _require(s.depth in (1, 2, "auto") and not isinstance(s.depth, bool), "standby.depth",
+             f"= {s.depth!r}; allowed values: 1 (the plans after one more failure), "
+             "2 (and after a second one), auto (2 where a job's processes share their "
+             "compiles, else 1)")
 
 
 def _validate_deterministic(cfg: Config) -> None:

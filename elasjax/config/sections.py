@@ -452,7 +452,9 @@ class StandbyConfig:
     donate their input state (XLA:CPU deadlocked running a loaded executable that donates; see
     `Trainer.donate`): the state is held twice while a step runs; `rebind: false` (and no
     `cache_dir`) donates. `depth: 2` also compiles the programs a second failure would need (one
-    plan per program), so that the standby of the plan a recovery moves to is loads only.
+    plan per program), so that the standby of the plan a recovery moves to is loads only;
+    `auto` (default): 2 where a job's processes share their compiles, 1 elsewhere
+    (`standby_depth`).
 
     `compiler`: where the compiles run. `process`: a child process at a lower CPU priority
     (`elasjax.compilation.worker`; the CPU backend, the built-in GPT and the trainer's
@@ -499,7 +501,7 @@ class StandbyConfig:
     # "process" (a child process a recovery can stop, `compile_worker`), or "thread"
     compiler: Literal["auto", "process", "thread"] = "auto"
     max_plans: Optional[int] = None  # None: every likely failure's plan
-    depth: int = 1  # failures ahead to cover: 1 or 2
+    depth: Union[int, Literal["auto"]] = "auto"  # failures ahead: 1, 2 or auto (`standby_depth`)
     # build a device set's executables from its program compiled for other devices
     # (`executables.rebind`) instead of compiling; executables then never donate (see the docstring)
     rebind: bool = True
@@ -636,6 +638,19 @@ def standby_on(cfg: Config, no_worker: str | None, shares_compiles: bool = False
     if shares_compiles and cfg.standby.share_compiles:
         return True
     return no_worker is None and cfg.standby.compiler != "thread"
+
+
+def standby_depth(cfg: Config, shares_compiles: bool) -> int:
+    """How many failures ahead the standby covers (`standby.depth`); `auto`: 2 where the job's
+    processes share their compiles (`elasjax launch`, `standby.share_compiles`), 1 elsewhere.
+    Under launch a program is compiled once for the whole job, and a step is a fraction of a
+    compile: after a first failure the new plan's next programs took longer to compile than
+    the 40 steps to a second one (experiments/RESULTS.md, "One collective per operand under
+    launch"), so they are compiled from the start. In one process a compile's worth of steps
+    is far more steps, and the second program would cost every run a compile it rarely uses."""
+    if cfg.standby.depth != "auto":
+        return int(cfg.standby.depth)
+    return 2 if shares_compiles and cfg.standby.share_compiles else 1
 
 
 def grow_standby(cfg: Config) -> bool:

@@ -46,6 +46,7 @@ from ..config import (
     dump,
     grow_standby,
     mode_line,
+    standby_depth,
     standby_on,
     with_optimizer_object,
 )
@@ -197,7 +198,8 @@ class Trainer:
         self.contingencies = Contingencies(cfg, self.topo, self.initial,
                                            device_failures=self.rt.device_failures,
                                            can_grow=self.rt.devices_return,
-                                           standby=self.standby_on)
+                                           standby=self.standby_on,
+                                           depth=standby_depth(cfg, shares))
         self.transitions = TransitionPlanner(cfg, self.factory, self.devices, self.contingencies,
                                              where=self.rt.process_of)
         self.recovery = Recoverer(cfg, self.rt, self.topo, self.factory, self.source,

@@ -24,10 +24,11 @@ class Contingencies:
     `can_grow`: can devices return (`Runtime.devices_return`); `standby`: is the standby on."""
 
     def __init__(self, cfg: Config, topo: Topology, initial: Plan, *, device_failures: bool,
-                 can_grow: bool, standby: bool):
+                 can_grow: bool, standby: bool, depth: int = 1):
         self.cfg, self.topo, self.initial = cfg, topo, initial
         self.device_failures, self.can_grow = device_failures, can_grow
         self.standby = standby  # the standby is on (`config.standby_on`)
+        self.depth = depth  # failures ahead it covers (`config.standby_depth`)
 
     def failures(self, plan: Plan, live: set[int]) -> list[tuple[set[int], set[int]]]:
         """The likeliest next failures of `plan`: (devices lost, hosts lost) for every single
@@ -63,16 +64,15 @@ class Contingencies:
         of `plan` (`failures`): their optimal plans with the standby on; the no-movement
         fast paths with `recovery.migration: async`; and with `recovery.grow_standby`, the plan
         of the likeliest growth (every down device returns; with none down, the plans a rejoin
-        after the likeliest failures would grow to: `rejoin_plans`). With `standby.depth: 2`, also one
-        plan of each new program (`Plan.shape_key`) needed after a second failure of each of
-        those: after a recovery, the standby set of the new plan then needs no compile, only
+        after the likeliest failures would grow to: `rejoin_plans`). With depth 2
+        (`standby.depth`), also one plan of each new program (`Plan.shape_key`) needed after a
+        second failure of each of those: after a recovery, the standby set of the new plan then needs no compile, only
         loads (`executables.rebind`). One per program, not every device set: a loaded CPU
         executable holds hundreds of memory mappings, and a process has a bounded number
         (`standby.map_budget`)."""
-        sb = self.cfg.standby
         first = self._next_plans(plan, live)
         out = [p for p, _ in first]
-        if self.standby and sb.depth == 2:
+        if self.standby and self.depth == 2:
             programs = {p.shape_key for p in out}
             for nxt, survivors in first:
                 for p, _ in self._next_plans(nxt, survivors):
