@@ -66,10 +66,10 @@ class Contingencies:
         of the likeliest growth (every down device returns; with none down, the plans a rejoin
         after the likeliest failures would grow to: `rejoin_plans`). With depth 2
         (`standby.depth`), also one plan of each new program (`Plan.shape_key`) needed after a
-        second failure of each of those: after a recovery, the standby set of the new plan then needs no compile, only
-        loads (`executables.rebind`). One per program, not every device set: a loaded CPU
-        executable holds hundreds of memory mappings, and a process has a bounded number
-        (`standby.map_budget`)."""
+        second failure of each of those: after a recovery, the standby set of the new plan
+        then needs no compile, only loads (`executables.rebind`). One per program, not every
+        device set: a loaded CPU executable holds hundreds of memory mappings, and a process
+        has a bounded number (`standby.map_budget`)."""
         first = self._next_plans(plan, live)
         out = [p for p, _ in first]
         if self.standby and self.depth == 2:
