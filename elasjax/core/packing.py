@@ -1,6 +1,5 @@
-"""Many small arrays through one collective: which to pack together (`groups`), an `all_gather`
-of packed arrays inside a `shard_map` (`all_gather_packed`) and a sum over a mesh axis of packed
-arrays (`psum_packed`).
+"""Many small arrays through one collective: which to pack together (`groups`), and an
+`all_gather` of packed arrays inside a `shard_map` (`all_gather_packed`).
 
 Why: XLA:CPU runs every operand of a collective as a collective of its own, and under
 `elasjax launch` each one crosses processes over gloo, paying a few round trips of process
@@ -9,8 +8,10 @@ wake-ups whatever its size. With 4 processes of 2 fake devices on 2 cores, one a
 (experiments/RESULTS.md, "One collective per operand under launch"). So the small arrays of one
 dtype travel packed into one vector. A large one travels alone: packing copies it (into the
 vector and out again), which costs more than a collective's latency (`OWN_EXCHANGE`).
-A packed gather gives the same bits; a packed sum may add an element's ranks in another order
-(a collective's algorithm may split its buffer by size), which only the default mode allows.
+A packed gather gives the same bits. Sums are not packed here: the default mode's ZeRO-0
+gradient summed as one packed all-reduce made a survivor's collective wait out gloo's timeout
+after a peer's death in 4 of 8 launches (a send that no socket shutdown ends), none of 4
+without it (experiments/RESULTS.md, "One collective per operand under launch").
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 # Elements from which an array travels alone rather than packed with others: packing copies it
 # twice; at 101M parameters exchanging the tree sum's large leaves alone took its cross phase
@@ -61,27 +61,3 @@ def all_gather_packed(xs: Sequence[jax.Array], axis_name: str, axes: Sequence[in
             at += x.size
     return out
 
-
-def psum_packed(xs: Sequence[jax.Array], mesh, specs: Sequence, axis_name: str
-                ) -> list[jax.Array]:
-    """Each of `xs` (`[n, *leaf]`: one value per rank of `axis_name`, sharded over it on axis 0
-    and laid out as its `specs` entry on the rest) summed over that axis: `[*leaf]`, laid out
-    as its spec. Inside one `shard_map`, the small ones of one dtype packed into one `psum`
-    (`groups`), the large ones summed alone."""
-    def local(*parts):
-        parts = [p[0] for p in parts]  # this rank's value: [*local shard of the leaf]
-        out: list = [None] * len(parts)
-        for idx in groups(parts):
-            if len(idx) == 1:
-                out[idx[0]] = jax.lax.psum(parts[idx[0]], axis_name)
-                continue
-            total = jax.lax.psum(jnp.concatenate([parts[i].reshape(-1) for i in idx]), axis_name)
-            at = 0
-            for i in idx:
-                out[i] = total[at: at + parts[i].size].reshape(parts[i].shape)
-                at += parts[i].size
-        return tuple(out)
-
-    return list(jax.shard_map(
-        local, mesh=mesh, in_specs=tuple(PartitionSpec(axis_name, *s) for s in specs),
-        out_specs=tuple(specs), check_vma=False)(*xs))

@@ -23,7 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..config import Config
-from ..core import packing, rng, treesum
+from ..core import rng, treesum
 from ..core.mesh import DATA, LOGICAL_RULES, replicated
 from ..core.microbatch import accumulate
 from ..core.sharding import path_str
@@ -84,8 +84,6 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
         return _pipelined_grad_fn(cfg, mesh, layout)
     if cfg.deterministic:
         return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout)
-    if stage == 0:
-        return _replica_grad_fn(cfg, model, mesh, state_sh)
     loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout, mesh=mesh)
     micro_sh = NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"]))
     seed = cfg.train.seed
@@ -121,56 +119,6 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
         )
         n_tokens = normaliser(batch)
         return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
-
-    return grad_fn
-
-
-def _per_replica(mesh: Mesh, mb: dict) -> dict:
-    """A micro-batch `[samples, ...]` as `[replicas, samples per replica, ...]`, each replica's
-    on its own devices."""
-    D = mesh.shape[DATA]
-    sh = NamedSharding(mesh, PartitionSpec(DATA))
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
-        x.reshape((D, x.shape[0] // D) + x.shape[1:]), sh), mb)
-
-
-def _replica_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState):
-    """ZeRO-0 in the default mode: each replica's loss and gradient (a `vmap` over the data
-    axis, as the deterministic mode computes them), accumulated per replica over the
-    micro-batches and summed over the replicas once per step, the small leaves packed into one
-    collective (`packing.psum_packed`). Left to XLA, the sum was an all-reduce per leaf and
-    micro-batch; under `elasjax launch` each crosses processes, and they were most of the
-    demo's step (experiments/RESULTS.md, "One collective per operand under launch")."""
-    loss_fn = make_loss_fn(cfg, model, deterministic=False)
-    seed = cfg.train.seed
-    D = mesh.shape[DATA]
-    specs = [sh.spec for sh in jax.tree.leaves(state_sh.params)]
-    rep_sh = jax.tree.map(lambda sh: NamedSharding(mesh, PartitionSpec(DATA, *sh.spec)),
-                          state_sh.params)
-    rep_loss = NamedSharding(mesh, PartitionSpec(DATA))
-
-    def grad_fn(params, batch, step):
-        key = rng.step_key(rng.root_key(seed), step)
-        replica = jax.vmap(jax.value_and_grad(lambda p, m: loss_fn(p, m, key)), in_axes=(None, 0))
-
-        def body(acc, mb):
-            losses, grads = replica(params, _per_replica(mesh, mb))
-            loss_acc, g_acc = acc
-            g_acc = jax.tree.map(
-                lambda a, g, sh: jax.lax.with_sharding_constraint(a + g.astype(jnp.float32), sh),
-                g_acc, grads, rep_sh)
-            return (loss_acc + losses.astype(jnp.float32), g_acc), None
-
-        zeros = (jax.lax.with_sharding_constraint(jnp.zeros((D,), jnp.float32), rep_loss),
-                 jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(
-                     jnp.zeros((D,) + p.shape, jnp.float32), sh), params, rep_sh))
-        (loss_rep, g_rep), _ = jax.lax.scan(body, zeros, batch)
-        leaves, tree = jax.tree.flatten(g_rep)
-        loss_sum, *grads = packing.psum_packed([loss_rep] + leaves, mesh,
-                                               [PartitionSpec()] + specs, DATA)
-        n_tokens = normaliser(batch)
-        return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens,
-                                                 jax.tree.unflatten(tree, grads))
 
     return grad_fn
 
