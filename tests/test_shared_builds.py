@@ -160,35 +160,33 @@ def _plan(name, ids):
     return SimpleNamespace(name=name, device_ids=tuple(ids))
 
 
+def _standby_order(last: str, by_program: bool) -> list[str]:
+    """`ExecutableSource.standby_order` of five plans (one published, one another process is
+    compiling, this process's own death's, two it takes part in, the second named `last`)."""
+    from elasjax.compilation.source import ExecutableSource
+
+    states = {"pub": "published", "busy": "claimed"}
+    src = SimpleNamespace(shared=SimpleNamespace(state=lambda key: states.get(key, "free")),
+                          _shared_key=lambda p: p.name, _by_program=lambda p: by_program)
+    plans = [_plan("busy", [0, 1]), _plan("own death", [100, 101]), _plan("a", [0, 1]),
+             _plan(last, [2, 3]), _plan("pub", [0, 1])]
+    return [p.name for p in ExecutableSource.standby_order(src, plans)]
+
+
 def test_processes_start_their_standby_on_different_plans_and_leave_their_own_death_last():
     """`ExecutableSource.standby_order` (this test process is process 0 and holds devices 0-7):
     what another process published comes first (a load), then what nobody builds, the plans
     this process takes part in before its own death's, and last what another live process is
     compiling now."""
-    from elasjax.compilation.source import ExecutableSource
-
-    states = {"pub": "published", "busy": "claimed"}
-    src = SimpleNamespace(shared=SimpleNamespace(state=lambda key: states.get(key, "free")),
-                          _shared_key=lambda p: p.name, _by_program=lambda p: False)
-    plans = [_plan("busy", [0, 1]), _plan("own death", [100, 101]), _plan("a", [0, 1]),
-             _plan("b", [2, 3]), _plan("pub", [0, 1])]
-    got = ExecutableSource.standby_order(src, plans)
-    assert [p.name for p in got] == ["pub", "a", "b", "own death", "busy"]
+    assert _standby_order("b", by_program=False) == ["pub", "a", "b", "own death", "busy"]
 
 
 def test_where_builds_are_named_by_program_the_standby_takes_them_in_the_queues_order():
     """Named by program, a compile serves every device set, the process's own death's too: what
     nobody builds is taken in the queue's order (the plans of one more failure first, then
     those of a second: `standby.depth`), not the process's own plans first."""
-    from elasjax.compilation.source import ExecutableSource
-
-    states = {"pub": "published", "busy": "claimed"}
-    src = SimpleNamespace(shared=SimpleNamespace(state=lambda key: states.get(key, "free")),
-                          _shared_key=lambda p: p.name, _by_program=lambda p: True)
-    plans = [_plan("busy", [0, 1]), _plan("own death", [100, 101]), _plan("a", [0, 1]),
-             _plan("second failure", [2, 3]), _plan("pub", [0, 1])]
-    got = ExecutableSource.standby_order(src, plans)
-    assert [p.name for p in got] == ["pub", "own death", "a", "second failure", "busy"]
+    assert _standby_order("second failure", by_program=True) == [
+        "pub", "own death", "a", "second failure", "busy"]
 
 
 def test_the_standby_takes_its_compiles_in_the_order_it_is_given():

@@ -4,7 +4,7 @@
 Why: XLA:CPU runs every operand of a collective as a collective of its own, and under
 `elasjax launch` each one crosses processes over gloo, paying a few round trips of process
 wake-ups whatever its size. With 4 processes of 2 fake devices on 2 cores, one all-reduce of
-1 MB took 15 ms and the same megabyte as 30 operands of one all-reduce 194 ms
+1 MB took 15 ms and the same megabyte as 30 operands of one all-reduce 196-230 ms
 (experiments/RESULTS.md, "One collective per operand under launch"). So the small arrays of one
 dtype travel packed into one vector. A large one travels alone: packing copies it (into the
 vector and out again), which costs more than a collective's latency (`OWN_EXCHANGE`).

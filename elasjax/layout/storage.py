@@ -468,9 +468,9 @@ class ZeroCodec:
         `to_storage` converts them, XLA gathered each leaf on its own, and under launch the
         ZeRO demo's step took 0.20 s against 0.10 s so (experiments/RESULTS.md, "One collective
         per operand under launch"); a gather moves the same bits either way."""
-        leaves = {}
         units = self.units
         if mesh is None or not units:
+            leaves = {}
             for u in units:
                 leaves.update(self.unit_from_storage(u, storage[u.name]))
             return jax.tree_util.tree_unflatten(self.treedef, [leaves[p] for p in self.paths])
@@ -480,20 +480,23 @@ class ZeroCodec:
         def local(*tiers):
             it, out = iter(self._gather_rows(tiers)), []
             for u in units:
-                rows = [next(it) for _ in self.tables]
-                out.extend(self._row_blocks(u, self._assemble(u, 0, rows), rows[0].ndim - 1))
+                out.extend(self._rows_to_blocks(u, [next(it) for _ in self.tables]))
             return tuple(out)
 
         flat = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              check_vma=False)(*[t for u in units for t in storage[u.name]])
-        leaves.update(zip([m.path for u in units for m in u.members], flat))
+        leaves = dict(zip([m.path for u in units for m in u.members], flat))
         return jax.tree_util.tree_unflatten(self.treedef, [leaves[p] for p in self.paths])
 
     def _gather_blocks(self, u: Unit, tiers: Sequence[jax.Array]) -> list[jax.Array]:
         """Inside a `shard_map`: this device's storage tiers [*b, 1, 1, width] -> its members'
         blocks, the row gathered over `data`."""
-        return self._row_blocks(u, self._assemble(u, 0, self._gather_rows(tiers)),
-                                tiers[0].ndim - 3)
+        return self._rows_to_blocks(u, self._gather_rows(tiers))
+
+    def _rows_to_blocks(self, u: Unit, rows: Sequence[jax.Array]) -> list[jax.Array]:
+        """Inside a `shard_map`: a unit's tiers gathered over `data` [*b, data * width] (one
+        per table) -> its members' blocks on this device."""
+        return self._row_blocks(u, self._assemble(u, 0, rows), rows[0].ndim - 1)
 
     @staticmethod
     def _gather_rows(tiers: Sequence[jax.Array]) -> list[jax.Array]:
