@@ -409,10 +409,10 @@ def test_a_needed_compile_the_worker_has_barely_begun_is_ended_and_built_here():
 
     f = ExecutableSource.WORKER_WAIT_PROGRESS
 
-    def early(progress, first=0.0, shared=None):
+    def early(progress, first=0.0, shares=False):
         worker = SimpleNamespace(progress=lambda: progress)
         return ExecutableSource._worker_early(SimpleNamespace(
-            worker=worker, first_compile_cpu_s=first, WORKER_WAIT_PROGRESS=f, shared=shared))
+            worker=worker, first_compile_cpu_s=first, WORKER_WAIT_PROGRESS=f, shares=shares))
 
     assert early((0.0, 10.0)) and early((10 * f - 0.1, 10.0))
     assert not early((10 * f + 0.1, 10.0))
@@ -420,7 +420,7 @@ def test_a_needed_compile_the_worker_has_barely_begun_is_ended_and_built_here():
     assert not early((0.0, 0.0)) and not early(None)  # nothing to go by: wait, as before
     # under launch a shared compile is never ended: the recovery waits for it, never builds
     # the same program beside it
-    assert not early((0.0, 10.0), shared=object())
+    assert not early((0.0, 10.0), shares=True)
 
     w = CompileWorker(tiny_config())
     assert w.progress() is None  # no child

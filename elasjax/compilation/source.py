@@ -20,7 +20,7 @@ from .executables import (
 from .shared import SharedBuilds
 from .standby import StandbyCompiler, StandbyCoverageWarning
 from .store import ProgramStore
-from .worker import CompileWorker, unavailable
+from .worker import CompileWorker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +35,12 @@ class Acquired:
 
 class ExecutableSource:
     """A run's executables. `background`: keep a standby compiler (standby plans, async
-    migration's optimal plan, growth); `custom_tx`: the optimizer is the user's (a compile
-    worker process cannot rebuild it); `prepare`: called with each standby-built executable
+    migration's optimal plan, growth); `prepare`: called with each standby-built executable
     (the snapshot pool compiles its checksums for that plan); `log`: the runtime's log;
     `shared`: where the job's processes compile each program once (`shared.SharedBuilds`,
-    under `elasjax launch`), None where this process compiles what it needs."""
+    under `elasjax launch`), None where this process compiles what it needs; `no_worker`: why
+    no compile worker process can build this run's plans (`worker.unavailable`, decided once
+    by the caller, whose `standby.enabled: auto` reads it too), None where one can."""
 
     # a queued needed plan waits for the compile under way unless that has more than this
     # fraction of a mean compile left; beyond it, a cold compile now is sooner
@@ -51,11 +52,15 @@ class ExecutableSource:
     WORKER_WAIT_PROGRESS = 0.25
 
     def __init__(self, cfg: Config, factory: StateFactory, devices, exe_cache: ExecutableCache,
-                 *, donate: bool, background: bool, custom_tx: bool,
+                 *, donate: bool, background: bool,
                  prepare: Callable[[Executables], None], log: Callable[[str], None],
-                 shared: SharedBuilds | None = None):
+                 no_worker: str | None, shared: SharedBuilds | None = None):
         self.cfg, self.factory, self.devices, self.exe_cache = cfg, factory, devices, exe_cache
         self.shared = shared
+        # the job's processes compile each program once (under `elasjax launch`): builds are
+        # never ended, the worker runs at normal priority, the standby takes plans in the
+        # job's order
+        self.shares = shared is not None
         self.store = ProgramStore.from_setting(cfg.standby.programs_dir, cfg.standby.programs_max_mb)
         self.donate, self._prepare, self._log = donate, prepare, log
         self.errors: list[str] = []  # standby compiles that failed while a recovery waited
@@ -70,13 +75,13 @@ class ExecutableSource:
         if not background:
             return
         if cfg.standby.compiler != "thread":
-            why = unavailable(cfg, custom_tx, jax.process_count() > 1, shared is not None)
+            why = no_worker
             if why is None:
                 # under launch at normal priority: the job's other processes wait for what it
                 # compiles, and another process's compile at nice 0 did not stall the launch's
                 # steps (experiments/RESULTS.md, "A compile on a training process's thread
                 # stalls the job's steps"); in one process niced (`CompileWorker.NICE`)
-                nice = 0 if shared is not None else CompileWorker.NICE
+                nice = 0 if self.shares else CompileWorker.NICE
                 self.worker = CompileWorker(cfg, nice=nice)
             elif cfg.standby.compiler == "process":
                 raise ConfigError(
@@ -89,9 +94,9 @@ class ExecutableSource:
             map_budget=cfg.standby.map_budget,
             # never under launch: a build ended there would leave the processes waiting for
             # its program to compile it each for itself (`SharedBuilds.build`)
-            cancel=self.worker.kill if self.worker is not None and shared is None else None,
+            cancel=self.worker.kill if self.worker is not None and not self.shares else None,
             shed=self.exe_cache.shed,
-            order=self.standby_order if shared is not None else None,
+            order=self.standby_order if self.shares else None,
         )
 
     # -- getting a plan's executables -----------------------------------------------------------
@@ -246,7 +251,7 @@ class ExecutableSource:
         rejoin launch of experiments/RESULTS.md, "A compile on a training process's thread
         stalls the job's steps")."""
         progress = (self.worker.progress()
-                    if self.worker is not None and self.shared is None else None)
+                    if self.worker is not None and not self.shares else None)
         if progress is None:
             return False
         spent, full = progress

@@ -42,7 +42,7 @@ class Preparations:
         sb = self.source.standby
         n_ahead = len(ahead) - (sb.dropped if sb is not None else 0)
         line = standby_line(self.cfg, self.on, self.no_worker, self.source.worker,
-                            self.source.shared is not None, n_ahead)
+                            self.source.shares, n_ahead)
         self.rt.log(line)
         self.transitions.for_failures(pos, pool)
         return n_ahead, line

@@ -188,7 +188,7 @@ class Trainer:
         self.source = ExecutableSource(
             cfg, self.factory, self.devices, self.exe_cache, donate=self.donate,
             background=self.standby_on or cfg.recovery.migration == "async" or grows,
-            custom_tx=custom, log=self.rt.log,
+            log=self.rt.log, no_worker=self.no_worker,
             shared=(SharedBuilds(self.rt.client, self.rt.me, self.rt.peer_gone, self.rt.log)
                     if self.rt.shares_compiles and cfg.standby.share_compiles else None),
             # the snapshot checksums of each standby plan's pool, compiled with it
