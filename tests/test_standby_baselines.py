@@ -455,6 +455,81 @@ def test_a_needed_compile_the_worker_has_barely_begun_is_ended_and_built_here():
         sb.close()
 
 
+def test_under_launch_a_recovery_built_elsewhere_stops_the_workers_unneeded_compile():
+    """`ExecutableSource._cold` (a plan built now, not by the standby): under launch
+    (`shares`) the compile worker's compile under way is stopped for the build
+    (`CompileWorker.pause`) and continued after it, even when the build raises; in one process
+    it is left alone (a recovery ends it there instead). `pause` stops only a child with a
+    compile under way: a stopped child's CPU time stands still, a continued one's runs again.
+    A busy loop stands in for the child. Counted, not timed."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from elasjax.compilation.source import ExecutableSource
+    from elasjax.compilation.worker import CompileWorker
+    from elasjax.runtime.liveness import cpu_s
+
+    def state(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    w = CompileWorker(tiny_config())
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        w._proc = child
+        assert not w.pause()  # no compile under way
+        w._cpu_at_request = "starting"
+        seen = []
+
+        def stopped_soon(pid):  # a signal's stop takes effect when the child is next run
+            deadline = time.monotonic() + 10
+            while state(pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return state(pid)
+
+        def cached(plan):
+            seen.append((plan.name, stopped_soon(child.pid) if w._stopped is child
+                         else state(child.pid), w._stopped is child))
+            if plan.name == "raises":
+                raise RuntimeError(plan.name)
+            return f"exe:{plan.name}", False
+
+        logged = []
+        src = SimpleNamespace(shares=True, worker=w, _cached=cached, standby=None,
+                              _log=logged.append)
+        got = ExecutableSource._cold(src, SimpleNamespace(name="p"))
+        assert got.exe == "exe:p" and not got.hit and not got.standby_hit
+        assert seen[-1] == ("p", "T", True) and w.paused == 1 and w._stopped is None
+        assert len(logged) == 1 and "stopped the compile worker's compile" in logged[0]
+        with pytest.raises(RuntimeError):
+            ExecutableSource._cold(src, SimpleNamespace(name="raises"))
+        assert seen[-1] == ("raises", "T", True) and w._stopped is None
+        deadline = time.monotonic() + 10
+        while state(child.pid) == "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state(child.pid) != "T"  # continued
+        ExecutableSource._cold(SimpleNamespace(shares=False, worker=w, _cached=cached,
+                                               standby=None, _log=logged.append),
+                               SimpleNamespace(name="q"))
+        assert seen[-1] == ("q", state(child.pid), False) and seen[-1][1] != "T"
+        assert w.paused == 2  # the one-process build did not stop it
+
+        assert w.pause() and stopped_soon(child.pid) == "T"
+        before = cpu_s(child.pid)
+        time.sleep(0.3)
+        assert cpu_s(child.pid) == before  # stopped: no CPU time
+        w.resume()
+        deadline = time.monotonic() + 10
+        while cpu_s(child.pid) == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cpu_s(child.pid) > before
+    finally:
+        w._proc = None
+        child.kill()
+        child.wait()
+
+
 _WORKER_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})

@@ -173,7 +173,24 @@ class ExecutableSource:
                 t0 = time.perf_counter()
                 exe = self.current(sb.wait(key), key)
                 return Acquired(exe, False, False, time.perf_counter() - t0)
-        return Acquired(*self._cached(plan), False, 0.0)
+        return self._cold(plan)
+
+    def _cold(self, plan: Plan) -> Acquired:
+        """`plan` built now, not by the standby: compiled on this thread, or loaded from the
+        process of the job that compiles it. Under launch the compile worker's compile under
+        way, if any, is of another plan (this one was taken from the standby's queue, so the
+        worker will not start it) and cannot be ended there (`shares`): it is stopped meanwhile
+        (`CompileWorker.pause`), so that the needed compile has the cores."""
+        paused = self.shares and self.worker is not None and self.worker.pause()
+        if paused:
+            busy = self.standby.busy() if self.standby is not None else None
+            self._log(f"stopped the compile worker's compile of {getattr(busy, 'name', busy)} "
+                      f"while {plan.name} is built (it continues after)")
+        try:
+            return Acquired(*self._cached(plan), False, 0.0)
+        finally:
+            if paused:
+                self.worker.resume()
 
     def _cached(self, plan: Plan, compile: Callable[[], Executables] | None = None
                 ) -> tuple[Executables, bool]:

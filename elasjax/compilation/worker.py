@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -115,6 +116,8 @@ class CompileWorker:
         self._cpu_at_request: float | str | None = None
         self.compiled = 0  # compiles answered, and their CPU seconds in the child
         self.compile_cpu_s = 0.0
+        self._stopped: subprocess.Popen | None = None  # the child `pause` stopped
+        self.paused = 0  # times `pause` stopped a compile
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ)
@@ -216,6 +219,37 @@ class CompileWorker:
             return False
         return True
 
+    def pause(self) -> bool:
+        """Stop the child (SIGSTOP) while it has a compile under way; True if it was stopped.
+        For a recovery under launch that builds its plan elsewhere (on its own thread, or in
+        another process of the job): the compile under way here is of a plan it does not need
+        and cannot be ended (another process may be waiting for its program), but at normal
+        priority it took half of 2 cores from the needed one (experiments/RESULTS.md, "A kill
+        before the standby is ready, with the compile worker paused"). `resume` continues it;
+        a stopped child still dies with its parent (SIGKILL, `die_with_parent`). Its compile's
+        wall time then includes the pause."""
+        with self._lock:
+            proc, busy = self._proc, self._cpu_at_request is not None
+            if proc is None or not busy or proc.poll() is not None or self._stopped is not None:
+                return False
+            try:
+                os.kill(proc.pid, signal.SIGSTOP)
+            except OSError:  # it just ended
+                return False
+            self._stopped = proc
+            self.paused += 1
+            return True
+
+    def resume(self) -> None:
+        """Continue the child `pause` stopped, if any."""
+        with self._lock:
+            proc, self._stopped = self._stopped, None
+        if proc is not None:
+            try:
+                os.kill(proc.pid, signal.SIGCONT)
+            except OSError:  # it ended meanwhile
+                pass
+
     def kill(self) -> bool:
         """End the child now; True if one was running."""
         with self._lock:
@@ -228,6 +262,7 @@ class CompileWorker:
         return True
 
     def close(self) -> None:
+        self.resume()  # a stopped child would not read the EOF
         with self._lock:
             proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
