@@ -244,7 +244,7 @@ class CompileWorker:
         """Continue the child `pause` stopped, if any."""
         with self._lock:
             proc, self._stopped = self._stopped, None
-        if proc is not None:
+        if proc is not None and proc.poll() is None:  # not one already reaped (its pid reused)
             try:
                 os.kill(proc.pid, signal.SIGCONT)
             except OSError:  # it ended meanwhile
