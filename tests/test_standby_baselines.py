@@ -496,7 +496,8 @@ def test_under_launch_a_recovery_built_elsewhere_stops_the_workers_unneeded_comp
             return f"exe:{plan.name}", False
 
         logged = []
-        src = SimpleNamespace(shares=True, worker=w, _cached=cached, standby=None,
+        standby = SimpleNamespace(busy=lambda: SimpleNamespace(name="other"))
+        src = SimpleNamespace(shares=True, worker=w, _cached=cached, standby=standby,
                               _log=logged.append)
         got = ExecutableSource._cold(src, SimpleNamespace(name="p"))
         assert got.exe == "exe:p" and not got.hit and not got.standby_hit
@@ -510,7 +511,7 @@ def test_under_launch_a_recovery_built_elsewhere_stops_the_workers_unneeded_comp
             time.sleep(0.01)
         assert state(child.pid) != "T"  # continued
         ExecutableSource._cold(SimpleNamespace(shares=False, worker=w, _cached=cached,
-                                               standby=None, _log=logged.append),
+                                               standby=standby, _log=logged.append),
                                SimpleNamespace(name="q"))
         assert seen[-1] == ("q", state(child.pid), False) and seen[-1][1] != "T"
         assert w.paused == 2  # the one-process build did not stop it

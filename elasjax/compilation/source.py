@@ -182,8 +182,8 @@ class ExecutableSource:
         worker will not start it) and cannot be ended there (`shares`): it is stopped meanwhile
         (`CompileWorker.pause`), so that the needed compile has the cores."""
         paused = self.shares and self.worker is not None and self.worker.pause()
-        if paused:
-            busy = self.standby.busy() if self.standby is not None else None
+        if paused:  # a worker exists only beside a standby, whose build it runs
+            busy = self.standby.busy()
             self._log(f"stopped the compile worker's compile of {getattr(busy, 'name', busy)} "
                       f"while {plan.name} is built (it continues after)")
         try:
