@@ -531,6 +531,57 @@ def test_under_launch_a_recovery_built_elsewhere_stops_the_workers_unneeded_comp
         child.wait()
 
 
+# A stand-in for the compile worker's child that speaks its protocol: ready, then for each
+# request half a CPU second of work and a reply carrying its own wall-clock seconds twice (the
+# test reads them from the "program")
+_FAKE_COMPILER = """
+import pickle, sys, time
+out, inp = sys.stdout.buffer, sys.stdin.buffer
+pickle.dump(("ready",), out); out.flush()
+pickle.load(inp)
+t0, c0 = time.perf_counter(), time.process_time()
+while time.process_time() - c0 < 0.5:
+    pass
+wall = time.perf_counter() - t0
+pickle.dump(("ok", wall, wall), out); out.flush()
+pickle.load(inp)
+"""
+
+
+def test_a_compile_stopped_by_pause_reports_the_seconds_it_ran():
+    """`CompileWorker.compile`'s seconds leave out the time `pause` held the child stopped (the
+    child's own clock counts it): a compile's seconds feed the standby's mean compile time
+    (`ExecutableSource.WAIT_BEHIND`) and the logs. The stop is counted in `stopped_s`."""
+    import subprocess
+    import sys
+    import threading
+
+    from elasjax.compilation.worker import CompileWorker
+
+    w = CompileWorker(tiny_config())
+    child = subprocess.Popen([sys.executable, "-c", _FAKE_COMPILER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+    w._proc = child
+    got = []
+    t = threading.Thread(target=lambda: got.append(w.compile("plan", False)))
+    try:
+        t.start()
+        deadline = time.monotonic() + 30
+        while w._cpu_at_request in (None, "starting") and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the request is sent
+        assert w.pause()
+        time.sleep(1.0)
+        w.resume()
+        t.join(60)
+        (wall, seconds), = got
+        assert w.stopped_s >= 1.0 and wall >= w.stopped_s
+        assert seconds == pytest.approx(wall - w.stopped_s)
+    finally:
+        w.resume()
+        w._proc = None
+        child.kill()
+        child.wait()
+
 _WORKER_RUN = """
 import json, sys
 sys.path.insert(0, {tests!r})

@@ -118,6 +118,8 @@ class CompileWorker:
         self.compile_cpu_s = 0.0
         self._stopped: subprocess.Popen | None = None  # the child `pause` stopped
         self.paused = 0  # times `pause` stopped a compile
+        self.stopped_s = 0.0  # seconds the child spent stopped, all requests
+        self._stopped_at = 0.0  # when `pause` stopped it (perf_counter)
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ)
@@ -143,8 +145,9 @@ class CompileWorker:
         return proc
 
     def compile(self, plan, donate: bool):
-        """(Portable, seconds): `plan`'s executables compiled in the child. Raises
-        `CompileCancelled` if `kill` ended the child first."""
+        """(Portable, seconds): `plan`'s executables compiled in the child, and the seconds the
+        compile ran, less any time `pause` held the child stopped meanwhile (the child's own clock
+        counts it). Raises `CompileCancelled` if `kill` ended the child first."""
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = self._start()
@@ -157,12 +160,14 @@ class CompileWorker:
             start = cpu_s(proc.pid)
             with self._lock:
                 self._cpu_at_request = start
+                stopped_before = self.stopped_s
             pickle.dump((plan, donate), proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             proc.stdin.flush()
             reply = pickle.load(proc.stdout)
             end = cpu_s(proc.pid)
             with self._lock:
                 self._cpu_at_request = None
+                stopped = self.stopped_s - stopped_before
                 if reply[0] == "ok" and start is not None and end is not None:
                     self.compiled += 1
                     self.compile_cpu_s += end - start
@@ -181,7 +186,7 @@ class CompileWorker:
             raise RuntimeError(f"compile worker failed (exit {rc}): {e}") from e
         if reply[0] != "ok":
             raise RuntimeError(f"compile worker: {reply[1]}")
-        return reply[1], reply[2]
+        return reply[1], max(0.0, reply[2] - stopped)
 
     def _fresh(self, proc: subprocess.Popen) -> bool:
         """Is this the first request to `proc` (its ready message still to be read)?"""
@@ -226,8 +231,8 @@ class CompileWorker:
         and cannot be ended (another process may be waiting for its program), but at normal
         priority it took half of 2 cores from the needed one (experiments/RESULTS.md, "A kill
         before the standby is ready, with the compile worker paused"). `resume` continues it;
-        a stopped child still dies with its parent (SIGKILL, `die_with_parent`). Its compile's
-        wall time then includes the pause."""
+        a stopped child still dies with its parent (SIGKILL, `die_with_parent`). The time stopped
+        is left out of the compile's seconds (`compile`) and counted in `stopped_s`."""
         with self._lock:
             proc, busy = self._proc, self._cpu_at_request is not None
             if proc is None or not busy or proc.poll() is not None or self._stopped is not None:
@@ -236,7 +241,7 @@ class CompileWorker:
                 os.kill(proc.pid, signal.SIGSTOP)
             except OSError:  # it just ended
                 return False
-            self._stopped = proc
+            self._stopped, self._stopped_at = proc, time.perf_counter()
             self.paused += 1
             return True
 
@@ -244,6 +249,8 @@ class CompileWorker:
         """Continue the child `pause` stopped, if any."""
         with self._lock:
             proc, self._stopped = self._stopped, None
+            if proc is not None:
+                self.stopped_s += time.perf_counter() - self._stopped_at
         if proc is not None and proc.poll() is None:  # not one already reaped (its pid reused)
             try:
                 os.kill(proc.pid, signal.SIGCONT)
