@@ -120,6 +120,7 @@ class CompileWorker:
         self.paused = 0  # times `pause` stopped a compile
         self.stopped_s = 0.0  # seconds the child spent stopped, all requests
         self._stopped_at = 0.0  # when `pause` stopped it (perf_counter)
+        self._stops: list[tuple[float, float]] = []  # this request's stops (perf_counter)
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ)
@@ -160,14 +161,14 @@ class CompileWorker:
             start = cpu_s(proc.pid)
             with self._lock:
                 self._cpu_at_request = start
-                stopped_before = self.stopped_s
+                self._stops = []
             pickle.dump((plan, donate), proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             proc.stdin.flush()
             reply = pickle.load(proc.stdout)
             end = cpu_s(proc.pid)
             with self._lock:
                 self._cpu_at_request = None
-                stopped = self.stopped_s - stopped_before
+                stops = list(self._stops)
                 if reply[0] == "ok" and start is not None and end is not None:
                     self.compiled += 1
                     self.compile_cpu_s += end - start
@@ -186,7 +187,11 @@ class CompileWorker:
             raise RuntimeError(f"compile worker failed (exit {rc}): {e}") from e
         if reply[0] != "ok":
             raise RuntimeError(f"compile worker: {reply[1]}")
-        return reply[1], max(0.0, reply[2] - stopped)
+        # the child's clock ran from t0 (perf_counter is the system's monotonic clock, the
+        # same in both processes); a stop before it (the request not yet read) is not in it
+        seconds, t0 = reply[2], reply[3]
+        held = sum(max(0.0, min(b, t0 + seconds) - max(a, t0)) for a, b in stops)
+        return reply[1], max(0.0, seconds - held)
 
     def _fresh(self, proc: subprocess.Popen) -> bool:
         """Is this the first request to `proc` (its ready message still to be read)?"""
@@ -250,7 +255,9 @@ class CompileWorker:
         with self._lock:
             proc, self._stopped = self._stopped, None
             if proc is not None:
-                self.stopped_s += time.perf_counter() - self._stopped_at
+                now = time.perf_counter()
+                self.stopped_s += now - self._stopped_at
+                self._stops.append((self._stopped_at, now))
         if proc is not None and proc.poll() is None:  # not one already reaped (its pid reused)
             try:
                 os.kill(proc.pid, signal.SIGCONT)
@@ -311,7 +318,7 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             exe = compile_plan(cfg, factory, plan, devices, donate=donate, store=store)
-            reply = ("ok", exe.portable(), time.perf_counter() - t0)
+            reply = ("ok", exe.portable(), time.perf_counter() - t0, t0)
             del exe
         except Exception as e:  # noqa: BLE001 - answered; the training process raises it
             reply = ("error", f"{type(e).__name__}: {e}")
