@@ -531,9 +531,9 @@ def test_under_launch_a_recovery_built_elsewhere_stops_the_workers_unneeded_comp
         child.wait()
 
 
-# A stand-in for the compile worker's child that speaks its protocol: ready, then for each
-# request half a CPU second of work and a reply carrying its own wall-clock seconds twice (the
-# test reads them from the "program")
+# A stand-in for the compile worker's child that speaks its protocol: ready, then for a request
+# half a CPU second of work and a reply carrying its wall-clock seconds twice (the test reads
+# them from the "program") and when its clock started
 _FAKE_COMPILER = """
 import pickle, sys, time
 out, inp = sys.stdout.buffer, sys.stdin.buffer
