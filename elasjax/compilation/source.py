@@ -48,7 +48,7 @@ class ExecutableSource:
     # a needed plan (or its program) compiling in the worker is waited for only once the worker
     # has spent this fraction of a compile's CPU time on it; before, it is ended and the plan
     # compiled here with every core, sooner than the rest of a compile at low priority plus the
-    # load (a child niced beside training may have barely started)
+    # load (a child sharing the cores with training may have barely started)
     WORKER_WAIT_PROGRESS = 0.25
 
     def __init__(self, cfg: Config, factory: StateFactory, devices, exe_cache: ExecutableCache,
@@ -77,12 +77,11 @@ class ExecutableSource:
         if cfg.standby.compiler != "thread":
             why = no_worker
             if why is None:
-                # under launch at normal priority: the job's other processes wait for what it
-                # compiles, and another process's compile at nice 0 did not stall the launch's
-                # steps (experiments/RESULTS.md, "A compile on a training process's thread
-                # stalls the job's steps"); in one process niced (`CompileWorker.NICE`)
-                nice = 0 if self.shares else CompileWorker.NICE
-                self.worker = CompileWorker(cfg, nice=nice)
+                # at normal priority (`CompileWorker.NICE` says why); under launch the job's
+                # other processes wait for what it compiles, and another process's compile at
+                # nice 0 did not stall the launch's steps (experiments/RESULTS.md, "A compile on
+                # a training process's thread stalls the job's steps")
+                self.worker = CompileWorker(cfg)
             elif cfg.standby.compiler == "process":
                 raise ConfigError(
                     f"config 'standby.compiler' = process: {why}; allowed values here: thread, auto"
@@ -165,7 +164,7 @@ class ExecutableSource:
             # `take` fails if the thread started it meanwhile: then it is waited for, never
             # compiled twice (with a compile worker, whose compile of another program
             # `drop_queued` ended, a queued plan is built here at once: the worker would start
-            # afresh, niced)
+            # afresh, beside training)
             cold = where == "absent" or (
                 where == "front" and (long_wait or self.worker is not None) and sb.take(key)
             )

@@ -99,9 +99,12 @@ class CompileWorker:
     # CPU time at any priority: a lower one only makes it later. The demo's 1,500 fault-free
     # steps on 2 cores took 63-67 s at nice 0, 5 and 10 (53 s without the standby), and its
     # standby was ready at step 397, 680-725 and 932-1082 (experiments/RESULTS.md, "The
-    # standby's plans spread over the processes"). At 5 training's threads still get the larger
-    # share while both run, and the protection comes about 1.4 times as early as at 10.
-    NICE = 5
+    # standby's plans spread over the processes"). Once the ZeRO-0 step stopped waiting in a
+    # collective per leaf, nice 5 left the child almost nothing: the demo's standby was not
+    # ready by step 800, nor the next one 1,600 steps after a recovery; at nice 0 at steps 417
+    # and 973, for 4% more wall time fault-free (experiments/RESULTS.md, "One cross-replica sum
+    # per step"). So the child runs at normal priority, in one process as under launch.
+    NICE = 0
 
     def __init__(self, cfg, *, nice: int = NICE):
         self.cfg, self.nice = cfg, nice

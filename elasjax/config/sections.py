@@ -438,7 +438,7 @@ class StandbyConfig:
 
     `enabled`: true, false, or `auto` (the default): on where the builds can run in a compile
     worker process (one process on the CPU backend, the built-in GPT and optimizer: `elasjax
-    train configs/...`), beside training at a lower priority, so that a failure after they are
+    train configs/...`), beside training, never pausing it, so that a failure after they are
     done is a standby hit; on under `elasjax launch` with `share_compiles` (the built-in GPT
     and optimizer), where each program is compiled once for the job, in one process's compile
     worker, and loaded by the others onto every device set of its shape; off elsewhere, where
