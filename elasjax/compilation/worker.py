@@ -99,11 +99,11 @@ class CompileWorker:
     # CPU time at any priority: a lower one only makes it later. The demo's 1,500 fault-free
     # steps on 2 cores took 63-67 s at nice 0, 5 and 10 (53 s without the standby), and its
     # standby was ready at step 397, 680-725 and 932-1082 (experiments/RESULTS.md, "The
-    # standby's plans spread over the processes"). Once the ZeRO-0 step stopped waiting in a
-    # collective per leaf, nice 5 left the child almost nothing: the demo's standby was not
-    # ready by step 800, nor the next one 1,600 steps after a recovery; at nice 0 at steps 417
-    # and 973, for 4% more wall time fault-free (experiments/RESULTS.md, "One cross-replica sum
-    # per step"). So the child runs at normal priority, in one process as under launch.
+    # standby's plans spread over the processes"). Again for 2,000 demo steps with failures at
+    # 800 and 1600: ready at steps 628 and 1129 at nice 5, at 326 and 991 at nice 0, fault-free
+    # 1.15x either way; and a ZeRO-0 step that waited less in its collectives (tried, taken back)
+    # left a niced child almost nothing (experiments/RESULTS.md, "The compile worker at normal
+    # priority"). So the child runs at normal priority, in one process as under launch.
     NICE = 0
 
     def __init__(self, cfg, *, nice: int = NICE):
