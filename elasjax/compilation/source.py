@@ -58,8 +58,7 @@ class ExecutableSource:
         self.cfg, self.factory, self.devices, self.exe_cache = cfg, factory, devices, exe_cache
         self.shared = shared
         # the job's processes compile each program once (under `elasjax launch`): builds are
-        # never ended, the worker runs at normal priority, the standby takes plans in the
-        # job's order
+        # never ended, the standby takes plans in the job's order
         self.shares = shared is not None
         self.store = ProgramStore.from_setting(cfg.standby.programs_dir, cfg.standby.programs_max_mb)
         self.donate, self._prepare, self._log = donate, prepare, log
@@ -77,7 +76,7 @@ class ExecutableSource:
         if cfg.standby.compiler != "thread":
             why = no_worker
             if why is None:
-                # at normal priority (`CompileWorker.NICE` says why); under launch the job's
+                # at normal priority (`CompileWorker` says why); under launch the job's
                 # other processes wait for what it compiles, and another process's compile at
                 # nice 0 did not stall the launch's steps (experiments/RESULTS.md, "A compile on
                 # a training process's thread stalls the job's steps")
@@ -111,17 +110,6 @@ class ExecutableSource:
         return got.exe
 
     def get(self, plan: Plan) -> Acquired:
-        """See `_get`; a compile worker's compile runs at normal priority meanwhile (what it
-        compiles now is needed: `StandbyCompiler.drop_queued` ended any other)."""
-        if self.worker is None or self.standby.ready(plan.compile_key):
-            return self._get(plan)
-        self.worker.renice(0)
-        try:
-            return self._get(plan)
-        finally:
-            self.worker.renice(self.worker.nice)
-
-    def _get(self, plan: Plan) -> Acquired:
         """The plan's executables, and how they were found (`Acquired`). A standby hit means
         the executable was ready when asked for. A
         needed plan never waits in line: a queued one jumps to the front, or is built here when

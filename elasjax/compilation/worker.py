@@ -26,10 +26,10 @@ a compile all but stopped the job's steps for its length; beside a worker they g
 Elsewhere the standby compiles on a thread (`standby.compiler: thread`).
 
 Protocol: pickles over the child's stdin/stdout (its own output goes to stderr). The first
-message is the setup (the parent's pid, the job's device ids, JAX settings, config, the nice
-value), answered `("ready",)` once the child
-has imported and set up; each later one a request `(plan, donate)`, answered
-`("ok", Portable, seconds)` or `("error", message)`.
+message is the setup (the parent's pid, the job's device ids, JAX settings, config), answered
+`("ready",)` once the child has imported and set up; each later one a request `(plan, donate)`,
+answered `("ok", Portable, seconds, t0)` (t0: when its clock started, `perf_counter`) or
+`("error", message)`.
 
 How far a compile has got (`progress`) is the child's CPU time since the request (Linux
 `/proc`), against the CPU time of its finished compiles: a recovery that needs what the child
@@ -104,10 +104,10 @@ class CompileWorker:
     # 1.15x either way; and a ZeRO-0 step that waited less in its collectives (tried, taken back)
     # left a niced child almost nothing (experiments/RESULTS.md, "The compile worker at normal
     # priority"). So the child runs at normal priority, in one process as under launch.
-    NICE = 0
+    nice = 0  # the child's priority, as the start line states it
 
-    def __init__(self, cfg, *, nice: int = NICE):
-        self.cfg, self.nice = cfg, nice
+    def __init__(self, cfg):
+        self.cfg = cfg
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self.started = 0  # children started
@@ -140,7 +140,6 @@ class CompileWorker:
             # the job's device ids: the child compiles for its fake devices under these ids
             "ids": [d.id for d in jax.devices()],
             "cfg": self.cfg,
-            "nice": self.nice,
             "jax_config": {n: jax.config.values[n] for n in CARRIED_CONFIG if n in jax.config.values},
         }
         pickle.dump(setup, proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
@@ -217,21 +216,6 @@ class CompileWorker:
         now = cpu_s(proc.pid)
         return None if now is None else (now - start, mean)
 
-    def renice(self, nice: int) -> bool:
-        """Set the child's threads' priority: 0 while a recovery waits for its compile (no
-        longer background work), back to `self.nice` after. Best effort: raising a priority
-        needs the right to (CAP_SYS_NICE, or root); True if every thread was set."""
-        with self._lock:
-            proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return False
-        try:
-            for tid in os.listdir(f"/proc/{proc.pid}/task"):
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except (OSError, ValueError):  # not permitted, not Linux, or it just ended
-            return False
-        return True
-
     def pause(self) -> bool:
         """Stop the child (SIGSTOP) while it has a compile under way; True if it was stopped.
         For a recovery under launch that builds its plan elsewhere (on its own thread, or in
@@ -297,8 +281,6 @@ def main() -> int:
     inp = sys.stdin.buffer
     setup = pickle.load(inp)
     die_with_parent(setup["parent"])  # a killed training process strands no compile
-    if setup["nice"]:
-        os.nice(setup["nice"])  # before XLA starts its threads: they inherit it
     jax.config.update("jax_num_cpu_devices", len(setup["ids"]))
     for name, value in setup["jax_config"].items():
         jax.config.update(name, value)
