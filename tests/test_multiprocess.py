@@ -270,9 +270,11 @@ def test_xla_flags_replace_device_count_and_timeout():
     flags = xla_flags(
         rc,
         "--xla_force_host_platform_device_count=8 --xla_foo=1 "
-        "--xla_cpu_collective_timeout_seconds=99",
+        "--xla_cpu_collective_timeout_seconds=99 --xla_disable_hlo_passes=foo-pass",
     )
-    assert flags.split() == ["--xla_foo=1", "--xla_cpu_collective_timeout_seconds=7"]
+    assert flags.split() == [
+        "--xla_foo=1", "--xla_cpu_collective_timeout_seconds=7",
+        "--xla_disable_hlo_passes=foo-pass,cpu-all-reduce-combiner,all-reduce-combiner"]
     with pytest.raises(ValueError, match="process_id"):
         RuntimeConfig("127.0.0.1:1234", 4, 4)
     with pytest.raises(ValueError, match="HOST:PORT"):
@@ -307,6 +309,74 @@ def test_every_interrupted_block_renews_the_client_and_an_entry_barrier_failure_
     assert renewal_reason("always", "gpu", cut) is None  # gloo is the CPU's
     with pytest.raises(ValueError, match="renew_collectives.*auto, always, never"):
         RuntimeConfig("h:1", 2, 0, renew_collectives="sometimes")
+
+
+def test_an_abort_waits_until_this_process_no_longer_computes(monkeypatch):
+    """`CollectiveAborts.abort_when_quiet`: a collective posted after its sockets were shut
+    down waits out gloo's timeout (the 8 s detections of experiments/RESULTS.md, "Aborts after
+    the process is quiet"), so a detector's abort waits while the main thread (it dispatches
+    programs) runs, shuts the sockets down once nothing runs, gives up waiting after
+    `QUIET_WAIT_MAX_S`, and does nothing when the block ends first. Helper Python threads do
+    not count (a loader, the heartbeat)."""
+    import threading
+    import time
+    import types
+
+    from elasjax.runtime import aborts
+
+    shut: list[float] = []
+    monkeypatch.setattr(aborts, "abort_collectives", lambda keep: shut.append(time.monotonic())
+                        or 5)
+    logs: list[str] = []
+    rc = RuntimeConfig("127.0.0.1:1234", 2, 0)
+    exits = types.SimpleNamespace(me=0, exited=lambda p: False)
+    ab = aborts.CollectiveAborts(rc, exits=exits, liveness=None, processes=lambda: {0, 1},
+                                 log=logs.append)
+    assert ab.enabled
+
+    def spin(s):
+        t = time.monotonic()
+        while time.monotonic() - t < s:
+            pass
+        return time.monotonic()
+
+    def wait_for(cond, s=5.0):
+        t = time.monotonic()
+        while not cond() and time.monotonic() - t < s:
+            time.sleep(0.01)
+        return cond()
+
+    helper_stop = threading.Event()
+    helper = threading.Thread(target=lambda: [spin(0.01) for _ in iter(helper_stop.is_set, True)])
+    helper.start()  # a busy helper Python thread: not counted
+    try:
+        ab.enter_block("step")
+        ab.abort_when_quiet("when process 1 exited (pidfd)", lambda n, how: f"shut {n} ({how})")
+        ended = spin(0.4)  # the main thread computes
+        assert wait_for(lambda: ab.reason is not None)
+        assert shut[0] >= ended, "shut down while the main thread still ran"
+        assert "once its threads were quiet" in ab.reason and logs[-1].startswith("shut 5")
+        ab.leave_block()
+
+        ab.clear()
+        monkeypatch.setattr(aborts, "QUIET_WAIT_MAX_S", 0.2)
+        ab.enter_block("step")
+        ab.abort_when_quiet("when process 1 exited (pidfd)", lambda n, how: how)
+        ended = spin(0.6)  # never quiet: shut down at the cap, while it still runs
+        assert wait_for(lambda: ab.reason is not None)
+        assert shut[1] < ended and "still running" in ab.reason, ab.reason
+        ab.leave_block()
+
+        ab.clear()
+        monkeypatch.setattr(aborts, "QUIET_WAIT_MAX_S", 2.0)
+        ab.enter_block("step")
+        ab.abort_when_quiet("when process 1 exited (pidfd)", lambda n, how: how)
+        ab.leave_block()  # the block ended (its collective failed on the dead socket) first
+        time.sleep(0.2)
+        assert ab.reason is None and len(shut) == 2
+    finally:
+        helper_stop.set()
+        helper.join()
 
 
 def test_a_client_is_kept_only_where_no_communicator_among_survivors_exists():

@@ -85,6 +85,8 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
     if cfg.deterministic:
         return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout)
     loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout, mesh=mesh)
+    if stage == 0:
+        return _summed_once_grad_fn(cfg, loss_fn, mesh, state_sh)
     micro_sh = NamedSharding(mesh, PartitionSpec(LOGICAL_RULES["batch"]))
     seed = cfg.train.seed
     if stage == 2:
@@ -118,6 +120,63 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
             to_acc=to_acc,
         )
         n_tokens = normaliser(batch)
+        return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
+
+    return grad_fn
+
+
+def _summed_once_grad_fn(cfg: Config, loss_fn, mesh: Mesh, state_sh: TrainState):
+    """ZeRO-0 outside the deterministic mode: each replica sums its own rows' loss and gradient
+    over the micro-batches (a `shard_map` manual over `data`; `tensor` stays automatic), and the
+    replicas' sums are added once per step, leaf by leaf (a second `shard_map`, manual over
+    every axis, so that each device sums only its own blocks). Left to XLA, with the accumulator
+    held whole on every replica, the sum over replicas was taken at every micro-batch, the
+    layers' inside the layer loop: the demo's d4t2 step ran 66 cross-replica sums where this
+    runs 19, and a CPU collective is one exchange per array (under `elasjax launch`, gloo
+    messages between processes of as little as 64 bytes): the demo under launch, median step
+    0.45-0.53 s before, 0.26 s after (experiments/RESULTS.md, "Aborts after the process is quiet").
+
+    Two conditions under launch, both in the runtime: the leaves' sums stay apart (XLA's
+    all-reduce combiner is off in launch workers, `runtime.startup.ALL_REDUCE_COMBINERS`: joined
+    into one all-reduce of arrays of different sizes, a peer's death cost a survivor its life in
+    6 of 7 launches of tests/test_user_model.py::
+    test_a_registered_model_survives_a_real_process_kill_under_launch), and a survivor shuts its
+    sockets down only once it no longer computes (`runtime.aborts`: with the sums at the step's
+    end, an abort at the death left a collective posted after it waiting 8 s). Losses stay
+    within the consistency contract (tests/test_fault_schedules.py and every default-mode test
+    run this path)."""
+    seed = cfg.train.seed
+    specs = jax.tree.map(lambda sh: sh.spec, state_sh.params)
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs)[0]:
+        if any(DATA == a or (isinstance(a, tuple) and DATA in a) for a in spec):
+            raise ValueError(f"ZeRO-0 parameter {path_str(path)} is partitioned over "
+                             f"{DATA!r} ({spec}); ZeRO-0 keeps every parameter whole per replica")
+    rep = PartitionSpec(DATA)
+
+    def replica(params, batch, key):
+        micro_grad = jax.value_and_grad(lambda p, mb: loss_fn(p, mb, key))
+        loss_sum, grads = accumulate(micro_grad, params, batch)
+        return loss_sum[None], normaliser(batch)[None], jax.tree.map(lambda g: g[None], grads)
+
+    per_replica = jax.shard_map(
+        replica, mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(None, LOGICAL_RULES["batch"]), PartitionSpec()),
+        out_specs=(rep, rep, rep), axis_names={DATA}, check_vma=False,
+    )
+
+    def add(loss, count, grads):  # every axis manual: each device's own blocks
+        totals = jax.lax.psum(jnp.concatenate([loss, count]), DATA)
+        return totals[0], totals[1], jax.tree.map(lambda g: jax.lax.psum(g[0], DATA), grads)
+
+    add_replicas = jax.shard_map(
+        add, mesh=mesh,
+        in_specs=(rep, rep, jax.tree.map(lambda sp: PartitionSpec(DATA, *sp), specs)),
+        out_specs=(PartitionSpec(), PartitionSpec(), specs), check_vma=False,
+    )
+
+    def grad_fn(params, batch, step):
+        key = rng.step_key(rng.root_key(seed), step)
+        loss_sum, n_tokens, grads = add_replicas(*per_replica(params, batch, key))
         return loss_sum / n_tokens, jax.tree.map(lambda g: g / n_tokens, grads)
 
     return grad_fn

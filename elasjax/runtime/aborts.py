@@ -11,11 +11,25 @@ Three detectors call in, each on its own thread: the kernel's exit of a same-hos
 (`on_exit`, `liveness.ProcessExits`), a death notice from the dead process's host (`on_notice`,
 `deathnote`), and a heartbeat silent past `SILENCE_ABORT_FACTOR` liveness timeouts inside a step
 (`on_silent`, `liveness.Liveness`), which says why not 1.
+
+**Not while this process still computes.** A gloo collective posted after its process shut the
+sockets down is not told so: its send waits out the collective timeout in
+`UnboundBuffer::waitSend` (the stuck thread seen in gdb: experiments/RESULTS.md, "One collective
+per operand under launch"). A death is known within 0.1 s, often while the survivors are still
+computing the step's first part; a step whose first exchange across processes comes late (a
+gradient summed over replicas once per step) then posted it after the shutdown, and a survivor
+waited 8 s, 4 of 4 launches; the same abort 0.5 s later, 0 of 3 (RESULTS.md, "Aborts after the
+process is quiet"). So a detector starts a waiter (`_abort_when_quiet`) that shuts the sockets
+down once no other thread of this process has run for `QUIET_POLLS` polls (every device thread
+is then blocked in a collective, which the shutdown ends, or done: nothing is posted after it;
+`running_threads` says which threads count), or after `QUIET_WAIT_MAX_S` at most.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable
 
 from .collectives import abort_collectives
@@ -25,6 +39,44 @@ from .startup import RuntimeConfig
 # a peer silent this many liveness timeouts inside a step has this process's collectives shut
 # down (`CollectiveAborts.on_silent`, which says why not 1)
 SILENCE_ABORT_FACTOR = 2.0
+# the wait for this process to be quiet before its sockets are shut down (the module docstring):
+# polled every QUIET_POLL_S; quiet when no other thread ran at QUIET_POLLS polls in a row; at
+# most QUIET_WAIT_MAX_S (then shut down anyway: a collective posted later may wait for the
+# timeout, as every one did before this wait)
+QUIET_POLL_S = 0.002
+QUIET_POLLS = 3
+QUIET_WAIT_MAX_S = 2.0
+
+
+# threads that never post a collective, by name (/proc/self/task/*/comm): LLVM's (an executable's
+# load links code), gRPC's (the coordination service's channel)
+_BENIGN = (b"llvm-worker", b"grpc", b"event_engine", b"lifeguard")
+
+
+def running_threads() -> list[str] | None:
+    """The names of this process's threads that are running or runnable (state R in
+    /proc/self/task/*/stat) and might post a collective: not a Python thread but the main one
+    (the main thread dispatches programs; the others are elasjax's and JAX's helpers, a loader
+    among them), not one of `_BENIGN`. None where /proc cannot be read."""
+    helpers = {t.native_id for t in threading.enumerate() if t is not threading.main_thread()}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    out = []
+    for tid in tids:
+        if int(tid) in helpers:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        start, end = stat.find(b"("), stat.rfind(b")")  # the name may hold spaces
+        name = stat[start + 1:end]
+        if stat[end + 2:end + 3] == b"R" and not name.startswith(_BENIGN):
+            out.append(name.decode(errors="replace"))
+    return out
 
 
 class CollectiveAborts:
@@ -59,7 +111,10 @@ class CollectiveAborts:
             self._in_body = True
         gone = [p for p in self._processes() if p != self._exits.me and self._exits.exited(p)]
         if gone and self.enabled:
-            self.abort(f"when process {gone[0]} was found exited as the {phase} began")
+            self.abort_when_quiet(
+                f"when process {gone[0]} was found exited as the {phase} began",
+                lambda n, how: f"process {gone[0]} found exited as the {phase} began: shut down "
+                               f"{n} collective sockets of this process ({how})")
 
     def leave_block(self) -> None:
         with self._lock:
@@ -69,6 +124,35 @@ class CollectiveAborts:
         """A new CPU client: its collectives are whole."""
         with self._lock:
             self.reason = None
+
+    def _abort_when_quiet(self, when: str, log: Callable[[int, str], str]) -> None:
+        """Shut the collectives down (`abort`) once this process is quiet, or after
+        `QUIET_WAIT_MAX_S` (the module docstring says why); nothing if the block ends first.
+        Runs on a thread of its own, so that no detector is held."""
+        t0 = time.monotonic()
+        quiet = 0
+        while True:
+            with self._lock:
+                if not self._in_body or self.reason is not None:
+                    return
+            running = running_threads()
+            quiet = quiet + 1 if running == [] else 0
+            waited = time.monotonic() - t0
+            if quiet >= QUIET_POLLS or running is None or waited >= QUIET_WAIT_MAX_S:
+                break
+            time.sleep(QUIET_POLL_S)
+        state = ("once its threads were quiet" if quiet >= QUIET_POLLS else
+                 f"still running: {', '.join(sorted(set(running)))}" if running is not None
+                 else "no /proc")
+        n = self.abort(f"{when}, {waited:.2f}s later ({state})")
+        if n is not None:
+            self._log(log(n, f"{waited:.2f}s later, {state}"))
+
+    def abort_when_quiet(self, when: str, log: Callable[[int, str], str]) -> None:
+        """Start `_abort_when_quiet` on a thread of its own."""
+        if self.enabled:
+            threading.Thread(target=self._abort_when_quiet, args=(when, log), daemon=True,
+                             name="elasjax-abort").start()
 
     def abort(self, when: str) -> int | None:
         """Inside a guard's block, shut this process's collectives down, once, and record why;
@@ -87,20 +171,20 @@ class CollectiveAborts:
         timeout. Recovery then renews the client."""
         if p not in self._processes():  # a newcomer not admitted yet: no collective waits for it
             return
-        n = self.abort(f"when process {p} exited (pidfd)")
-        if n is not None:
-            self._log(f"process {p} exited (pidfd): shut down {n} collective sockets of this "
-                      "process")
+        self.abort_when_quiet(
+            f"when process {p} exited (pidfd)",
+            lambda n, how: f"process {p} exited (pidfd): shut down {n} collective sockets of "
+                           f"this process ({how})")
 
     def on_notice(self, p: int, pid: int) -> None:
         """A death notice from process p's host (the notes' listener thread): proof of its
         death, as the kernel's exit is for a same-host peer (`on_exit`)."""
         if not self._exits.notice(p, pid) or not self.enabled or p not in self._processes():
             return
-        n = self.abort(f"when a death notice from process {p}'s host arrived")
-        if n is not None:
-            self._log(f"process {p} died (death notice from its host): shut down {n} collective "
-                      "sockets of this process")
+        self.abort_when_quiet(
+            f"when a death notice from process {p}'s host arrived",
+            lambda n, how: f"process {p} died (death notice from its host): shut down {n} "
+                           f"collective sockets of this process ({how})")
 
     def on_silent(self, p: int, silent: float) -> None:
         """Process p's heartbeat has been silent past `SILENCE_ABORT_FACTOR` x the liveness
@@ -117,7 +201,7 @@ class CollectiveAborts:
         at 1 x the liveness timeout cost a live process."""
         if self._liveness.phase != "step" or self._exits.watching(p):
             return
-        n = self.abort(f"when process {p}'s heartbeat was silent {silent:.2f}s")
-        if n is not None:
-            self._log(f"process {p} silent {silent:.2f}s (heartbeat): shut down {n} collective "
-                      "sockets of this process")
+        self.abort_when_quiet(
+            f"when process {p}'s heartbeat was silent {silent:.2f}s",
+            lambda n, how: f"process {p} silent {silent:.2f}s (heartbeat): shut down {n} "
+                           f"collective sockets of this process ({how})")

@@ -238,15 +238,18 @@ class MultiControllerRuntime:
         t_body = time.time()  # collectives can only wait from here on
         self.aborts.enter_block(phase)
         try:
-            yield
-        except Exception as e:  # decided at the barrier, with every other live process
-            err, t_err = e, time.time()
-            note = rendezvous_note(self.client, e)
-            if note is not None:
-                self.log(f"{phase}: {note} ({t_err - t_body:.1f}s into the block)")
+            try:
+                yield
+            except Exception as e:  # decided at the barrier, with every other live process
+                err, t_err = e, time.time()
+                note = rendezvous_note(self.client, e)
+                if note is not None:
+                    self.log(f"{phase}: {note} ({t_err - t_body:.1f}s into the block)")
+            # the block's programs may still run in the drain: an abort waiting for this
+            # process to be quiet (`CollectiveAborts.abort_when_quiet`) may still end them
+            self._drain(phase, err)
         finally:
             self.aborts.leave_block()
-        self._drain(phase, err)
         verdict = self._exit_barrier(err, self.liveness_timeout(phase, at_exit=True))
         fence = failures.fenced(verdict, self.me, phase)
         if fence is not None:

@@ -176,13 +176,30 @@ SETTINGS = (
 )
 
 
+# XLA:CPU's pass that joins neighbouring all-reduces into one of several arrays. Over gloo such
+# an all-reduce is no cheaper (each array is a collective of its own: experiments/RESULTS.md, "One
+# collective per operand under launch"), and one whose arrays differ in size is the form that has
+# cost a healthy survivor its life after a peer's death (gloo's "Received data size doesn't
+# match expected size" on its network thread: RESULTS.md, "One cross-replica sum per step, tried
+# again"). Launch workers run without it; one process keeps it (no gloo there).
+ALL_REDUCE_COMBINERS = ("cpu-all-reduce-combiner", "all-reduce-combiner")
+_DISABLE_PASSES = "--xla_disable_hlo_passes"
+
+
 def xla_flags(rc: RuntimeConfig, existing: str = "") -> str:
     """XLA_FLAGS for a worker: the caller's flags without a fake-device count (the count is
-    `jax_num_cpu_devices`) or an older collective timeout, plus this job's timeout flags."""
+    `jax_num_cpu_devices`) or an older collective timeout, plus this job's timeout flags; on
+    CPU, XLA's all-reduce combiners disabled (`ALL_REDUCE_COMBINERS` says why), added to any
+    passes the caller disabled."""
     drop = ("--xla_force_host_platform_device_count", "--xla_cpu_collective_timeout_seconds")
     kept = [f for f in existing.split() if not f.startswith(drop)]
     if rc.platform == "cpu":
         kept.append(f"--xla_cpu_collective_timeout_seconds={rc.collective_timeout_s}")
+        disabled = [p for f in kept if f.startswith(_DISABLE_PASSES + "=")
+                    for p in f.partition("=")[2].split(",") if p]
+        kept = [f for f in kept if not f.startswith(_DISABLE_PASSES + "=")]
+        passes = list(dict.fromkeys([*disabled, *ALL_REDUCE_COMBINERS]))
+        kept.append(f"{_DISABLE_PASSES}={','.join(passes)}")
     else:  # GPU: do not abort the process on a NCCL error; let live_devices handle it
         kept += ["--xla_gpu_nccl_terminate_on_error=false", "--xla_gpu_nccl_async_execution=true"]
     return " ".join(kept)
