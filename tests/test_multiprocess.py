@@ -317,7 +317,8 @@ def test_an_abort_waits_until_this_process_no_longer_computes(monkeypatch):
     the process is quiet"), so a detector's abort waits while the main thread (it dispatches
     programs) runs, shuts the sockets down once nothing runs, gives up waiting after
     `QUIET_WAIT_MAX_S`, and does nothing when the block ends first. Helper Python threads do
-    not count (a loader, the heartbeat)."""
+    not count (a loader, the heartbeat). The first detector names the reason (a death notice
+    after the exit watch starts no second waiter)."""
     import threading
     import time
     import types
@@ -352,10 +353,12 @@ def test_an_abort_waits_until_this_process_no_longer_computes(monkeypatch):
     try:
         ab.enter_block("step")
         ab.abort_when_quiet("when process 1 exited (pidfd)", lambda n, how: f"shut {n} ({how})")
+        ab.abort_when_quiet("when a death notice arrived", lambda n, how: "second")
         ended = spin(0.4)  # the main thread computes
         assert wait_for(lambda: ab.reason is not None)
         assert shut[0] >= ended, "shut down while the main thread still ran"
         assert "once its threads were quiet" in ab.reason and logs[-1].startswith("shut 5")
+        assert "exited (pidfd)" in ab.reason and len(shut) == 1 and logs[-1] != "second"
         ab.leave_block()
 
         ab.clear()
@@ -668,9 +671,12 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     assert sorted(ev["detect_per_process_s"]) == ["0", "1", "3"]
     # the arbiter learned of the death from the kernel (a pidfd: same host), not a timeout
     assert ev["detector"] == "process exit" and "process 2 exited (pidfd" in ev["detected_by"]
-    # the survivors shut their collectives down at the exit: their step was interrupted, so
+    # the survivors shut their collectives down at the exit (the kernel's exit watch and the
+    # death notice race to start the abort: either names it) or their step was interrupted, so
     # they continue on a new CPU client (no communicator of the old one is used again)
-    assert "when process 2 exited (pidfd)" in ev["renew_reasons"], ev["renew_reasons"]
+    assert ("when process 2 exited (pidfd)" in ev["renew_reasons"]
+            or "when a death notice from process 2's host arrived" in ev["renew_reasons"]), \
+        ev["renew_reasons"]
     assert ev["collectives_renewed"] and ev["renew_s"] > 0
     assert "new CPU client (generation 1" in (out / "worker0.log").read_text()
     assert ev["mttr_s"] == pytest.approx(sum(ev[k] for k in MTTR_PHASES))

@@ -566,11 +566,12 @@ class LaunchConfig:
     that reached it, is dead (elsewhere `heartbeat_timeout_s` applies; a same-host process whose
     CPU time advances is waited for). `watch_exits`: a same-host peer's death is learned from
     the kernel (a pidfd turns readable at its exit), with no timeout, and a process inside a
-    block shuts its collectives down at once. `death_notices`: a sidecar on each process's host
-    announces its death to every peer (UDP), so a death on another host needs no heartbeat
-    timeout. `renew_collectives`: after a failure, replace the CPU client by one with fresh gloo
-    communicators: `auto` (where a block was interrupted, collectives were shut down, or a step
-    is retried), `always`, `never` (no abort and no retry either)."""
+    block shuts its collectives down as soon as it no longer computes. `death_notices`: a
+    sidecar on each process's host announces its death to every peer (UDP), so a death on
+    another host needs no heartbeat timeout. `renew_collectives`: after a failure, replace the
+    CPU client by one with fresh gloo communicators: `auto` (where a block was interrupted,
+    collectives were shut down, or a step is retried), `always`, `never` (no abort and no retry
+    either)."""
 
     heartbeat_timeout_s: int = 5
     collective_timeout_s: int = 8

@@ -93,6 +93,8 @@ class CollectiveAborts:
         self._processes, self._log = processes, log
         self._lock = threading.Lock()
         self._in_body = False
+        self._block = 0  # blocks entered: a waiter started in one never aborts another
+        self._waiter = False  # a waiter (`abort_when_quiet`) is under way in this block
         self.reason: str | None = None  # why this process shut its collectives down
 
     def start(self) -> None:
@@ -109,6 +111,8 @@ class CollectiveAborts:
         found no block to abort), does so at once: its collectives would wait for the timeout."""
         with self._lock:
             self._in_body = True
+            self._block += 1
+            self._waiter = False
         gone = [p for p in self._processes() if p != self._exits.me and self._exits.exited(p)]
         if gone and self.enabled:
             self.abort_when_quiet(
@@ -131,9 +135,10 @@ class CollectiveAborts:
         Runs on a thread of its own, so that no detector is held."""
         t0 = time.monotonic()
         quiet = 0
+        block = self._block
         while True:
             with self._lock:
-                if not self._in_body or self.reason is not None:
+                if not self._in_body or self._block != block or self.reason is not None:
                     return
             running = running_threads()
             quiet = quiet + 1 if running == [] else 0
@@ -149,10 +154,14 @@ class CollectiveAborts:
             self._log(log(n, f"{waited:.2f}s later, {state}"))
 
     def abort_when_quiet(self, when: str, log: Callable[[int, str], str]) -> None:
-        """Start `_abort_when_quiet` on a thread of its own."""
-        if self.enabled:
-            threading.Thread(target=self._abort_when_quiet, args=(when, log), daemon=True,
-                             name="elasjax-abort").start()
+        """Start `_abort_when_quiet` on a thread of its own, unless one is under way in this
+        block (the first detector to call names the reason, as an immediate abort did)."""
+        with self._lock:
+            if not self.enabled or not self._in_body or self._waiter or self.reason is not None:
+                return
+            self._waiter = True
+        threading.Thread(target=self._abort_when_quiet, args=(when, log), daemon=True,
+                         name="elasjax-abort").start()
 
     def abort(self, when: str) -> int | None:
         """Inside a guard's block, shut this process's collectives down, once, and record why;

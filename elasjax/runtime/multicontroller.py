@@ -25,7 +25,8 @@ tolerance; this module wires them up:
   membership check waits for the coordination service's own, slower heartbeat:
   experiments/RESULTS.md, "Detecting a death".)
 - A peer known dead inside a guard's block (its exit, a death notice, a long heartbeat silence)
-  has this process's collectives shut down at once (`aborts.CollectiveAborts`), and the recovery
+  has this process's collectives shut down once it no longer computes (`aborts.CollectiveAborts`:
+  a collective posted after the shutdown would wait for the timeout), and the recovery
   renews the CPU client (`renew_collectives`).
 - Cross-process copies and small values (a transition's pieces, snapshot copies, snapshot
   refusals, cut-over readiness) go through `dataplane.DataPlane`: point to point for arrays, the
@@ -154,8 +155,8 @@ class MultiControllerRuntime:
                                  rc.heartbeat_timeout_s, rc.num_processes, rc.init_timeout_s,
                                  self.diverge_after_s, STARVED_MAX_S,
                                  self.admission.counters.guards if self.admission else 0)
-        # a peer known dead inside a block shuts this process's collectives down at once (they
-        # would wait for the collective timeout), when a renewed client can replace them
+        # a peer known dead inside a block shuts this process's collectives down once it is quiet
+        # (they would wait for the collective timeout), when a renewed client can replace them
         self.aborts = CollectiveAborts(rc, self.exits, self.liveness, self.processes, self.log)
         self.notes = DeathNotes(self.client, self.me, rc.host, self.aborts.on_notice,
                                 rc.death_notices)
