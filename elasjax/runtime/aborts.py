@@ -129,13 +129,12 @@ class CollectiveAborts:
         with self._lock:
             self.reason = None
 
-    def _abort_when_quiet(self, when: str, log: Callable[[int, str], str]) -> None:
+    def _abort_when_quiet(self, when: str, log: Callable[[int, str], str], block: int) -> None:
         """Shut the collectives down (`abort`) once this process is quiet, or after
         `QUIET_WAIT_MAX_S` (the module docstring says why); nothing if the block ends first.
         Runs on a thread of its own, so that no detector is held."""
         t0 = time.monotonic()
         quiet = 0
-        block = self._block
         while True:
             with self._lock:
                 if not self._in_body or self._block != block or self.reason is not None:
@@ -160,7 +159,8 @@ class CollectiveAborts:
             if not self.enabled or not self._in_body or self._waiter or self.reason is not None:
                 return
             self._waiter = True
-        threading.Thread(target=self._abort_when_quiet, args=(when, log), daemon=True,
+            block = self._block
+        threading.Thread(target=self._abort_when_quiet, args=(when, log, block), daemon=True,
                          name="elasjax-abort").start()
 
     def abort(self, when: str) -> int | None:
