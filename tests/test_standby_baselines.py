@@ -819,7 +819,8 @@ def test_the_standby_is_on_by_default_in_one_process_and_builds_without_pausing(
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     (start,) = [e for e in events if e["type"] == "start"]
     compiler = "process" if t.worker is not None else "thread"
-    assert start["standby"] == {"on": True, "enabled": "auto", "plans": 1, "compiler": compiler}
+    assert start["standby"] == {"on": True, "enabled": "auto", "plans": 1, "programs": 1,
+                                "compiler": compiler}
     ready = [e for e in events if e["type"] == "standby_ready"]
     assert ready and all(e["wait_s"] == 0.0 for e in ready)  # training never waited
     assert ready[0]["step"] < 6 and ready[0]["compiled"] == 1  # built before the failure

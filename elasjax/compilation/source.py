@@ -207,6 +207,12 @@ class ExecutableSource:
         return (self.cfg.standby.rebind
                 and self.devices[plan.device_ids[0]].client.platform in REBINDABLE)
 
+    def programs(self, plans: list) -> int:
+        """How many programs `plans` need built: one per program (`Plan.shape_key`) where a
+        compiled program is loaded for the other device sets of its shape (`_by_program`), else
+        one per plan. What the start line announces (`report.standby_line`)."""
+        return len({p.shape_key if self._by_program(p) else p for p in plans})
+
     def standby_order(self, plans: list) -> list:
         """Where the job's processes share their compiles (`shared`), the order in which this
         process's standby takes the plans that need a compile, so that the processes build

@@ -33,19 +33,21 @@ class Preparations:
         self.contingencies, self.transitions = contingencies, transitions
         self.on, self.no_worker, self.progress = on, no_worker, progress
 
-    def start(self, pos: Position, pool: SnapshotPool) -> tuple[int, str]:
-        """Set the preparations of the start's position going; returns the plans the standby
-        builds (`standby.max_plans` may leave some out, and warns) and its start line."""
+    def start(self, pos: Position, pool: SnapshotPool) -> tuple[int, int, str]:
+        """Set the preparations of the start's position going; returns how many plans the
+        standby builds (`standby.max_plans` may leave some out, and warns), how many programs
+        they need (`ExecutableSource.programs`) and its start line."""
         plan, live = pos.plan, set(pos.live)
         ahead = self.contingencies.standby_plans(plan, live | set(plan.spare_ids))
         self.source.refresh(plan, ahead)
         sb = self.source.standby
-        n_ahead = len(ahead) - (sb.dropped if sb is not None else 0)
+        kept = ahead[: len(ahead) - sb.dropped] if sb is not None and sb.dropped else ahead
+        n_programs = self.source.programs(kept)
         line = standby_line(self.cfg, self.on, self.no_worker, self.source.worker,
-                            self.source.shares, n_ahead)
+                            self.source.shares, len(kept), n_programs)
         self.rt.log(line)
         self.transitions.for_failures(pos, pool)
-        return n_ahead, line
+        return len(kept), n_programs, line
 
     def protect(self, pos: Position, pool: SnapshotPool) -> None:
         """Prepare for the likely next failures of a new position: their plans built in the

@@ -549,7 +549,7 @@ class Trainer:
         (`accounts.announce`)."""
         s = start(self.cfg, self.rt, self.topo, self.initial, self.source, self.factory,
                   self.ckpt, self._new_pool)
-        n_ahead, line = self.prep.start(s.pos, s.pool)
+        n_ahead, n_programs, line = self.prep.start(s.pos, s.pool)
         if self.cfg.standby.wait_at_start:
             self.prep.wait(ew, None)
         announce(
@@ -558,6 +558,7 @@ class Trainer:
             mode=mode_line(self.cfg, self.optimizer_source == "python"),
             standby={"on": self.standby_on, "enabled": self.cfg.standby.enabled,
                      "plans": n_ahead if self.standby_on else 0,
+                     "programs": n_programs if self.standby_on else 0,
                      "compiler": None if not self.standby_on else
                      "process" if self.worker is not None else "thread"},
             standby_line=line, faults=[f"step {e.at_step}: {e.spec}" for e in self.schedule],

@@ -112,7 +112,8 @@ class StartEvent(Record):
     snapshot_bytes_per_step: int
     snapshot: dict  # the snapshot copies taken: {"buddy", "host", "copies", "auto", "cost"}
     # the standby: {"on", "enabled" (as configured), "plans" (submitted at the start),
-    # "compiler" ("process", "thread", or null when off)}
+    # "programs" (what those plans need built: one per program where a program is loaded for
+    # the other device sets of its shape), "compiler" ("process", "thread", or null when off)}
     standby: dict
     resumed_from_checkpoint: int | None
     dropped_newer_checkpoints: list[int]

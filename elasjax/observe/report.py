@@ -187,10 +187,11 @@ def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), grow
 
 
 def standby_line(cfg, on: bool, no_worker: str | None, worker, shared: bool,
-                 n_plans: int) -> str:
+                 n_plans: int, n_programs: int) -> str:
     """What the standby does in this run, for the start line: `on` (`config.standby_on`), why
     no compile worker can build the plans (`no_worker`), the worker (None: a thread builds),
-    whether the job's processes share compiles, how many plans it builds."""
+    whether the job's processes share compiles, how many plans it builds and how many programs
+    they need (`ExecutableSource.programs`: fewer where a program serves several device sets)."""
     given = cfg.standby.enabled
     if not on:
         if given is False:
@@ -207,9 +208,11 @@ def standby_line(cfg, on: bool, no_worker: str | None, worker, shared: bool,
         where += " (each program compiled by one process of the job, loaded by the others)"
     pause = ("training waits until they are built" if cfg.standby.wait_at_start else
              "training goes on meanwhile; a 'standby ready' line says when they are built")
+    progs = f"{n_programs} program{'' if n_programs == 1 else 's'}"
+    what = (f"{progs}, each compiled once and loaded for the other device sets"
+            if n_programs < n_plans else f"{progs}, one per plan")
     return (f"standby: building the {n_plans} plans of the likeliest next failures "
-            f"(standby.enabled: {str(given).lower()}) {where}, each program compiled once "
-            f"and loaded for the other device sets; {pause}")
+            f"(standby.enabled: {str(given).lower()}) {where}: {what}; {pause}")
 
 
 def standby_ready_line(head: str, sb, wait_s: float, warm_s: float, map_budget: float) -> str:
