@@ -834,6 +834,31 @@ def test_the_standby_is_on_by_default_in_one_process_and_builds_without_pausing(
         assert end["standby"]["worker_cpu_s"] > 0
 
 
+def test_the_start_line_counts_the_programs_the_standby_builds(exe_cache):
+    """The standby's start line (and the `start` event's `standby`) counts the programs its plans
+    need: one per program (`Plan.shape_key`) where a compiled program is loaded for the other
+    device sets of its shape (`standby.rebind`, the default), one per plan where it is not."""
+    from elasjax.observe.report import standby_line
+    from elasjax.plan.contingencies import Contingencies
+
+    for rebind in (True, False):
+        cfg = tiny_config(f"standby.rebind={str(rebind).lower()}")
+        t = trainer.Trainer(cfg, None, exe_cache=exe_cache)  # the suite's: the standby off
+        try:
+            ahead = Contingencies(cfg, t.topo, t.initial, device_failures=True, can_grow=False,
+                                  standby=True)  # the plans the standby would build
+            plans = ahead.standby_plans(t.initial, set(t.initial.device_ids))
+            shapes = {p.shape_key for p in plans}
+            assert len(plans) > len(shapes) >= 2  # device and host failures: two programs
+            n = t.source.programs(plans)
+            assert n == (len(shapes) if rebind else len(plans))
+            line = standby_line(cfg, True, None, None, False, len(plans), n)
+            assert (f"{n} programs, each compiled once and loaded for the other device sets"
+                    if rebind else f"{n} programs, one per plan") in line, line
+        finally:
+            t.rt.close()
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::elasjax.compilation.standby.StandbyCoverageWarning")  # max_plans=1
 def test_standby_hit_recovers_without_compiling(exe_cache):
