@@ -841,8 +841,8 @@ def test_the_start_line_counts_the_programs_the_standby_builds(exe_cache):
     from elasjax.observe.report import standby_line
     from elasjax.plan.contingencies import Contingencies
 
-    for rebind in (True, False):
-        cfg = tiny_config(f"standby.rebind={str(rebind).lower()}")
+    for on in (True, False):
+        cfg = tiny_config(f"standby.rebind={str(on).lower()}")
         t = trainer.Trainer(cfg, None, exe_cache=exe_cache)  # the suite's: the standby off
         try:
             ahead = Contingencies(cfg, t.topo, t.initial, device_failures=True, can_grow=False,
@@ -851,10 +851,10 @@ def test_the_start_line_counts_the_programs_the_standby_builds(exe_cache):
             shapes = {p.shape_key for p in plans}
             assert len(plans) > len(shapes) >= 2  # device and host failures: two programs
             n = t.source.programs(plans)
-            assert n == (len(shapes) if rebind else len(plans))
+            assert n == (len(shapes) if on else len(plans))
             line = standby_line(cfg, True, None, None, False, len(plans), n)
             assert (f"{n} programs, each compiled once and loaded for the other device sets"
-                    if rebind else f"{n} programs, one per plan") in line, line
+                    if on else f"{n} programs, one per plan") in line, line
         finally:
             t.rt.close()
 
