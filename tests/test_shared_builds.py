@@ -255,6 +255,7 @@ def test_one_shared_build_serves_every_device_set_of_a_program_where_programs_re
                               shared=SimpleNamespace(key=SharedBuilds.key),
                               factory=SimpleNamespace(tx_key=None))
         src._by_program = lambda p, src=src: ExecutableSource._by_program(src, p)
+        src._program = lambda p, src=src: ExecutableSource._program(src, p)
         keys = [ExecutableSource._shared_key(src, p) for p in (a, b)]
         assert (keys[0] == keys[1]) is same, (rebind, keys)
 

@@ -197,9 +197,8 @@ class ExecutableSource:
         else the plan's own."""
         k = (plan, self.donate)
         if k not in self._shared_keys:
-            named = plan.shape_key if self._by_program(plan) else plan
-            self._shared_keys[k] = self.shared.key(
-                self.cfg, ExecutableCache.key(self.cfg, named, self.donate, self.factory.tx_key))
+            self._shared_keys[k] = self.shared.key(self.cfg, ExecutableCache.key(
+                self.cfg, self._program(plan), self.donate, self.factory.tx_key))
         return self._shared_keys[k]
 
     def _by_program(self, plan: Plan) -> bool:
@@ -207,11 +206,15 @@ class ExecutableSource:
         return (self.cfg.standby.rebind
                 and self.devices[plan.device_ids[0]].client.platform in REBINDABLE)
 
+    def _program(self, plan: Plan) -> Plan:
+        """What builds `plan`: its program (`Plan.shape_key`) where a compiled program is loaded
+        for the other device sets of its shape (`_by_program`), else `plan` itself."""
+        return plan.shape_key if self._by_program(plan) else plan
+
     def programs(self, plans: list) -> int:
-        """How many programs `plans` need built: one per program (`Plan.shape_key`) where a
-        compiled program is loaded for the other device sets of its shape (`_by_program`), else
-        one per plan. What the start line announces (`report.standby_line`)."""
-        return len({p.shape_key if self._by_program(p) else p for p in plans})
+        """How many programs `plans` need built (`_program`): what the start line announces
+        (`report.standby_line`)."""
+        return len({self._program(p) for p in plans})
 
     def standby_order(self, plans: list) -> list:
         """Where the job's processes share their compiles (`shared`), the order in which this
