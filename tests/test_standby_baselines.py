@@ -834,14 +834,18 @@ def test_the_standby_is_on_by_default_in_one_process_and_builds_without_pausing(
         assert end["standby"]["worker_cpu_s"] > 0
 
 
-def test_the_start_line_counts_the_programs_the_standby_builds(exe_cache):
+def test_the_start_line_counts_the_programs_the_standby_builds(exe_cache, monkeypatch):
     """The standby's start line (and the `start` event's `standby`) counts the programs its plans
     need: one per program (`Plan.shape_key`) where a compiled program is loaded for the other
-    device sets of its shape (`standby.rebind`, the default), one per plan where it is not."""
+    device sets of its shape (`standby.rebind`, the default, with JAX's executable loader), one
+    per plan where it is not: rebinding off, or a JAX without the loader (`executables.
+    can_load`), where every plan compiles."""
+    from elasjax.compilation import source
     from elasjax.observe.report import standby_line
     from elasjax.plan.contingencies import Contingencies
 
-    for on in (True, False):
+    for on, loader in ((True, True), (False, True), (True, False)):
+        monkeypatch.setattr(source, "can_load", lambda loader=loader: loader)
         cfg = tiny_config(f"standby.rebind={str(on).lower()}")
         t = trainer.Trainer(cfg, None, exe_cache=exe_cache)  # the suite's: the standby off
         try:
@@ -851,12 +855,29 @@ def test_the_start_line_counts_the_programs_the_standby_builds(exe_cache):
             shapes = {p.shape_key for p in plans}
             assert len(plans) > len(shapes) >= 2  # device and host failures: two programs
             n = t.source.programs(plans)
-            assert n == (len(shapes) if on else len(plans))
+            by_program = on and loader
+            assert n == (len(shapes) if by_program else len(plans)), (on, loader)
             line = standby_line(cfg, True, None, None, False, len(plans), n)
             assert (f"{n} programs, each compiled once and loaded for the other device sets"
-                    if on else f"{n} programs, one per plan") in line, line
+                    if by_program else f"{n} programs, one per plan") in line, line
         finally:
             t.rt.close()
+
+
+def test_a_capped_standby_reports_the_plans_it_builds():
+    """`StandbyCompiler.submit` (and `ExecutableSource.refresh`, which the start line counts)
+    returns the plans a submission covers: the first `max_plans` of them, duplicates once."""
+    sb = StandbyCompiler(lambda key: key, max_plans=2)
+    try:
+        assert sb.submit(["a", "a", "b", "c"]) == ["a", "b"] and sb.dropped == 1
+        assert sb.submit(["d"], front=True) == ["d"]
+        uncapped = StandbyCompiler(lambda key: key)
+        try:
+            assert uncapped.submit(["x", "y", "x"]) == ["x", "y"] and uncapped.dropped == 0
+        finally:
+            uncapped.close()
+    finally:
+        sb.close()
 
 
 @pytest.mark.slow

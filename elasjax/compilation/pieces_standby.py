@@ -204,7 +204,7 @@ class PiecesStandby(StandbyCompiler):
         self.put(mesh, self._first)
         return self._first
 
-    def submit(self, plans: Sequence[Any], *, front: bool = False) -> None:
+    def submit(self, plans: Sequence[Any], *, front: bool = False) -> list:
         """Build `plans` (at most `max_meshes` of them), announcing them and their expected
         cost first; with `front` (a recovery's urgent mesh), no new set is announced."""
         if front:
@@ -247,7 +247,7 @@ class PiecesStandby(StandbyCompiler):
             rebinds, expected, time.perf_counter() - r["t0"], shapes=r["shapes"],
             rebinds_unpriced=unpriced, message="; ".join(parts),
         ))
-        super().submit(keep)
+        return super().submit(keep)
 
     def _count(self, origin: str) -> None:
         """Count a build of this set (under the lock)."""

@@ -15,7 +15,7 @@ from ..config import Config, ConfigError
 from ..layout.state import StateFactory
 from ..plan.planner import Plan
 from .executables import (
-    REBINDABLE, ExecutableCache, Executables, from_portable, on_devices, warm_up,
+    REBINDABLE, ExecutableCache, Executables, can_load, from_portable, on_devices, warm_up,
 )
 from .shared import SharedBuilds
 from .standby import StandbyCompiler, StandbyCoverageWarning
@@ -202,8 +202,11 @@ class ExecutableSource:
         return self._shared_keys[k]
 
     def _by_program(self, plan: Plan) -> bool:
-        """Are the job's shared builds named by program (`_shared_key`)?"""
-        return (self.cfg.standby.rebind
+        """Are the job's shared builds named by program (`_shared_key`)? Only where a compiled
+        program can be loaded for other devices: `standby.rebind` on a backend of
+        `executables.REBINDABLE`, with JAX's executable loader (`can_load`; without it every
+        plan compiles, and the start line's count says so)."""
+        return (self.cfg.standby.rebind and can_load()
                 and self.devices[plan.device_ids[0]].client.platform in REBINDABLE)
 
     def _program(self, plan: Plan) -> Plan:
@@ -313,13 +316,14 @@ class ExecutableSource:
 
     # -- the standby set ------------------------------------------------------------------------
 
-    def refresh(self, plan: Plan, keys: list) -> None:
+    def refresh(self, plan: Plan, keys: list) -> list:
         """Build `keys` (the plans `plan`'s likely failures need) in the background, dropping
-        what was queued for the plan before; warns when `standby.max_plans` leaves some out."""
+        what was queued for the plan before; warns when `standby.max_plans` leaves some out.
+        Returns the keys the standby builds (none without a standby)."""
         sb = self.standby
         if sb is None:
-            return
-        sb.submit(keys)
+            return []
+        kept = sb.submit(keys)
         if sb.dropped:
             msg = (
                 f"standby.max_plans={sb.max_plans} covers {len(keys) - sb.dropped} of the "
@@ -328,6 +332,7 @@ class ExecutableSource:
             )
             self._log(msg)
             warnings.warn(msg, StandbyCoverageWarning, stacklevel=3)
+        return kept
 
     def only(self, plan: Plan, *, from_cache: bool = False) -> None:
         """`plan` is the only one that matters now (a pending cut-over's): build nothing else.

@@ -96,9 +96,10 @@ class StandbyCompiler:
         self._thread = threading.Thread(target=self._loop, name="elasjax-standby", daemon=True)
         self._thread.start()
 
-    def submit(self, plans: Sequence[Any], *, front: bool = False) -> None:
+    def submit(self, plans: Sequence[Any], *, front: bool = False) -> list:
         """Queue `plans` (deduplicated); with `front`, ahead of the rest, otherwise replacing
-        the queue (at most `max_plans` when it is set: `dropped` counts the rest)."""
+        the queue (at most `max_plans` when it is set: `dropped` counts the rest). Returns the
+        plans this submission covers, in order: all of them, or the first `max_plans`."""
         with self._cv:
             plans = list(dict.fromkeys(plans))
             new = [p for p in plans if p not in self._ready and p != self._busy]
@@ -114,7 +115,9 @@ class StandbyCompiler:
                     self._capacity = max(self._capacity, len(keep) + 2)
                 self._queue = [p for p in new if p in keep]
                 self._urgent &= set(self._queue)
+                plans = keep
             self._cv.notify_all()
+            return plans
 
     def expedite(self, plan) -> str:
         """Make `plan` the next compile. Returns where it was: "ready", "busy" (compiling now),

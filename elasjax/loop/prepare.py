@@ -39,9 +39,7 @@ class Preparations:
         they need (`ExecutableSource.programs`) and its start line."""
         plan, live = pos.plan, set(pos.live)
         ahead = self.contingencies.standby_plans(plan, live | set(plan.spare_ids))
-        self.source.refresh(plan, ahead)
-        sb = self.source.standby
-        kept = ahead[: len(ahead) - sb.dropped] if sb is not None and sb.dropped else ahead
+        kept = self.source.refresh(plan, ahead) if self.source.standby is not None else ahead
         n_programs = self.source.programs(kept)
         line = standby_line(self.cfg, self.on, self.no_worker, self.source.worker,
                             self.source.shares, len(kept), n_programs)
