@@ -311,6 +311,50 @@ def test_every_interrupted_block_renews_the_client_and_an_entry_barrier_failure_
         RuntimeConfig("h:1", 2, 0, renew_collectives="sometimes")
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux /proc")
+def test_gloo_event_loops_are_found_by_their_poll_and_idled_only_under_idle():
+    """`collectives.quiet_gloo_loops`: a thread polling as gloo's TCP loop does (`epoll_wait`
+    of 64 events, 10 ms; a Python thread here stands in for it) is found and, under "idle",
+    put under SCHED_IDLE; one polling otherwise (gRPC's pollers) is left alone; under "normal"
+    a loop is found (the quiet wait leaves it out: `gloo_loops`) but keeps its priority. Bad
+    values name the field."""
+    import select
+
+    from elasjax.runtime.collectives import gloo_loops, quiet_gloo_loops
+
+    stop = threading.Event()
+
+    def poll(maxevents: int, timeout: float) -> None:
+        ep = select.epoll()
+        while not stop.is_set():
+            ep.poll(timeout, maxevents)
+
+    def started(*args) -> threading.Thread:
+        t = threading.Thread(target=poll, args=args, daemon=True)
+        t.start()
+        return t
+
+    other = started(100, 0.5)
+    try:
+        loop = started(64, 0.01)
+        time.sleep(0.05)
+        found = quiet_gloo_loops("idle")
+        assert loop.native_id in found and other.native_id not in found, found
+        assert os.sched_getscheduler(loop.native_id) == os.SCHED_IDLE
+        assert os.sched_getscheduler(other.native_id) == os.SCHED_OTHER
+        assert loop.native_id in gloo_loops()
+        assert quiet_gloo_loops("idle") == []  # each loop once
+        kept = started(64, 0.01)
+        time.sleep(0.05)
+        assert quiet_gloo_loops("normal") == [kept.native_id]
+        assert os.sched_getscheduler(kept.native_id) == os.SCHED_OTHER
+        assert kept.native_id in gloo_loops()
+    finally:
+        stop.set()
+    with pytest.raises(ValueError, match="gloo_loop.*idle, normal"):
+        RuntimeConfig("h:1", 2, 0, gloo_loop="low")
+
+
 def test_an_abort_waits_until_this_process_no_longer_computes(monkeypatch):
     """`CollectiveAborts.abort_when_quiet`: a collective posted after its sockets were shut
     down waits out gloo's timeout (the 8 s detections of experiments/RESULTS.md, "Aborts after
@@ -888,7 +932,11 @@ def test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size(
             or "when a death notice from process 1's host arrived" in reasons["process 0"]
             or "its step block was interrupted" in reasons["process 0"]), reasons
     for p in (0, 2):
-        assert "new CPU client (generation 1" in (out / f"worker{p}.log").read_text()
+        log = (out / f"worker{p}.log").read_text()
+        assert "new CPU client (generation 1" in log
+        # the gloo event loop of the first client and of the renewed one found and idled
+        # (`launch.gloo_loop: idle`, the default)
+        assert log.count("set to SCHED_IDLE (launch.gloo_loop)") == 2, log[-3000:]
     events = read_jsonl(out / "events.jsonl")
     assert events[-1]["type"] == "end" and events[-1]["processes"] == [0, 2]
     assert "spare took over at step 3: process(es) [2] in the place of [1]; n_devices 4 -> 4" in stdout

@@ -409,5 +409,7 @@ def check_launch(c: LaunchConfig, name=lambda field: f"config 'launch.{field}'")
     modes = typing.get_args(typing.get_type_hints(LaunchConfig)["renew_collectives"])
     require(c.renew_collectives in modes, "renew_collectives",
             "allowed values: " + ", ".join(modes))
+    loops = typing.get_args(typing.get_type_hints(LaunchConfig)["gloo_loop"])
+    require(c.gloo_loop in loops, "gloo_loop", "allowed values: " + ", ".join(loops))
     for f in ("watch_exits", "death_notices"):
         require(isinstance(getattr(c, f), bool), f, "allowed values: true, false")

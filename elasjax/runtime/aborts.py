@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .collectives import abort_collectives
+from .collectives import abort_collectives, gloo_loops
 from .liveness import Liveness, ProcessExits
 from .startup import RuntimeConfig
 
@@ -57,8 +57,10 @@ def running_threads() -> list[str] | None:
     """The names of this process's threads that are running or runnable (state R in
     /proc/self/task/*/stat) and might post a collective: not a Python thread but the main one
     (the main thread dispatches programs; the others are elasjax's and JAX's helpers, a loader
-    among them), not one of `_BENIGN`. None where /proc cannot be read."""
+    among them), not a gloo event loop (`collectives.gloo_loops`), not one of `_BENIGN`. None
+    where /proc cannot be read."""
     helpers = {t.native_id for t in threading.enumerate() if t is not threading.main_thread()}
+    helpers |= gloo_loops()  # they move posted collectives' bytes, never post one
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

@@ -63,7 +63,8 @@ from ..transfer.shards import ShardStore
 from . import failures, membership
 from .aborts import CollectiveAborts
 from .collectives import (
-    Renewal, drain, reachable_cliques, rendezvous_note, renew_cpu_client, renewal_reason,
+    Renewal, drain, quiet_gloo_loops, reachable_cliques, rendezvous_note, renew_cpu_client,
+    renewal_reason,
 )
 from .dataplane import DataPlane
 from .deathnote import DeathNotes
@@ -138,6 +139,7 @@ class MultiControllerRuntime:
         if self.admission is not None:
             self._adopt_counters(self.admission.counters)
         self.links.start(self.local[0])
+        self._quiet_loops()
         self._drained: tuple[float, int, int] | None = None  # the last `_drain`: (s, arrays, failed)
         # a live peer waiting at another barrier this long is a divergence (`DivergedError`):
         # far above any skew between processes at one barrier (a start's compile included,
@@ -414,6 +416,19 @@ class MultiControllerRuntime:
         self.local = jax.local_devices()
         self.links.start(self.local[0])
         self.aborts.clear()  # the new client's collectives are whole
+        self._quiet_loops()
+
+    def _quiet_loops(self) -> None:
+        """The current CPU client's gloo event loop found (the quiet wait leaves it out,
+        `aborts.running_threads`) and, under `launch.gloo_loop: idle`, set to SCHED_IDLE
+        (`collectives.quiet_gloo_loops`)."""
+        if self.rc.platform != "cpu":
+            return
+        tids = quiet_gloo_loops(self.rc.gloo_loop)
+        if not tids:
+            self.log("no gloo event loop thread found (its priority left as it is)")
+        elif self.rc.gloo_loop == "idle":
+            self.log(f"gloo event loop thread(s) {tids} set to SCHED_IDLE (launch.gloo_loop)")
 
     # -- membership growth (`membership`) -------------------------------------------------------
 

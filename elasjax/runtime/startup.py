@@ -82,7 +82,7 @@ class RuntimeConfig:
       platform: `cpu` (gloo collectives, `devices_per_process` fake devices) or `gpu`.
       devices_per_process: CPU devices per process (ignored on GPU).
       heartbeat_timeout_s, collective_timeout_s, liveness_interval_s, liveness_timeout_s,
-        watch_exits, renew_collectives, death_notices: the detector's settings, what
+        watch_exits, renew_collectives, death_notices, gloo_loop: the detector's settings, what
         `config.LaunchConfig` (the YAML section `launch`) says of each, its defaults and
         bounds (`config.check_launch`) too; the flags of `SETTINGS` set them.
       init_timeout_s: how long `initialize` waits for every process to connect.
@@ -105,6 +105,7 @@ class RuntimeConfig:
     renew_collectives: str = LaunchConfig.renew_collectives
     watch_exits: bool = LaunchConfig.watch_exits
     death_notices: bool = LaunchConfig.death_notices
+    gloo_loop: str = LaunchConfig.gloo_loop
 
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator.rpartition(":")
@@ -173,6 +174,9 @@ SETTINGS = (
     Setting("renew_collectives", "--renew-collectives",
             "after a failure, start a new CPU client with fresh gloo communicators: auto (when a "
             "block was interrupted or collectives were shut down), always, never"),
+    Setting("gloo_loop", "--gloo-loop",
+            "the priority of each process's gloo event loop, which spins while a message waits "
+            "for its receive: idle (SCHED_IDLE: cores nothing else wants) or normal"),
 )
 
 
