@@ -73,7 +73,7 @@ def test_each_detector_setting_is_defined_once_and_reaches_the_worker_unchanged(
 
     rc = RuntimeConfig("127.0.0.1:1234", 4, 2, heartbeat_timeout_s=7, collective_timeout_s=3,
                        liveness_interval_s=0.2, liveness_timeout_s=1.5, watch_exits=False,
-                       death_notices=False, renew_collectives="always")
+                       death_notices=False, renew_collectives="always", gloo_loop="normal")
     defaults = RuntimeConfig("127.0.0.1:1234", 4, 2)
     assert all(getattr(rc, s.field) != getattr(defaults, s.field) for s in SETTINGS)
     args = worker_parser().parse_args(["--coordinator", rc.coordinator, "--num-processes", "4",
