@@ -1297,6 +1297,17 @@ def test_zero3_with_two_copies_survives_two_processes_killed_together_and_evalua
         assert abs(v - ref.eval_losses[s]) <= LOSS_RTOL * ref.eval_losses[s], (s, v)
 
 
+def _checkpoint_resumed(ev: dict) -> int:
+    """The step a recovery from a checkpoint resumed at, after a kill in step 5 with a
+    checkpoint every 2 steps: the newest one committed before the death, step 4's, or step 2's
+    where the kill came while every process was still writing step 4's (Orbax's saves are
+    asynchronous; with the launch's steps at 0.1 s that happens: 1 of 3 runs)."""
+    at = ev["resumed_at_step"]
+    assert ev["rung"] == "checkpoint" and ev["verified"] and at in (2, 4), ev
+    assert ev["steps_lost"] == 5 - at, ev
+    return at
+
+
 CHECKPOINTED = (*_ONE_EACH, "zero.stage=1", "snapshot.buddy=false", "snapshot.host=false",
                 "checkpoint.every=2", "checkpoint.keep=10")
 
@@ -1316,10 +1327,9 @@ def test_a_partition_with_no_live_copy_comes_back_from_the_checkpoint(exe_cache,
     assert rc == 0, stdout
     assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0, 3: 0}
     ev = _recovery(out)
-    assert (ev["rung"], ev["resumed_at_step"], ev["steps_lost"], ev["verified"]) == (
-        "checkpoint", 4, 1, True), ev
+    at = _checkpoint_resumed(ev)
     rows = read_jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in rows if r.get("redo")] == [4]
+    assert [r["step"] for r in rows if r.get("redo")] == list(range(at, 5))
     _assert_matches([r for r in rows if not r.get("redo")], ref)
     for r in rows:
         assert abs(r["loss"] - ref.losses[r["step"]]) <= LOSS_RTOL * ref.losses[r["step"]], r
@@ -1350,9 +1360,9 @@ def test_the_baselines_recover_a_sigkill_under_launch_as_they_do_in_one_process(
         assert [r["global_batch"] for r in rows] == [32] * 4 + [24] * (STEPS - 4)
         _assert_matches(rows[:4], reference, steps=4)
     else:
-        assert (ev["rung"], ev["resumed_at_step"], ev["steps_lost"]) == ("checkpoint", 4, 1), ev
+        at = _checkpoint_resumed(ev)
         assert ev["to_plan"].startswith("d6t1"), ev
-        assert [r["step"] for r in rows if r.get("redo")] == [4]
+        assert [r["step"] for r in rows if r.get("redo")] == list(range(at, 5))
         _assert_matches([r for r in rows if not r.get("redo")], reference)
         for r in rows:
             assert abs(r["loss"] - reference.losses[r["step"]]) <= LOSS_RTOL * reference.losses[

@@ -864,6 +864,22 @@ def test_the_start_line_counts_the_programs_the_standby_builds(exe_cache, monkey
             t.rt.close()
 
 
+def test_a_held_standby_starts_no_build_until_released():
+    """`StandbyCompiler.hold` (a recovery's executables in hand until its first good step,
+    `ExecutableSource.hold_background`): a plan queued meanwhile waits; `release` builds it."""
+    built = []
+    sb = StandbyCompiler(lambda key: built.append(key) or key)
+    try:
+        sb.hold()
+        sb.submit(["a"])
+        time.sleep(0.3)
+        assert built == [] and sb.get("a") is None
+        sb.release()
+        assert sb.wait("a", timeout=10) == "a" and built == ["a"]
+    finally:
+        sb.close()
+
+
 def test_a_capped_standby_reports_the_plans_it_builds():
     """`StandbyCompiler.submit` (and `ExecutableSource.refresh`, which the start line counts)
     returns the plans a submission covers: the first `max_plans` of them, duplicates once."""

@@ -70,6 +70,7 @@ class ExecutableSource:
         self.warmed_between_steps = 0  # standby executables warmed by `warm_built`
         self._warm_failed: set[int] = set()
         self.worker: CompileWorker | None = None
+        self._worker_held = False  # stopped by `hold_background`
         self.standby: StandbyCompiler | None = None
         if not background:
             return
@@ -96,6 +97,27 @@ class ExecutableSource:
             shed=self.exe_cache.shed,
             order=self.standby_order if self.shares else None,
         )
+
+    def hold_background(self) -> None:
+        """From a recovery's executables to its first good step, background builds wait: the
+        standby starts none (`StandbyCompiler.hold`) and the compile worker's compile under way
+        is stopped (`CompileWorker.pause`). Why: beside a recovery's first step, a program
+        loaded or compiled in the background took the cores from it (under launch the demo's
+        first step after a kill 1.68 s against a pace of 0.06-0.14 s: experiments/RESULTS.md,
+        "gloo's event loop spins"). Call it only once the recovery holds its executables: a
+        build it waits for would never start."""
+        if self.standby is not None:
+            self.standby.hold()
+        if self.worker is not None and not self._worker_held:
+            self._worker_held = self.worker.pause()
+
+    def release_background(self) -> None:
+        """Background builds go on (`hold_background`)."""
+        if self.standby is not None:
+            self.standby.release()
+        if self._worker_held:
+            self._worker_held = False
+            self.worker.resume()
 
     # -- getting a plan's executables -----------------------------------------------------------
 

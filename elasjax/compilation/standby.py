@@ -82,6 +82,7 @@ class StandbyCompiler:
         self._errors: dict = {}
         self._cv = threading.Condition()
         self._stop = False
+        self._held = False  # no build starts (`hold`)
         self._capacity = max_plans or 2
         self.compiled = 0  # plans built by an XLA compile
         self.compile_s = 0.0
@@ -267,10 +268,23 @@ class StandbyCompiler:
         while len(self._ready) > self._capacity:
             self._ready.popitem(last=False)
 
+    def hold(self) -> None:
+        """Start no build until `release` (a build under way goes on): a recovery's transfer,
+        verification and first step come first. Never while a caller waits for a queued plan
+        (`wait` would wait for the release)."""
+        with self._cv:
+            self._held = True
+
+    def release(self) -> None:
+        """Builds start again (`hold`)."""
+        with self._cv:
+            self._held = False
+            self._cv.notify_all()
+
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._queue or self._stop)
+                self._cv.wait_for(lambda: (self._queue and not self._held) or self._stop)
                 if self._stop:
                     return
                 queued = list(self._queue)
@@ -280,7 +294,7 @@ class StandbyCompiler:
             with self._cv:
                 if self._stop:
                     return
-                if not self._queue:
+                if not self._queue or self._held:
                     continue
                 plan = self._next(ordered)
                 if plan not in self._urgent and not self._within_budget():

@@ -365,8 +365,10 @@ class Recoverer:
                 standby.drop_queued(  # a compile of its program is waited for
                     keep=key, spare=lambda busy: self.cfg.standby.rebind
                     and busy.shape_key == key.shape_key)
+            self.source.release_background()  # an attempt after a failed one
             got = self.source.get(new_plan)
             exe = got.exe
+            self.source.hold_background()  # until the first good step (`release_background`)
             compile_s = time.perf_counter() - t0
         with self.rt.guard("recovery/transfer"):
             t0 = time.perf_counter()

@@ -268,6 +268,7 @@ class Trainer:
             raise
         finally:
             self._release_gc()
+            self.source.release_background()  # a recovery that raised held them
             mw.close()
             ew.close()
             if tb is not None:
@@ -514,6 +515,7 @@ class Trainer:
         if self.rt.writer:
             ev.detail.update(self.rt.detection_report(ev.detail.get("incident")))
         ew.emit(ev, recovery_line(ev))
+        self.source.release_background()
         self._release_gc()
 
     def _finish(self, ls: LoopState, mw: JsonlWriter, ew: Emitter) -> RunSummary:
