@@ -131,8 +131,10 @@ class ExecutableSource:
             self.first_compile_cpu_s = time.process_time() - cpu0
         return got.exe
 
-    def get(self, plan: Plan) -> Acquired:
-        """The plan's executables, and how they were found (`Acquired`). A standby hit means
+    def get(self, plan: Plan, *, hold: bool = False) -> Acquired:
+        """The plan's executables, and how they were found (`Acquired`); with `hold` (a
+        recovery's), background builds wait from the moment they are found built (before a
+        reload onto a renewed client) until `release_background`. A standby hit means
         the executable was ready when asked for. A
         needed plan never waits in line: a queued one jumps to the front, or is built here when
         the build under way would take longer than `WAIT_BEHIND` of building it here; with
@@ -145,6 +147,8 @@ class ExecutableSource:
             key = plan.compile_key
             exe = sb.get(key)
             if exe is not None:
+                if hold:
+                    self.hold_background()
                 return Acquired(self.current(exe, key), True, True, 0.0)
             where = sb.expedite(key)
             busy = sb.busy()

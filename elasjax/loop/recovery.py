@@ -366,9 +366,10 @@ class Recoverer:
                     keep=key, spare=lambda busy: self.cfg.standby.rebind
                     and busy.shape_key == key.shape_key)
             self.source.release_background()  # an attempt after a failed one
-            got = self.source.get(new_plan)
+            # background builds wait from here to the first good step (`release_background`)
+            got = self.source.get(new_plan, hold=True)
             exe = got.exe
-            self.source.hold_background()  # until the first good step (`release_background`)
+            self.source.hold_background()  # (where `get` found nothing built)
             compile_s = time.perf_counter() - t0
         with self.rt.guard("recovery/transfer"):
             t0 = time.perf_counter()
