@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Iterable
 
@@ -209,7 +210,8 @@ def gloo_loops() -> frozenset[int]:
     return frozenset(_gloo_loops)
 
 
-def quiet_gloo_loops(policy: str = "idle", tries: int = 50) -> list[int]:
+def quiet_gloo_loops(policy: str = "idle", tries: int = 50,
+                     exclude: Iterable[int] | None = None) -> list[int]:
     """Find this process's gloo event-loop threads not found before and, under `policy` "idle",
     put them under SCHED_IDLE, so that they run only on a core nothing else wants ("normal":
     leave their priority). Why: the loop polls its sockets level-triggered and returns to
@@ -219,17 +221,21 @@ def quiet_gloo_loops(policy: str = "idle", tries: int = 50) -> list[int]:
     idle (experiments/RESULTS.md, "gloo's event loop spins"). A device thread waiting for a
     message leaves its core idle, which is when the loop runs. Linux only; returns the threads
     found. A loop is told by its `epoll_wait` arguments (64 events, 10 ms), read up to `tries`
-    times: a spinning loop is mostly outside the call."""
+    times: a spinning loop is mostly outside the call; `exclude` (by default this process's
+    Python threads, which gloo never starts) is never taken for one."""
     if not os.path.isdir("/proc/self/task"):
         return []
+    if exclude is None:
+        exclude = {t.native_id for t in threading.enumerate()}
     found: set[int] = set()
+    skip = set(exclude) | _gloo_loops
     for _ in range(tries):
         try:
             tids = [int(t) for t in os.listdir("/proc/self/task")]
         except OSError:
             return []
         for tid in tids:
-            if tid in _gloo_loops or tid in found:
+            if tid in skip or tid in found:
                 continue
             try:
                 with open(f"/proc/self/task/{tid}/syscall") as f:
