@@ -22,15 +22,17 @@ class ModelConfig:
     `elasjax.register_model` (the other fields then do not apply and must stay unset).
 
     `remat`: what the GPT's layer loop keeps from its forward pass for the backward. `dots`:
-    only the matrix products' outputs, the rest (norms, activations, dropout, softmax)
-    recomputed in the backward pass (`jax.checkpoint_policies.dots_saveable`); `none`:
+    only the matrix products' outputs and the dropout masks, the rest (norms, activations,
+    softmax, the masks' application) recomputed in the backward pass
+    (`jax.checkpoint_policies.dots_saveable` and the masks by name, `gpt.REMAT_POLICY`); `none`:
     everything the backward pass reads; `auto` (default): `dots` in the deterministic mode,
     `none` otherwise (`Config.model_in_force`). The same arithmetic either way, recomputed
     rather than read (gradients equal to 1e-5: tests/test_gradients.py; the bits may differ,
     so runs compared bitwise use one setting, as every run of one config does). On the 3.3M
     model's device program on fake CPU devices `dots` took the deterministic step from 322 to
     272 ms and the other mode's from 244 to 252 ms (experiments/RESULTS.md, "Recomputing the
-    layer loop's elementwise work")."""
+    layer loop's elementwise work"); keeping the masks too, from 375 to 352 ms, and at 25.5M
+    from 2430 to 2327 ms (the same file, "The dropout masks kept")."""
 
     type: str = "gpt"
     vocab_size: int = 256

@@ -78,12 +78,16 @@ def make_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout: S
     for ZeRO-2 (each micro-batch's gradient is partitioned before it is accumulated, so the
     accumulator is partitioned) and ZeRO-3 (the gradient of the storage itself)."""
     stage = layout.stage if layout is not None else 0
-    if layout is not None and layout.stage_layout is not None:
-        if cfg.deterministic:
-            return _deterministic_pipelined_grad_fn(cfg, mesh, state_sh, layout)
-        return _pipelined_grad_fn(cfg, mesh, layout)
     if cfg.deterministic:
-        return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout)
+        summed = _summed_grad_fn(cfg, model, mesh, state_sh, layout)
+
+        def normalised(params, batch, step, plan: Plan):
+            loss, grads, n_tokens = summed(params, batch, step, plan)
+            return loss, jax.tree.map(lambda g: g / n_tokens, grads)
+
+        return normalised
+    if layout is not None and layout.stage_layout is not None:
+        return _pipelined_grad_fn(cfg, mesh, layout)
     loss_fn = make_loss_fn(cfg, model, deterministic=False, layout=layout, mesh=mesh)
     if stage == 0:
         return _summed_once_grad_fn(cfg, loss_fn, mesh, state_sh)
@@ -182,6 +186,18 @@ def _summed_once_grad_fn(cfg: Config, loss_fn, mesh: Mesh, state_sh: TrainState)
     return grad_fn
 
 
+def _summed_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout):
+    """Deterministic mode: (params, batch, step, plan) -> (loss, the gradient's sum over the
+    global batch, its normaliser). The division by the normaliser is left to the caller:
+    `make_train_step` folds it into the optimizer's one multiply (`_apply_apart`), where a
+    division of the whole gradient on its own was an extra pass over it on every replica, its
+    divisor broadcast to the gradient's size first (experiments/RESULTS.md, "The dropout masks
+    kept")."""
+    if layout is not None and layout.stage_layout is not None:
+        return _deterministic_pipelined_grad_fn(cfg, mesh, state_sh, layout)
+    return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout)
+
+
 def canonical_order(plan: Plan) -> np.ndarray:
     """Flat slot index (k * data + r) of canonical micro-batch 0, 1, ..."""
     slots = plan.canonical_slots()
@@ -275,7 +291,7 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
 
         total = _tree_total(plan, mesh, specs, params, batch, micro)
         n_tokens = normaliser(batch)
-        return total["loss"] / n_tokens, jax.tree.map(lambda g: g / n_tokens, total["grads"])
+        return total["loss"] / n_tokens, total["grads"], n_tokens
 
     return grad_fn
 
@@ -314,8 +330,7 @@ def _deterministic_pipelined_grad_fn(cfg: Config, mesh: Mesh, state_sh: TrainSta
         (_, losses), grads = jax.value_and_grad(total, has_aux=True)(copies)
         summed = _tree_total(plan, mesh, specs, params, {"loss": losses, "grads": grads})
         n_tokens = normaliser(batch)
-        return (summed["loss"] / n_tokens,
-                jax.tree.map(lambda g: g / n_tokens, summed["grads"]))
+        return summed["loss"] / n_tokens, summed["grads"], n_tokens
 
     return grad_fn
 
@@ -335,9 +350,10 @@ def _pipelined_grad_fn(cfg: Config, mesh: Mesh, layout: StateLayout):
     return grad_fn
 
 
-def _apply_apart(tx, grads, opt_state, params, step, clip_scale=None):
+def _apply_apart(tx, grads, opt_state, params, step, scale=None):
     """`tx`'s update applied to ZeRO storage in kernels of their own, for deterministic mode,
-    the gradient first multiplied by `clip_scale` (a scalar: the clipping's factor) where given.
+    the gradient first multiplied by `scale` (a scalar: the normaliser's inverse and the
+    clipping's factor, `make_train_step`) where given.
 
     On storage, each device's optimizer arrays change length and provenance with the replica
     count, and XLA fuses the storage conversion into the optimizer's kernels. XLA:CPU contracts
@@ -364,35 +380,40 @@ def _apply_apart(tx, grads, opt_state, params, step, clip_scale=None):
         _, o, p, _ = args
         return p, o
 
-    return jax.lax.cond(step >= 0, update, keep, (grads, opt_state, params, clip_scale))
+    return jax.lax.cond(step >= 0, update, keep, (grads, opt_state, params, scale))
 
 
 def make_train_step(
     cfg: Config, layout: StateLayout, model, mesh: Mesh, state_sh: TrainState, plan: Plan
 ):
     tx = layout.tx
-    grad_fn = make_grad_fn(cfg, model, mesh, state_sh, layout)
-    if cfg.deterministic:
-        grad_fn = functools.partial(grad_fn, plan=plan)
     stage = layout.stage
     clip = cfg.train.grad_clip
+    if cfg.deterministic:
+        grad_fn = functools.partial(_summed_grad_fn(cfg, model, mesh, state_sh, layout), plan=plan)
+    else:
+        grad_fn = make_grad_fn(cfg, model, mesh, state_sh, layout)
     # the deterministic gradient's form (`_deterministic_grad_fn`): the parameters' shardings
     grad_specs = jax.tree.map(
         lambda sh: sh.spec, layout.param_shardings(mesh) if stage == 3 else state_sh.params)
 
     def train_step(state: TrainState, batch: dict):
-        loss, grads = grad_fn(state.params, batch, state.step)
         if cfg.deterministic:
+            loss, grads, n_tokens = grad_fn(state.params, batch, state.step)
             # the optimizer's own clipping is off in this mode (`make_optimizer`): its global
-            # norm reduces in an order that depends on the layout; this one does not
-            norm = layout.fixed_order_norm(grads, mesh, grad_specs, state.step)
-            # one scalar factor, 1 below the threshold; on ZeRO storage it is applied inside the
-            # optimizer's own branch (`_apply_apart`)
-            scale = None
+            # norm reduces in an order that depends on the layout; this one does not. The sum's
+            # norm over the normaliser is the mean gradient's (`_summed_grad_fn`)
+            norm = layout.fixed_order_norm(grads, mesh, grad_specs, state.step) / n_tokens
+            # one scalar factor: the normaliser's inverse, times the clipping's where the norm
+            # is above the threshold; on ZeRO storage applied inside the optimizer's own branch
+            # (`_apply_apart`)
+            scale = (1.0 / n_tokens).astype(jnp.float32)
             if clip > 0:
-                scale = jnp.where(norm < clip, 1.0, clip / norm).astype(jnp.float32)
-            if scale is not None and stage == 0:
+                scale = scale * jnp.where(norm < clip, 1.0, clip / norm).astype(jnp.float32)
+            if stage == 0:
                 grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        else:
+            loss, grads = grad_fn(state.params, batch, state.step)
         # the gradient comes in parameter form for ZeRO-0/1 and in deterministic mode
         # (`_deterministic_grad_fn`), else in the ZeRO storage (`make_grad_fn`)
         whole = stage < 2 or cfg.deterministic

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from ..config import ModelConfig, allowed_tensor_degrees
 from ..core.modelspec import LayerStack, ModelSpec
@@ -29,6 +30,12 @@ from .text_data import make_source
 
 INIT_STD = 0.02
 EMBED_DROPOUT_LAYER = 0xFFFF  # layer id of the embedding dropout site (no real layer has it)
+# `model.remat: dots` keeps the matrix products' outputs and the dropout masks: recomputed, a
+# mask is its samples' threefry hashes again (experiments/RESULTS.md, "The dropout masks kept")
+DROPOUT_MASK = "dropout_mask"
+REMAT_POLICY = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(DROPOUT_MASK))
 
 
 def _init(axes, std=INIT_STD):
@@ -51,7 +58,7 @@ def sample_dropout(x, rate: float, keys, layer_id, site: int, deterministic: boo
 
     def one(key, xi):
         key = jax.random.fold_in(jax.random.fold_in(key, layer_id), site)
-        mask = jax.random.bernoulli(key, keep, xi.shape)
+        mask = checkpoint_name(jax.random.bernoulli(key, keep, xi.shape), DROPOUT_MASK)
         return jnp.where(mask, xi / keep, jnp.zeros_like(xi))
 
     return jax.vmap(one)(keys, x)
@@ -203,8 +210,8 @@ def forward(params, tokens, keys, cfg: ModelConfig, deterministic: bool, layer_t
     `layer_transform(layer_params)` runs inside the layer loop on each layer's stored parameters
     before use: ZeRO-3 gathers a layer's partitions there, so only one layer is materialised at a
     time. With `cfg.remat` "dots" the loop's body is rematerialised but for its matrix products
-    (`ModelConfig.remat`; ZeRO-3's gather of a layer is then made again in the backward pass);
-    "auto" must be resolved before (`Config.model_in_force`).
+    and dropout masks (`ModelConfig.remat`, `REMAT_POLICY`; ZeRO-3's gather of a layer is then
+    made again in the backward pass); "auto" must be resolved before (`Config.model_in_force`).
     """
     if cfg.remat not in ("dots", "none"):
         raise ValueError(f"model.remat = {cfg.remat!r} here: resolve it first "
@@ -218,7 +225,7 @@ def forward(params, tokens, keys, cfg: ModelConfig, deterministic: bool, layer_t
         return block_apply(lp, x, keys, lid, cfg, deterministic), None
 
     if cfg.remat == "dots":  # see `ModelConfig.remat`
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
+        body = jax.checkpoint(body, policy=REMAT_POLICY)
     x, _ = jax.lax.scan(body, x, (params["layers"], jnp.arange(cfg.n_layers)))
     return head_apply(params, x, cfg)
 
