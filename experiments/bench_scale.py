@@ -145,6 +145,9 @@ MODES = {
     "elasjax ZeRO-3": ("elasjax", ["zero.stage=3"]),
     "elasjax deterministic": ("elasjax", ["zero.stage=0", "train.deterministic=true"]),
     "elasjax deterministic ZeRO-1": ("elasjax", ["zero.stage=1", "train.deterministic=true"]),
+    "elasjax deterministic ZeRO-1 no snapshots": (
+        "elasjax", ["zero.stage=1", "train.deterministic=true", "snapshot.buddy=false",
+                    "snapshot.host=false"]),
     "elasjax deterministic ZeRO-1 without remat": (
         "elasjax", ["zero.stage=1", "train.deterministic=true", "model.remat=none"]),
 }
@@ -184,6 +187,8 @@ RATIOS = [
     ("elasjax deterministic ZeRO-1", "elasjax ZeRO-1"),
     ("elasjax deterministic ZeRO-1 without remat", "plain JAX ZeRO-1"),
     ("elasjax deterministic ZeRO-1", "elasjax deterministic ZeRO-1 without remat"),
+    ("elasjax deterministic ZeRO-1 no snapshots", "plain JAX ZeRO-1"),
+    ("elasjax deterministic ZeRO-1", "elasjax deterministic ZeRO-1 no snapshots"),
 ]
 
 
