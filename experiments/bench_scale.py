@@ -35,7 +35,7 @@ but for the plain JAX loops (random tokens from numpy):
   elasjax deterministic ZeRO-1 without remat
                         the same with `model.remat=none`: the GPT's layer loop keeping every
                         intermediate for the backward, as before `model.remat` (whose `auto` is
-                        `dots` in the deterministic mode only): the "before", beside the default
+                        `dots`): the "before", beside the default
   elasjax ZeRO-1 sliced storage
                         the same with every ZeRO storage unit converted per device
                         (`ZeroCodec.annotate_exact` off): elasjax's step as it was before issue

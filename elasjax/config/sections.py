@@ -25,14 +25,14 @@ class ModelConfig:
     only the matrix products' outputs and the dropout masks, the rest (norms, activations,
     softmax, the masks' application) recomputed in the backward pass
     (`jax.checkpoint_policies.dots_saveable` and the masks by name, `gpt.REMAT_POLICY`); `none`:
-    everything the backward pass reads; `auto` (default): `dots` in the deterministic mode,
-    `none` otherwise (`Config.model_in_force`). The same arithmetic either way, recomputed
-    rather than read (gradients equal to 1e-5: tests/test_gradients.py; the bits may differ,
-    so runs compared bitwise use one setting, as every run of one config does). On the 3.3M
-    model's device program on fake CPU devices `dots` took the deterministic step from 322 to
-    272 ms and the other mode's from 244 to 252 ms (experiments/RESULTS.md, "Recomputing the
-    layer loop's elementwise work"); keeping the masks too, from 375 to 352 ms, and at 25.5M
-    from 2430 to 2327 ms (the same file, "The dropout masks kept")."""
+    everything the backward pass reads; `auto` (default): `dots` (`Config.model_in_force`).
+    The same arithmetic either way, recomputed rather than read (gradients equal to 1e-5:
+    tests/test_gradients.py; the bits may differ, so runs compared bitwise use one setting, as
+    every run of one config does). Device programs on 8 fake CPU devices, ms per step, `dots`
+    against `none`: the deterministic mode 352 against 428 at 3.3M and 2327 against 2504 at
+    25.5M, `train.deterministic=false` 348 against 401 and 2000 against 2213 (the plain JAX
+    step 369-393 and 2158-2304; experiments/RESULTS.md, "The dropout masks kept"). Before the
+    masks were kept, `dots` made the other mode slower, and `auto` was `none` there."""
 
     type: str = "gpt"
     vocab_size: int = 256
@@ -619,11 +619,10 @@ class Config:
 
     @property
     def model_in_force(self) -> ModelConfig:
-        """The model section with `remat: auto` resolved: `dots` in the deterministic mode in
-        force, `none` otherwise (see `ModelConfig.remat`)."""
+        """The model section with `remat: auto` resolved: `dots` (see `ModelConfig.remat`)."""
         if self.model.remat != "auto":
             return self.model
-        return dataclasses.replace(self.model, remat="dots" if self.deterministic else "none")
+        return dataclasses.replace(self.model, remat="dots")
 
     def replace(self, **sections: Any) -> "Config":
         return dataclasses.replace(self, **sections)
