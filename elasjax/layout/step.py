@@ -350,10 +350,10 @@ def _pipelined_grad_fn(cfg: Config, mesh: Mesh, layout: StateLayout):
     return grad_fn
 
 
-def _apply_apart(tx, grads, opt_state, params, step, scale=None):
+def _apply_apart(tx, grads, opt_state, params, step, scale):
     """`tx`'s update applied to ZeRO storage in kernels of their own, for deterministic mode,
     the gradient first multiplied by `scale` (a scalar: the normaliser's inverse and the
-    clipping's factor, `make_train_step`) where given.
+    clipping's factor, `make_train_step`).
 
     On storage, each device's optimizer arrays change length and provenance with the replica
     count, and XLA fuses the storage conversion into the optimizer's kernels. XLA:CPU contracts
@@ -371,8 +371,7 @@ def _apply_apart(tx, grads, opt_state, params, step, scale=None):
 
     def update(args):
         g, o, p, scale = args
-        if scale is not None:
-            g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
+        g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
         updates, o = tx.update(g, o, p)
         return optax.apply_updates(p, updates), o
 
