@@ -160,7 +160,7 @@ OLD_NAMES = {
 # plain loop that donates its state (`donate_argnums`, what a JAX user writes) and the same loop
 # without donation, per round, where both ran: on XLA:CPU donation can make the step slower (its
 # in-place updates add copies), and elasjax's default loop on the CPU backend does not donate
-# (`SnapshotPool.thread_helps`). The headline: elasjax's loops against the plain JAX loops;
+# (`SnapshotPool.fusion_helps`). The headline: elasjax's loops against the plain JAX loops;
 # then the same against elasjax's gradient function in a plain loop, and that against plain JAX
 # (the gradient function's own cost).
 RATIOS = [

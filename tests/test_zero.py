@@ -291,10 +291,12 @@ def test_corrupted_snapshot_is_refused_and_the_next_rung_used():
 
 
 @pytest.mark.parametrize("buddy,host", [(True, False), (False, True)])
-def test_threaded_pool_copies_into_two_buffer_sets_and_recovers_bitwise(buddy, host):
-    """A threaded pool (the CPU loop's) lands its copies in two buffer sets allocated at
-    `configure`: each take writes the set the filed generation does not hold, an aborted take
-    leaves the filed one intact, and recovery from the copies is bitwise."""
+def test_fused_pool_copies_are_the_programs_own_buffers_and_recover_bitwise(buddy, host):
+    """A fused pool (the CPU loop's) has its checksums' program make the copies: buffers of
+    their own, apart from the state's, that a later take does not touch; a take files the
+    generation before it unread, and a simulated failure's request for the device buffers reads
+    it; an aborted take leaves the filed copies as they were; the holder's failure spares them
+    (they stand for memory off the holder) and recovery from them is bitwise."""
     from elasjax.runtime.inprocess import InProcessRuntime
 
     cfg, f = _setup(1, "interleaved", buddy=buddy, host=host)
@@ -303,21 +305,35 @@ def test_threaded_pool_copies_into_two_buffer_sets_and_recovers_bitwise(buddy, h
     state = _bump(jax.jit(lay.init_fn, out_shardings=lay.shardings(mesh))())
     rt = InProcessRuntime(topology=TOPO)
     try:
-        pool = SnapshotPool(cfg.snapshot, TOPO, rt, donated=False, threaded=True)
+        assert SnapshotPool.fusion_helps(rt)
+        pool = SnapshotPool(cfg.snapshot, TOPO, rt, donated=False, fused=True)
         pool.configure(state, lay.shardings(mesh), mesh, set(TOPO.device_ids))
-        sets = [{id(b) for b in bufs.values()} for bufs in pool._landing]
-        assert sets[0] and not sets[0] & sets[1]
+        assert pool.records and pool.bytes_per_step
         states = [state, _bump(state), _bump(_bump(state))]
-        seen = []
-        for version, st_ in enumerate(states):
-            pool.take(st_, version)
-            pool.complete()
-            held = {id(r.buddy_data if buddy else r.host_data) for r in pool.records}
-            seen.append(next(i for i, s_ in enumerate(sets) if held <= s_))
-        assert seen == [0, 1, 0]  # alternating, never a fresh buffer
-        filed = [np.array(r.buddy_data if buddy else r.host_data) for r in pool.records]
-        pool.take(_bump(states[-1]), 3)  # its step fails
-        pool.abort(3)
+        # the loop's next take files a generation without reading it; a simulated failure asks
+        # for the device buffers first, which reads the filed checksums and the pending
+        # generation's from their holders, before any of them fails
+        pool.take(states[0], 0)
+        pool.take(states[1], 1)
+        assert all(r.step == 0 and r.checksum is None for r in pool.records)
+        pool.device_buffers()
+        assert all(r.step == 0 and r.checksum is not None for r in pool.records)
+        assert pool._pending.version == 1 and pool._pending.rows
+        pool.complete()
+        pool.take(states[2], 2)
+        pool.complete()
+        leaves = jax.tree.leaves(states[-1])
+        held = {s.data.unsafe_buffer_pointer() for x in leaves for s in x.addressable_shards}
+        copies = [r.buddy_data if buddy else r.host_data for r in pool.records]
+        assert all(isinstance(c, np.ndarray) for c in copies)
+        assert not {c.ctypes.data for c in copies} & held  # not views of the state
+        for c, r in zip(copies, pool.records):  # each the holder's block of the last state
+            block = next(s.data for s in leaves[r.leaf].addressable_shards
+                         if s.device.id == r.holder)
+            assert np.array_equal(c, np.asarray(block))
+        filed = [np.array(c) for c in copies]
+        pool.take(_bump(states[-1]), 3)
+        pool.abort(3)  # its step fails
         assert all(
             np.array_equal(a, r.buddy_data if buddy else r.host_data)
             for a, r in zip(filed, pool.records)

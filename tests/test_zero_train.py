@@ -82,15 +82,15 @@ def test_flipped_byte_in_the_newest_snapshot_is_refused_and_the_next_rung_used(
 ):
     """One byte of the newest buddy copy of a partition of the failing device is flipped: the
     copy fails its checksum, the refusal is in the recovery event, and the host copy (the next
-    rung) restores it. The loop's pool is threaded here (CPU): its copies have landed in host
-    buffers before a failure is injected, so no other copy is refused."""
+    rung) restores it. The loop's pool is fused here (CPU): its copies are its checksums'
+    program's own buffers, which the failure spares, so no other copy is refused."""
     from elasjax.transfer.snapshot import SnapshotPool
 
     sources, flipped = SnapshotPool.sources, []
 
     def flip_then_sources(pool, dead, dead_hosts, version):
         pool.complete()  # the newest generation, filed
-        assert pool.threaded
+        assert pool.fused
         rec = next(r for r in pool.records if r.holder in dead and r.buddy_data is not None
                    and r.step == version)
         bad = np.array(rec.buddy_data, copy=True)
@@ -174,13 +174,13 @@ def test_a_device_that_changes_tensor_rank_keeps_nothing_in_place(exe_cache):
 def test_host_copies_taken_on_the_training_thread_keep_the_shardings_whole(exe_cache, reference,
                                                                           monkeypatch):
     """The accelerator's path, run on the CPU: the step donates its state and the host copies are
-    started on the training thread (`SnapshotPool.thread_helps` false). Every array's device set
+    started on the training thread (`SnapshotPool.fusion_helps` false). Every array's device set
     stays whole (a `.pop()` on `devices()`, the sharding's cached set, once emptied it for every
     array on the mesh and stopped the first snapshot), and a device failure recovers from the
     host copies, matching the fault-free run."""
     from elasjax.transfer.snapshot import SnapshotPool
 
-    monkeypatch.setattr(SnapshotPool, "thread_helps", staticmethod(lambda rt: False))
+    monkeypatch.setattr(SnapshotPool, "fusion_helps", staticmethod(lambda rt: False))
     cfg = tiny_config(*COMMON, "zero.stage=1", "snapshot.buddy=false", "snapshot.host=true",
                       "faults=[{at_step: 3, devices: [3]}]")
     run = trainer.run(cfg, exe_cache=exe_cache)

@@ -554,7 +554,6 @@ class _InProcessPlacement:
 
     me = 0
     host_copies_off_host = False
-    snapshot_jobs = None
 
     @staticmethod
     def process_of(device) -> int:

@@ -105,18 +105,18 @@ def enable_compilation_cache(path: str) -> None:
 
 
 def donation(cfg: Config, rt) -> tuple[bool, bool]:
-    """(does the train step donate its input state, are snapshots taken on the runtime's
-    snapshot thread). Executables loaded from serialized form (`standby.rebind`, the persistent
+    """(does the train step donate its input state, do the snapshots' checksums make their
+    copies too). Executables loaded from serialized form (`standby.rebind`, the persistent
     compilation cache) never donate: a train step deserialized onto XLA:CPU that donates
     deadlocks its in-process collective rendezvous within a few steps ("only 6 of 7 arrived"),
     while the same program without donation runs on (experiments/probe_loaded_donation.py
-    reproduces both). Snapshots taken beside the next step (`SnapshotPool.thread_helps`: the
-    CPU backend) read the state while that step runs: the step must not donate it either.
-    Donation only saves memory; the values are the same."""
+    reproduces both). Snapshots copied by their checksums' program (`SnapshotPool.fusion_helps`:
+    one process on the CPU backend) read the state in a program queued before the next step:
+    that step must not donate it either. Donation only saves memory; the values are the same."""
     snap = cfg.snapshot.resolved(rt.topology.n_hosts, len(rt.topology.device_ids))
-    threaded = bool((snap.buddy or snap.host) and SnapshotPool.thread_helps(rt))
-    donate = rt.donate and not (cfg.standby.rebind or cfg.standby.cache_dir or threaded)
-    return donate, threaded
+    fused = bool((snap.buddy or snap.host) and SnapshotPool.fusion_helps(rt))
+    donate = rt.donate and not (cfg.standby.rebind or cfg.standby.cache_dir or fused)
+    return donate, fused
 
 
 class Trainer:
@@ -168,7 +168,7 @@ class Trainer:
             check_elementwise(self.factory, self.initial)
         self.data = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
-        self.donate, self._threaded_snapshots = donation(cfg, self.rt)
+        self.donate, self._fused_snapshots = donation(cfg, self.rt)
         check_coverable(cfg.snapshot, self.topo)
         self.ckpt = (Checkpointer(cfg.checkpoint, self.rt.processes())
                      if cfg.checkpoint.dir is not None else None)
@@ -193,7 +193,8 @@ class Trainer:
                     if self.rt.shares_compiles and cfg.standby.share_compiles else None),
             # the snapshot checksums of each standby plan's pool, compiled with it
             prepare=lambda exe: prepare_checksums(cfg.snapshot, self.topo, exe.layout.abstract,
-                                                  exe.state_shardings, exe.mesh),
+                                                  exe.state_shardings, exe.mesh,
+                                                  fused=self._fused_snapshots),
         )
         self.contingencies = Contingencies(cfg, self.topo, self.initial,
                                            device_failures=self.rt.device_failures,
@@ -238,7 +239,7 @@ class Trainer:
     def _new_pool(self) -> SnapshotPool:
         """An empty snapshot pool (`SnapshotPool.configure` chooses its snapshots on a plan)."""
         return SnapshotPool(self.cfg.snapshot, self.topo, self.rt, donated=self.donate,
-                            threaded=self._threaded_snapshots)
+                            fused=self._fused_snapshots)
 
     # -- the loop -------------------------------------------------------------------------------
 

@@ -18,7 +18,6 @@ The interface both implement, with the capabilities each declares, is `base.Runt
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -163,16 +162,6 @@ class InProcessRuntime:
         self.live: set[int] = set(self.devices)
         self.threads = CopyThreads()
         self._survivors: dict[int, tuple] = {}  # id(tree) -> (tree, what `inject` left of it)
-        self._snapshot_jobs: concurrent.futures.ThreadPoolExecutor | None = None
-
-    @property
-    def snapshot_jobs(self) -> concurrent.futures.ThreadPoolExecutor:
-        """The thread that takes the snapshot pool's copies while the next step runs
-        (`SnapshotPool.take`, `SnapshotPool.thread_helps`): on the CPU backend copies made on
-        the training thread would hold back the next step's dispatch."""
-        if self._snapshot_jobs is None:
-            self._snapshot_jobs = concurrent.futures.ThreadPoolExecutor(1, "elasjax-snapshot")
-        return self._snapshot_jobs
 
     def process_of(self, device) -> int:
         return 0
@@ -263,6 +252,3 @@ class InProcessRuntime:
 
     def close(self) -> None:
         self.threads.close()
-        if self._snapshot_jobs is not None:
-            self._snapshot_jobs.shutdown(wait=True)
-            self._snapshot_jobs = None

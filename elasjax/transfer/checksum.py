@@ -463,20 +463,26 @@ def _specs(state_shardings) -> list:
     return [s.spec for s in jax.tree.leaves(state_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
 
 
-def _leaf_checksums(mesh: Mesh, specs: tuple):
+def _leaf_checksums(mesh: Mesh, specs: tuple, copies: tuple[int, ...] = ()):
     """shard_map: the listed leaves (laid out by `specs`) -> uint32[*mesh.shape, n, 2], each
     device's checksum of its own block of each leaf (block-local element order, as
     `np_leaf_checksum`). Any mesh: the trainer's (data, stage, tensor) or a user's own
-    axes."""
+    axes. With `copies` (one count per leaf), followed by that many copies of each leaf, laid
+    out as it: new buffers that XLA's copies fill on each device (`SnapshotPool`'s fused
+    copies)."""
     ndim = len(mesh.axis_names)
+    copies = tuple(copies) or (0,) * len(specs)
 
     def local(*blocks):
-        return leaf_checksums(blocks)[(None,) * ndim]
+        sums = leaf_checksums(blocks)[(None,) * ndim]
+        if not any(copies):
+            return sums
+        return (sums, *(b for b, k in zip(blocks, copies) for _ in range(k)))
 
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(*mesh.axis_names),
-        check_vma=False,
-    )
+    out_specs = PartitionSpec(*mesh.axis_names)
+    if any(copies):
+        out_specs = (out_specs, *(sp for sp, k in zip(specs, copies) for _ in range(k)))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
 
 
 # `shard_checksums`' compiled functions, by what they depend on: a recovery's new pool finds the
@@ -502,13 +508,17 @@ def _keep(key, entry) -> None:
             _COMPILED.popitem(last=False)
 
 
-def shard_checksums(state_shardings, mesh: Mesh, leaf_ids: list[int], abstract) -> Any:
-    """The on-device checksums of the listed leaves (`_leaf_checksums`), compiled ahead for
-    leaves of `abstract`'s shapes and dtypes laid out by `state_shardings`; kept (the latest
-    `COMPILED_KEPT`) by mesh, layouts and shapes."""
+def shard_checksums(state_shardings, mesh: Mesh, leaf_ids: list[int], abstract,
+                    copies: tuple[int, ...] = ()) -> Any:
+    """The on-device checksums of the listed leaves (`_leaf_checksums`), and with `copies` (a
+    count per leaf) that many copies of each, compiled ahead for leaves of `abstract`'s shapes
+    and dtypes laid out by `state_shardings`; kept (the latest `COMPILED_KEPT`) by mesh,
+    layouts, shapes and copies."""
     specs = _specs(state_shardings)
     avals = jax.tree.leaves(abstract)
-    key = (mesh, tuple((specs[i], tuple(avals[i].shape), str(avals[i].dtype)) for i in leaf_ids))
+    copies = tuple(copies) if any(copies) else ()
+    key = (mesh, tuple((specs[i], tuple(avals[i].shape), str(avals[i].dtype)) for i in leaf_ids),
+           copies)
     with _COMPILED_LOCK:
         entry = _COMPILED.get(key)
         if entry is not None:
@@ -519,7 +529,8 @@ def shard_checksums(state_shardings, mesh: Mesh, leaf_ids: list[int], abstract) 
         for i in leaf_ids
     ]
     with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
-        fn = jax.jit(_leaf_checksums(mesh, tuple(specs[i] for i in leaf_ids))).lower(*args).compile()
+        fn = jax.jit(_leaf_checksums(mesh, tuple(specs[i] for i in leaf_ids), copies)).lower(
+            *args).compile()
     # one that JAX's persistent cache loaded cannot be serialized again: never rebound (False)
     _keep(key, (fn, False if cached.count else None, tuple(d.id for d in mesh.devices.flat)))
     return fn
@@ -534,8 +545,8 @@ def rebind_checksums(old: Mesh, new: Mesh, load) -> int:
     with _COMPILED_LOCK:
         kept = [(k, e) for k, e in _COMPILED.items() if k[0] == old and e[1] is not False]
     put = 0
-    for (_, entries), (fn, source, ids) in kept:
-        key = (new, entries)
+    for (_, *rest), (fn, source, ids) in kept:
+        key = (new, *rest)
         with _COMPILED_LOCK:
             if key in _COMPILED:
                 continue

@@ -17,7 +17,9 @@ copies each unique shard
 
 together with the step id and a per-shard checksum computed on device by the holder. The copies
 travel through the runtime (`Runtime.move`): `jax.device_put` in one process, a point-to-point
-pull between processes.
+pull between processes. In one process on the CPU backend (`fused`) the checksums' program makes
+the copies itself, queued right behind the step, and the generation is read (checksum rows to
+the host, copies as host arrays) only when a recovery or a simulated failure needs it.
 
 On a failure `sources` hands the transition verified copies of the dead holders' shards: a copy
 whose step id differs from the state version being restored, or whose checksum does not match,
@@ -40,6 +42,7 @@ from jax.sharding import Mesh
 from ..config import ConfigError, HardwareConfig, SnapshotConfig
 from ..core.sharding import path_str
 from ..plan.planner import Topology
+from ..runtime.faults import IN_PROCESS
 from . import checksum, copies
 from .shards import Box, Shard, box_size, described, index_to_box
 
@@ -76,9 +79,10 @@ class _Generation:
     # record index -> a host copy taken from the holder beside its buddy copy (`_take`)
     landed_host: dict = dataclasses.field(default_factory=dict)
     moved_sums: dict = dataclasses.field(default_factory=dict)  # (holder, via) -> checksums
-    # record index -> its checksum row on the host, read ahead by a threaded take (`_rows`)
-    rows: dict | None = None
-    buffer_set: int | None = None  # which of a threaded pool's landing buffer sets it wrote
+    # leaf -> the copies of it made by a fused pool's program, one per buddy copy (outside
+    # `in_flight`: they stand for memory off the holders, so a holder's failure spares them)
+    copied: dict = dataclasses.field(default_factory=dict)
+    rows: dict | None = None  # record index -> its checksum row, once read (`_rows`)
 
 
 def check_coverable(cfg: SnapshotConfig, topo: Topology) -> None:
@@ -107,8 +111,17 @@ def _unique_shards(x, topo: Topology) -> list[tuple[Box, int]]:
     ]
 
 
+def copy_counts(resolved: SnapshotConfig, abstract, leaf_ids: list[int]) -> tuple[int, ...]:
+    """How many copies of each of `leaf_ids` a fused pool's program makes (`SnapshotPool`,
+    `fused`): one per buddy copy (`snapshot.copies`), one where only host copies are taken,
+    none for PRNG keys (moved through the runtime). `resolved`: `SnapshotConfig.resolved`."""
+    leaves = jax.tree.leaves(abstract)
+    k = resolved.copies if resolved.buddy else 1
+    return tuple(k if isinstance(leaves[li].dtype, np.dtype) else 0 for li in leaf_ids)
+
+
 def prepare_checksums(cfg: SnapshotConfig, topo: Topology, abstract, state_shardings,
-                      mesh: Mesh) -> None:
+                      mesh: Mesh, fused: bool = False) -> None:
     """Compile ahead the checksums that the snapshots of `cfg` (as given) would take on a plan
     (`abstract`: its state's shapes and dtypes; `state_shardings`, `mesh`: its layout): the
     standby calls it for each plan it builds, so that a recovery's first snapshot does not
@@ -123,7 +136,8 @@ def prepare_checksums(cfg: SnapshotConfig, topo: Topology, abstract, state_shard
     )
     leaf_ids = [li for li, x in enumerate(jax.tree.leaves(placed)) if _unique_shards(x, topo)]
     if leaf_ids:
-        checksum.shard_checksums(state_shardings, mesh, leaf_ids, abstract)
+        checksum.shard_checksums(state_shardings, mesh, leaf_ids, abstract,
+                                 copy_counts(resolved, abstract, leaf_ids) if fused else ())
 
 
 def _mb(n: int) -> str:
@@ -137,19 +151,19 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
     (`null` fields are decided from the topology: `SnapshotConfig.resolved`)."""
 
     def __init__(self, cfg: SnapshotConfig, topo: Topology, runtime, *, donated: bool = True,
-                 threaded: bool = False):
+                 fused: bool = False):
         """`donated`: the step that follows a snapshot donates the state it reads (its buffers
         are then overwritten): a host copy still under way must read a copy of them.
-        `threaded`: take the snapshots on the runtime's snapshot thread (`thread_helps`), beside
-        the next step, which then must not donate the state they read."""
+        `fused`: the copies are made by the checksums' program itself (`fusion_helps`), which
+        the next step must not donate the state of."""
         check_coverable(cfg, topo)
-        if threaded and donated:
-            raise ValueError("SnapshotPool: threaded=True takes snapshots while the next step "
-                             "runs, which must not donate the state they read: pass donated=False")
-        if threaded and getattr(runtime, "snapshot_jobs", None) is None:
-            raise ValueError(f"SnapshotPool: threaded=True needs a runtime with a snapshot thread "
-                             f"(InProcessRuntime), not {type(runtime).__name__}")
-        self.given, self.donated, self.threaded = cfg, donated, threaded
+        if fused and donated:
+            raise ValueError("SnapshotPool: fused=True copies the state in a program queued "
+                             "before the next step, which must not donate it: pass donated=False")
+        if fused and not self.fusion_helps(runtime):
+            raise ValueError("SnapshotPool: fused=True needs one process on the CPU backend with "
+                             "synchronous dispatch (`fusion_helps`)")
+        self.given, self.donated, self.fused = cfg, donated, fused
         self.cfg = cfg.resolved(topo.n_hosts, len(topo.device_ids))
         self.topo, self.rt = topo, runtime
         self.unprotected: list[str] = []  # unique shards left uncovered (opted out), described
@@ -157,23 +171,23 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         self.refusals: list[str] = []
         self._fn = None
         self._pending: _Generation | None = None
-        self._taking = None  # a `take` under way on the runtime's snapshot thread (a Future)
-        # a threaded pool's landing buffers: two sets (record index -> host buffer), one filed,
-        # one written by the take under way (`_landing_buffers`)
-        self._landing: tuple[dict, dict] | None = None
-        self._filed_set = 1
+        self._unread: _Generation | None = None  # filed, not yet read (`_file`)
+        self._copied: dict[int, list[int]] = {}  # a fused pool's: leaf -> its copies' outputs
         self.bytes_per_step = 0
 
     @staticmethod
-    def thread_helps(runtime) -> bool:
-        """Would snapshots taken on `runtime`'s snapshot thread run beside the next step? On the
-        CPU backend with elasjax's synchronous dispatch (`elasjax/__init__.py`): there a host copy
-        is a memcpy by the calling thread and a call waits for the execution before it
-        (`metrics.StepClock`), so copies made on the training thread hold back the next step's
-        dispatch. Elsewhere `take` only queues the copies behind the step, on the training
-        thread."""
+    def fusion_helps(runtime) -> bool:
+        """Should the checksums' program make the copies too (`fused`)? In one process on the
+        CPU backend with elasjax's synchronous dispatch (`runtime.dispatch`), where a device's
+        memory is this process's: there a program's output buffer is host memory, so the copy
+        its device threads write, queued right behind the step, stands for the buddy's (or the
+        host's) memory. A memcpy by a Python thread instead either runs beside the next step
+        (whose collectives over 8 fake devices on a few cores it slows by more than it costs
+        alone) or holds back its dispatch (experiments/RESULTS.md, "The snapshot's copies made
+        by its checksums' program and read only when needed"). Elsewhere the copies travel
+        through the runtime (`Runtime.move`)."""
         return (
-            getattr(runtime, "snapshot_jobs", None) is not None
+            getattr(runtime, "kind", None) == IN_PROCESS
             and jax.default_backend() == "cpu"
             and not jax.config.read("jax_cpu_enable_async_dispatch")
         )
@@ -188,19 +202,20 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
     def configure(self, state, state_shardings, mesh: Mesh, live: set[int]) -> None:
         """Choose what to snapshot on this plan and where (buddies on other hosts, balanced).
         Every process makes the same choice (from the shardings alone)."""
-        self._settle()
         self._fn = None
-        self._pending = None
-        self._landing = None
-        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        self._pending = self._unread = None
+        self._copied = {}
         leaf_ids = self.place(state, live)
         if leaf_ids:
             self._leaf_ids = leaf_ids
             self._pos_in = {li: i for i, li in enumerate(leaf_ids)}
-            self._fn = checksum.shard_checksums(state_shardings, mesh, leaf_ids, state)
+            counts = copy_counts(self.cfg, state, leaf_ids) if self.fused else ()
+            self._fn = checksum.shard_checksums(state_shardings, mesh, leaf_ids, state, counts)
+            at = 1  # a leaf's copies among the program's outputs, after the checksums
+            for li, k in zip(leaf_ids, counts):
+                self._copied[li], at = list(range(at, at + k)), at + k
+            self._copied = {li: outs for li, outs in self._copied.items() if outs}
             self._mesh_ndim = len(mesh.axis_names)
-            if self.threaded:
-                self._landing = self._landing_buffers([x for _, x in flat])
 
     def place(self, state, live: set[int]) -> list[int]:
         """The records of a plan's snapshots (`self.records`: which shard goes where), from the
@@ -299,25 +314,6 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         return (f"snapshots: {shards} unique shards, {_mb(self.bytes_per_step)} per step: "
                 + "; ".join(parts))
 
-    def _landing_buffers(self, leaves: list) -> tuple[dict, dict]:
-        """Two sets of host buffers, allocated once per plan, for a threaded pool's copies:
-        each `take` copies into the set the filed generation does not hold, so no snapshot
-        allocates. Allocating per step on the snapshot thread left glibc holding freed memory
-        in that thread's malloc arenas: 4614 MB peak RSS at 25.5M parameters against 3427 MB
-        without snapshots (experiments/RESULTS.md, 'Where the snapshots' resident memory
-        goes'). A threaded pool runs on the CPU backend in one process (`thread_helps`), where
-        a device's memory is this process's memory: the buffer of a buddy copy stands for the
-        buddy device's (`sources` offers it only while that device lives)."""
-        sets: tuple[dict, dict] = ({}, {})
-        for i, r in enumerate(self.records):
-            dtype = leaves[r.leaf].dtype
-            if not (self._local(r.via) and isinstance(dtype, np.dtype)):
-                continue  # copies for other processes, PRNG keys: `rt.move` as before
-            shape = tuple(b - a for a, b in r.box)
-            for bufs in sets:
-                bufs[i] = np.empty(shape, dtype)
-        return sets
-
     def risk(self) -> str | None:
         """What an opted-out pool leaves exposed on this plan, or None."""
         if not self.unprotected:
@@ -357,43 +353,34 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         pool's until `complete` files this one (at the next step boundary), and `abort` drops it
         if its step fails. Collective under the multi-controller runtime.
 
-        A `threaded` pool makes the checksums and copies on the runtime's snapshot thread while
-        the training thread goes on to the next step; whatever reads the pool (`complete`, `abort`, `sources`, `device_buffers`) waits
-        for them first. The state's buffers stay valid meanwhile: the loop keeps the state, and
-        its next step does not donate it (`__init__`)."""
+        A `fused` pool's copies are outputs of the checksums' program, queued behind the step
+        that produced `state`: nothing waits for them here, and the next take files them
+        unread (`_file`)."""
         if not self.records:
             return
-        self.complete()
-        if self.threaded:
-            self._taking = self.rt.snapshot_jobs.submit(self._take, state, version)
-        else:
-            self._pending = self._take(state, version)
-
-    def _settle(self) -> None:
-        """Wait for a `take` under way on the snapshot thread; its generation is then pending."""
-        taking, self._taking = self._taking, None
-        if taking is not None:
-            self._pending = taking.result()
+        self._file()
+        self._pending = self._take(state, version)
 
     def _take(self, state, version: int) -> _Generation:
         leaves = jax.tree.leaves(state)
+        out = self._fn(*[leaves[li] for li in self._leaf_ids])
+        if self.fused:  # the copies' blocks are picked out when read (`_fill`)
+            gen = _Generation(version, out[0])
+            gen.copied = {li: [out[o] for o in outs] for li, outs in self._copied.items()}
+            if len(gen.copied) == len(self._leaf_ids):
+                return gen
+        else:
+            gen = _Generation(version, out)
+        sums = gen.sums
         held = {
             (li, s.device.id): s.data
             for li in {r.leaf for r in self.records}
             for s in leaves[li].addressable_shards
         }
-        sums = self._fn(*[leaves[li] for li in self._leaf_ids])
         sums_of = {s.device.id: s.data for s in sums.addressable_shards}
-        gen = _Generation(version, sums)
         moves, targets = [], []
-        landing = None
-        if self._landing is not None:
-            gen.buffer_set = 1 - self._filed_set
-            landing = self._landing[gen.buffer_set]
         for i, r in enumerate(self.records):
-            if landing is not None and i in landing:  # a memcpy into this plan's buffers
-                np.copyto(landing[i], copies.host_view(held[(r.leaf, r.holder)]))
-                gen.landed[i] = landing[i]
+            if r.leaf in gen.copied:  # made by the program, on this process (`fusion_helps`)
                 continue
             if r.via == r.holder:
                 if self._local(r.holder):  # host copy on the holder's host
@@ -423,8 +410,6 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
                 gen.landed[t] = x
             else:
                 gen.moved_sums[t] = x
-        if self.threaded:  # read here, beside the step, rather than when the step is done
-            gen.rows = self._rows(gen)
         return gen
 
     def _to_host(self, x: jax.Array):
@@ -461,19 +446,46 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
 
     def abort(self, version: int) -> None:
         """Drop the pending generation of `version` (its step failed): the filed one stays."""
-        self._settle()
         if self._pending is not None and self._pending.version == version:
             self._pending = None
 
     def complete(self) -> None:
         """File the pending generation: its copies and their checksums become the pool's."""
-        self._settle()
+        self._file()
+        self._read()
+
+    def _file(self) -> None:
+        """`complete`, but a fused pool's generation is read (its checksum rows to the host,
+        its copies as host arrays) only when something needs it (`_read`): on XLA:CPU a read
+        at every step boundary waits for that step's program, beside which the snapshot's ran,
+        and the loop then ran 1.13x slower at 25.5M parameters (experiments/RESULTS.md, "The
+        snapshot's copies made by its checksums' program and read only when needed")."""
         gen, self._pending = self._pending, None
         if gen is None:
             return
-        if gen.buffer_set is not None:
-            self._filed_set = gen.buffer_set
+        if self.fused:
+            self._unread = gen
+            for r in self.records:
+                r.step, r.checksum, r.lost = gen.version, None, {}
+                r.buddy_data = r.host_data = None
+            return
+        self._fill(gen)
+
+    def _read(self) -> None:
+        """Read the filed generation that `_file` left unread."""
+        gen, self._unread = self._unread, None
+        if gen is not None:
+            self._fill(gen)
+
+    def _fill(self, gen: _Generation) -> None:
+        """Make `gen`'s copies and checksums the records'."""
         rows = gen.rows if gen.rows is not None else self._rows(gen)
+        made = {  # (leaf, copy, holder) -> the holder's block of a fused program's copy
+            (li, c, s.device.id): s.data
+            for li, outs in gen.copied.items()
+            for c, x in enumerate(outs)
+            for s in x.addressable_shards
+        }
         for i, r in enumerate(self.records):
             r.step, r.checksum = gen.version, None
             r.buddy_data = r.host_data = None
@@ -481,7 +493,9 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             if i not in rows:
                 continue  # neither the holder nor a copy of it lives here
             r.checksum = rows[i]
-            landed = self._arrived(gen.landed.get(i), r, gen.version)
+            # a fused copy as a host array: a view of the program's output, no second copy
+            landed = (copies.host_view(made[(r.leaf, r.copy, r.holder)]) if r.leaf in gen.copied
+                      else self._arrived(gen.landed.get(i), r, gen.version))
             if r.buddy is not None:
                 r.buddy_data = landed
             if r.host is not None:
@@ -570,25 +584,29 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
 
     def in_flight(self) -> list:
         """The copies (and checksums) of the pending generation landing on this process."""
-        self._settle()
         gen = self._pending
         if gen is None:
             return []
         return [x for x in (*gen.landed.values(), *gen.moved_sums.values()) if isinstance(x, jax.Array)]
 
     def device_buffers(self) -> list:
-        """The device copies this process holds (a failure of their device deletes them)."""
+        """The device copies this process holds (a failure of their device deletes them). A
+        simulated failure asks for them first, so the checksums a fused pool has not read yet
+        are read here, from their holders, before any of them fails."""
+        self._read()
+        gen = self._pending
+        if gen is not None and self.fused and gen.rows is None:
+            gen.rows = self._rows(gen)
         out = [r.buddy_data for r in self.records if isinstance(r.buddy_data, jax.Array)]
         return out + self.in_flight()
 
     def fresh(self) -> SnapshotPool:
         """An empty pool of the same kind (for a new plan; this one stays until it is replaced)."""
         pool = SnapshotPool(self.given, self.topo, self.rt, donated=self.donated,
-                            threaded=self.threaded)
+                            fused=self.fused)
         pool.refusals = self.refusals
         return pool
 
     def drop(self) -> None:
-        self._settle()
         self.records = []
-        self._pending = None
+        self._pending = self._unread = None
