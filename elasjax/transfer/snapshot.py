@@ -42,7 +42,6 @@ from jax.sharding import Mesh
 from ..config import ConfigError, HardwareConfig, SnapshotConfig
 from ..core.sharding import path_str
 from ..plan.planner import Topology
-from ..runtime.faults import IN_PROCESS
 from . import checksum, copies
 from .shards import Box, Shard, box_size, described, index_to_box
 
@@ -187,7 +186,8 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         by its checksums' program and read only when needed"). Elsewhere the copies travel
         through the runtime (`Runtime.move`)."""
         return (
-            getattr(runtime, "kind", None) == IN_PROCESS
+            # one process holding every device: its hosts' memory does not die with them
+            getattr(runtime, "host_copies_off_host", True) is False
             and jax.default_backend() == "cpu"
             and not jax.config.read("jax_cpu_enable_async_dispatch")
         )
