@@ -213,8 +213,8 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             self._fn = checksum.shard_checksums(state_shardings, mesh, leaf_ids, state, counts)
             at = 1  # a leaf's copies among the program's outputs, after the checksums
             for li, k in zip(leaf_ids, counts):
-                self._copied[li], at = list(range(at, at + k)), at + k
-            self._copied = {li: outs for li, outs in self._copied.items() if outs}
+                if k:
+                    self._copied[li], at = list(range(at, at + k)), at + k
             self._mesh_ndim = len(mesh.axis_names)
 
     def place(self, state, live: set[int]) -> list[int]:
