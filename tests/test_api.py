@@ -278,6 +278,27 @@ def test_key_int64_and_bf16_leaves_survive_a_zero1_recovery_bitwise():
         assert es.state["params"]["w1"].dtype == jnp.bfloat16
 
 
+def test_commit_hashes_each_block_where_it_lies_on_every_mesh():
+    """`commit`'s checksums gather nothing (each device hashes its own block; a plain `jit` of
+    the leaf checksums gathered every sharded leaf: experiments/RESULTS.md, "ElasticState.
+    commit's checksums") and equal the layout-free `state_checksums`, before a recovery and on
+    the mesh after it."""
+    with jax.enable_x64(True):
+        tx = optax.adam(1e-2)
+        state = _mixed_state(tx)
+        mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1, "model": 2})
+        es = elasjax.ElasticState(state, lambda m: _layout(m, state), mesh, devices_per_host=2)
+        for step in range(2):
+            new = jax.jit(_advance, out_shardings=es.shardings())(es.state)
+            es.commit(new, step)
+            hlo = es._commit_sums().as_text()
+            assert "all-gather" not in hlo and "all-reduce" in hlo
+            assert es.committed_checksums() == elasjax.state_checksums(new)
+            if step == 0:
+                es.simulate_failure([2, 3])
+                assert es.recover().to_mesh == {"data": 3, "model": 2}
+
+
 @pytest.mark.parametrize("buddy", [True, False])
 def test_a_host_copy_survives_the_loss_of_the_buddy_it_was_sent_to(buddy):
     """ZeRO-1 over data on data 4 x model 2, two devices per host: device 3 fails, then devices
