@@ -26,6 +26,10 @@ but for the plain JAX loops (random tokens from numpy):
                         Against `plain JAX` it isolates the gradient function's cost from the
                         loop's (before issue 46 these rows were named `plain replicated`, `plain
                         ZeRO-1`, `plain ZeRO-3`; `--modes` still takes those names)
+  plain JAX ZeRO-1 undonated + ElasticState
+                        that loop handing each step's state to `ElasticState.commit` (elasjax's
+                        pieces, `docs/api.md`: the state's checksums and snapshots of its unique
+                        shards, hosts of 2 devices): what the pieces cost a user's own loop
   ... undonated         either plain loop without donating its state (on XLA:CPU donation can
                         make the step slower; elasjax's loop there does not donate when
                         snapshots run beside the step): a ratio's plain reference is the faster
@@ -130,6 +134,8 @@ MODES = {
     "plain JAX replicated undonated": ("user", (0, False)),
     "plain JAX ZeRO-1 undonated": ("user", (1, False)),
     "plain JAX ZeRO-3 undonated": ("user", (3, False)),
+    # the same loop handing each step to `ElasticState.commit` (elasjax's pieces, docs/api.md)
+    "plain JAX ZeRO-1 undonated + ElasticState": ("user", (1, False, True)),
     "elasjax grad + plain loop replicated": ("plain", (0, True)),
     "elasjax grad + plain loop ZeRO-1": ("plain", (1, True)),
     "elasjax grad + plain loop ZeRO-3": ("plain", (3, True)),
@@ -189,6 +195,8 @@ RATIOS = [
     ("elasjax deterministic ZeRO-1", "elasjax deterministic ZeRO-1 without remat"),
     ("elasjax deterministic ZeRO-1 no snapshots", "plain JAX ZeRO-1"),
     ("elasjax deterministic ZeRO-1", "elasjax deterministic ZeRO-1 no snapshots"),
+    # what the pieces cost a user's own loop
+    ("plain JAX ZeRO-1 undonated + ElasticState", "plain JAX ZeRO-1 undonated"),
 ]
 
 
@@ -340,7 +348,8 @@ class Elastic:
 def build(mode: str, size: str, lengths: tuple[int, ...], cache: ExecutableCache):
     kind, arg = MODES[mode]
     if kind == "user":
-        return UserLoop({n: size_config(size, n) for n in lengths}, arg[0], arg[1])
+        return UserLoop({n: size_config(size, n) for n in lengths}, *arg[:2],
+                        elastic=len(arg) > 2 and arg[2])
     if kind == "plain":
         return Plain(size, arg[0], lengths, arg[1])
     return Elastic(size, arg, lengths, cache, sliced=kind == "elasjax sliced")

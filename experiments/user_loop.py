@@ -140,13 +140,17 @@ def make_batch(cfg, step: int) -> dict:
 
 class UserLoop:
     """The loop, compiled once per run length (the learning-rate schedule depends on it):
-    `cfgs` maps a run length to its config. `zero`: 0, 1 or 3; `donate`: donate the state."""
+    `cfgs` maps a run length to its config. `zero`: 0, 1 or 3; `donate`: donate the state;
+    `elastic`: the loop also hands each step's state to elasjax's `ElasticState.commit` (its
+    checksums and snapshots, hosts of 2 devices), as `docs/api.md` tells a user of the pieces
+    to."""
 
-    def __init__(self, cfgs: dict, zero: int = 1, donate: bool = True, mesh: Mesh | None = None):
-        self.runs = {n: self._build(cfg, zero, donate, mesh) for n, cfg in cfgs.items()}
+    def __init__(self, cfgs: dict, zero: int = 1, donate: bool = True, mesh: Mesh | None = None,
+                 elastic: bool = False):
+        self.runs = {n: self._build(cfg, zero, donate, mesh, elastic) for n, cfg in cfgs.items()}
 
     @staticmethod
-    def _build(cfg, zero: int, donate: bool, mesh: Mesh | None) -> dict:
+    def _build(cfg, zero: int, donate: bool, mesh: Mesh | None, elastic: bool = False) -> dict:
         mesh = mesh or make_mesh(cfg.parallel.data, cfg.parallel.tensor)
         tx = make_optimizer(cfg.train)
         state_sh = state_shardings(cfg, mesh, tx, zero)
@@ -159,14 +163,29 @@ class UserLoop:
             donate_argnums=0 if donate else (),
         ).lower(jax.eval_shape(functools.partial(init_state, cfg, tx)),
                 {"inputs": tokens, "targets": tokens}).compile()
+        init = jax.jit(functools.partial(init_state, cfg, tx), out_shardings=state_sh)
+        es = None
+        if elastic:
+            import elasjax  # only here: the rest of this loop uses none of elasjax's code
+
+            es = elasjax.ElasticState(init(), lambda m: state_shardings(cfg, m, tx, zero), mesh,
+                                      devices_per_host=2)
         return {"cfg": cfg, "train": train, "compile_s": time.perf_counter() - t0,
-                "init": jax.jit(functools.partial(init_state, cfg, tx), out_shardings=state_sh),
-                "state_sh": state_sh, "batch_sh": batch_sh}
+                "init": init, "state_sh": state_sh, "batch_sh": batch_sh, "elastic": es}
 
     def wall(self, steps: int) -> float:
         """Seconds for a whole run of `steps` steps (`timed_run`)."""
         r = self.runs[steps]
-        return timed_run(r["init"], r["train"],
+        train, es = r["train"], r["elastic"]
+        if es is not None:
+            done = iter(range(steps))
+
+            def train(state, batch):
+                state, loss = r["train"](state, batch)
+                es.commit(state, next(done))
+                return state, loss
+
+        return timed_run(r["init"], train,
                          lambda s: jax.device_put(make_batch(r["cfg"], s), r["batch_sh"]), steps)
 
     @property

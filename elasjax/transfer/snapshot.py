@@ -18,8 +18,9 @@ copies each unique shard
 together with the step id and a per-shard checksum computed on device by the holder. The copies
 travel through the runtime (`Runtime.move`): `jax.device_put` in one process, a point-to-point
 pull between processes. In one process on the CPU backend (`fused`) the checksums' program makes
-the copies itself, queued right behind the step, and the generation is read (checksum rows to
-the host, copies as host arrays) only when a recovery or a simulated failure needs it.
+the copies itself, queued right behind the step. In one process (fused or not) a generation is
+read (checksum rows to the host, copies as host arrays) only when a recovery or a simulated
+failure needs it.
 
 On a failure `sources` hands the transition verified copies of the dead holders' shards: a copy
 whose step id differs from the state version being restored, or whose checksum does not match,
@@ -191,6 +192,12 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
             and jax.default_backend() == "cpu"
             and not jax.config.read("jax_cpu_enable_async_dispatch")
         )
+
+    @property
+    def _one_process(self) -> bool:
+        """Does this process hold every device (`InProcessRuntime`)? Its generations are then
+        read only when needed, fused or not (`_file`)."""
+        return getattr(self.rt, "host_copies_off_host", True) is False
 
     @property
     def enabled(self) -> bool:
@@ -455,15 +462,18 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         self._read()
 
     def _file(self) -> None:
-        """`complete`, but a fused pool's generation is read (its checksum rows to the host,
-        its copies as host arrays) only when something needs it (`_read`): on XLA:CPU a read
-        at every step boundary waits for that step's program, beside which the snapshot's ran,
-        and the loop then ran 1.13x slower at 25.5M parameters (experiments/RESULTS.md, "The
-        snapshot's copies made by its checksums' program and read only when needed")."""
+        """`complete`, but in one process (`_one_process`) the generation is read (its
+        checksum rows to the host, its copies as host arrays) only when something needs it
+        (`_read`): on XLA:CPU a read at every step boundary waits for that step's program,
+        beside which the snapshot's ran, and the loop then ran 1.13x slower at 25.5M
+        parameters (experiments/RESULTS.md, "The snapshot's copies made by its checksums'
+        program and read only when needed"; `ElasticState`'s pool too: "ElasticState.commit's
+        checksums"). Under the multi-controller runtime the read stays at the boundary (the
+        copies' transfers between processes waited for there; not measured otherwise)."""
         gen, self._pending = self._pending, None
         if gen is None:
             return
-        if self.fused:
+        if self.fused or self._one_process:
             self._unread = gen
             for r in self.records:
                 r.step, r.checksum, r.lost = gen.version, None, {}
