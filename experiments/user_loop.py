@@ -20,6 +20,10 @@ What it deliberately does not have (elasjax's step and loop do): per-sample weig
 normalisers, sharding constraints inside the step, a ZeRO storage layout of its own, a gradient
 norm metric, state checksums, snapshots, failure handling. `bench_scale.py --check` runs this
 step and elasjax's on the same parameters and batches and compares them.
+
+With `elastic=True` (bench_scale's `plain JAX ZeRO-1 undonated + ElasticState`) the same loop
+also hands each step's state to `elasjax.ElasticState.commit`, as a user of elasjax's pieces
+does: that row measures what the pieces cost a loop that is otherwise the user's own.
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ class UserLoop:
             donate_argnums=0 if donate else (),
         ).lower(jax.eval_shape(functools.partial(init_state, cfg, tx)),
                 {"inputs": tokens, "targets": tokens}).compile()
+        compile_s = time.perf_counter() - t0
         init = jax.jit(functools.partial(init_state, cfg, tx), out_shardings=state_sh)
         es = None
         if elastic:
@@ -170,8 +175,8 @@ class UserLoop:
 
             es = elasjax.ElasticState(init(), lambda m: state_shardings(cfg, m, tx, zero), mesh,
                                       devices_per_host=2)
-        return {"cfg": cfg, "train": train, "compile_s": time.perf_counter() - t0,
-                "init": init, "state_sh": state_sh, "batch_sh": batch_sh, "elastic": es}
+        return {"cfg": cfg, "train": train, "compile_s": compile_s, "init": init,
+                "state_sh": state_sh, "batch_sh": batch_sh, "elastic": es}
 
     def wall(self, steps: int) -> float:
         """Seconds for a whole run of `steps` steps (`timed_run`)."""
