@@ -462,7 +462,8 @@ class ElasticState:
             self._lower, max_meshes=None if max_meshes is None else int(max_meshes),
             rebind=rebind, progress=progress,
         )
-        self._exe = self._standby.build_current(self.mesh)[0]
+        # the current mesh's checksums too: `commit` takes them (`_commit_sums`)
+        self._exe, self._sums_fn = self._standby.build_current(self.mesh)
         self._standby.submit(self.likely_meshes())
         first = self._standby.log[-1]
         if wait:

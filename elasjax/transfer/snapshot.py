@@ -111,6 +111,14 @@ def _unique_shards(x, topo: Topology) -> list[tuple[Box, int]]:
     ]
 
 
+def _one_process(runtime) -> bool:
+    """Does `runtime` hold every device in this process (`InProcessRuntime`), so that its hosts'
+    memory does not die with them? Its snapshot generations are read only when needed
+    (`SnapshotPool._file`), and on the CPU backend copied by the checksums' program
+    (`SnapshotPool.fusion_helps`)."""
+    return getattr(runtime, "host_copies_off_host", True) is False
+
+
 def copy_counts(resolved: SnapshotConfig, abstract, leaf_ids: list[int]) -> tuple[int, ...]:
     """How many copies of each of `leaf_ids` a fused pool's program makes (`SnapshotPool`,
     `fused`): one per buddy copy (`snapshot.copies`), one where only host copies are taken,
@@ -187,17 +195,10 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         by its checksums' program and read only when needed"). Elsewhere the copies travel
         through the runtime (`Runtime.move`)."""
         return (
-            # one process holding every device: its hosts' memory does not die with them
-            getattr(runtime, "host_copies_off_host", True) is False
+            _one_process(runtime)
             and jax.default_backend() == "cpu"
             and not jax.config.read("jax_cpu_enable_async_dispatch")
         )
-
-    @property
-    def _one_process(self) -> bool:
-        """Does this process hold every device (`InProcessRuntime`)? Its generations are then
-        read only when needed, fused or not (`_file`)."""
-        return getattr(self.rt, "host_copies_off_host", True) is False
 
     @property
     def enabled(self) -> bool:
@@ -462,9 +463,9 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         self._read()
 
     def _file(self) -> None:
-        """`complete`, but in one process (`_one_process`) the generation is read (its
-        checksum rows to the host, its copies as host arrays) only when something needs it
-        (`_read`): on XLA:CPU a read at every step boundary waits for that step's program,
+        """`complete`, but in one process (`_one_process`, fused or not) the generation is
+        read (its checksum rows to the host, its copies as host arrays) only when something
+        needs it (`_read`): on XLA:CPU a read at every step boundary waits for that step's program,
         beside which the snapshot's ran, and the loop then ran 1.13x slower at 25.5M
         parameters (experiments/RESULTS.md, "The snapshot's copies made by its checksums'
         program and read only when needed"; `ElasticState`'s pool too: "ElasticState.commit's
@@ -473,7 +474,7 @@ every device of `topo`: `InProcessRuntime(topology=topo)`). `cfg` as given
         gen, self._pending = self._pending, None
         if gen is None:
             return
-        if self.fused or self._one_process:
+        if _one_process(self.rt):  # (every fused pool is)
             self._unread = gen
             for r in self.records:
                 r.step, r.checksum, r.lost = gen.version, None, {}
