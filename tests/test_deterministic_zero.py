@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 from conftest import optimised_compiles, tiny_config
 
+from elasjax.compilation.executables import ExecutableCache
 from elasjax.loop import trainer
-from elasjax.layout.state import StateFactory, make_optimizer
+from elasjax.layout.state import StateFactory, StateLayout, make_optimizer
+from elasjax.plan.planner import Topology, initial_plan
 from elasjax.observe.metrics import read_jsonl
 from elasjax.transfer import checksum
 
@@ -76,6 +78,26 @@ def test_a_clipped_step_is_bitwise_on_any_replica_count(exe_cache, tmp_path):
     assert len(norms["ref"]) == 4 and min(norms["ref"]) > 0.05, norms  # clipped every step
     assert norms["run"] == norms["ref"]
     assert run.losses == ref.losses and run.checksums == ref.checksums
+
+
+def test_the_gradient_left_in_storage_chunks_gives_the_gathered_bits(exe_cache, tmp_path,
+                                                                     monkeypatch):
+    """The tree sum's cross phase leaves each replica the storage part of the leaves whose ZeRO
+    storage is their row cut in equal parts (`StateLayout.summed_in_storage`), and the norm sums
+    their tiles there; gathered whole first on every replica, as the step did before, the same
+    clipped steps give the same norms, losses and state, bit for bit."""
+    cfg = tiny_config(*CLIPPED, "faults=[]")
+    plan = initial_plan(Topology(tuple(range(8)), 2), cfg)
+    layout = StateFactory(cfg, make_optimizer(cfg)).layout(plan)
+    assert len(layout.summed_in_storage()) >= 4, layout.summed_in_storage()
+    runs = {"chunks": trainer.run(cfg, tmp_path / "chunks", exe_cache=exe_cache)}
+    monkeypatch.setattr(StateLayout, "summed_in_storage", lambda self: frozenset())
+    runs["gathered"] = trainer.run(cfg, tmp_path / "gathered", exe_cache=ExecutableCache(2))
+    norms = {k: [r["grad_norm"] for r in read_jsonl(tmp_path / k / "metrics.jsonl")] for k in runs}
+    assert min(norms["chunks"]) > 0.05 and norms["chunks"] == norms["gathered"], norms
+    assert runs["chunks"].losses == runs["gathered"].losses
+    assert runs["chunks"].checksums == runs["gathered"].checksums
+    assert _differing_leaves(_canonical(runs["chunks"]), _canonical(runs["gathered"])) == []
 
 
 @pytest.mark.parametrize("stage", [2, 3])

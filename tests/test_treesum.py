@@ -83,12 +83,16 @@ def test_bad_dealings_are_refused():
         treesum.schedule(np.array([[0, 0]]))
 
 
-@pytest.mark.parametrize("K,own", [(7, None), (8, None), (13, None), (13, 4)])
-def test_the_device_program_gives_the_trees_bits_on_every_replica_count(K, own, monkeypatch):
+@pytest.mark.parametrize("K,own,chunk", [(7, None, False), (8, None, False), (13, None, False),
+                                         (13, 4, False), (8, None, True), (13, 4, True)])
+def test_the_device_program_gives_the_trees_bits_on_every_replica_count(K, own, chunk,
+                                                                        monkeypatch):
     """`TreeSum` on meshes of 1..8 replicas (the planner's dealings, padding slots included):
     every replica ends with the tree's sum of each leaf, bit for bit. With `own` = 4 the leaf of
     4 elements is exchanged on its own and the two of 3 packed together (`packing.OWN_EXCHANGE`);
-    otherwise all three are packed."""
+    otherwise all three are packed. With `chunk`, each leaf whose size the replica count divides
+    stays in the replicas' chunks (`finish(chunked=...)`, the ZeRO storage's form): replica r
+    holds elements [r * c, (r + 1) * c) of the sum, gathered or not beside it in a group."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -116,10 +120,21 @@ def test_the_device_program_gives_the_trees_bits_on_every_replica_count(K, own, 
 
             like = {name: jnp.zeros(a.shape[1:], jnp.float32) for name, a in parts.items()}
             regs, _ = jax.lax.scan(micro, tree.init(like), (jnp.arange(m, dtype=jnp.int32), v))
-            return tree.finish(regs)
+            kept = {name: chunk and a.shape[1] % D == 0 for name, a in parts.items()}
+            return tree.finish(regs, kept if chunk else None), kept
 
-        got = run(jax.device_put(per, NamedSharding(mesh, P(None, "data"))))
+        got, kept = run(jax.device_put(per, NamedSharding(mesh, P(None, "data"))))
         for name, ref in refs.items():
+            if kept[name]:
+                c = ref.size // D
+                assert got[name].shape == (D, 1, c)
+                assert got[name].sharding.is_equivalent_to(
+                    NamedSharding(mesh, P("data", None, None)), 3), got[name].sharding
+                for shard in got[name].addressable_shards:
+                    r = shard.index[0].start or 0
+                    assert (np.asarray(shard.data).reshape(-1).view(np.uint32).tolist()
+                            == ref[r * c: (r + 1) * c].view(np.uint32).tolist()), (name, D)
+                continue
             for shard in got[name].addressable_shards:  # the sum on every replica
                 assert (np.asarray(shard.data).view(np.uint32).tolist()
                         == ref.view(np.uint32).tolist()), (name, D)

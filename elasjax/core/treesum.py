@@ -372,47 +372,70 @@ class TreeSum:
         return self._shard_map(local, regs, values, k,
                                rest_specs=(self._val_specs, PartitionSpec()))
 
-    def finish(self, regs: tuple) -> PyTree:
+    def finish(self, regs: tuple, chunked: PyTree = None) -> PyTree:
+        """The sum on every replica; a leaf whose entry in `chunked` (a pytree of bools shaped
+        like the values, None: none) is True comes out as the replicas' chunks instead: `[D,
+        1, c]` (`[D, rows, c]` for a leaf sharded over one mesh axis besides `data`), replica
+        r's chunk being elements [r * c, (r + 1) * c) of its block flattened, where c = n / D
+        (D must divide the block's n elements). That is a ZeRO storage tier of the leaf where
+        the tier is the row cut in `data` equal parts (`storage.TierPlace.exact`): the
+        gradient needs no gather before the optimizer (`step._deterministic_grad_fn`)."""
         sched, D = self.sched, self.D
         flush_tab, flush_progs = self._flush
         pend_tab, pend_progs = self._pending
         P = sched.pending.shape[1]
+        spec_leaves, treedef = jax.tree.flatten(self.specs, is_leaf=self._is_spec)
+        keep = ([False] * len(spec_leaves) if chunked is None
+                else treedef.flatten_up_to(chunked))
 
-        def cross_sum(x):
-            """The sum from this replica's pending nodes packed as `x` [P, n] (one dtype)."""
-            n = x.shape[1]
-            c = -(-n // D)  # elements per chunk; the last chunk padded
-            x = jnp.pad(x, ((0, 0), (0, c * D - n))).reshape(P, D, c)
+        def cross_sum(xs, keep):
+            """Each `xs[i]` [P, n_i] (one dtype: replica's pending nodes of leaf i) -> the sum
+            [n_i], or this replica's chunk of it [c_i] where `keep[i]`. Every leaf is cut in D
+            chunks of its own, so a replica's chunk of a leaf is one contiguous run of it."""
+            ns = [x.shape[1] for x in xs]
+            cs = [-(-n // D) for n in ns]  # elements per chunk; the last chunk padded
             # [destination, P, c] (a reshape where P = 1): each replica's chunks one contiguous
             # block, which the exchange sends as it is; split on the middle axis, XLA:CPU copied
             # every chunk out and the received ones back together (experiments/RESULTS.md,
             # "The cross phase per large leaf")
+            parts = [jnp.pad(x, ((0, 0), (0, c * D - n))).reshape(P, D, c)
+                     for x, n, c in zip(xs, ns, cs)]
+            x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
             x = jnp.swapaxes(x, 0, 1)
-            # [source replica, P, c]: this replica's chunk of every replica's pending nodes
+            # [source replica, P, C]: this replica's chunk of every replica's pending nodes
             x = jax.lax.all_to_all(x, DATA, 0, 0) if D > 1 else x
             table = [x[i // P, i % P] for i in range(D * P)]
             for _, a, b in sched.cross:  # the same additions on every replica
                 table.append(table[a] + table[b])
             total = table[sched.root]
-            if D > 1:
-                total = jax.lax.all_gather(total, DATA, tiled=True)
-            return total[:n]
+            at = np.concatenate([[0], np.cumsum(cs)])
+            out = [total[at[i]: at[i + 1]] for i in range(len(xs))]
+            gather = [i for i in range(len(xs)) if not keep[i]]
+            if gather and D > 1:
+                g = jnp.concatenate([out[i] for i in gather]) if len(gather) > 1 else out[gather[0]]
+                g = jax.lax.all_gather(g, DATA)  # [D, sum of their c]
+                off = 0
+                for i in gather:
+                    out[i] = g[:, off: off + cs[i]].reshape(-1)
+                    off += cs[i]
+            return [o if keep[i] else o[: ns[i]] for i, o in enumerate(out)]
 
         def summed(nodes):
             """The sum of every leaf from the P pending trees: a leaf of `packing.OWN_EXCHANGE`
-            elements or more on its own, the smaller leaves of one dtype packed into one vector
-            (two collectives per vector)."""
+            elements or more on its own, the smaller leaves of one dtype packed together (two
+            collectives per group; one where all of a group's leaves stay chunked)."""
             leaves = [jax.tree.leaves(t) for t in nodes]
             out = [None] * len(leaves[0])
+            for i, x in enumerate(leaves[0]):
+                if keep[i] and x.size % D:
+                    raise ValueError(f"leaf {i}: a block of {x.size} elements cannot be cut in "
+                                     f"{D} equal chunks")
             for idx in packing.groups(leaves[0]):
-                total = cross_sum(jnp.stack([
-                    jnp.concatenate([ls[i].reshape(-1) for i in idx]) for ls in leaves]))
-                at = 0
-                for i in idx:
+                totals = cross_sum([jnp.stack([ls[i].reshape(-1) for ls in leaves]) for i in idx],
+                                   [keep[i] for i in idx])
+                for i, total in zip(idx, totals):
                     shape = leaves[0][i].shape[1:]
-                    size = int(np.prod(shape))
-                    out[i] = total[at: at + size].reshape(shape)
-                    at += size
+                    out[i] = total.reshape((1, 1, -1)) if keep[i] else total.reshape(shape)
             return jax.tree.unflatten(jax.tree.structure(nodes[0]), out)
 
         def local(regs):
@@ -424,4 +447,14 @@ class TreeSum:
                             regs)
             return summed(nodes)
 
-        return self._shard_map(local, regs, out=self.specs)
+        out = [chunk_spec(s) if k else s for s, k in zip(spec_leaves, keep)]
+        return self._shard_map(local, regs, out=jax.tree.unflatten(treedef, out))
+
+
+def chunk_spec(spec: PartitionSpec) -> PartitionSpec:
+    """The PartitionSpec of a leaf's chunks `[D, rows, c]` (`TreeSum.finish`) for the leaf's
+    own `spec` (without `data`): rows over the one other mesh axis it is sharded on, if any."""
+    axes = [e for e in spec if e is not None]
+    if len(axes) > 1 or any(isinstance(e, tuple) for e in axes):
+        raise ValueError(f"a chunked leaf is sharded over at most one mesh axis; got {spec}")
+    return PartitionSpec(DATA, axes[0] if axes else None, None)

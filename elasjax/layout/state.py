@@ -14,6 +14,7 @@ on canonical element identities, so they compare across plans.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -32,7 +33,9 @@ from ..config import (
     check_custom_optimizer,
     optimizer_spec_ok,
 )
+from ..core import treesum
 from ..core.mesh import DATA, STAGE, TENSOR
+from ..core.packing import all_gather_packed
 from ..core.rng import root_key
 from ..core.sharding import named_shardings, opt_state_logical, path_str
 from ..observe.events import import_user_module
@@ -284,12 +287,14 @@ class StateLayout:
 
     # -- ZeRO storage of parameter-shaped trees (in this layout's params form) ------------------
 
-    def to_storage(self, params: PyTree, mesh: Mesh | None = None) -> PyTree:
+    def to_storage(self, params: PyTree, mesh: Mesh | None = None,
+                   ready: frozenset[str] = frozenset()) -> PyTree:
         """Parameter-shaped tree (this layout's params form) -> ZeRO storage; given the `mesh`
-        it is laid out on, per device (`ZeroCodec.to_storage`)."""
+        it is laid out on, per device (`ZeroCodec.to_storage`; `ready`: leaves given as their
+        storage tier already)."""
         if self.stage_layout is not None:
             params = self._flat_slots(params)
-        return self.codec.to_storage(params, mesh)
+        return self.codec.to_storage(params, mesh, ready)
 
     def from_storage(self, storage: PyTree, mesh: Mesh | None = None) -> PyTree:
         params = self.codec.from_storage(storage, mesh)
@@ -567,8 +572,25 @@ class StateLayout:
 
     # -- deterministic mode ----------------------------------------------------------------------
 
+    def summed_in_storage(self) -> frozenset[str]:
+        """Leaves whose deterministic gradient can stay in the ZeRO storage's chunks after the
+        tree sum (`treesum.TreeSum.finish`, `step._deterministic_grad_fn`): ZeRO-1 and -2 off
+        pipelines, a leaf whose storage is its row cut in `data` equal parts
+        (`ZeroCodec.whole_tier_paths`) and whose part holds whole tiles of `fixed_order_norm`
+        (so the norm sums the same tiles as from the whole leaf)."""
+        if self.codec is None or self.stage not in (1, 2) or self.stage_layout is not None:
+            return frozenset()
+        out = set()
+        for path in self.codec.whole_tier_paths():
+            u = self.codec.unit(path)
+            width = u.row_len // self.codec.layout.data
+            if width % _tile(u.row_len, u.members[0].shape, _layered(path)) == 0:
+                out.add(path)
+        return frozenset(out)
+
     def fixed_order_norm(self, params: PyTree, mesh: Mesh | None = None,
-                         specs: PyTree | None = None, step: jax.Array | None = None) -> jax.Array:
+                         specs: PyTree | None = None, step: jax.Array | None = None,
+                         chunked: frozenset[str] = frozenset()) -> jax.Array:
         """Global L2 norm of a params-shaped tree, reduced in an order that does not depend on
         the plan: a sum of squares per layer (stacked `[L, ...]` and slot `[S, Lmax, ...]`
         leaves alike) or per leaf, added one after another in canonical leaf and layer order.
@@ -576,15 +598,23 @@ class StateLayout:
         Given the `mesh`, the leaves' `specs` (an unpipelined plan: the deterministic gradient
         in parameter form, replicated over the data axis) and the `step` count, each device
         reduces its own block and a `psum` over the axes a leaf is sharded on (tensor, of a
-        fixed degree) completes it: every sum is over the same elements on every plan, with no
-        collective on the data axis. Left to GSPMD, the sums were split over sub-groups of the
-        data axis (pairs and quads of replicas): partial sums that depend on the replica count
-        (so did every clipped gradient), and gloo communicators among some survivors of a
-        failure, which oblige the launch runtime to renew its CPU client
-        (`runtime.collectives`). The block sums run in a conditional's branch (its predicate,
-        `step >= 0`, never false but unknown to the compiler), compiled on its own: fused with
-        the gradient's producers, the same sums over the same elements came out 1 ulp apart on
-        6 and 8 replicas where the norm also fed the clipping (tests/test_deterministic_zero.py::
+        fixed degree) completes it: every sum is over the same elements on every plan. A
+        device's block, flattened, is cut in tiles of `_tile` elements (a power of two, whole
+        tiles per layer); each tile is summed on its own, and a layer's tile sums are added in
+        a balanced binary tree (`_pairwise`). The leaves named in `chunked` come as their ZeRO
+        storage tier instead (`summed_in_storage`: replica r holds elements [r * c, (r + 1) *
+        c) of the block, whole tiles): each replica sums its own tiles and one small
+        `all_gather` over `data` puts the tile sums together, the same numbers the whole block
+        gives, whatever the replica count (tests/test_deterministic_zero.py).
+
+        Left to GSPMD, the sums were split over sub-groups of the data axis (pairs and quads
+        of replicas): partial sums that depend on the replica count (so did every clipped
+        gradient), and gloo communicators among some survivors of a failure, which oblige the
+        launch runtime to renew its CPU client (`runtime.collectives`). The tile sums run in a
+        conditional's branch (its predicate, `step >= 0`, never false but unknown to the
+        compiler), compiled on its own: fused with the gradient's producers, the same sums over
+        the same elements came out 1 ulp apart on 6 and 8 replicas where the norm also fed the
+        clipping (tests/test_deterministic_zero.py::
         test_a_clipped_step_is_bitwise_on_any_replica_count; `step._apply_apart` says the same
         of the optimizer)."""
         if mesh is None or specs is None or step is None or self.stage_layout is not None:
@@ -598,23 +628,44 @@ class StateLayout:
                 raise ValueError(
                     f"fixed_order_norm: {path} is sharded on its layer axis ({spec}); "
                     "expected the parameter form of an unpipelined plan")
+        # (layers, tile) per leaf, from its whole block: a chunked leaf's is its storage row
+        shapes = []
+        for path, lay, x, spec in zip(paths, layered, leaves, spec_leaves):
+            if path in chunked:
+                m = self.codec.unit(path).members[0]
+                n, full = self.codec.unit(path).row_len, m.shape
+            else:
+                full = x.shape
+                n = int(np.prod([s // _degree(mesh, e) for s, e in
+                                 zip(full, tuple(spec) + (None,) * len(full))]))
+            shapes.append((full[0] if lay else 1, _tile(n, full, lay)))
+        in_specs = [treesum.chunk_spec(s) if p in chunked else s
+                    for p, s in zip(paths, spec_leaves)]
 
-        def block_sums(blocks):
-            return tuple(_square_sums(g, lay) for g, lay in zip(blocks, layered))
+        def tile_sums(blocks):
+            return tuple(jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(-1, t), axis=1)
+                         for g, (_, t) in zip(blocks, shapes))
 
         def local(n, *blocks):
-            parts = jax.lax.cond(
-                n >= 0, block_sums,
+            sums = jax.lax.cond(
+                n >= 0, tile_sums,
                 lambda bs: tuple(jnp.zeros(p.shape, p.dtype)
-                                 for p in jax.eval_shape(block_sums, bs)),
+                                 for p in jax.eval_shape(tile_sums, bs)),
                 blocks)
+            sums = list(sums)
+            at = [i for i, p in enumerate(paths) if p in chunked]
+            if at and mesh.shape[DATA] > 1:  # each replica's tiles, in rank order
+                got = all_gather_packed([sums[i][None] for i in at], DATA, [0] * len(at))
+                for i, g in zip(at, got):
+                    sums[i] = g.reshape(-1)
             out = []
-            for part, spec in zip(parts, spec_leaves):
+            for s, (layers, _), spec in zip(sums, shapes, spec_leaves):
+                part = _pairwise(s.reshape(layers, -1))
                 axes = tuple(a for e in spec for a in checksum._axes_of(e) if mesh.shape[a] > 1)
                 out.append(jax.lax.psum(part, axes) if axes else part)
             return self._ordered_root(jnp.concatenate(out))
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), *spec_leaves),
+        return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), *in_specs),
                              out_specs=PartitionSpec(), check_vma=False)(step, *leaves)
 
     def _norm_of(self, params: PyTree) -> jax.Array:
@@ -641,6 +692,32 @@ class StateLayout:
 def _layered(path: str) -> bool:
     """Is the parameter at `path` stacked over layers (`[L, ...]`)?"""
     return "layers" in path.split("/")
+
+
+TILE = 1 << 8  # elements per tile of `fixed_order_norm` at most
+
+
+def _tile(n: int, shape: tuple[int, ...], layered: bool) -> int:
+    """`fixed_order_norm`'s tile for a block of `n` elements of a leaf of `shape`: the largest
+    power of two up to `TILE` that divides a layer's part of the block (the block's, unstacked)."""
+    return math.gcd(n // shape[0] if layered else n, TILE)
+
+
+def _degree(mesh: Mesh, entry) -> int:
+    """Devices a dimension is split over by a PartitionSpec `entry`."""
+    return int(np.prod([mesh.shape[a] for a in checksum._axes_of(entry)])) if entry else 1
+
+
+def _pairwise(v: jax.Array) -> jax.Array:
+    """[..., m] -> [...]: the last axis summed in a balanced binary tree (padded with zeros to a
+    power of two, each level the first half plus the second): additions in a fixed order."""
+    m = v.shape[-1]
+    p = 1 << max(0, m - 1).bit_length()
+    v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, p - m)])
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:]
+    return v[..., 0]
 
 
 def _square_sums(g: jax.Array, layered: bool) -> jax.Array:

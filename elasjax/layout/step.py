@@ -186,7 +186,8 @@ def _summed_once_grad_fn(cfg: Config, loss_fn, mesh: Mesh, state_sh: TrainState)
     return grad_fn
 
 
-def _summed_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout):
+def _summed_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout,
+                    in_storage: frozenset[str] = frozenset()):
     """Deterministic mode: (params, batch, step, plan) -> (loss, the gradient's sum over the
     global batch, its normaliser). The division by the normaliser is left to the caller:
     `make_train_step` folds it into the optimizer's one multiply (`_apply_apart`), where a
@@ -195,7 +196,7 @@ def _summed_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout
     kept")."""
     if layout is not None and layout.stage_layout is not None:
         return _deterministic_pipelined_grad_fn(cfg, mesh, state_sh, layout)
-    return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout)
+    return _deterministic_grad_fn(cfg, model, mesh, state_sh, layout, in_storage)
 
 
 def canonical_order(plan: Plan) -> np.ndarray:
@@ -218,9 +219,11 @@ def fixed_order_sum(x: jax.Array, order: np.ndarray, sharding) -> jax.Array:
     return total
 
 
-def _tree_total(plan: Plan, mesh: Mesh, specs, params, xs, values_of=lambda v: v):
+def _tree_total(plan: Plan, mesh: Mesh, specs, params, xs, values_of=lambda v: v,
+                chunked=None):
     """{"loss", "grads"} summed over the micro-batches in the fixed tree (`treesum`): micro-batch
-    k's per-replica values are `values_of(xs[k])` (`xs`: a pytree with a leading axis of m)."""
+    k's per-replica values are `values_of(xs[k])` (`xs`: a pytree with a leading axis of m);
+    the leaves `chunked` marks come as the replicas' chunks (`TreeSum.finish`)."""
     tree = TreeSum(treesum.schedule(plan.canonical_slots()), mesh, specs)
     like = {"loss": jnp.zeros((), jnp.float32), "grads": params}
 
@@ -230,10 +233,11 @@ def _tree_total(plan: Plan, mesh: Mesh, specs, params, xs, values_of=lambda v: v
 
     m = jax.tree.leaves(xs)[0].shape[0]
     regs, _ = jax.lax.scan(add, tree.init(like), (jnp.arange(m, dtype=jnp.int32), xs))
-    return tree.finish(regs)
+    return tree.finish(regs, chunked)
 
 
-def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout):
+def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState, layout,
+                           in_storage: frozenset[str] = frozenset()):
     """Deterministic mode: every canonical micro-batch's summed loss and gradient is computed by
     one replica on its own (a `shard_map` manual over the data axis, so nothing is reduced
     across replicas), and they are added in one fixed binary tree over the canonical indices
@@ -247,7 +251,14 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
     The gradient is always summed whole, in parameter form: ZeRO-2 and ZeRO-3 partition it
     after the sum (`make_train_step`), with the same additions as ZeRO-0 and ZeRO-1, and ZeRO-3
     gathers its parameters whole for the step. In this mode their saving is the optimizer
-    state (and ZeRO-3's stored parameters), not the gradient's or the step's working memory."""
+    state (and ZeRO-3's stored parameters), not the gradient's or the step's working memory.
+
+    The leaves named in `in_storage` (`StateLayout.summed_in_storage`) come out as their ZeRO
+    storage tier: the tree's cross phase leaves replica r with the sum's elements [r * c, (r +
+    1) * c) of each leaf's block, which is what that tier stores, so the sum is not gathered
+    whole on every replica only to be cut again (the replicas' parameters are gathered after
+    the optimizer, as ZeRO-1 by annotation does). Same bits as the gathered sum: the
+    additions are elementwise."""
     loss_fn = make_loss_fn(cfg, model, deterministic=False)
     seed = cfg.train.seed
     D = mesh.shape[DATA]
@@ -255,6 +266,8 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
     zero3 = layout is not None and layout.stage == 3
     param_sh = layout.param_shardings(mesh) if zero3 else state_sh.params
     specs = {"loss": PartitionSpec(), "grads": jax.tree.map(lambda sh: sh.spec, param_sh)}
+    chunked = {"loss": False, "grads": jax.tree_util.tree_map_with_path(
+        lambda p, _: path_str(p) in in_storage, param_sh)}
 
     def one(p, mb, key):
         """A replica's canonical micro-batch (its [1, ...] block of the manual `data` axis)."""
@@ -289,7 +302,7 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
             losses, grads = per_replica(params, mb, key)
             return {"loss": losses, "grads": grads}
 
-        total = _tree_total(plan, mesh, specs, params, batch, micro)
+        total = _tree_total(plan, mesh, specs, params, batch, micro, chunked)
         n_tokens = normaliser(batch)
         return total["loss"] / n_tokens, total["grads"], n_tokens
 
@@ -388,8 +401,11 @@ def make_train_step(
     tx = layout.tx
     stage = layout.stage
     clip = cfg.train.grad_clip
+    # deterministic ZeRO-1/2: the leaves whose summed gradient stays in the storage's chunks
+    in_storage = layout.summed_in_storage() if cfg.deterministic else frozenset()
     if cfg.deterministic:
-        grad_fn = functools.partial(_summed_grad_fn(cfg, model, mesh, state_sh, layout), plan=plan)
+        grad_fn = functools.partial(
+            _summed_grad_fn(cfg, model, mesh, state_sh, layout, in_storage), plan=plan)
     else:
         grad_fn = make_grad_fn(cfg, model, mesh, state_sh, layout)
     # the deterministic gradient's form (`_deterministic_grad_fn`): the parameters' shardings
@@ -402,7 +418,8 @@ def make_train_step(
             # the optimizer's own clipping is off in this mode (`make_optimizer`): its global
             # norm reduces in an order that depends on the layout; this one does not. The sum's
             # norm over the normaliser is the mean gradient's (`_summed_grad_fn`)
-            norm = layout.fixed_order_norm(grads, mesh, grad_specs, state.step) / n_tokens
+            norm = layout.fixed_order_norm(grads, mesh, grad_specs, state.step,
+                                           in_storage) / n_tokens
             # one scalar factor: the normaliser's inverse, times the clipping's where the norm
             # is above the threshold; on ZeRO storage applied inside the optimizer's own branch
             # (`_apply_apart`)
@@ -417,7 +434,7 @@ def make_train_step(
         # (`_deterministic_grad_fn`), else in the ZeRO storage (`make_grad_fn`)
         whole = stage < 2 or cfg.deterministic
         p_opt = state.params if stage in (0, 3) else layout.to_storage(state.params, mesh)
-        g_opt = layout.to_storage(grads, mesh) if stage > 0 and whole else grads
+        g_opt = layout.to_storage(grads, mesh, in_storage) if stage > 0 and whole else grads
         if cfg.deterministic and stage > 0:
             new_p, opt_state = _apply_apart(tx, g_opt, state.opt_state, p_opt, state.step, scale)
         else:

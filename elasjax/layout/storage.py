@@ -391,7 +391,15 @@ class ZeroCodec:
 
     # -- tree <-> storage -----------------------------------------------------------------------
 
-    def to_storage(self, params: PyTree, mesh: Mesh | None = None) -> dict[str, tuple[jax.Array, ...]]:
+    def whole_tier_paths(self) -> frozenset[str]:
+        """Leaves that are a unit of their own whose one tier is the row cut in `data` equal
+        parts in rank order (`TierPlace.exact`): their storage is `[data, rows, row_len /
+        data]`, rank d's part elements [d * width, (d + 1) * width) of its row."""
+        return frozenset(u.members[0].path for u in self.units
+                         if u.name in self.exact_units and len(u.members) == 1)
+
+    def to_storage(self, params: PyTree, mesh: Mesh | None = None,
+                   ready: frozenset[str] = frozenset()) -> dict[str, tuple[jax.Array, ...]]:
         """Parameter-shaped tree -> storage tiers. Given the `mesh` the tree is laid out on
         (`member_spec`), an exact unit's rows are cut into `data` parts by a reshape under the
         storage's sharding, and for the other units each device slices what its rank stores out
@@ -403,11 +411,18 @@ class ZeroCodec:
         storage's sharding back into the gradient's computation, as it does for an optimizer
         state sharded by annotation: 1.24x the plain JAX ZeRO-1 step's device time before,
         1.08x after at 3.3M (experiments/RESULTS.md, "The ZeRO-1 step by annotation"). Both compute
-        the same bits (tests/test_zero.py::test_annotated_and_per_device_storage_agree)."""
+        the same bits (tests/test_zero.py::test_annotated_and_per_device_storage_agree).
+
+        The leaves named in `ready` (of `whole_tier_paths`) are given as their storage tier
+        already (the deterministic step's gradient, `treesum.TreeSum.finish`'s chunks)."""
         leaves = dict(zip(self.paths, self.treedef.flatten_up_to(params)))
+        if ready - self.whole_tier_paths() or (ready and mesh is None):
+            raise ValueError(f"storage given for {sorted(ready - self.whole_tier_paths())}: "
+                             "only leaves of whole_tier_paths(), on a mesh, can be")
         if mesh is None:
             return {u.name: self._unit_to_storage_global(u, leaves) for u in self.units}
-        out = {u.name: (self._exact_to_storage(u, leaves, mesh),)
+        out = {u.name: (leaves[u.members[0].path],) if u.members[0].path in ready
+               else (self._exact_to_storage(u, leaves, mesh),)
                for u in self.units if u.name in self.exact_units}
         rest = [u for u in self.units if u.name not in self.exact_units]
         if rest:
