@@ -18,8 +18,11 @@ between replicas. Those are computed by every replica, each on its own 1/D-th of
 one `all_to_all` over the data axis gives each replica its chunk of every replica's pending
 nodes, every replica runs the same additions, in the tree's order, on its chunk (elementwise:
 the chunking changes no bit), and one `all_gather` puts the root's chunks together on every
-replica. A leaf of `packing.OWN_EXCHANGE` elements or more travels on its own, the smaller
-leaves of one dtype packed in one vector (`packing.groups`): two collectives per such group.
+replica, except for the leaves the caller keeps in chunks (`TreeSum.finish`): a ZeRO storage
+that is the leaf's row cut in D equal parts holds exactly replica r's chunk on replica r. A
+leaf of `packing.OWN_EXCHANGE` elements or more travels on its own, the smaller leaves of one
+dtype packed in one vector (`packing.groups`), each leaf cut in D chunks of its own: two
+collectives per such group, one where all of its leaves stay in chunks.
 
 Memory per device: `TreeSchedule.n_regs - 1` gradient-sized registers for the local phase (the
 device's shard of the gradient under tensor parallelism; the schedule's scratch register is
@@ -32,6 +35,7 @@ None of it grows with the replica count. The plain data-parallel step keeps one 
 Communication per device: P (D - 1) / D gradients sent and received by the `all_to_all`, and
 (D - 1) / D by the `all_gather`: two collectives per group whatever the tree's depth. A plain
 all-reduce moves about 2 (D - 1) / D (ring reduce-scatter + all-gather): the same where P = 1.
+A leaf kept in chunks skips the `all_gather`: like a reduce-scatter, (D - 1) / D where P = 1.
 An earlier form sent the boundary nodes level by level (one `ppermute` per leaf and level, then
 a broadcast): under `elasjax launch`, where each collective crosses processes, the ZeRO demo's
 step takes 0.50-0.62 of its time with this one (experiments/RESULTS.md, "The tree sum's
