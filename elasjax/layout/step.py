@@ -431,7 +431,8 @@ def make_train_step(
         else:
             loss, grads = grad_fn(state.params, batch, state.step)
         # the gradient comes in parameter form for ZeRO-0/1 and in deterministic mode
-        # (`_deterministic_grad_fn`), else in the ZeRO storage (`make_grad_fn`)
+        # (`_deterministic_grad_fn`; the leaves of `in_storage` as their storage tier already),
+        # else in the ZeRO storage (`make_grad_fn`)
         whole = stage < 2 or cfg.deterministic
         p_opt = state.params if stage in (0, 3) else layout.to_storage(state.params, mesh)
         g_opt = layout.to_storage(grads, mesh, in_storage) if stage > 0 and whole else grads
