@@ -581,7 +581,7 @@ class StateLayout:
         if self.codec is None or self.stage not in (1, 2) or self.stage_layout is not None:
             return frozenset()
         out = set()
-        for path in self.codec.whole_tier_paths():
+        for path in self.codec.whole_tier_paths:
             u = self.codec.unit(path)
             width = u.row_len // self.codec.layout.data
             if width % _tile(u.row_len, u.members[0].shape, _layered(path)) == 0:
@@ -632,8 +632,8 @@ class StateLayout:
         shapes = []
         for path, lay, x, spec in zip(paths, layered, leaves, spec_leaves):
             if path in chunked:
-                m = self.codec.unit(path).members[0]
-                n, full = self.codec.unit(path).row_len, m.shape
+                u = self.codec.unit(path)
+                n, full = u.row_len, u.members[0].shape
             else:
                 full = x.shape
                 n = int(np.prod([s // _degree(mesh, e) for s, e in

@@ -257,6 +257,11 @@ class ZeroCodec:
             and len(self.places[u.name]) == 1 and self.places[u.name][0].exact(u.row_len))
         self.exact_paths = frozenset(
             m.path for u in units if u.name in self.exact_units for m in u.members)
+        # the leaves of exact units of one member: their storage is `[data, rows, row_len /
+        # data]`, rank d's part elements [d * width, (d + 1) * width) of its row, which a
+        # gradient can be handed in already (`to_storage`'s `ready`)
+        self.whole_tier_paths = frozenset(
+            u.members[0].path for u in units if u.name in self.exact_units and len(u.members) == 1)
 
     # -- specs ----------------------------------------------------------------------------------
 
@@ -391,13 +396,6 @@ class ZeroCodec:
 
     # -- tree <-> storage -----------------------------------------------------------------------
 
-    def whole_tier_paths(self) -> frozenset[str]:
-        """Leaves that are a unit of their own whose one tier is the row cut in `data` equal
-        parts in rank order (`TierPlace.exact`): their storage is `[data, rows, row_len /
-        data]`, rank d's part elements [d * width, (d + 1) * width) of its row."""
-        return frozenset(u.members[0].path for u in self.units
-                         if u.name in self.exact_units and len(u.members) == 1)
-
     def to_storage(self, params: PyTree, mesh: Mesh | None = None,
                    ready: frozenset[str] = frozenset()) -> dict[str, tuple[jax.Array, ...]]:
         """Parameter-shaped tree -> storage tiers. Given the `mesh` the tree is laid out on
@@ -416,9 +414,9 @@ class ZeroCodec:
         The leaves named in `ready` (of `whole_tier_paths`) are given as their storage tier
         already (the deterministic step's gradient, `treesum.TreeSum.finish`'s chunks)."""
         leaves = dict(zip(self.paths, self.treedef.flatten_up_to(params)))
-        if ready - self.whole_tier_paths() or (ready and mesh is None):
-            raise ValueError(f"storage given for {sorted(ready - self.whole_tier_paths())}: "
-                             "only leaves of whole_tier_paths(), on a mesh, can be")
+        if ready - self.whole_tier_paths or (ready and mesh is None):
+            raise ValueError(f"storage given for {sorted(ready - self.whole_tier_paths)}: "
+                             "only leaves of whole_tier_paths, on a mesh, can be")
         if mesh is None:
             return {u.name: self._unit_to_storage_global(u, leaves) for u in self.units}
         out = {u.name: (leaves[u.members[0].path],) if u.members[0].path in ready
