@@ -142,14 +142,22 @@ def _array_bytes(shape: str) -> int:
     return total
 
 
+# the parts of elasjax's step under a `jax.named_scope` of their own (`layout.step`,
+# `core.treesum`): the tree sum's per-micro-batch additions and its cross-replica phase, the
+# deterministic gradient norm, the ZeRO storage conversions, the optimizer, the state checksums
+STEP_SCOPES = ("tree_step", "tree_finish", "grad_norm", "to_storage", "optimizer",
+               "from_storage", "checksums")
+
+
 def written_mb(hlo: str) -> dict:
     """MB one device's program writes per step, by where it comes from: each instruction's output
     in the optimized HLO outside fusion bodies (a fusion counts its own output, an in-place
     dynamic-update-slice only its update: its smallest array operand), a while loop's body
     multiplied by its `known_trip_count` (1 where XLA gives none), a conditional counted as its
-    largest branch, `call`s followed. Keyed "phase/primitive": the phase "forward" (under `jvp`),
-    "backward" (under `transpose`) or "step", the primitive the last part of the instruction's
-    `op_name` (a fusion's is its root's). Static accounting, not a measurement: what the program
+    largest branch, `call`s followed. Keyed "phase/primitive": the phase one of elasjax's named
+    scopes (`STEP_SCOPES`), else "forward" (under `jvp`), "backward" (under `transpose`) or
+    "step", the primitive the last part of the instruction's `op_name` (a fusion's is its
+    root's). Static accounting, not a measurement: what the program
     is written to store, not what the caches make of it."""
     comps: dict[str, list] = {}
     cur = None
@@ -193,7 +201,8 @@ def written_mb(hlo: str) -> dict:
                     size = min([a for a in args if a > 8] or [size])
                 where = re.search(r'op_name="([^"]*)"', rest)
                 path = where.group(1) if where else op
-                phase = ("backward" if "transpose(" in path else
+                scope = next((n for n in STEP_SCOPES if f"/{n}/" in path), None)
+                phase = (scope if scope else "backward" if "transpose(" in path else
                          "forward" if "jvp(" in path else "step")
                 prim = re.sub(r"\.\d+$", "", path.rsplit("/", 1)[-1]) or op
                 out[f"{phase}/{prim}"] += size / 2**20

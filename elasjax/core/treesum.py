@@ -263,8 +263,10 @@ def simulate(sched: TreeSchedule, slots: np.ndarray, values: np.ndarray) -> np.n
 #
 # Registers are separate arrays (SCRATCH is never stored), and every addition is static code:
 # the replicas' programs for a micro-batch (or the flush, or the choice of pending nodes) are
-# grouped into the distinct ones, and a `lax.switch` on a table indexed by the replica (and the
-# micro-batch) runs its own. The cross phase is the same code on every replica. One stacked
+# grouped into the distinct ones, and a table indexed by the replica (and the micro-batch) picks
+# its own: a `lax.switch` for the flush and the pending nodes, an elementwise select per register
+# for a micro-batch's program, inside the loop (`_merged`). The cross phase is the same code on
+# every replica. One stacked
 # register file indexed at run time cost 4x this on XLA:CPU (a dynamic slice or update of the
 # file per register access, and every replica doing every addition, scratch ones included):
 # experiments/RESULTS.md, "The tree sum's device program".
@@ -297,6 +299,27 @@ def _select(index, branches, *args):
     if len(branches) == 1:
         return branches[0](*args)
     return jax.lax.switch(index, branches, *args)
+
+
+def _merged(index, branches, regs: tuple, x) -> tuple:
+    """`branches[index](regs, x)` as one elementwise select per register: every branch's
+    additions are traced, and each register takes its value from the branch `index` names (a
+    register no branch changes is passed through). Inside the micro-batch loop a `lax.switch`
+    over the programs came out with a copy of every live register into the loop's state after
+    it, a gradient's worth each micro-batch; the selects update the registers in place. The
+    same bits: the selected values are the branch's own (additions only, no contraction)."""
+    if len(branches) == 1:
+        return branches[0](regs, x)
+    outs = [b(regs, x) for b in branches]
+    index = index.astype(jnp.int32)
+
+    def pick(i):
+        cands = [o[i] for o in outs]
+        if all(c is regs[i] for c in cands):
+            return regs[i]
+        return jax.tree.map(lambda *c: jax.lax.select_n(index, *c), *cands)
+
+    return tuple(pick(i) for i in range(len(regs)))
 
 
 class TreeSum:
@@ -371,10 +394,11 @@ class TreeSum:
         table = jnp.asarray(table)
 
         def local(regs, x, k):
-            return _select(table[jax.lax.axis_index(DATA), k], branches, regs, x)
+            return _merged(table[jax.lax.axis_index(DATA), k], branches, regs, x)
 
-        return self._shard_map(local, regs, values, k,
-                               rest_specs=(self._val_specs, PartitionSpec()))
+        with jax.named_scope("tree_step"):
+            return self._shard_map(local, regs, values, k,
+                                   rest_specs=(self._val_specs, PartitionSpec()))
 
     def finish(self, regs: tuple, chunked: PyTree = None) -> PyTree:
         """The sum on every replica; a leaf whose entry in `chunked` (a pytree of bools shaped
@@ -452,7 +476,8 @@ class TreeSum:
             return summed(nodes)
 
         out = [chunk_spec(s) if k else s for s, k in zip(spec_leaves, keep)]
-        return self._shard_map(local, regs, out=jax.tree.unflatten(treedef, out))
+        with jax.named_scope("tree_finish"):
+            return self._shard_map(local, regs, out=jax.tree.unflatten(treedef, out))
 
 
 def chunk_spec(spec: PartitionSpec) -> PartitionSpec:

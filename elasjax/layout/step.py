@@ -418,8 +418,9 @@ def make_train_step(
             # the optimizer's own clipping is off in this mode (`make_optimizer`): its global
             # norm reduces in an order that depends on the layout; this one does not. The sum's
             # norm over the normaliser is the mean gradient's (`_summed_grad_fn`)
-            norm = layout.fixed_order_norm(grads, mesh, grad_specs, state.step,
-                                           in_storage) / n_tokens
+            with jax.named_scope("grad_norm"):
+                norm = layout.fixed_order_norm(grads, mesh, grad_specs, state.step,
+                                               in_storage) / n_tokens
             # one scalar factor: the normaliser's inverse, times the clipping's where the norm
             # is above the threshold; on ZeRO storage applied inside the optimizer's own branch
             # (`_apply_apart`)
@@ -434,19 +435,26 @@ def make_train_step(
         # (`_deterministic_grad_fn`; the leaves of `in_storage` as their storage tier already),
         # else in the ZeRO storage (`make_grad_fn`)
         whole = stage < 2 or cfg.deterministic
-        p_opt = state.params if stage in (0, 3) else layout.to_storage(state.params, mesh)
-        g_opt = layout.to_storage(grads, mesh, in_storage) if stage > 0 and whole else grads
-        if cfg.deterministic and stage > 0:
-            new_p, opt_state = _apply_apart(tx, g_opt, state.opt_state, p_opt, state.step, scale)
-        else:
-            updates, opt_state = tx.update(g_opt, state.opt_state, p_opt)
-            new_p = optax.apply_updates(p_opt, updates)
-        params = layout.from_storage(new_p, mesh) if stage in (1, 2) else new_p
+        with jax.named_scope("to_storage"):
+            p_opt = state.params if stage in (0, 3) else layout.to_storage(state.params, mesh)
+            g_opt = (layout.to_storage(grads, mesh, in_storage) if stage > 0 and whole
+                     else grads)
+        with jax.named_scope("optimizer"):
+            if cfg.deterministic and stage > 0:
+                new_p, opt_state = _apply_apart(tx, g_opt, state.opt_state, p_opt, state.step,
+                                                scale)
+            else:
+                updates, opt_state = tx.update(g_opt, state.opt_state, p_opt)
+                new_p = optax.apply_updates(p_opt, updates)
+        with jax.named_scope("from_storage"):
+            params = layout.from_storage(new_p, mesh) if stage in (1, 2) else new_p
         new = TrainState(state.step + 1, params, opt_state)
+        with jax.named_scope("checksums"):
+            checksums = layout.stacked_checksums(new, mesh)
         metrics = {
             "loss": loss,
             "grad_norm": norm if cfg.deterministic else optax.tree.norm(g_opt),
-            "checksums": layout.stacked_checksums(new, mesh),
+            "checksums": checksums,
         }
         return new, metrics
 
