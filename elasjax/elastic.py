@@ -501,8 +501,12 @@ class ElasticState:
         """(your step, the checksum function) lowered for the state on `mesh`."""
         abstract = self._abstract(mesh)
         step = self._make_step(mesh).lower(abstract, self._batch_fn(mesh))
+        return step, self._lowered_checksums(mesh, abstract)
+
+    def _lowered_checksums(self, mesh: Mesh, abstract=None):
+        """The state's checksums on `mesh` (each device hashing its own blocks), lowered."""
         sums = jax.jit(functools.partial(checksum.tree_checksums, shardings=self.shardings(mesh)))
-        return step, sums.lower(abstract)
+        return sums.lower(self._abstract(mesh) if abstract is None else abstract)
 
     def _commit_sums(self):
         """The checksums `commit` takes: compiled once per mesh for your shardings, so each
@@ -519,8 +523,7 @@ class ElasticState:
         """The state's checksums on `mesh`, one compiled program (what `recover` verifies
         with when no standby built it; compiled in its compile phase, so that `verify_s` is the
         verification alone)."""
-        sums = jax.jit(functools.partial(checksum.tree_checksums, shardings=self.shardings(mesh)))
-        return sums.lower(self._abstract(mesh)).compile()
+        return self._lowered_checksums(mesh).compile()
 
     def executable(self):
         """Your step compiled for the current mesh (after `standby`)."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -217,7 +219,8 @@ def import_modules(names: Sequence[str]) -> None:
 
 def worker_main(args: argparse.Namespace) -> int:
     """One process of a job (`python -m elasjax.launch.process ...`, which the local launcher
-    starts, and `elasjax launch --coordinator ...` on a cluster): join it and train."""
+    starts, and `elasjax launch --coordinator ...` on a cluster): join it and train. A finished
+    run ends the process here (`_leave`); an error is raised to the caller."""
     import_modules(args.imports)
     cfg = load(args.config, args.set)  # its `launch` section: the flags given win over it
     rc = RuntimeConfig(
@@ -227,7 +230,24 @@ def worker_main(args: argparse.Namespace) -> int:
         **resolve_settings(cfg.launch, settings_of(args)),
     )
     kills = [KillSpec.parse(k) for k in args.kill]
-    return run_worker(cfg, rc, args.out, kills, args.hooks)
+    _leave(run_worker(cfg, rc, args.out, kills, args.hooks))
+
+
+def _leave(code: int):
+    """End a worker that finished its run, closed what it owns (the trainer's files, its
+    checkpoint manager, its snapshots) and left the job, without joining threads it does not
+    own. Orbax's save thread of a checkpoint manager dropped at a recovery
+    (`Checkpointer.reopen`) waits at barriers that include the dead process; Python joins such
+    threads before it exits, and a survivor that had committed the checkpoint (Orbax's primary
+    host) outlived the run until the launcher SIGKILLed it 20 s later, one death counted as two
+    (tests/test_multiprocess.py::
+    test_the_baselines_recover_a_sigkill_under_launch_as_they_do_in_one_process, its
+    checkpoint_restart case; experiments/RESULTS.md, "A survivor held at exit by a dropped
+    checkpoint manager")."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
