@@ -311,7 +311,6 @@ def _merged(index, branches, regs: tuple, x) -> tuple:
     if len(branches) == 1:
         return branches[0](regs, x)
     outs = [b(regs, x) for b in branches]
-    index = index.astype(jnp.int32)
 
     def pick(i):
         cands = [o[i] for o in outs]

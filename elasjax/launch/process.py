@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 
@@ -217,7 +218,7 @@ def import_modules(names: Sequence[str]) -> None:
         import_user_module(name)
 
 
-def worker_main(args: argparse.Namespace) -> int:
+def worker_main(args: argparse.Namespace) -> NoReturn:
     """One process of a job (`python -m elasjax.launch.process ...`, which the local launcher
     starts, and `elasjax launch --coordinator ...` on a cluster): join it and train. A finished
     run ends the process here (`_leave`); an error is raised to the caller."""
@@ -233,7 +234,7 @@ def worker_main(args: argparse.Namespace) -> int:
     _leave(run_worker(cfg, rc, args.out, kills, args.hooks))
 
 
-def _leave(code: int):
+def _leave(code: int) -> NoReturn:
     """End a worker that finished its run, closed what it owns (the trainer's files, its
     checkpoint manager, its snapshots) and left the job, without joining threads it does not
     own. Orbax's save thread of a checkpoint manager dropped at a recovery
