@@ -101,3 +101,49 @@ def test_the_layer_loop_recomputes_all_but_its_products_and_the_gradient_stays()
     assert "remat" in text_dots or "checkpoint" in text_dots
     assert "remat" not in text_none and "checkpoint" not in text_none
     _close(g_dots, g_none)
+
+
+def test_the_deterministic_step_gives_plain_value_and_grads_numbers(tmp_path):
+    """An absolute check of the deterministic mode (the bitwise tests only compare it with
+    itself, so a scale error common to every mesh would pass them): its first step on the
+    default 4 x 2 mesh, ZeRO-1, clipped, against a plain `jax.value_and_grad` of the same global
+    batch on one device (the model's weighted loss over the real tokens, the same per-sample
+    keys, `optax.clip_by_global_norm`): the loss and gradient norm within the contract's 1e-5,
+    and Adam's moments after the step (0.1 x the clipped gradient and 0.05 x its square: the
+    gradient itself, scale included) within 1e-5 of each leaf's largest value."""
+    import jax.numpy as jnp
+    import optax
+
+    from elasjax.core import rng
+    from elasjax.loop import trainer
+    from elasjax.observe.metrics import read_jsonl
+
+    cfg = tiny_config("train.deterministic=true", "zero.stage=1", "train.steps=1", "faults=[]",
+                      "train.grad_clip=0.5")
+    run = trainer.run(cfg, tmp_path)
+    met = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    f = StateFactory(cfg, make_optimizer(cfg))
+    adam = jax.device_get(jax.jit(f.layout(run.final_plan).to_canonical)(run.state)).opt_state[1][0]
+
+    dp = DataPipeline(cfg.data, cfg.model, cfg.rng, cfg.train.global_batch)
+    one = planner.plan_for_shape([0], TOPO, cfg, data=1, tensor=1, microbatches=1)
+    # the whole global batch as one array (the micro-batches the pipeline deals, side by side)
+    mb = {k: v.reshape((-1,) + v.shape[2:]) for k, v in dp.batch(0, one).arrays().items()}
+    assert mb["weights"].sum() == cfg.train.global_batch
+    params = jax.device_get(f.init(make_mesh({"data": 1}, [DEVS[0]])).params)
+
+    def loss_fn(p):
+        keys = rng.sample_keys(rng.step_key(rng.root_key(cfg.train.seed), 0), mb["key_ids"])
+        total = f.model.loss(p, mb, keys, mb["weights"], False)
+        return total / jnp.sum(mb["weights"] * mb["counts"])
+
+    loss, g = jax.jit(jax.value_and_grad(loss_fn))(params)
+    norm = float(optax.tree.norm(g))
+    clipped = jax.tree.map(lambda x: x * min(1.0, cfg.train.grad_clip / norm), g)
+    assert norm > cfg.train.grad_clip  # the step clipped
+    assert abs(met["loss"] - float(loss)) <= 1e-5 * abs(float(loss)), (met["loss"], float(loss))
+    assert abs(met["grad_norm"] - norm) <= 1e-5 * norm, (met["grad_norm"], norm)
+    for got, want in ((adam.mu, jax.tree.map(lambda x: 0.1 * x, clipped)),
+                      (adam.nu, jax.tree.map(lambda x: 0.05 * x * x, clipped))):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))))

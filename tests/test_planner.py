@@ -202,3 +202,38 @@ def test_a_default_deterministic_mode_gives_way_where_its_tensor_degree_fits_no_
                                "parallel.data=1", "parallel.tensor=2", "train.deterministic=true"])
     with pytest.raises(NoPlanError, match="train.deterministic = true, which keeps the tensor"):
         replan([0], topo, asked, init, init)
+
+
+def test_the_deterministic_mode_keeps_a_several_device_run_off_one_device():
+    """A one-device program is compiled without XLA's SPMD partitioner and its gradient comes
+    out with other bits (`planner.one_device`): after the ZeRO demo (8 x 1, deterministic as
+    written) loses all but one device, a config that asks for the mode gets a `NoPlanError`
+    saying why, the default's mode gives way (the loop warns that the bits end there), and
+    growth never crosses the line either way."""
+    from pathlib import Path
+
+    from elasjax.plan.planner import growth_plan, one_device
+
+    path = str(Path(__file__).parents[1] / "configs" / "demo_zero.yaml")
+    topo = Topology(tuple(range(8)), 2)
+    asked = config.load(path, ["train.deterministic=true"])
+    default = config.load(path, [])
+    assert default.deterministic and default.train.deterministic == "auto"
+    for cfg in (asked, default):
+        init = initial_plan(topo, cfg)
+        two = replan([2, 4], topo, cfg, init, init)
+        assert two.n_devices == 2 and not one_device(two)
+        with pytest.raises(NoPlanError, match="one_device"):
+            replan([2], topo, cfg, two, init, give_way=False)
+    with pytest.raises(NoPlanError, match="one_device"):
+        replan([2], topo, asked, two, initial_plan(topo, asked))
+    init = initial_plan(topo, default)
+    assert one_device(replan([2], topo, default, two, init))  # given way
+    # a run that started on one device stays on one device, and one that started on 8 grows
+    # back from 2 to 8
+    one = config.load(path, ["parallel.data=-1", "parallel.devices=1"])
+    solo = initial_plan(Topology((0,), 1), one)
+    g = growth_plan(list(range(8)), topo, one, solo, solo)
+    assert not g.grow and one_device(g.best), g
+    g = growth_plan(list(range(8)), topo, default, two, init)
+    assert g.grow and g.best.n_devices == 8, g

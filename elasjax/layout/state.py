@@ -600,17 +600,27 @@ class StateLayout:
         reduces its own block and a `psum` over the axes a leaf is sharded on (tensor, of a
         fixed degree) completes it: every sum is over the same elements on every plan. A
         device's block, flattened, is cut in tiles of `_tile` elements (a power of two, whole
-        tiles per layer); each tile is summed on its own, and a layer's tile sums are added in
-        a balanced binary tree (`_pairwise`). The leaves named in `chunked` come as their ZeRO
-        storage tier instead (`summed_in_storage`: replica r holds elements [r * c, (r + 1) *
-        c) of the block, whole tiles): each replica sums its own tiles and one small
+        tiles per layer); each tile is summed in a balanced binary tree of additions
+        (`_pairwise`), and so are a layer's tile sums. The leaves named in `chunked` come as
+        their ZeRO storage tier instead (`summed_in_storage`: replica r holds elements [r * c,
+        (r + 1) * c) of the block, whole tiles): each replica sums its own tiles and one small
         `all_gather` over `data` puts the tile sums together, the same numbers the whole block
-        gives, whatever the replica count (tests/test_deterministic_zero.py).
+        gives, whatever the replica count (tests/test_deterministic_zero.py,
+        tests/test_treesum.py::test_the_norm_of_chunks_is_the_norm_of_the_whole_leaf).
+
+        Every addition is spelled out because XLA:CPU's own reduce is not a fixed order: the
+        sums of the rows of a `[k, 256]` array came out different for different k (28 of 64
+        tile sums of a 16384-element leaf between the whole leaf and its eighths), so a
+        replica's chunk and the whole leaf gave norms 1 ulp apart, and with it every clipped
+        step after a shrink (experiments/RESULTS.md, "The norm's tiles and XLA's reduce"). The
+        squares are made in a branch of their own, apart from the additions: fused with them,
+        XLA:CPU contracted a multiply and an add into one FMA for some shapes and not for
+        others.
 
         Left to GSPMD, the sums were split over sub-groups of the data axis (pairs and quads
         of replicas): partial sums that depend on the replica count (so did every clipped
         gradient), and gloo communicators among some survivors of a failure, which oblige the
-        launch runtime to renew its CPU client (`runtime.collectives`). The tile sums run in a
+        launch runtime to renew its CPU client (`runtime.collectives`). The squares are made in a
         conditional's branch (its predicate, `step >= 0`, never false but unknown to the
         compiler), compiled on its own: fused with the gradient's producers, the same sums over
         the same elements came out 1 ulp apart on 6 and 8 replicas where the norm also fed the
@@ -642,17 +652,16 @@ class StateLayout:
         in_specs = [treesum.chunk_spec(s) if p in chunked else s
                     for p, s in zip(paths, spec_leaves)]
 
-        def tile_sums(blocks):
-            return tuple(jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(-1, t), axis=1)
-                         for g, (_, t) in zip(blocks, shapes))
+        def squares(blocks):
+            return tuple(jnp.square(g.astype(jnp.float32)) for g in blocks)
 
         def local(n, *blocks):
-            sums = jax.lax.cond(
-                n >= 0, tile_sums,
+            sq = jax.lax.cond(
+                n >= 0, squares,
                 lambda bs: tuple(jnp.zeros(p.shape, p.dtype)
-                                 for p in jax.eval_shape(tile_sums, bs)),
+                                 for p in jax.eval_shape(squares, bs)),
                 blocks)
-            sums = list(sums)
+            sums = [_pairwise(s.reshape(-1, t)) for s, (_, t) in zip(sq, shapes)]
             at = [i for i, p in enumerate(paths) if p in chunked]
             if at and mesh.shape[DATA] > 1:  # each replica's tiles, in rank order
                 got = all_gather_packed([sums[i][None] for i in at], DATA, [0] * len(at))

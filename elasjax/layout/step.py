@@ -364,9 +364,12 @@ def _pipelined_grad_fn(cfg: Config, mesh: Mesh, layout: StateLayout):
 
 
 def _apply_apart(tx, grads, opt_state, params, step, scale):
-    """`tx`'s update applied to ZeRO storage in kernels of their own, for deterministic mode,
-    the gradient first multiplied by `scale` (a scalar: the normaliser's inverse and the
-    clipping's factor, `make_train_step`).
+    """`tx`'s update applied in kernels of their own, for deterministic mode, the gradient first
+    multiplied by `scale` (a scalar: the normaliser's inverse and the clipping's factor,
+    `make_train_step`). ZeRO-0 too: on a pipeline the parameters are layer slots whose shape
+    changes with the stage count, and fused with the step around it the update's multiply of
+    the gradient by `scale` changed Adam's moments by 1 ulp on the pipeline demo's fast path
+    (d2s4 -> d1s4 at its first failure: experiments/RESULTS.md, "The bitwise sweep").
 
     On storage, each device's optimizer arrays change length and provenance with the replica
     count, and XLA fuses the storage conversion into the optimizer's kernels. XLA:CPU contracts
@@ -422,13 +425,11 @@ def make_train_step(
                 norm = layout.fixed_order_norm(grads, mesh, grad_specs, state.step,
                                                in_storage) / n_tokens
             # one scalar factor: the normaliser's inverse, times the clipping's where the norm
-            # is above the threshold; on ZeRO storage applied inside the optimizer's own branch
+            # is above the threshold; applied inside the optimizer's own branch
             # (`_apply_apart`)
             scale = (1.0 / n_tokens).astype(jnp.float32)
             if clip > 0:
                 scale = scale * jnp.where(norm < clip, 1.0, clip / norm).astype(jnp.float32)
-            if stage == 0:
-                grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         else:
             loss, grads = grad_fn(state.params, batch, state.step)
         # the gradient comes in parameter form for ZeRO-0/1 and in deterministic mode
@@ -440,7 +441,7 @@ def make_train_step(
             g_opt = (layout.to_storage(grads, mesh, in_storage) if stage > 0 and whole
                      else grads)
         with jax.named_scope("optimizer"):
-            if cfg.deterministic and stage > 0:
+            if cfg.deterministic:
                 new_p, opt_state = _apply_apart(tx, g_opt, state.opt_state, p_opt, state.step,
                                                 scale)
             else:

@@ -128,6 +128,9 @@ class Stepper:
             "step_time_s": dt,
             "grad_norm": gnorm,
             "batch_digest": f.digest,
+            # the state this step produced, as `end`'s state_digest says it of the last one: two
+            # runs compare step by step, bit for bit (`elasjax compare`, elasjax.bench.bitwise)
+            "state_digest": checksum.digest(ls.good),
         }
         if f.redo:
             rec["redo"] = True

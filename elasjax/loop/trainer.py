@@ -69,7 +69,7 @@ from ..observe.report import (
 )
 from ..observe.tensorboard import TensorBoardWriter
 from ..plan.contingencies import Contingencies
-from ..plan.planner import initial_plan
+from ..plan.planner import initial_plan, one_device
 from ..runtime.base import Runtime
 from ..runtime.faults import IN_PROCESS, resolve_schedule
 from ..runtime.inprocess import DeviceFailure, InProcessRuntime
@@ -445,9 +445,12 @@ class Trainer:
         growing = ls.cutover if ls.cutover is not None and ls.cutover.kind == "growth" else None
         ls.cutover = None
         r = self.recovery.recover(pos, ls.pool, failure, during)
-        if self.cfg.deterministic and r.pos.plan.tensor != pos.plan.tensor:
+        if self.cfg.deterministic and (r.pos.plan.tensor != pos.plan.tensor
+                                       or one_device(r.pos.plan) != one_device(pos.plan)):
             # `planner.replan`: a mode only the default chose gives way rather than end the run
-            msg = (f"step {step}: no plan with tensor degree {pos.plan.tensor} fits the "
+            keeps = (f"tensor degree {pos.plan.tensor}" if r.pos.plan.tensor != pos.plan.tensor
+                     else "as many devices as the bits need (`planner.one_device`)")
+            msg = (f"step {step}: no plan with {keeps} fits the "
                    f"{len(r.pos.live)} live devices; the run goes on as {r.pos.plan.name}, no "
                    "longer bitwise equal to the fault-free run (within 1e-5 per step, as in the "
                    "default mode)")

@@ -15,11 +15,11 @@ def _first_recovery(run_dir: Path) -> int | None:
     return min(steps) if steps else None
 
 
-def _digests(run_dir: Path) -> dict[int, str]:
+def _digests(run_dir: Path, key: str = "batch_digest") -> dict[int, str]:
     out = {}
     for r in read_jsonl(run_dir / "metrics.jsonl"):
-        if "batch_digest" in r:
-            out[int(r["step"])] = r["batch_digest"]
+        if key in r:
+            out[int(r["step"])] = r[key]
     return out
 
 
@@ -71,6 +71,11 @@ def compare_runs(run: str | Path, reference: str | Path, common_steps: bool = Fa
     da, dref = _digests(run), _digests(reference)
     common = set(da) & set(dref)
     out["batches_identical"] = bool(common) and all(da[s] == dref[s] for s in common)
+    # the first step after which the states differ (each step's state digest), None: none
+    sa, sref = _digests(run, "state_digest"), _digests(reference, "state_digest")
+    both = sorted(set(sa) & set(sref))
+    if both:
+        out["first_state_difference"] = next((s for s in both if sa[s] != sref[s]), None)
     out["steps_only_in_one"] = sorted(set(losses_by_step(run)) ^ set(losses_by_step(reference)))
     return out
 
@@ -99,6 +104,10 @@ def format_report(r: dict) -> str:
             "final parameters and optimizer state bitwise identical (checksums): "
             + ("yes" if r["final_state_identical"] else "no")
         )
+    if "first_state_difference" in r:
+        s = r["first_state_difference"]
+        lines.append("state after every step bitwise identical (checksums): "
+                     + ("yes" if s is None else f"no, first at step {s}"))
     if r["steps_only_in_one"]:
         lines.append(f"steps logged in only one run (not compared): {r['steps_only_in_one'][:10]}"
                      + (" ..." if len(r["steps_only_in_one"]) > 10 else ""))

@@ -448,6 +448,8 @@ def fast_path_plan(
     if previous.canonical_micro:  # deterministic mode: the canonical micro-batches, dealt out
         m = ceil_div(ceil_div(B, b), D)
     used = tuple(d for g in intact for d in g)
+    if cfg.deterministic and len(used) == 1 < previous.n_devices:
+        return None  # off one device the bits change (`one_device`): the optimal plan instead
     spare = tuple(d for d in live_ids if d not in used)
     cost = _cost(prof, hw, D, previous.tensor, previous.stage, m, b, previous.partition)
     plan = Plan(
@@ -513,11 +515,14 @@ def replan(
     previous: Plan,
     initial: Plan,
     hw: HardwareConfig | None = None,
+    give_way: bool = True,
 ) -> Plan:
     """The plan after a membership change. Micro-batches never grow beyond the initial plan's
     (or `train.max_micro_batch`), so activation memory per device does not grow. With hot spares
     (`parallel.spares`) a spare host takes each lost host's place while enough are left
-    (`substitute_spares`): the same plan on other devices."""
+    (`substitute_spares`): the same plan on other devices. In deterministic mode the plan keeps
+    the tensor degree and `one_device` of the initial plan; where none does, a mode the default
+    chose gives way (`give_way`) and one the config asked for raises `NoPlanError`."""
     if not live_ids:
         raise NoPlanError("no live devices are left; the job cannot continue")
     if cfg.parallel.spares:  # hot spares: keep the shape while a spare host is left
@@ -538,18 +543,35 @@ def replan(
         )
 
     ranked = ranked_over(tensors)
-    if not ranked and not keep and cfg.deterministic and deterministic_by_default(cfg):
+    if cfg.deterministic:
+        ranked = [r for r in ranked if one_device(r[0]) == one_device(initial)]
+    if not ranked and cfg.deterministic and deterministic_by_default(cfg) and give_way:
         # a mode only the default chose gives way rather than end the run: the loop says that
         # bitwise equality ends here (`Trainer._on_failure`; test_config.py, the tensor test)
-        ranked = ranked_over(allowed)
+        ranked = ranked_over(tensors if keep else allowed)
     if not ranked:
-        why = (" and train.deterministic = true, which keeps the tensor degree"
-               if cfg.deterministic and not keep else "")
+        why = ""
+        if cfg.deterministic:
+            why = (" and train.deterministic = true, which keeps the tensor degree"
+                   if not keep else " and train.deterministic = true")
+            why += (", and a run on several devices off one device, and one on one device on it"
+                    " (`planner.one_device`)")
         raise NoPlanError(
             f"no layout fits {len(live_ids)} live devices with tensor degree in {tensors} "
             f"(parallel.replan = {cfg.parallel.replan!r}{why})"
         )
     return with_zero(ranked[0][0], cfg, previous)
+
+
+def one_device(plan: Plan) -> bool:
+    """Does `plan` run on a single device? Its program is then compiled without XLA's SPMD
+    partitioner (and JAX lowers the step's `shard_map`s inline), and XLA:CPU fused its
+    gradient differently: the same canonical micro-batch's gradient came out with other bits
+    on one device than on 2 to 8 (where it is the same), so the deterministic mode keeps a run
+    that started on several devices off one device, and one that started on one device on it
+    (`replan`; experiments/RESULTS.md, "The bitwise sweep": the ZeRO demo's 8 -> 1 device
+    shrink). Several devices with one data replica (`d1t2`, `d1s3`) partition as any other."""
+    return plan.n_devices == 1
 
 
 def _order(options, prefer_tensor: int):
@@ -607,7 +629,11 @@ def growth_plan(
     predicts it at least `recovery.grow_min_gain` (relative) faster than `current`: growth is
     never forced onto a plan that is not better."""
     hw = hw or cfg.hardware
-    best = replan(live_ids, topo, cfg, current, initial, hw)
+    try:  # growth never gives the deterministic mode's bits away (`replan`)
+        best = replan(live_ids, topo, cfg, current, initial, hw, give_way=False)
+    except NoPlanError as e:
+        s = predict_step_s(current, cfg, hw)
+        return Growth(current, s, s, False, f"no plan to grow to keeps the bits: {e}")
     g = Growth(best, predict_step_s(current, cfg, hw), predict_step_s(best, cfg, hw), False, "")
     need = cfg.recovery.grow_min_gain
     if best.compile_key == current.compile_key:

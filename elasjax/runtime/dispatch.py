@@ -9,14 +9,18 @@ trainer's executions form one chain almost always; an evaluation or checksum bes
 step does not. The setting (`jax_cpu_enable_async_dispatch = False`) is read
 when JAX's CPU client starts and changes nothing on other backends.
 
-XLA:CPU of jaxlib 0.11 and later has a second deadlock of the same kind inside one execution:
-its concurrency-optimised scheduler lets each rank run two independent all-reduces at once, and
-when the ranks that arrived hold every thread of its pool the others never start (8 threads
-waiting, ranks 0-1 at one all-reduce and 0-5 at the other; examples/classifier_loop.py aborted in
-5 of 15 runs on jax 0.12 and in none of 16 with that scheduler off: experiments/RESULTS.md, "The
-newest-JAX smoke's deadlock again"). A runtime that starts before JAX's backends therefore also
-turns that scheduler off there (`SERIAL_COLLECTIVES_FLAG` in `XLA_FLAGS`, unless the user set
-it); jaxlib 0.10's XLA is left as it is (never seen there).
+XLA:CPU has a second deadlock of the same kind inside one execution: its concurrency-optimised
+scheduler lets each rank run two independent collectives at once, and when the ranks that
+arrived hold every thread of its pool the others never start (8 threads waiting, ranks 0-1 at
+one all-reduce and 0-5 at the other; examples/classifier_loop.py aborted in 5 of 15 runs on jax
+0.12 and in none of 16 with that scheduler off: experiments/RESULTS.md, "The newest-JAX smoke's
+deadlock again"). jaxlib 0.10's XLA:CPU has it too: the pipeline demo's deterministic run with
+two failures aborted after its first step ("Termination timeout for all reduce ... of 40
+seconds", the other ranks in a collective permute of the same execution) and ran to the end
+with the scheduler off (experiments/RESULTS.md, "The pipeline demo's abort on jax 0.10.2"). A
+runtime that starts before JAX's backends therefore turns that scheduler off on every jaxlib
+elasjax supports (`SERIAL_COLLECTIVES_FLAG` in `XLA_FLAGS`, unless the user set it; the flag
+exists from jaxlib 0.10 on).
 
 Importing elasjax changes no JAX setting. A runtime sets this one when it starts, if JAX's
 backends have not started yet, and says so (`require_sync_cpu_dispatch`); a program that touches
@@ -46,12 +50,13 @@ SERIAL_COLLECTIVES_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=fals
 
 
 def _scheduler_runs_collectives_at_once() -> bool:
-    """Is this jaxlib's XLA:CPU one whose scheduler runs a rank's collectives at once (0.11+)?"""
+    """Is this jaxlib's XLA:CPU one whose scheduler may run a rank's collectives at once, and
+    which knows `SERIAL_COLLECTIVES_FLAG` (0.10 on: an unknown flag aborts XLA at start)?"""
     try:
         major, minor = (int(x) for x in version("jaxlib").split(".")[:2])
     except (PackageNotFoundError, ValueError):
         return False
-    return (major, minor) >= (0, 11)
+    return (major, minor) >= (0, 10)
 
 
 def order_cpu_collectives() -> bool:
