@@ -230,7 +230,7 @@ def test_down_and_back_ends_on_the_eight_device_plan_within_tolerance(exe_cache,
     eight = planner.replan(list(range(8)), TOPO, cfg, planner.initial_plan(TOPO, cfg),
                            planner.initial_plan(TOPO, cfg))
     assert new == eight.name and grow["n_devices"] == 8 and 6 <= grow["step"] <= 8
-    assert grow["verified"] and grow["bytes_moved"] > 0
+    assert grow["verify"]["leaves"] > 0 and grow["bytes_moved"] > 0
     assert grow["stall_s"] == pytest.approx(
         grow["compile_wait_s"] + grow["transfer_s"] + grow["verify_s"])
 
@@ -246,7 +246,7 @@ def test_down_and_back_ends_on_the_eight_device_plan_within_tolerance(exe_cache,
 
     # the second failure of device 3 recovers from the 8-device plan
     assert [(r.step, r.failed_devices) for r in run.recoveries] == [(2, [3]), (4, [0, 1]), (10, [3])]
-    assert run.recoveries[2].from_plan == new and run.recoveries[2].verified
+    assert run.recoveries[2].from_plan == new and run.recoveries[2].verify["leaves"] > 0
     m = read_jsonl(tmp_path / "metrics.jsonl")
     n = [r["n_devices"] for r in m]
     assert n[:2] == [8, 8] and n[2:4] == [7, 7] and n[4:6] == [5, 5]
@@ -277,9 +277,9 @@ def test_growth_cuts_over_at_once_to_a_compiled_earlier_plan_then_to_the_best(ex
     assert join["grow"] and join["best_plan"] == eight.name and interim == init.name != seven
     first, second = run.growths
     assert (first["step"], first["from_n_devices"], first["to_plan"]) == (6, 5, interim)
-    assert first["compile_wait_s"] == 0.0 and first["verified"]
+    assert first["compile_wait_s"] == 0.0 and first["verify"]["leaves"] > 0
     assert second["from_plan"] == interim and second["to_plan"] == eight.name
-    assert 6 < second["step"] <= 8 and second["verified"]
+    assert 6 < second["step"] <= 8 and second["verify"]["leaves"] > 0
     assert not {0, 1, 3} & set(first["sources"])  # the returned devices held nothing
     m = [r["n_devices"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert m[6:second["step"]] == [8] * (second["step"] - 6)
@@ -360,7 +360,8 @@ def test_deterministic_down_and_back_is_bitwise_equal():
     assert run.plans[0] == run.plans[-1] == ref.plans[0]  # d4t2 again
     assert [p.split("m")[0] for p in run.plans] == ["d4t2", "d3t2", "d4t2"]
     (grow,) = run.growths
-    assert grow["step"] <= 6 and grow["verified"] and not {0, 1} & set(grow["sources"])
+    assert grow["step"] <= 6 and grow["verify"]["leaves"] > 0
+    assert not {0, 1} & set(grow["sources"])
     assert run.losses == ref.losses
     assert run.checksums == ref.checksums
     assert checksum.digest(run.checksums) == checksum.digest(ref.checksums)

@@ -38,11 +38,12 @@ def test_zero1_pipeline_failure_async_migration_matches_fault_free(exe_cache):
     flow = [(r.step, r.from_plan, r.to_plan, r.rung) for r in asyn.recoveries] + [
         (m["step"], m["from_plan"], m["to_plan"]) for m in asyn.migrations]
     assert a_ev.migration == "async" and a_ev.to_plan.startswith("d1s4")
-    assert a_ev.rung == "buddy" and a_ev.bytes_kept_in_place > 0 and a_ev.verified
-    assert mig["to_plan"] == a_ev.optimal_plan and mig["step"] in (4, 5) and mig["verified"]
+    assert a_ev.rung == "buddy" and a_ev.bytes_kept_in_place > 0
+    assert mig["to_plan"] == a_ev.optimal_plan and mig["step"] in (4, 5)
+    assert mig["verify"]["leaves"] > 0 and a_ev.verify["leaves"] > 0
     # the second failure hits the plan the cut-over just installed, at the cut-over step
     assert c_ev.step == mig["step"] and c_ev.from_plan == a_ev.optimal_plan, flow
-    assert c_ev.verified, flow
+    assert c_ev.verify["leaves"] > 0, flow
     assert c_ev.rung in ("replica", "buddy") and c_ev.steps_lost == 0, flow
     assert asyn.final_plan.zero_stage == 1
     assert all(3 not in log.sources() for log in asyn.transfer_logs)

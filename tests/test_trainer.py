@@ -54,7 +54,8 @@ def test_checkpoint_rung_equals_restart_from_checkpoint(exe_cache, tmp_path):
     ck = lambda d: [f"checkpoint.dir={d}", "checkpoint.every=4", "checkpoint.keep=10"]
     faulted = _run(exe_cache, tmp_path / "a", *ck(tmp_path / "ck_a"), KILL_TENSOR_SLICE)
     (ev,) = faulted.recoveries
-    assert (ev.rung, ev.resumed_at_step, ev.steps_lost, ev.verified) == ("checkpoint", 4, 2, True)
+    assert (ev.rung, ev.resumed_at_step, ev.steps_lost) == ("checkpoint", 4, 2)
+    assert ev.verify["leaves"] > 0 and ev.verify["digest_before"] == ev.verify["digest_after"]
     redo = [r for r in read_jsonl(tmp_path / "a" / "metrics.jsonl") if r.get("redo")]
     assert [r["step"] for r in redo] == [4, 5]
     # A fault-free run's step-4 checkpoint, restarted in a new run:

@@ -46,7 +46,7 @@ def test_zero_through_failures_matches_fault_free(exe_cache, reference, stage):
     )
     assert [int(p.split("t")[0][1:]) for p in s.plans] == ([8, 7, 5] if stage == 3 else [8, 7, 5, 3])
     for r in s.recoveries:
-        assert r.verified and r.rung == "buddy" and r.steps_lost == 0
+        assert r.verify["leaves"] > 0 and r.rung == "buddy" and r.steps_lost == 0
         if stage == 1:
             assert r.bytes_kept_in_place > 0  # surviving partitions never move
     # relayout: every plan one fresh tier (`Plan.name` ends in the tier count)
@@ -70,7 +70,7 @@ def test_zero2_contiguous_trains_through_a_failure(exe_cache, reference):
         exe_cache=exe_cache,
     )
     (r,) = s.recoveries
-    assert s.plans[-1].startswith("d7") and r.verified and r.rung == "buddy"
+    assert s.plans[-1].startswith("d7") and r.verify["leaves"] > 0 and r.rung == "buddy"
     assert r.steps_lost == 0 and r.bytes_moved > 0
     for step in range(12):
         rel = abs(s.losses[step] - reference.losses[step]) / reference.losses[step]
@@ -106,7 +106,7 @@ def test_flipped_byte_in_the_newest_snapshot_is_refused_and_the_next_rung_used(
         tmp_path, exe_cache=exe_cache,
     )
     (ev,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "recovery"]
-    assert ev["rung"] == "host" and ev["verified"] and ev["steps_lost"] == 0
+    assert ev["rung"] == "host" and ev["verify"]["leaves"] > 0 and ev["steps_lost"] == 0
     (refused,) = ev["refused_snapshots"]
     assert "checksum" in refused and f"buddy copy of '{flipped[0]}'" in refused
     for step in range(12):
@@ -168,7 +168,7 @@ def test_a_device_that_changes_tensor_rank_keeps_nothing_in_place(exe_cache):
         exe_cache=exe_cache,
     )
     assert [r.to_plan.split(".")[0] for r in s.recoveries] == ["d3t2m3b1+1spare", "d3t2m3b1"]
-    assert all(r.verified and r.rung == "buddy" for r in s.recoveries)
+    assert all(r.verify["leaves"] > 0 and r.rung == "buddy" for r in s.recoveries)
 
 
 def test_host_copies_taken_on_the_training_thread_keep_the_shardings_whole(exe_cache, reference,
@@ -184,7 +184,7 @@ def test_host_copies_taken_on_the_training_thread_keep_the_shardings_whole(exe_c
     cfg = tiny_config(*COMMON, "zero.stage=1", "snapshot.buddy=false", "snapshot.host=true",
                       "faults=[{at_step: 3, devices: [3]}]")
     run = trainer.run(cfg, exe_cache=exe_cache)
-    assert len(run.recoveries) == 1 and run.recoveries[0].verified
+    assert len(run.recoveries) == 1 and run.recoveries[0].verify["leaves"] > 0
     assert run.recoveries[0].rung == "host"
     for x in jax.tree.leaves(run.state):
         assert len(x.sharding.device_set) == x.sharding.num_devices > 0

@@ -155,4 +155,5 @@ class Admissions:
         new_pos, jev, pending = self.cutovers.join(
             dataclasses.replace(pos, state=new_state, good=actual), [event], paces, pending,
             stood_on)
+        jev.verify = done.compared.as_dict()
         return Welcomed(new_pos, new_pool, jev, pending)

@@ -241,7 +241,8 @@ class Cutovers:
             transfer_plan_s=tinfo["plan_s"],
             steps_on_fast_path=pos.step - pc.step,
             time_to_optimal_s=time.perf_counter() - pc.t_start,
-            verified=True,
+            verified=done.compared.verified,
+            verify=done.compared.as_dict(),
         )
         if growth:
             mig.joined_devices, mig.n_devices = list(pc.joined), target.n_devices

@@ -64,7 +64,7 @@ from ..transfer.shards import (
     uncovered,
 )
 from ..transfer.snapshot import SnapshotPool
-from ..transfer.verified import Protected, verify_and_protect
+from ..transfer.verified import Comparison, Protected, verify_and_protect
 
 # the loop's earlier name for the one error of a state that does not verify
 RecoveryVerificationError = StateMismatchError
@@ -101,6 +101,7 @@ class _Attempt:
     rung: str
     resume_at: int
     actual: dict  # the rebuilt state's checksums
+    compared: Comparison  # what its verification compared
     pool: Any  # the new plan's SnapshotPool, its first snapshot taken
     early: dict  # the transition planned before the failure: {"plan_hit", "plan_s"}
     tinfo: dict  # the transfer's own planning: {"plan_hit", "plan_s"}
@@ -391,8 +392,8 @@ class Recoverer:
         verify_s, snapshot_s = done.verify_s, done.snapshot_s
         return _Attempt(
             new_plan, optimal, keep, live, exe, got.hit, got.standby_hit, got.wait_s, new_state,
-            built.log, built.rung, resume_at, actual, new_pool, early, built.tinfo, plan_s,
-            compile_s, transfer_s, verify_s, snapshot_s,
+            built.log, built.rung, resume_at, actual, done.compared, new_pool, early,
+            built.tinfo, plan_s, compile_s, transfer_s, verify_s, snapshot_s,
         )
 
     def _event(self, pos: Position, a: _Attempt, failures: list, dead: set[int],
@@ -428,7 +429,8 @@ class Recoverer:
             runtime=self.rt.kind,
             failure_simulation=self.rt.failure_simulation,
             attempts=attempts,
-            verified=True,
+            verify=a.compared.as_dict(),
+            verified=a.compared.verified,
             resumed_at_step=a.resume_at,
             bytes_kept_in_place=log.kept_bytes,
             bytes_cross_process=log.cross_process_bytes,

@@ -194,6 +194,9 @@ class JoinEvent(Record):
     # generation, and the seconds of the admission, the shipping of executables and the move of
     # the state onto the new client
     rejoined: dict | None = dataclasses.field(default=None, metadata=OMIT_NONE)
+    # an admission: the comparison the state moved onto the new client passed (as a `recovery`'s
+    # `verify`: {"leaves", "bytes", "digest_before", "digest_after"})
+    verify: dict | None = dataclasses.field(default=None, metadata=OMIT_NONE)
 
 
 @dataclasses.dataclass(eq=False)
@@ -217,7 +220,12 @@ class CutoverEvent(Record):
     transfer_plan_s: float
     steps_on_fast_path: int
     time_to_optimal_s: float
+    # read off `verify`: leaves > 0 and digest_before == digest_after
     verified: bool
+    # the comparison the moved state passed (`transfer.verified.Comparison`): {"leaves" (leaf
+    # checksums compared), "bytes" (the state's bytes they cover), "digest_before" (digest of
+    # the state's checksums before the cut-over), "digest_after" (of the moved state's)}
+    verify: dict
     failure_step: int | None = dataclasses.field(default=None, metadata=OMIT_NONE)
     # growth only
     join_step: int | None = dataclasses.field(default=None, metadata=OMIT_NONE)

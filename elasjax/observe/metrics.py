@@ -39,8 +39,9 @@ class RecoveryRecord:
     was recovered (continue with step + 1), the devices that failed, the most expensive source
     any slice came from (`rung`: `replica` for surviving copies only, `buddy` or `host` for a
     snapshot, `checkpoint` for the newest checkpoint, after which `steps_lost` steps run
-    again), the bytes and copies moved, each phase's seconds, whether the rebuilt state was
-    verified against the checksums of the state it replaces, whether the new layout's
+    again), the bytes and copies moved, each phase's seconds, what the rebuilt state's
+    checksums were compared with (`verify`: those of the state it replaces) and whether they
+    were equal (`verified`, read off `verify`), whether the new layout's
     executable was ready when asked for (`standby_hit`; None: no standby), and the snapshot
     copies refused because they did not verify or were lost (only those the recovery
     needed)."""
@@ -54,6 +55,12 @@ class RecoveryRecord:
     compile_s: float
     transfer_s: float
     verify_s: float
+    # the comparison the rebuilt state passed (`transfer.verified.Comparison`): {"leaves" (leaf
+    # checksums compared), "bytes" (the state's bytes they cover), "digest_before" (digest of
+    # the checksums it had to have), "digest_after" (of those it has)}; a mismatch raises
+    # `StateMismatchError` instead, so no event records one
+    verify: dict = dataclasses.field(default_factory=dict)
+    # read off `verify`: leaves > 0 and digest_before == digest_after
     verified: bool = False
     steps_lost: int = 0
     standby_hit: bool | None = None
@@ -138,6 +145,7 @@ class RecoveryEvent(RecoveryRecord):
             retry_s=self.retry_s + failed_step_s + later.detect_s + later.retry_s,
             standby_hit=self.standby_hit and later.standby_hit,
             exe_cache_hit=self.exe_cache_hit and later.exe_cache_hit,
+            # `verify` stays `later`'s: the comparison of the state the run went on with
             verified=self.verified and later.verified,
             steps_lost=self.steps_lost + later.steps_lost,
             failed_phases=self.failed_phases + later.failed_phases,
@@ -397,12 +405,17 @@ def failure_costs(timeline: Timeline, initial_plan: str, wall_s: float
     standby and the cut-over's stall, and the steps redone from a checkpoint. A plan's pace is
     `paces`; after its first step at pace, later slow steps are not charged to the failure.
 
-    Goodput = useful steps x the initial plan's pace / wall time. Badput by cause: start-up
-    (to the first step), compile and recovery (the recoveries' phases before their first
-    steps), pauses, redone steps, slow steps (beyond their plan's pace, net of the steps below
-    it), capacity (a smaller
-    plan's pace beyond the initial one's, per step; negative where a plan is faster), and the
-    rest (host work between steps, evaluation, checkpoints, step-time jitter)."""
+    Goodput = useful steps x the initial plan's pace / wall time. Badput by cause, each
+    measured one >= 0: start-up (to the first step), compile and recovery (the recoveries'
+    phases before their first steps), pauses, redone steps, slow steps (beyond their plan's
+    pace, net of the steps below it; 0 where those outweigh, their gain then netted into the
+    rest), capacity (a plan's pace beyond the initial one's, per step), and the rest
+    (`other_s`: host work between steps, evaluation, checkpoints, step-time jitter). Time a
+    run gained is not a negative badput: a step on a plan faster than the initial one (a
+    smaller plan can run faster where the devices share cores: the demo on 2 cores), and steps
+    faster than their plan's median where those outweigh the slow ones, are reported apart,
+    `gained_s`. So `good_s + sum(badput) - gained_s == wall_s`, every badput >= 0
+    (tests/test_costs.py)."""
     pace = paces(timeline)
     # which plan each recovery ends on: the plan a later cut-over (before the next recovery)
     # installs, else its own
@@ -418,6 +431,7 @@ def failure_costs(timeline: Timeline, initial_plan: str, wall_s: float
     good_steps = 0
     bad = dict(startup_s=timeline.startup_s, compile_s=0.0, recovery_s=0.0, pauses_s=0.0,
                redone_s=0.0, slow_steps_s=0.0, capacity_s=0.0)
+    gained = 0.0  # steps faster than the pace they are held to: time gained, not badput
     s_ff = pace.get(initial_plan)
     for it in timeline.items:
         kind = it[0]
@@ -451,8 +465,9 @@ def failure_costs(timeline: Timeline, initial_plan: str, wall_s: float
                 continue
             good_steps += 1
             bad["slow_steps_s"] += dt - p  # signed: steps faster than the median net out
-            if s_ff is not None:
-                bad["capacity_s"] += p - s_ff
+            if s_ff is not None:  # each step apart: a faster plan offsets no slower one
+                bad["capacity_s"] += max(0.0, p - s_ff)
+                gained += max(0.0, s_ff - p)
             if open_ is None or open_["at_pace"]:
                 continue
             target = pace.get(open_["target_plan"])
@@ -481,10 +496,15 @@ def failure_costs(timeline: Timeline, initial_plan: str, wall_s: float
         if not c["at_pace"]:
             c["note"] = "the run ended (or failed again) before it was back at pace"
         del c["at_pace"]
+    # steps faster than their plan's median, on balance, are no negative badput either
+    gained += max(0.0, -bad["slow_steps_s"])
+    bad["slow_steps_s"] = max(0.0, bad["slow_steps_s"])
     good = good_steps * s_ff if s_ff is not None else None
     out = {"wall_s": wall_s, "useful_steps": good_steps, "pace_s": s_ff, "good_s": good,
            "goodput": good / wall_s if good is not None and wall_s > 0 else None,
-           "badput": bad, "paces": pace}
-    if good is not None:
-        out["badput"]["other_s"] = wall_s - good - sum(bad.values())
+           "badput": bad, "gained_s": gained, "paces": pace}
+    if good is not None:  # wall = good + badput - gained; what is left, where it is left
+        rest = wall_s - good - sum(bad.values()) + gained
+        out["badput"]["other_s"] = max(0.0, rest)
+        out["gained_s"] = gained + max(0.0, -rest)
     return costs, out

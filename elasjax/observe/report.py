@@ -9,6 +9,17 @@ from __future__ import annotations
 from ..plan.planner import Plan
 
 
+def verified_text(verified: bool, verify: dict | None) -> str:
+    """What a move's verification compared (its event's `verify`), in a few words: "verified
+    57 leaves (5.55 MB)" where the checksums were equal."""
+    if not verify:
+        return "verified" if verified else "NOT verified"
+    if not verified:
+        return (f"NOT verified: {verify['leaves']} leaves, digest {verify['digest_after']} "
+                f"!= {verify['digest_before']}")
+    return f"verified {verify['leaves']} leaves ({verify['bytes'] / 1e6:.2f} MB)"
+
+
 def recovery_line(ev) -> str:
     fast = (
         f" (fast path; optimal {ev.optimal_plan} compiling in the background)"
@@ -26,7 +37,7 @@ def recovery_line(ev) -> str:
         f"{retried}; {ev.bytes_moved / 1e6:.2f} MB in {ev.transfers} transfers"
         f"{' (planned ahead)' if ev.transfer_plan_hit else ''}; MTTR {ev.mttr_s:.2f}s "
         f"(detect {ev.detect_s:.2f}s, compile {ev.compile_s:.2f}s"
-        f"{', standby hit' if ev.standby_hit else ''}); verified"
+        f"{', standby hit' if ev.standby_hit else ''}); {verified_text(ev.verified, ev.verify)}"
     )
 
 
@@ -34,7 +45,11 @@ def join_line(ev: dict) -> str:
     then = (f"growing to {ev['best_plan']} (predicted {ev['predicted_gain']:.0%} faster), "
             "once it is compiled on every process" if ev["grow"] else f"staying on {ev['plan']}: "
             f"{ev['reason']}")
-    return f"step {ev['step']}: {ev['spec']} -> devices {ev['devices']} returned; {then}"
+    moved, v = "", ev.get("verify")
+    if v:  # an admission: the state moved onto the new client first
+        ok = v["leaves"] > 0 and v["digest_before"] == v["digest_after"]
+        moved = f"; the state on the new client {verified_text(ok, v)}"
+    return f"step {ev['step']}: {ev['spec']} -> devices {ev['devices']} returned; {then}{moved}"
 
 
 def migration_line(mig: dict) -> str:
@@ -45,14 +60,16 @@ def migration_line(mig: dict) -> str:
             f"{mig['steps_on_fast_path']} steps on the old plan; stalled {mig['stall_s']:.3f}s"
             + (f" ({mig['compile_wait_s']:.2f}s waiting for its compile)"
                if mig.get("compile_wait_s") else "")
-            + f"; {mig['bytes_moved'] / 1e6:.2f} MB from live devices; verified"
+            + f"; {mig['bytes_moved'] / 1e6:.2f} MB from live devices; "
+            + verified_text(mig["verified"], mig.get("verify"))
         )
     return (
         f"step {mig['step']}: cut over {mig['from_plan']} => {mig['to_plan']} after "
         f"{mig['steps_on_fast_path']} fast-path steps; stalled {mig['stall_s']:.3f}s"
         + (f" ({mig['compile_wait_s']:.2f}s waiting for its compile)"
            if mig.get("compile_wait_s") else "")
-        + f"; optimal plan running {mig['time_to_optimal_s']:.2f}s after the failure"
+        + f"; optimal plan running {mig['time_to_optimal_s']:.2f}s after the failure; "
+        + verified_text(mig["verified"], mig.get("verify"))
     )
 
 
@@ -118,7 +135,8 @@ def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), grow
                     f" (spare host {e.spare_took_over} took over, {e.to_n_devices} devices)"
                     if e.spare_took_over else ""), rung,
                 f"{e.bytes_moved / 1e6:.2f} MB", str(e.transfers),
-                "yes" if e.verified else "NO", f"{e.mttr_s:.2f}s",
+                f"{e.verify['leaves']} leaves" if e.verified and e.verify else (
+                    "yes" if e.verified else "NO"), f"{e.mttr_s:.2f}s",
             )
         con.print(t)
         t = Table(title="MTTR breakdown (seconds)")
@@ -165,7 +183,8 @@ def print_summary(recoveries, losses, evals, plan: Plan, out_dir, notes=(), grow
                 str(g["join_step"]), str(g["step"]), f"{g['from_n_devices']} -> {g['n_devices']}",
                 f"{g['from_plan']} -> {g['to_plan']}", f"{g['bytes_moved'] / 1e6:.2f} MB",
                 f"{g['compile_wait_s']:.2f}s", f"{g['stall_s']:.3f}s",
-                "yes" if g["verified"] else "NO",
+                f"{g['verify']['leaves']} leaves" if g["verified"] and g.get("verify") else (
+                    "yes" if g["verified"] else "NO"),
             )
         con.print(t)
     for note in notes:

@@ -438,15 +438,33 @@ def diff(expected: dict[str, str], actual: dict[str, str]) -> list[str]:
     return [k for k in keys if expected.get(k) != actual.get(k)]
 
 
-def verify(expected: dict[str, str], actual: dict[str, str], what: str, against: str) -> None:
+def verify(expected: dict[str, str], actual: dict[str, str], what: str, against: str) -> int:
     """Raise `StateMismatchError` where `actual` differs from `expected`: the one check, and
     the one error, of every rebuilt state (a recovery in the loop or in `ElasticState`, a
-    checkpoint restore, a cut-over). `what`: the state checked; `against`: what it must equal."""
+    checkpoint restore, a cut-over). `what`: the state checked; `against`: what it must equal.
+    Returns the number of leaves compared (every key of either side); an empty comparison is
+    refused too, since it would check nothing."""
     bad = diff(expected, actual)
     if bad:
         raise StateMismatchError(
             f"{what}: {len(bad)} leaves differ from {against}, e.g. {bad[:3]}; refused"
         )
+    compared = len(set(expected) | set(actual))
+    if not compared:
+        raise StateMismatchError(f"{what}: no leaf checksums to compare with {against}; refused")
+    return compared
+
+
+def covered_bytes(tree: Any) -> int:
+    """The bytes a checksum of every leaf of `tree` covers: each leaf's global size times its
+    element width, once however many devices hold it (a PRNG key as its key data; a ZeRO
+    storage leaf with its padding, which its checksum masks out). Shapes only: no device work."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.eval_shape(jax.random.key_data, x)
+        total += int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
 
 
 def digest(sums: dict[str, str]) -> str:
