@@ -132,7 +132,8 @@ def test_every_wrong_resume_says_what_it_found_and_what_it_needs(saved, tmp_path
             r"checkpoint 2 in .* holds ZeRO stage 0 storage and this config's plan has ZeRO "
             r"stage 1; allowed: zero.stage = 0 to resume it")):
         _resume(saved, 2, exe_cache, "zero.stage=1")
-    # damaged array files: every file of the step's arrays cut to half its size
+    # damaged array files: every file of the step's arrays cut to half its size; the files'
+    # check names the first (every file of a checkpoint damaged alone: test_bad_checkpoint.py)
     broken = tmp_path / "broken"
     shutil.copytree(saved, broken)
     cut = [p for p in (broken / "2" / "state").rglob("*") if p.is_file() and p.stat().st_size > 64
@@ -140,27 +141,26 @@ def test_every_wrong_resume_says_what_it_found_and_what_it_needs(saved, tmp_path
     assert cut
     for p in cut:
         p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
-    with pytest.raises(CheckpointFormatError, match=r"checkpoint 2 in .*broken(: its array "
-                                                    r"metadata cannot be read| cannot be read)"):
+    with pytest.raises(CheckpointFormatError, match=r"checkpoint 2 in .*broken: file 2/state/\S+ "
+                                                    r"is damaged \("):
         _resume(broken, 2, exe_cache)
     assert sorted(int(p.name) for p in saved.iterdir() if p.name.isdigit()) == [2, 4]  # none lost
-    # only the data files cut (a quarter off): the metadata reads, the arrays do not
-    cut_data = tmp_path / "cut_data"
-    shutil.copytree(saved, cut_data)
-    cut = [p for p in (cut_data / "2" / "state").glob("ocdbt.process_*/**/*")
-           if p.is_file() and p.stat().st_size > 64]
-    assert cut
-    for p in cut:
-        p.write_bytes(p.read_bytes()[: p.stat().st_size * 3 // 4])
-    with pytest.raises(CheckpointFormatError, match=r"checkpoint 2 in .*cut_data cannot be read: "
-                                                    r"ValueError: OUT_OF_RANGE: Error reading"):
-        _resume(cut_data, 2, exe_cache)
+    # only the array data garbled (each stored chunk's first byte, zstd's frame header): the
+    # files check, the read fails, and names the file of the chunk it failed on
+    garbled = tmp_path / "garbled"
+    shutil.copytree(saved, garbled)
+    assert _garble_chunks(garbled / "2" / "state")
+    with pytest.raises(CheckpointFormatError, match=r"checkpoint 2 in .*garbled: file 2/state/"
+                                                    r"ocdbt\.process_0/d/\w+ is damaged \(the "
+                                                    r"array data it holds cannot be read: "
+                                                    r"ValueError: "):
+        _resume(garbled, 2, exe_cache)
     # both through the CLI, as a user meets them: one line each, not the failed read's abandoned
     # work reporting itself around it (`checkpoint._AbandonedReads`)
-    for ck, msg in ((broken, r"its array metadata cannot be read \(ValueError: .*\); it is "
-                             r"damaged or not an elasjax checkpoint"),
-                    (cut_data, r"cannot be read: ValueError: OUT_OF_RANGE: .* \(damaged or "
-                               r"incomplete files\?\)")):
+    whole = r"; allowed: a checkpoint whose files are whole \(this directory also holds steps 4\)"
+    for ck, msg in ((broken, r"file 2/state/\S+ is damaged \(.*\)" + whole),
+                    (garbled, r"file 2/state/ocdbt\.process_0/d/\w+ is damaged \(the array data "
+                              r"it holds cannot be read: ValueError: .*\)" + whole)):
         sets = [a for o in (*TINY, "train.steps=4", "faults=[]", f"checkpoint.dir={ck}",
                             "checkpoint.resume_step=2") for a in ("--set", o)]
         p = subprocess.run([sys.executable, "-m", "elasjax.cli", "train", DEMO, *sets, "--out",
@@ -168,8 +168,30 @@ def test_every_wrong_resume_says_what_it_found_and_what_it_needs(saved, tmp_path
                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert p.returncode == 2 and len(lines) == 1, p.stderr[:2000] + " ... " + p.stderr[-1000:]
-        assert re.match(rf"elasjax: error: checkpoint 2 in {re.escape(str(ck))}:? {msg}$",
+        assert re.match(rf"elasjax: error: checkpoint 2 in {re.escape(str(ck))}: {msg}$",
                         lines[0]), lines[0]
+
+
+def _garble_chunks(db: Path) -> int:
+    """Flip the first byte of every array chunk stored out of line in the OCDBT database `db`
+    (its newest version); how many."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open(f"file://{db}/").result()
+    nodes = [ts.ocdbt.dump(kv).result()["versions"][-1]["root"]["location"]]
+    n = 0
+    while nodes:
+        for e in ts.ocdbt.dump(kv, nodes.pop()).result()["entries"]:
+            if "location" in e:
+                nodes.append(e["location"])
+            elif "indirect_value" in e:
+                _, base, rel, off, _ = e["indirect_value"].split(":")
+                f = db / base / rel
+                b = bytearray(f.read_bytes())
+                b[int(off)] ^= 0xFF
+                f.write_bytes(bytes(b))
+                n += 1
+    return n
 
 
 def test_a_failed_checkpoint_read_drops_only_its_abandoned_works_reports(monkeypatch, caplog,

@@ -63,7 +63,9 @@ class RunSummary:
     - `notes`: what the run did not do that it was asked or expected to (the `end` event's);
     - `failure_costs`: the time each failure cost until the run was back at pace
       (`events.FailureCost`);
-    - `goodput`: the run's goodput and badput by cause (`metrics.failure_costs`)."""
+    - `goodput`: the run's goodput and badput by cause, each >= 0, and apart from them the
+      time steps faster than their pace gained, `gained_s` (`metrics.failure_costs`: good_s +
+      sum of badput - gained_s = wall_s)."""
 
     out_dir: Path | None
     losses: dict[int, float]

@@ -93,6 +93,9 @@ def _verify(rt: Runtime, ckpt: Checkpointer | None, exe: Executables, step: int,
     checkpoint's; the first checkpoint and snapshot (into `pool`) of a fresh start."""
     good = host_checksums(rt, exe.checksum(state), exe)
     if saved is not None:
+        bad = checksum.diff(saved, good)
+        if bad:  # array data that decoded to other numbers: bad input, naming the files
+            raise ckpt.checksums_differ(step, bad)  # (tests/test_bad_checkpoint.py)
         checksum.verify(saved, good, f"checkpoint {step} fails its checksums",
                         "the ones it was saved with")
     elif ckpt is not None:

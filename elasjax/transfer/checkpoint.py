@@ -14,16 +14,24 @@ that saved form into the new plan's form (`reshard.transition`, by canonical ele
 identities); a checkpoint read onto a plan of its own form goes straight onto that plan's
 shardings (each device reads its own shards). Checkpoints written before the form was recorded
 hold the canonical (ZeRO-0) form and are still read, through the canonical form.
+
+Before any of a checkpoint is used, every file of it is read as what it must be
+(`Checkpointer.check_files`): a file emptied, cut short or garbled is a `CheckpointFormatError`
+naming the checkpoint and the file. Array data that still decodes to other numbers is refused by
+the state's checksums (`CheckpointChecksumError` at a resume, `StateMismatchError` at the
+recovery's checkpoint rung), naming the files that hold the leaves that differ.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import re
 import sys
 import types
 from pathlib import Path
+from urllib.parse import unquote
 from typing import Any
 
 import jax
@@ -35,13 +43,65 @@ from ..config import CheckpointConfig, ConfigError
 from ..plan.zero import ZeroLayout
 from .lone_writer import LoneWriter
 from .reshard import transition
-from .shards import Shard, ShardStore
+from .shards import Shard, ShardStore, StateMismatchError
 
 
 class CheckpointFormatError(ConfigError):
     """A checkpoint this run cannot read: another model or shape, a storage format of another
     elasjax version, damaged files, or a step that is not there. The message names the
-    checkpoint, what was found and what was expected."""
+    checkpoint, what was found and what was expected (a damaged file: the file)."""
+
+
+class CheckpointChecksumError(CheckpointFormatError, StateMismatchError):
+    """A checkpoint whose files read, but whose state differs from the checksums it was saved
+    with (array data garbled into other numbers, or a garbled record): bad input like any
+    damaged checkpoint (`elasjax train` exits 2 with one line), and the `StateMismatchError` of
+    every state that does not verify. The message names the leaves and the files they are read
+    from."""
+
+
+# The files Orbax writes as JSON: the step's record (`_CHECKPOINT_METADATA`), an item's JSON
+# (`metadata`: the `meta` item, the run's record), the state item's tree, shardings and array
+# metadata (`_METADATA`, `_sharding`, `array_metadatas/process_N`; `_ROOT_METADATA` in newer
+# Orbax versions). Orbax writes `commit_success.txt` with a fixed text, and the arrays as OCDBT
+# databases (a `manifest.ocdbt` and its `d/` files; one per process, merged into the item's).
+_JSON_FILES = frozenset({"_CHECKPOINT_METADATA", "metadata", "_METADATA", "_sharding",
+                         "_ROOT_METADATA"})
+_COMMIT_TEXT = "Checkpoint commit was successful"
+# how a failed array read names the value it was reading (TensorStore's OCDBT driver)
+_OCDBT_READ = re.compile(r'Error reading "(?P<key>[^"]+)" in OCDBT database at local file '
+                         r'"(?P<db>[^"]+)"')
+
+
+def _ocdbt_file(db: Path, location: str) -> tuple[Path, int, int]:
+    """(file, offset, length) of an OCDBT reference `kind:base:relative:offset:length`, its
+    paths relative to the database `db` (TensorStore's `LabeledIndirectDataReference`)."""
+    _, base, rel, off, length = location.rsplit(":", 4)
+    return db / unquote(base) / unquote(rel), int(off), int(length)
+
+
+class _OrbaxRecordNoise(logging.Filter):
+    """Orbax reads each step's `_CHECKPOINT_METADATA` when a manager opens (for its commit
+    time, falling back on the directory's) and logs an ERROR with the whole file where it does
+    not parse. A checkpoint of ours read later says so itself, in one line naming the file
+    (`Checkpointer.check_files`; tests/test_bad_checkpoint.py), so those records are dropped for
+    the directories a `Checkpointer` opened, and only those."""
+
+    dirs: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not isinstance(record.msg, str) or not record.msg.startswith(
+                ("Failed to json parse Metadata file", "Failed to read Metadata file")):
+            return True
+        text = record.getMessage()
+        return not any(text.startswith(f"{record.msg.split(':')[0]}: {d}/") for d in self.dirs)
+
+    @classmethod
+    def install(cls, directory: Path) -> None:
+        cls.dirs.add(str(directory))
+        log = logging.getLogger("absl")
+        if not any(isinstance(f, cls) for f in log.filters):
+            log.addFilter(cls())
 
 
 def _leaf_key(path) -> tuple[str, ...]:
@@ -129,6 +189,10 @@ class Checkpointer:
         self.dir = Path(cfg.dir).absolute()
         self.generation = 0
         self.lone: LoneWriter | None = None  # a lone survivor's writer, from its first save
+        # step -> {(OCDBT database, key): the file holding that value} of the checkpoints whose
+        # files were checked (`check_files`), to name the file of a value that fails later
+        self._checked: dict[int, dict[tuple[str, str], Path]] = {}
+        _OrbaxRecordNoise.install(self.dir)
         self.manager = self._open(processes)
 
     def _sync(self) -> None:
@@ -186,6 +250,7 @@ class Checkpointer:
         """Save `state` as it is; `form` (`form_of(plan)`) says which plan's form that is (None:
         the canonical form)."""
         meta = {"step": step, "checksums": checksums, "form": form}
+        self._checked.pop(step, None)
         if jax.process_count() > 1 and all(
             x.is_fully_addressable for x in jax.tree.leaves(state)
         ):
@@ -266,11 +331,16 @@ class Checkpointer:
                     f"{tuple(w.shape)} {np.dtype(w.dtype)} (a checkpoint of another model or "
                     "shape; allowed: a checkpoint this config saved)")
 
-    def restore(self, step: int, abstract_target: Any) -> tuple[Any, dict]:
+    def restore(self, step: int, abstract_target: Any, *, files_checked: bool = False
+                ) -> tuple[Any, dict]:
         """(state on the target shardings, metadata {step, checksums}); checked first
-        (`check_fits`); an unreadable checkpoint is a `CheckpointFormatError`."""
+        (`check_files`, unless the caller just did: `files_checked`; `check_fits`); an
+        unreadable checkpoint is a `CheckpointFormatError` naming the file where the read says
+        which value failed."""
         self._sync()
         self.manager.wait_until_finished()
+        if not files_checked:
+            self.check_files(step)
         self.check_fits(step, abstract_target)
         try:
             out = self.manager.restore(
@@ -281,16 +351,181 @@ class Checkpointer:
             )
         except Exception as e:  # noqa: BLE001 (Orbax wraps a damaged file's error in Exception)
             _AbandonedReads.failed = True
+            file = self._file_of_failed_read(step, e)
+            if file is not None:  # array data that does not decode (garbled in place)
+                raise self._damaged(step, file, f"the array data it holds cannot be read: "
+                                                f"{_first_words(e)}") from None
             raise CheckpointFormatError(
                 f"checkpoint {step} in {self.dir} cannot be read: {_first_words(e)} (damaged "
                 "or incomplete files?)") from e
         return out["state"], out["meta"]
 
     def metadata(self, step: int) -> dict:
-        """The JSON record of checkpoint `step` alone: {step, checksums, form}."""
+        """The JSON record of checkpoint `step` alone: {step, checksums, form}; the checkpoint's
+        files checked first (`check_files`)."""
         self._sync()
         self.manager.wait_until_finished()
+        self.check_files(step)
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+    # -- damaged files -----------------------------------------------------------------------
+
+    def _damaged(self, step: int, file: Path, why: str) -> CheckpointFormatError:
+        """The one error of a damaged file of checkpoint `step`: the checkpoint, the file (from
+        the checkpoint directory), what is wrong with it and what else the directory holds."""
+        others = sorted(int(p.name) for p in self.dir.iterdir()
+                        if p.name.isdigit() and int(p.name) != step)
+        held = (f"this directory also holds steps {', '.join(map(str, others))}" if others
+                else "this directory holds no other")
+        name = file.relative_to(self.dir) if file.is_relative_to(self.dir) else file
+        return CheckpointFormatError(
+            f"checkpoint {step} in {self.dir}: file {name} is damaged ({why}); allowed: a "
+            f"checkpoint whose files are whole ({held})")
+
+    def check_files(self, step: int) -> None:
+        """Read every file of checkpoint `step` as what it must be, before any of it is used:
+        a file emptied, cut short or garbled is a `CheckpointFormatError` naming it. The JSON
+        records must parse to objects (the run's record holding its step and checksums), the
+        commit markers must hold Orbax's text, and every OCDBT database (the state item's, and
+        each process's that it was merged from) must decode: its manifest, every B-tree and
+        version node of every version it holds, and every file its values are read from must
+        hold their bytes. The bytes of the values themselves are checked when they are read
+        (where they do not decode: `restore`) and by the state's checksums after (where they
+        decode to other numbers: `checksums_differ`). A file no read would use (an earlier
+        version's node of a process's database) is refused too: it says the checkpoint was
+        damaged. Each read checks again (a checkpoint checked at a resume may be damaged by the
+        time a recovery reads it). Measured on the suite's checkpoint: every file of it emptied,
+        cut to half and garbled is refused by name (tests/test_bad_checkpoint.py)."""
+        root = self.dir / str(step)
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                self._check_record(step, path)
+        values: dict[tuple[str, str], Path] = {}
+        for manifest in sorted(root.rglob("manifest.ocdbt")):
+            values.update(self._check_ocdbt(step, manifest.parent))
+        self._checked[step] = values
+
+    def _check_record(self, step: int, path: Path) -> None:
+        """One file of checkpoint `step` that is not an OCDBT database's: a JSON record or a
+        commit marker (files of other names are left to the read)."""
+        if path.name == "commit_success.txt":
+            # Orbax writes f"{_COMMIT_TEXT} to {the directory it committed}"; the directory may
+            # have moved since, but its name is the marker's own directory's (the step, the
+            # item): a marker cut short anywhere loses it
+            text = path.read_bytes().decode(errors="replace")
+            to = text.removeprefix(f"{_COMMIT_TEXT} to ")
+            if to == text or Path(to).name != path.parent.name:
+                raise self._damaged(step, path, f"a commit marker that does not hold Orbax's "
+                                                f"text {_COMMIT_TEXT!r} to .../"
+                                                f"{path.parent.name}")
+            return
+        if path.name not in _JSON_FILES and path.parent.name != "array_metadatas":
+            return
+        try:
+            record = json.loads(path.read_bytes().decode())
+        except (UnicodeDecodeError, ValueError) as e:
+            raise self._damaged(step, path, f"a JSON record that does not parse: "
+                                            f"{_first_words(e)}") from None
+        if not isinstance(record, dict):
+            raise self._damaged(step, path, f"a JSON record that holds a "
+                                            f"{type(record).__name__}, not an object")
+        if path.parent.name == "meta" and path.name == "metadata":  # the run's record
+            sums = record.get("checksums")
+            if record.get("step") != step or not isinstance(sums, dict) or not sums or not all(
+                    isinstance(v, str) for v in sums.values()):
+                raise self._damaged(step, path, f"the run's record holds step "
+                                                f"{record.get('step')!r} and "
+                                                f"{type(sums).__name__} checksums, not step "
+                                                f"{step} and each leaf's checksum")
+
+    def _check_ocdbt(self, step: int, db: Path) -> dict[tuple[str, str], Path]:
+        """The OCDBT database in `db` decoded (its manifest, every version's B-tree, each value's
+        file long enough); {(db, key): the file holding that value} of its newest version."""
+        import tensorstore as ts
+
+        kv = ts.KvStore.open(f"file://{db}/").result()
+
+        def dump(location: str | None, what: str):
+            file = db / "manifest.ocdbt" if location is None else _ocdbt_file(db, location)[0]
+            try:
+                return ts.ocdbt.dump(kv, location).result()
+            except Exception as e:  # noqa: BLE001 (any undecodable node: said as such)
+                raise self._damaged(step, file, f"{what} does not decode: "
+                                                f"{_first_words(e)}") from None
+
+        manifest = dump(None, "the array database's manifest")
+        versions = list(manifest["versions"])
+        pending = [v["location"] for v in manifest["version_tree_nodes"]]
+        while pending:  # the version tree of a database of many versions
+            for e in dump(pending.pop(), "a version tree node")["entries"]:
+                if "root" in e:  # a version
+                    versions.append(e)
+                else:  # a node of versions
+                    pending.append(e["location"])
+        sizes: dict[Path, int] = {}
+        newest: dict[tuple[str, str], Path] = {}
+        seen: set[str] = set()
+        # the newest version first: every value it reads is recorded for naming its file
+        for i, v in enumerate(sorted(versions, key=lambda v: -v["generation_number"])):
+            record = i == 0
+            nodes = [v["root"]["location"]]
+            while nodes:
+                loc = nodes.pop()
+                if loc in seen:
+                    continue
+                seen.add(loc)
+                for e in dump(loc, "an array database B-tree node")["entries"]:
+                    if "location" in e:  # an interior node's child
+                        nodes.append(e["location"])
+                    elif "indirect_value" in e:
+                        file, off, length = _ocdbt_file(db, e["indirect_value"])
+                        key = e["key"].decode(errors="replace")
+                        if file not in sizes:
+                            sizes[file] = file.stat().st_size if file.is_file() else -1
+                        if sizes[file] < off + length:
+                            held = ("is missing" if sizes[file] < 0
+                                    else f"holds {sizes[file]} bytes")
+                            raise self._damaged(step, file, f"it {held} and the array data of "
+                                                            f"{key} is its bytes {off} to "
+                                                            f"{off + length}")
+                        if record:
+                            newest[(str(db), key)] = file
+        return newest
+
+    def _file_of_failed_read(self, step: int, e: BaseException) -> Path | None:
+        """The file holding the value a failed read names (TensorStore's error says which key
+        of which database), if the checked checkpoint records it."""
+        while e.__cause__ is not None:
+            e = e.__cause__
+        m = _OCDBT_READ.search(str(e))
+        if m is None:
+            return None
+        db = str(Path(m["db"]).absolute())
+        return self._checked.get(step, {}).get((db, m["key"]))
+
+    def files_of(self, step: int, leaves: list[str]) -> list[Path]:
+        """The files (from the checkpoint directory) that checkpoint `step`'s arrays of `leaves`
+        (checksum names, `a/b/c`) are read from, by the state item's newest version."""
+        names = {leaf.replace("/", ".") for leaf in leaves}
+        state = str(self.dir / str(step) / "state")
+        return sorted({f.relative_to(self.dir) for (db, key), f in
+                       self._checked.get(step, {}).items()
+                       if db == state and key.rsplit("/", 1)[0] in names})
+
+    def checksums_differ(self, step: int, bad: list[str]) -> CheckpointChecksumError:
+        """The error of checkpoint `step` read whole whose state differs from its recorded
+        checksums in leaves `bad`: the leaves and the files they were read from, or the record
+        itself, are damaged."""
+        files = self.files_of(step, bad[:3])
+        shown = ", ".join(map(str, files[:4])) + (f" and {len(files) - 4} more"
+                                                   if len(files) > 4 else "")
+        where = (f"file{'s' if len(files) > 1 else ''} {shown}" if files
+                 else "its array data")
+        return CheckpointChecksumError(
+            f"checkpoint {step} fails its checksums: {len(bad)} leaves differ from the ones it "
+            f"was saved with, e.g. {bad[:3]}: in {self.dir}, {where} or the record "
+            f"{step}/meta/metadata is damaged; refused (allowed: a checkpoint whose files are "
+            "whole)")
 
     def drop_after(self, step: int) -> list[int]:
         """Delete checkpoints newer than `step` (an abandoned timeline after resuming from
@@ -300,6 +535,7 @@ class Checkpointer:
         newer = [s for s in self.manager.all_steps() if s > step]
         for s in newer:
             self.manager.delete(s)
+            self._checked.pop(s, None)
         return newer
 
     def close(self) -> None:
@@ -423,11 +659,12 @@ def _as_checkpoint_sources(store, saved) -> None:
 def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, transport=None,
                  threads=None) -> tuple[Any, dict, dict]:
     """Checkpoint `step` on `exe`'s plan: (state, metadata, {"peak_restore_bytes": the most
-    bytes one device held of the restored saved form}). Not verified here: the caller compares
-    the state's checksums with `metadata["checksums"]`."""
+    bytes one device held of the restored saved form}). Its files are checked first
+    (`Checkpointer.metadata`: a damaged file is a `CheckpointFormatError` naming it). Not
+    verified here: the caller compares the state's checksums with `metadata["checksums"]`."""
     meta = ckpt.metadata(step)
     if meta.get("form") is None:  # an older checkpoint: the canonical form
-        full, meta = ckpt.restore(step, factory.abstract_on(exe.mesh))
+        full, meta = ckpt.restore(step, factory.abstract_on(exe.mesh), files_checked=True)
         return exe.from_canonical(full), meta, {"peak_restore_bytes": None}
     if meta["form"]["zero_stage"] != exe.plan.zero_stage:
         # the transition planner moves ZeRO storage between ZeRO plans and plain leaves between
@@ -442,12 +679,13 @@ def restore_onto(ckpt: Checkpointer, step: int, factory, exe, *, devices=None, t
     by_id = devices or {d.id: d for d in jax.devices()}
     if _same_form(meta["form"], exe, [by_id[i] for i in live]):
         # the saved form is the plan's own: each device reads its own shards, nothing is moved
-        state, meta = ckpt.restore(step, _targets(exe.layout.abstract, exe.state_shardings))
+        state, meta = ckpt.restore(step, _targets(exe.layout.abstract, exe.state_shardings),
+                                   files_checked=True)
         return state, meta, {"peak_restore_bytes": _peak_device_bytes(state)}
     data_dims = [None if t[1] is None else len(x.shape) - 3
                  for t, x in zip(saved.tags, jax.tree.leaves(saved.abstract))]
     sh = spread_shardings(saved.abstract, [by_id[i] for i in live], data_dims)
-    restored, meta = ckpt.restore(step, _targets(saved.abstract, sh))
+    restored, meta = ckpt.restore(step, _targets(saved.abstract, sh), files_checked=True)
     peak = _peak_device_bytes(restored)
     store = ShardStore.capture(restored)
     _as_checkpoint_sources(store, saved)
@@ -485,4 +723,5 @@ def _peak_device_bytes(tree) -> int:
     return max(per_device.values(), default=0)
 
 
-__all__ = ["CheckpointFormatError", "Checkpointer", "form_of", "restore_latest", "restore_onto", "spread_shardings"]
+__all__ = ["CheckpointChecksumError", "CheckpointFormatError", "Checkpointer", "form_of",
+           "restore_latest", "restore_onto", "spread_shardings"]
