@@ -5,7 +5,6 @@ the same protocol under `elasjax launch`, with real processes, is in tests/test_
 
 import pickle
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -68,22 +67,39 @@ def test_the_first_process_compiles_and_the_others_load_its_program():
 
 
 def test_a_waiter_loads_the_program_once_its_holder_publishes_it():
+    """The waiter's `waited_s` are the seconds from its wait's start to the program's
+    publication, on a clock the test moves (a wall-clock threshold here failed whenever the
+    waiter started late on a loaded machine); each wait is bounded generously."""
     store = Store()
-    a, b = _builds(store, 0), _builds(store, 1)
-    release = threading.Event()
+    now = [0.0]
+    a = _builds(store, 0)
+    b = SharedBuilds(store, 1, lambda p: False, log=lambda m: None, clock=lambda: now[0])
+    release, waiting = threading.Event(), threading.Event()
 
     def slow():
-        release.wait(5)
+        assert release.wait(60)
         return _exe(0)
 
+    def blocking_get(k, ms, get=store.blocking_key_value_get_bytes):  # only the waiter's
+        waiting.set()
+        return get(k, ms)
+
+    store.blocking_key_value_get_bytes = blocking_get
     t = threading.Thread(target=a.build, args=("k", "plan", slow, _load))
     t.start()
-    while "elasjax/build/k/lease/0" not in store.d:
-        time.sleep(0.01)
-    threading.Timer(0.5, release.set).start()
-    got = b.build("k", "plan", lambda: pytest.fail("compiled while the holder was alive"), _load)
-    t.join()
-    assert got.loaded == ("payload", 0) and b.waited_s > 0.3
+    with store.cv:
+        assert store.cv.wait_for(lambda: "elasjax/build/k/lease/0" in store.d, 60)
+    got = []
+    w = threading.Thread(target=lambda: got.append(b.build(
+        "k", "plan", lambda: pytest.fail("compiled while the holder was alive"), _load)))
+    w.start()
+    assert waiting.wait(60)  # it waits for the holder's program
+    now[0] = 0.5  # the holder's compile took 0.5 s of the waiter's wait
+    release.set()
+    t.join(60)
+    w.join(60)
+    (exe,) = got
+    assert exe.loaded == ("payload", 0) and b.waited_s == 0.5 and b.loaded == 1
 
 
 def test_a_holder_that_dies_before_publishing_hands_the_lease_on():

@@ -88,8 +88,15 @@ class CollectiveAborts:
     new client clears it (`clear`)."""
 
     def __init__(self, rc: RuntimeConfig, exits: ProcessExits, liveness: Liveness,
-                 processes: Callable[[], set[int]], log: Callable[[str], None]):
+                 processes: Callable[[], set[int]], log: Callable[[str], None], *,
+                 running: Callable[[], list[str] | None] = running_threads,
+                 clock: Callable[[], float] = time.monotonic):
+        """`running` and `clock`: what the waiter polls (`running_threads`) and times its cap
+        with; a test passes its own, so that it checks the order of polls and shutdown rather
+        than how fast a thread ran (tests/test_multiprocess.py,
+        `test_an_abort_waits_until_this_process_no_longer_computes`)."""
         self.enabled = rc.platform == "cpu" and rc.renew_collectives != "never"
+        self._running, self._clock = running, clock
         self._port = int(rc.coordinator.rpartition(":")[2])
         self._exits, self._liveness = exits, liveness
         self._processes, self._log = processes, log
@@ -135,15 +142,15 @@ class CollectiveAborts:
         """Shut the collectives down (`abort`) once this process is quiet, or after
         `QUIET_WAIT_MAX_S` (the module docstring says why); nothing if the block ends first.
         Runs on a thread of its own, so that no detector is held."""
-        t0 = time.monotonic()
+        t0 = self._clock()
         quiet = 0
         while True:
             with self._lock:
                 if not self._in_body or self._block != block or self.reason is not None:
                     return
-            running = running_threads()
+            running = self._running()
             quiet = quiet + 1 if running == [] else 0
-            waited = time.monotonic() - t0
+            waited = self._clock() - t0
             if quiet >= QUIET_POLLS or running is None or waited >= QUIET_WAIT_MAX_S:
                 break
             time.sleep(QUIET_POLL_S)
