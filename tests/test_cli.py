@@ -1,12 +1,10 @@
-"""The `elasjax` command line: train, plan, compare, and the demo's consistency."""
+"""The `elasjax` command line: train, plan, compare (the README's demo runs as written in
+tests/test_readme.py)."""
 
-import jax
-import numpy as np
 import pytest
 from conftest import TINY
 
-from elasjax import cli, config
-from elasjax.loop import trainer
+from elasjax import cli
 from elasjax.observe.compare import compare_runs
 
 
@@ -53,28 +51,6 @@ def test_train_and_compare_commands(tmp_path, capsys):
     assert "identical sample ids per step: yes" in out and "post-failure" in out
     r = compare_runs(tmp_path / "a", tmp_path / "b")
     assert r["all"]["steps"] == 6 and r["all"]["max_rel"] <= 1e-5
-
-
-@pytest.mark.slow
-def test_demo_config_with_and_without_faults(exe_cache, tmp_path):
-    """Acceptance: the README's demo (stdlib text, 40 steps, a device and a host failure)."""
-    cfg = config.load("configs/demo.yaml")
-    faulted = trainer.run(cfg, tmp_path / "demo", exe_cache=exe_cache)
-    ref = trainer.run(cfg.replace(faults=()), tmp_path / "ref", exe_cache=exe_cache)
-    assert [r.to_plan for r in faulted.recoveries] == ["d7t1m2b3", "d5t1m2b4"]
-    assert all(r.verify["leaves"] > 0 and r.verify["digest_before"] == r.verify["digest_after"]
-               for r in faulted.recoveries)
-    assert faulted.sample_digests == ref.sample_digests
-    rel = [abs(faulted.losses[s] - ref.losses[s]) / ref.losses[s] for s in range(40)]
-    assert max(rel) <= 1e-5
-    jax.tree.map(
-        lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
-        jax.device_get(faulted.state.params),
-        jax.device_get(ref.state.params),
-    )
-    assert faulted.losses[39] < faulted.losses[0] - 1.0  # it learns
-    r = compare_runs(tmp_path / "demo", tmp_path / "ref")
-    assert r["batches_identical"] and r["post_failure"]["max_rel"] <= 1e-5
 
 
 def test_import_finds_a_module_in_the_current_directory(tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ Compiled with XLA optimisations on, as users run it (the FMA contraction that us
 Adam's moments between layouts is an optimised-compile effect; `step._apply_apart`). The
 tensor degree is kept (2), so a device failure and then a host failure take the run from 4 to
 3 to 2 replicas, and the ZeRO-1 storage is re-partitioned each time; ZeRO-2 and ZeRO-3 lose a
-host (4 to 3 replicas, an uneven partition), and `elasjax launch` a process of two devices. The
-fault-free ZeRO-1 run is every test's reference (one compile of it for the module)."""
+host (4 to 3 replicas, an uneven partition). The fault-free ZeRO-1 run is every test's
+reference (one compile of it for the module). The ZeRO demo itself, as users compile it, through
+every data degree and under `elasjax launch`: tests/test_bitwise_sweep.py."""
 
 import jax
 import numpy as np
@@ -17,7 +18,6 @@ from elasjax.loop import trainer
 from elasjax.layout.state import StateFactory, StateLayout, make_optimizer
 from elasjax.plan.planner import Topology, initial_plan
 from elasjax.observe.metrics import read_jsonl
-from elasjax.transfer import checksum
 
 pytestmark = pytest.mark.slow
 
@@ -129,30 +129,6 @@ def test_deterministic_zero1_is_bitwise_through_failures(exe_cache, reference):
     assert sorted(run.losses) == list(range(9)) and run.losses == reference.losses
     assert run.checksums == reference.checksums
     assert _differing_leaves(_canonical(run), _canonical(reference)) == []
-
-
-@pytest.mark.slow
-def test_deterministic_zero1_is_bitwise_under_launch(reference, tmp_path):
-    """The same mode under `elasjax launch`, every process compiling with XLA's optimisations on
-    (the suite's launches compile unoptimised, test_multiprocess.py): 4 processes of 2 devices,
-    process 2 SIGKILLed at step 4; every loss and the final state's digest equal the
-    single-process fault-free run's, bit for bit."""
-    from test_multiprocess import _ends, _launch, _recovery
-
-    out = tmp_path / "det"
-    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", "4:2",
-                         sets=(*COMMON, "faults=[]"), timeout=480,
-                         env={"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"})
-    assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
-    ev = _recovery(out)
-    assert ev["to_plan"].startswith("d3t2") and ".z1" in ev["to_plan"], ev
-    v = ev["verify"]
-    assert v["leaves"] > 0 and v["digest_before"] == v["digest_after"], ev
-    metrics = read_jsonl(out / "metrics.jsonl")
-    assert {r["step"]: r["loss"] for r in metrics} == reference.losses
-    end = read_jsonl(out / "events.jsonl")[-1]
-    assert end["type"] == "end" and end["state_digest"] == checksum.digest(reference.checksums)
 
 
 def test_the_norm_of_chunks_is_the_norm_of_the_whole_leaf(exe_cache):

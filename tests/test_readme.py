@@ -45,6 +45,7 @@ their own; the text of each command is README's.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -332,6 +333,14 @@ def test_the_demo_and_its_comparison_run_as_written(tmp_path):
     assert "identical sample ids per step: yes" in out, out
     dev = re.search(r"train loss, all steps\s+steps\s+40\s+max rel dev (\S+)", out)
     assert dev and float(dev.group(1)) <= 1e-5, out
+    # every recovery compared every leaf, and the demo learns (the first loss minus the last)
+    events = [json.loads(x) for x in (work / "runs" / "demo" / "events.jsonl").open()]
+    recs = [e for e in events if e["type"] == "recovery"]
+    assert len(recs) == 2 and all(
+        e["verify"]["leaves"] > 0 and e["verify"]["digest_before"] == e["verify"]["digest_after"]
+        for e in recs), recs
+    losses = [json.loads(x)["loss"] for x in (work / "runs" / "demo" / "metrics.jsonl").open()]
+    assert len(losses) == 40 and losses[-1] < losses[0] - 1.0, losses
 
 
 def _recovery_line(out: str, head: str) -> str:

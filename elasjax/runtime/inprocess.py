@@ -236,6 +236,8 @@ class InProcessRuntime:
 
     def move(self, items: Sequence[tuple]) -> list:
         """(src device, dst device, array, shape, dtype) -> the arrays on their destinations."""
+        if not items:
+            return []
         return jax.device_put([x for _, _, x, _, _ in items], [self.devices[d] for _, d, *_ in items])
 
     def agree(self, value) -> dict[int, Any]:
