@@ -23,14 +23,15 @@ command README gains that `COVERAGE` does not name (and any entry README no long
 - **same run**: `elasjax train configs/demo.yaml` is the demo run above without `--out`.
 - **elsewhere**: the three `python examples/*.py` are run as written by
   tests/test_api.py::test_examples_survive_failures_within_the_contract (checked here to name
-  the same scripts), so the suite does not run them twice.
+  the same scripts), so the suite does not run them twice; the bitwise sweep's chains
+  (`python -m elasjax.bench.bitwise --chain`) by tests/test_bitwise_sweep.py.
 - **validated**: too slow for CI's 2 cores (the suite's budget is 20 minutes), so run up to the
   point where the work starts, by the command's own code (`dry_run.py` below): the 2,000-step
   standby run and the 200-step demo launch (the CLI's config loading, fault-schedule and
   `--kill` checks, initial plan: a config error such as "is outside the run" is still caught;
   `trainer.run` and the launch's processes are not started), the benchmark and experiment
   scripts (their argparse parses the arguments; for bench_scale.py also its loop and size
-  names), and the deterministic demo_grow runs (about 3 minutes each).
+  names), and the demo_grow run (about 3 minutes).
 - **synopsis**: the CLI table's forms with placeholders (CONFIG, P, RUN, ...): the CLI's parser
   accepts them with the placeholders filled in; **name**: a bare subcommand name, which the
   parser has.
@@ -117,9 +118,6 @@ HELP = 'python -c "import elasjax; help(elasjax)"'
 REFERENCE = "python -m elasjax.observe.reference"
 EXAMPLES = ["python examples/mlp_pieces.py", "python examples/adafactor_mixed.py",
             "python examples/classifier_loop.py"]
-SCALE_MODES = ("plain JAX ZeRO-1 undonated,elasjax grad + plain loop ZeRO-1 undonated,elasjax "
-               "deterministic ZeRO-1,elasjax deterministic ZeRO-1 no snapshots")
-
 # every README command -> (how it is covered, what covers it)
 COVERAGE: dict[str, tuple[str, str]] = {
     "python3 -m venv .venv": ("ci", ".ci/run"),
@@ -160,10 +158,13 @@ COVERAGE: dict[str, tuple[str, str]] = {
         "synopsis", "train configs/demo.yaml --hook user_hooks:count|"
                     "launch configs/demo.yaml --processes 4 --hook user_hooks:count"),
     HELP: ("run", "test_help_lists_the_public_names"),
-    "elasjax train configs/demo_grow.yaml --set train.deterministic=true": (
-        "validated", "70 steps with a growth: about 3 minutes, and its fault-free twin"),
-    f'python experiments/bench_scale.py --sizes demo,3m,25m --modes "{SCALE_MODES}"': (
-        "validated", "a ladder up to 25.5M parameters, 3 rounds"),
+    "python -m elasjax.bench.bitwise": (
+        "elsewhere", "tests/test_bitwise_sweep.py (the same runs, one per chain)"),
+    "python -m elasjax.bench.bitwise --chain": (
+        "elsewhere", "tests/test_bitwise_sweep.py runs its chains (the ZeRO demo's and the "
+                     "pipeline demo's) as the module does"),
+    'python experiments/bench_scale.py --sizes 3m,25m --modes "plain JAX ZeRO-1 undonated,'
+    'elasjax deterministic ZeRO-1"': ("validated", "the 3.3M and 25.5M ladder, 3 rounds"),
     'python experiments/bench_scale.py --sizes 3m,25m --modes "plain JAX ZeRO-1 undonated,'
     'plain JAX ZeRO-1 undonated + ElasticState"': ("validated", "the 3.3M and 25.5M ladder"),
     "elasjax train configs/demo.yaml": ("same run", DEMO),
@@ -187,8 +188,6 @@ FRAGMENTS = [
     ('`--sizes 100m --modes "plain JAX ZeRO-1 undonated,elasjax deterministic ZeRO-1"`',
      'python experiments/bench_scale.py --sizes 100m --modes "plain JAX ZeRO-1 undonated,'
      'elasjax deterministic ZeRO-1"'),
-    ("against the same with `--set faults=[]`",
-     "elasjax train configs/demo_grow.yaml --set train.deterministic=true --set faults=[]"),
 ]
 
 

@@ -136,9 +136,12 @@ def _faults(events: list[str]) -> str:
     return "faults=[" + ", ".join(events) + "]"
 
 
-def degree_faults(failed: tuple[int, ...], at: int = 3) -> str:
-    """`failed` lost together at step `at`."""
-    return _faults([f"{{at_step: {at}, devices: {list(failed)}}}"])
+def degree_faults(failed: tuple[int, ...], at: int = 3) -> tuple[str, int]:
+    """(faults, steps): the devices `failed` lost one a step from step `at` on, in order (as
+    the chain loses them: each a failure set the default snapshots cover, where losing several
+    buddies together would not be), then three more steps on the plan they leave."""
+    events = [f"{{at_step: {at + i}, devices: [{d}]}}" for i, d in enumerate(failed)]
+    return _faults(events), at + len(failed) + 3
 
 
 def chain_faults(case: Case, every: int = 2) -> tuple[str, int, list[str]]:
@@ -228,7 +231,10 @@ def compare(run: dict, ref: dict) -> Verdict:
     ref_digest = ref["end"]["state_digest"] if ref["end"] else None
     why = ""
     if run["rc"] != 0 or ref["rc"] != 0:
-        why = f"exit {run['rc']} (reference {ref['rc']})"
+        said = [ln for ln in (run["output"] + ref["output"]).splitlines()
+                if ln.startswith("elasjax: ")]
+        why = f"exit {run['rc']} (reference {ref['rc']})" + (f": {said[-1][:300]}" if said
+                                                            else "")
     else:
         a = {r["step"]: r for r in run["metrics"]}
         b = {r["step"]: r for r in ref["metrics"]}
@@ -257,8 +263,8 @@ HEADER = ("| config | failure set | data degree after (x stages) | bitwise | sta
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="cases to run (default: all)")
-    ap.add_argument("--steps", type=int, default=8, help="steps of a per-degree run")
-    ap.add_argument("--at", type=int, default=3, help="the failure's step in a per-degree run")
+    ap.add_argument("--at", type=int, default=3,
+                    help="the first failure's step in a per-degree run")
     ap.add_argument("--chain", action="store_true",
                     help="one run through every degree and a growth back, per case")
     ap.add_argument("--out", default=None, help="where the runs go (default: a temporary dir)")
@@ -275,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             faults, steps, after = chain_faults(case)
             runs = [(faults, " -> ".join(after), steps)]
         else:
-            runs = [(degree_faults(failed, args.at), d, args.steps)
-                    for d, failed, _ in degrees(case)]
+            rows = [(*degree_faults(failed, args.at), d) for d, failed, _ in degrees(case)]
+            steps = max((n for _, n, _ in rows), default=0)  # one fault-free run for the rows
+            runs = [(faults, d, steps) for faults, _, d in rows]
         refs: dict[int, dict] = {}
         for i, (faults, degree, steps) in enumerate(runs):
             if steps not in refs:

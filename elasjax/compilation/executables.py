@@ -317,6 +317,8 @@ def _load(serialized: tuple, old_ids: tuple[int, ...], flat: list) -> Any:
 def can_load() -> bool:
     """Can this JAX load a serialized executable onto given devices (`jaxcompat`)? Where not,
     a plan on other devices, or on a renewed client, is compiled."""
+    if jax.process_count() > 1:  # `jaxcompat.loads_in_a_multiprocess_job` says why
+        return jaxcompat.loads_in_a_multiprocess_job()
     return jaxcompat.executable_loader() is not None
 
 

@@ -21,7 +21,7 @@ elasjax needs five things JAX does not publish:
   **point-to-point transfers** (`jax.experimental.transfer`, in `runtime.p2p`): experimental, not
   private; a missing module is a clear error when the feature is used.
 
-Tested with jax 0.10.2 and 0.12.0.1. Each probe runs once per process.
+Tested with jax 0.10.2, 0.12.0.1 and 0.12.1. Each probe runs once per process.
 """
 
 from __future__ import annotations
@@ -80,12 +80,29 @@ def executable_loader() -> Callable[[tuple, tuple, list], Any] | None:
                     )
                 return super().persistent_load(pid)
 
-        unloaded, args_info, no_kwargs = Unpickler(io.BytesIO(payload), client, flat).load()
+        loaded = Unpickler(io.BytesIO(payload), client, flat).load()
+        # jax 0.10's form: (executable, arguments, no_kwargs); 0.12's leads with its format's
+        # version and ends with the constant arguments (the newest JAX crashed loading a
+        # program of its own from the program store on the form of 0.10: experiments/
+        # RESULTS.md, "The bitwise sweep")
+        if len(loaded) == 3:
+            (unloaded, args_info, no_kwargs), const_args = loaded, []
+        else:
+            _, unloaded, args_info, no_kwargs, const_args = loaded
         return jax.stages.Compiled(
-            unloaded.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs
+            unloaded.load(), const_args, in_tree.unflatten(args_info), out_tree,
+            no_kwargs=no_kwargs,
         )
 
     return load
+
+
+def loads_in_a_multiprocess_job() -> bool:
+    """Does `executable_loader` give working programs in a multi-process job on this JAX? On
+    jax 0.10 (the suite's, tests/test_multiprocess.py) yes; on jax 0.12 a program compiled by
+    one process and loaded by the others failed its first gloo collective, so there each
+    process compiles for itself (.ci/smoke_newest_jax runs that launch)."""
+    return executable_loader() is not None and jax.__version_info__ < (0, 11)
 
 
 def serialize(compiled) -> tuple:

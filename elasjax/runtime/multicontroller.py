@@ -57,6 +57,7 @@ import jax
 import numpy as np
 from jax.errors import JaxRuntimeError
 
+from ..core import jaxcompat
 from ..plan.planner import Topology
 from ..transfer.copies import CopyThreads
 from ..transfer.shards import ShardStore
@@ -101,7 +102,9 @@ class MultiControllerRuntime:
     host_copies_off_host = True  # a process's host memory dies with it
     devices_return = True  # a restarted process rejoins (`admit`)
     rejoins = True
-    shares_compiles = True  # one process compiles a program, the others load it
+    # one process compiles a program, the others load it, where this JAX's loaded programs
+    # work in a multi-process job (on jax 0.12 they did not: each process compiles)
+    shares_compiles = jaxcompat.loads_in_a_multiprocess_job()
 
     def __init__(self, rc: RuntimeConfig):
         self.rc = rc
