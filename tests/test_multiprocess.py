@@ -1808,3 +1808,36 @@ def test_cluster_mode_without_a_cluster_says_what_to_pass(monkeypatch, capsys):
     assert "--cluster found no value for --coordinator, --num-processes, --process-id" in text
     assert cli.main(["launch", str(CONFIG), "--cluster", "--processes", "2"]) == 2
     assert "allowed with --cluster: --processes not given" in "".join(capsys.readouterr())
+
+
+def test_a_worker_reaped_after_the_grace_leaves_its_stacks_in_its_log(tmp_path):
+    """The launcher SIGKILLs a worker still running when the job has ended; a worker that had
+    started (it logs as `[elasjax pN]`) first writes where each of its threads was held, to
+    its log (two launches of the ZeRO demo ended with finished workers held at exit and
+    nothing said why: experiments/RESULTS.md, "The bitwise sweep"). One still starting is
+    only SIGKILLed (SIGUSR1 would have ended it before its handler was set)."""
+    import sys
+
+    from elasjax.launch import local
+
+    held = ("import faulthandler, signal, sys, time\n"
+            "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+            "print('[elasjax p0] done', flush=True)\n"
+            "def held_at_exit():\n    time.sleep(600)\n"
+            "held_at_exit()\n")
+    procs = []
+    for i, code in enumerate([held, "import time\ntime.sleep(600)\n"]):
+        log = tmp_path / f"worker{i}.log"
+        with log.open("wb") as fh:
+            p = subprocess.Popen([sys.executable, "-c", code], stdout=fh,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(local._Proc(i, p, log))
+    deadline = time.monotonic() + 60
+    while b"done" not in procs[0].log.read_bytes():  # its handler is set
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert local._reap(procs) == [0, 1]
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+    stacks = procs[0].log.read_text()
+    assert "held_at_exit" in stacks and "Current thread" in stacks, stacks
+    assert procs[1].log.read_text() == ""

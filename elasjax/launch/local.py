@@ -567,8 +567,31 @@ def _last_error(log: Path) -> str:
     return (hits[-1] if hits else (lines[-1] if lines else "(empty log)")).strip()[:400]
 
 
+STACKS_S = 1.0  # what a worker gets to write its stacks before the SIGKILL
+
+
+def _registered(log: Path) -> bool:
+    """Has the worker logging to `log` registered its stack dump (it logs as `[elasjax pN]`
+    only after `process.run_worker` did)? SIGUSR1 would end one still starting."""
+    try:
+        with log.open("rb") as f:
+            return b"[elasjax p" in f.read(1 << 20)
+    except OSError:
+        return False
+
+
 def _reap(procs: Sequence[_Proc]) -> list[int]:
-    """SIGKILL the process group of every worker still running; returns their indices."""
+    """SIGKILL the process group of every worker still running; returns their indices. Each
+    is first asked for its threads' stacks (SIGUSR1: `process.run_worker` registers Python's
+    faulthandler for it), written to its log: a finished worker that did not exit within the
+    grace says there where it was held (experiments/RESULTS.md, "The bitwise sweep": 2 of 10
+    launches of the ZeRO demo ended so, with nothing in the logs to say why)."""
+    asked = [p for p in procs if p.popen.poll() is None and _registered(p.log)]
+    for p in asked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.popen.pid, signal.SIGUSR1)
+    if asked:
+        time.sleep(STACKS_S)
     left = []
     for p in procs:
         if p.popen.poll() is None:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -152,6 +154,8 @@ def run_worker(
     """Join the job described by `rc` and train; returns a process exit code. `hooks`:
     `MODULE:FUNCTION` names (`elasjax.observe.events`), called in this process."""
     fns = load_hooks(hooks)
+    # the launcher asks a worker it is about to SIGKILL for its threads' stacks (`local._reap`)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     initialize(rc)
     try:
         rt = MultiControllerRuntime(rc)
