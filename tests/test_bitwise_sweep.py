@@ -42,16 +42,13 @@ def test_the_chains_visit_every_layout_the_planner_allows():
 
 
 @pytest.fixture(scope="module")
-def zero_chain():
+def zero_chain(tmp_path_factory):
     """The ZeRO demo's chain (`bitwise.chain_faults`) and its fault-free run, which the launch
     test below compares with too (the same steps)."""
     case = CASES["demo_zero"]
     faults, steps, after = bitwise.chain_faults(case)
-    import tempfile
-    from pathlib import Path
-
-    out = Path(tempfile.mkdtemp(prefix="elasjax-sweep-"))
-    ref = bitwise.train(case, out / "ref", f"train.steps={steps}", "faults=[]")
+    ref = bitwise.train(case, tmp_path_factory.mktemp("sweep") / "ref", f"train.steps={steps}",
+                        "faults=[]")
     assert ref["rc"] == 0, ref["output"]
     return case, faults, steps, after, ref
 

@@ -159,7 +159,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
                     "launch configs/demo.yaml --processes 4 --hook user_hooks:count"),
     HELP: ("run", "test_help_lists_the_public_names"),
     "python -m elasjax.bench.bitwise": (
-        "elsewhere", "tests/test_bitwise_sweep.py (the same runs, one per chain)"),
+        "elsewhere", "tests/test_bitwise_sweep.py (its rows' layouts, visited by the chains)"),
     "python -m elasjax.bench.bitwise --chain": (
         "elsewhere", "tests/test_bitwise_sweep.py runs its chains (the ZeRO demo's and the "
                      "pipeline demo's) as the module does"),
