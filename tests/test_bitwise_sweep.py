@@ -47,8 +47,7 @@ def zero_chain(tmp_path_factory):
     test below compares with too (the same steps)."""
     case = CASES["demo_zero"]
     faults, steps, after = bitwise.chain_faults(case)
-    ref = bitwise.train(case, tmp_path_factory.mktemp("sweep") / "ref", f"train.steps={steps}",
-                        "faults=[]")
+    ref = bitwise.fault_free(case, tmp_path_factory.mktemp("sweep") / "ref", steps)
     assert ref["rc"] == 0, ref["output"]
     return case, faults, steps, after, ref
 
@@ -77,7 +76,7 @@ def test_the_pipeline_demo_through_every_shrink_and_back_is_bitwise(tmp_path):
     Adam's moments on the first fast path; the suite's own compile settings did not show it."""
     case = CASES["demo_pipeline"]
     faults, steps, after = bitwise.chain_faults(case)
-    ref = bitwise.train(case, tmp_path / "ref", f"train.steps={steps}", "faults=[]")
+    ref = bitwise.fault_free(case, tmp_path / "ref", steps)
     assert ref["rc"] == 0, ref["output"]
     _check_chain(case, faults, steps, after, ref, tmp_path / "run")
 

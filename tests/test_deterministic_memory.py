@@ -3,8 +3,9 @@
 Compiled with XLA optimisations on, as users run it: the deterministic step's extra temporary
 memory over the default step does not grow from 2 to 8 replicas (at most ceil(log2 K) + 3
 gradient-sized registers per device for K canonical micro-batches). Bitwise equality across
-meshes through failures is tested in test_optimized.py (8 -> 6 -> 4 devices, the 8 canonical
-micro-batches dealt 3/3/2 on 3 replicas) and test_growth.py."""
+meshes through failures is tested in test_deterministic_zero.py (8 -> 6 -> 4 devices, the 8
+canonical micro-batches dealt 3/3/2 on 3 replicas), test_growth.py and, at the demos' sizes,
+test_bitwise_sweep.py."""
 
 import jax
 import pytest

@@ -811,32 +811,6 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
 
 
 @pytest.mark.slow
-def test_launch_standby_makes_a_sigkill_a_standby_hit(reference, tmp_path):
-    """`elasjax launch --standby` (the README's headline recovery): the plan of every single
-    device and host failure is built before step 0; process 2 (a host of two devices) is
-    SIGKILLed at step 4. The recovery is a standby hit on a renewed CPU client that compiles
-    nothing (the compile counter, not a time: the executables are reloaded onto the new client),
-    verified, and the losses stay within 1e-5 of the fault-free run. Before the eval key moved
-    into its trace (step.make_eval_step), the reload compiled two small programs
-    (experiments/RESULTS.md, "a standby hit under launch compiles twice")."""
-    out = tmp_path / "mp_standby"
-    rc, stdout = _launch(
-        out, "--processes", "4", "--devices-per-process", "2", "--standby", "--kill", "4:2",
-        timeout=480,  # every process builds the standby's plans before step 0 on 2 loaded cores
-        # the suite's settings turn the standby off, and a --set wins over --standby's settings
-        sets=("standby.enabled=true",),
-    )
-    assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
-    _assert_matches(read_jsonl(out / "metrics.jsonl"), reference)
-    events = read_jsonl(out / "events.jsonl")
-    assert any(e["type"] == "standby_ready" for e in events)
-    (ev,) = deaths(events)
-    assert ev["step"] == 4 and ev["failed_processes"] == [2] and ev["verify"]["leaves"] > 0
-    assert ev["standby_hit"] and ev["compiles"] == 0, ev
-
-
-@pytest.mark.slow
 def test_a_users_lamb_survives_a_sigkill_with_its_fault_free_computation(exe_cache, tmp_path):
     """`elasjax launch --optimizer user_optim:lamb`: every process builds the user's LAMB from
     the config it is given (`train.optimizer`); process 2 is SIGKILLed at step 4 and each loss

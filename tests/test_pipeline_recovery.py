@@ -1,6 +1,6 @@
 """Pipeline failures end to end: asynchronous migration with ZeRO-1, and a background compile
-that fails. (Deterministic mode, where the async and blocking migrations end bitwise equal to
-each other and to the fault-free run: test_optimized.py.)
+that fails. (Deterministic mode, where async and blocking migrations end bitwise equal to the
+fault-free run: test_optimized.py with ZeRO-1, test_bitwise_sweep.py's pipeline demo chain.)
 
 Tolerance (non-deterministic mode): training losses relative 1e-5 per step against the
 fault-free run, as in test_trainer.

@@ -58,6 +58,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from conftest import deaths
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -372,6 +373,14 @@ def test_the_launch_with_three_kills_runs_as_written(tmp_path):
         line = next((x for x in out.splitlines()
                      if x.startswith(f"recovery at step {step}: process {proc} killed")), None)
         assert line is not None and "standby hit True" in line, (step, proc, out[-4000:])
+    # a hit on a renewed CPU client compiles nothing (the compile counter, not a time: the
+    # executables are reloaded onto the new client); before the eval key moved into its trace
+    # (step.make_eval_step) the reload compiled two small programs (experiments/RESULTS.md,
+    # "a standby hit under launch compiles twice")
+    (events,) = (work / "tmp").glob("elasjax-launch-*/events.jsonl")
+    recs = deaths([json.loads(x) for x in events.open()])  # (a collective retry is no death)
+    assert [(e["step"], e["standby_hit"], e["compiles"]) for e in recs] == [
+        (3, True, 0), (6, True, 0), (9, True, 0)], recs
 
 
 def test_help_lists_the_public_names(tmp_path):

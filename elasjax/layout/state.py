@@ -624,9 +624,8 @@ class StateLayout:
         conditional's branch (its predicate, `step >= 0`, never false but unknown to the
         compiler), compiled on its own: fused with the gradient's producers, the same sums over
         the same elements came out 1 ulp apart on 6 and 8 replicas where the norm also fed the
-        clipping (tests/test_deterministic_zero.py::
-        test_a_clipped_step_is_bitwise_on_any_replica_count; `step._apply_apart` says the same
-        of the optimizer)."""
+        clipping (tests/test_bitwise_sweep.py, the ZeRO demo's chain, clipped at every step;
+        `step._apply_apart` says the same of the optimizer)."""
         if mesh is None or specs is None or step is None or self.stage_layout is not None:
             return self._norm_of(params)
         leaves, treedef = jax.tree.flatten(params)

@@ -280,7 +280,7 @@ def _deterministic_grad_fn(cfg: Config, model, mesh: Mesh, state_sh: TrainState,
     # matrix products every device ran on a block of one, the 25.5M model's deterministic step
     # took 3045 ms against 3186 (experiments/RESULTS.md, "Issue 47's first acceptance item
     # again"); the bits differ from the `vmap` form's, not between layouts
-    # (tests/test_optimized.py::test_deterministic_mode_is_bitwise_across_meshes)
+    # (tests/test_deterministic_zero.py::test_deterministic_mode_is_bitwise_through_failures)
     per_replica = jax.shard_map(
         one, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(DATA), PartitionSpec()),
         out_specs=(PartitionSpec(DATA), PartitionSpec(DATA)), axis_names={DATA},
@@ -472,8 +472,8 @@ def make_eval_step(
     def eval_step(params, batch):
         # the key is made in the trace: made here, outside it, it is two small programs
         # (`jnp.asarray`, the threefry seed) compiled on whatever client is current, which on
-        # a renewed CPU client are a standby hit's only compiles (tests/test_multiprocess.py::
-        # test_launch_standby_makes_a_sigkill_a_standby_hit)
+        # a renewed CPU client are a standby hit's only compiles
+        # (tests/test_readme.py::test_the_launch_with_three_kills_runs_as_written)
         key = rng.root_key(0)
         n_tokens = normaliser(batch)
         if cfg.deterministic and pipelined:

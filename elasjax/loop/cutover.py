@@ -110,7 +110,7 @@ class Cutovers:
         pc = dataclasses.replace(pc, wait_s=0.0)
         # a growth's plan found compiled is ready at once; an async recovery's optimal plan is
         # not (its first step runs on the fast path it recovered to, which ends its MTTR:
-        # tests/test_optimized.py::test_deterministic_async_and_blocking_migrations_are_bitwise_equal)
+        # tests/test_optimized.py::test_deterministic_zero1_on_pipelines_is_bitwise_through_failures)
         self.source.only(pc.plan, from_cache=pc.kind == "growth")
         self.transitions.for_cutover(pos, pc.plan)
         return pc
