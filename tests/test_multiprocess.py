@@ -757,7 +757,8 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
         "--hook", "user_hooks:count",
         # the default (conftest's TINY turns it off to save the suite's CPU)
         sets=("recovery.prepare_transfers=true",),
-        env={"PYTHONPATH": str(ROOT / "tests"), "ELASJAX_TEST_HOOK_OUT": str(hooks)},
+        env={"PYTHONPATH": str(ROOT / "tests"), "ELASJAX_TEST_HOOK_OUT": str(hooks),
+             "JAX_LOG_COMPILES": "1"},  # (counted below: the fresh state's program)
     )
     assert rc == 0, stdout
     assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
@@ -807,6 +808,9 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
     loaded = re.findall(r"loaded (\S+) compiled by another process", logs)
     assert sorted(published) == sorted([metrics[0]["plan"], ev["to_plan"]]), logs
     assert sorted(loaded) == sorted([metrics[0]["plan"]] * 3 + [ev["to_plan"]] * 2), logs
+    # the fresh state's program too: compiled by the process that compiled the start plan, with
+    # it, and loaded by the others (`ExecutableSource.start`)
+    assert len(re.findall(r"Finished XLA compilation of jit\(init_fn\)", logs)) == 1, logs
     assert events[-1]["shared_compiles"]["compiled_alone"] == 0
 
 

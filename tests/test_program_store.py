@@ -8,7 +8,7 @@ import pytest
 from conftest import tiny_config
 
 from elasjax.loop import trainer
-from elasjax.compilation.executables import ExecutableCache, compile_plan, rebind
+from elasjax.compilation.executables import ExecutableCache, compile_plan, from_portable, rebind
 from elasjax.compilation.store import ProgramStore
 from elasjax.core.counters import CompileCounter
 from elasjax.plan.planner import replan
@@ -49,6 +49,28 @@ def test_a_stored_program_loads_on_another_device_set_with_the_bits_of_a_compile
     # another program (donation changes the module) is its own entry
     compile_plan(cfg, t.factory, a, t.devices, donate=True, store=again)
     assert again.stored == 1 and len(list(tmp_path.glob("*.pkl"))) == 2
+
+
+def test_the_fresh_states_program_travels_with_the_plans_and_loads_without_a_compile(setup):
+    """Under launch the process that compiles the start plan compiles the fresh state's program
+    with it and publishes both; the others load it (`ExecutableSource.start`): loaded onto
+    another device set of the program's shape, it compiles nothing and makes the state a
+    compile there makes, bit for bit."""
+    cfg, t, a, b = setup
+    first = compile_plan(cfg, t.factory, a, t.devices, donate=False)
+    assert first.portable().init is None  # not compiled yet: nothing to carry
+    first.compile_init()
+    src = first.portable()
+    assert src.init is not None and src.train == first.portable().train
+    got = from_portable(cfg, t.factory, b, t.devices, src, 0.0)
+    with CompileCounter() as cc:
+        got.compile_init()
+        state = got.init()
+    assert cc.count == 0
+    want = compile_plan(cfg, t.factory, b, t.devices, donate=False).init()
+    for u, v in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
+        assert u.sharding.is_equivalent_to(v.sharding, u.ndim)
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def test_an_unreadable_entry_is_deleted_and_the_plan_compiled(setup, tmp_path):

@@ -56,6 +56,7 @@ class Executables:
     # (`store.ProgramStore`, compiled in this run or an earlier one)
     origin: str = "compiled"
     _init: Any = dataclasses.field(default=None, repr=False, compare=False)  # `compile_init`
+    _init_compiled: bool = dataclasses.field(default=False, repr=False, compare=False)  # (here)
     _portable: Any = dataclasses.field(default=None, repr=False, compare=False)
     _portable_lock: Any = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
@@ -83,6 +84,9 @@ class Executables:
                     jaxcompat.serialize(self.train),
                     jaxcompat.serialize(self.checksum),
                 )
+            if self._init_compiled and self._portable.init is None:
+                self._portable = dataclasses.replace(
+                    self._portable, init=jaxcompat.serialize(self._init))
             return self._portable
 
     @property
@@ -105,9 +109,16 @@ class Executables:
     def compile_init(self) -> None:
         """Compile the fresh state's program now, not at its first run: under `jax.distributed`
         a program compiled at its run reaches its collectives as late as that process's compile
-        is slow (`start.start`)."""
-        if self._init is None:
-            self._init = jax.jit(self.layout.init_fn, out_shardings=self.state_shardings).lower().compile()
+        is slow (`start.start`). Loaded instead where the serialized form these executables
+        came from carries it (compiled by the process of the job that compiled the plan)."""
+        if self._init is not None:
+            return
+        src = self._portable
+        if src is not None and src.init is not None and can_load():
+            self._init = _load(src.init, src.device_ids, list(self.mesh.devices.flat))
+            return
+        self._init = jax.jit(self.layout.init_fn, out_shardings=self.state_shardings).lower().compile()
+        self._init_compiled = True
 
     def init(self) -> TrainState:
         self.compile_init()
@@ -286,6 +297,9 @@ class Portable:
     device_ids: tuple[int, ...]
     train: tuple  # (payload, in_tree, out_tree)
     checksum: tuple
+    # the fresh state's program (`Executables.compile_init`) where it was compiled before the
+    # pair was serialized for the job's other processes (`source.ExecutableSource.start`)
+    init: tuple | None = None
 
 
 def _beside(main, side) -> tuple[Any, Any]:

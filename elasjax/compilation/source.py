@@ -121,17 +121,22 @@ class ExecutableSource:
 
     # -- getting a plan's executables -----------------------------------------------------------
 
-    def start(self, plan: Plan) -> Executables:
+    def start(self, plan: Plan, *, init: bool = False) -> Executables:
         """The start plan's executables; what a cold compile of it cost in CPU time is what
         `_worker_early` measures a worker's compile against when the worker has finished none
-        (not a load from the store or another process: far shorter than a compile)."""
+        (not a load from the store or another process: far shorter than a compile). With `init`
+        (a fresh start), where the job's processes share their compiles, the process that
+        compiles the plan compiles the fresh state's program too and publishes it with the
+        plan's, and the others load it (`Executables.compile_init`): each process compiled it
+        for itself, the start's second compile (the tiny suite model's: 2.0 s in each of 4
+        processes, experiments/RESULTS.md, "The suite's time")."""
         cpu0 = time.process_time()
-        got = self.get(plan)
+        got = self.get(plan, init=init)
         if not got.hit and got.exe.origin == "compiled":
             self.first_compile_cpu_s = time.process_time() - cpu0
         return got.exe
 
-    def get(self, plan: Plan, *, hold: bool = False) -> Acquired:
+    def get(self, plan: Plan, *, hold: bool = False, init: bool = False) -> Acquired:
         """The plan's executables, and how they were found (`Acquired`); with `hold` (a
         recovery's), background builds wait from the moment they are found built (before a
         reload onto a renewed client) until `release_background`. A standby hit means
@@ -170,7 +175,7 @@ class ExecutableSource:
                     # compiled here, where an error that recurs is raised
                     self.errors.append(f"{busy.name}: {type(e).__name__}: {e}")
                 wait_s = time.perf_counter() - t0
-                return Acquired(*self._cached(plan), False, wait_s)
+                return Acquired(*self._cached(plan, init=init), False, wait_s)
             left = sb.busy_left_s()
             # building it here: a rebind where its program is compiled, else a compile
             here_s = sb.mean_rebind_s if self.rebindable(key) else sb.mean_compile_s
@@ -186,9 +191,9 @@ class ExecutableSource:
                 t0 = time.perf_counter()
                 exe = self.current(sb.wait(key), key)
                 return Acquired(exe, False, False, time.perf_counter() - t0)
-        return self._cold(plan)
+        return self._cold(plan, init=init)
 
-    def _cold(self, plan: Plan) -> Acquired:
+    def _cold(self, plan: Plan, *, init: bool = False) -> Acquired:
         """`plan` built now, not by the standby: compiled on this thread, or loaded from the
         process of the job that compiles it. Under launch the compile worker's compile under
         way, if any, is of another plan (this one was taken from the standby's queue, so the
@@ -200,18 +205,19 @@ class ExecutableSource:
             self._log(f"stopped the compile worker's compile of {getattr(busy, 'name', busy)} "
                       f"while {plan.name} is built (it continues after)")
         try:
-            return Acquired(*self._cached(plan), False, 0.0)
+            return Acquired(*self._cached(plan, init=init), False, 0.0)
         finally:
             if paused:
                 self.worker.resume()
 
-    def _cached(self, plan: Plan, compile: Callable[[], Executables] | None = None
-                ) -> tuple[Executables, bool]:
+    def _cached(self, plan: Plan, compile: Callable[[], Executables] | None = None, *,
+                init: bool = False) -> tuple[Executables, bool]:
         """`plan`'s executables from the cache, else built (`_build`), by `compile` where
-        given (a compile worker's) instead of a compile here."""
+        given (a compile worker's) instead of a compile here; with `init`, shared with the
+        fresh state's program (`start`)."""
         return self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.donate,
-            reuse_programs=self.cfg.standby.rebind, build=self._build(plan, compile),
+            reuse_programs=self.cfg.standby.rebind, build=self._build(plan, compile, init),
             store=self.store,
         )
 
@@ -272,9 +278,12 @@ class ExecutableSource:
         k = me % len(mine) if mine and not by_program else 0
         return published + mine[k:] + mine[:k] + others + claimed
 
-    def _build(self, plan: Plan, compile: Callable[[], Executables] | None = None):
+    def _build(self, plan: Plan, compile: Callable[[], Executables] | None = None,
+               init: bool = False):
         """How `plan` is compiled where it must be: through the job's shared builds (`shared`)
-        where there are some, else None (compiled here, or by `compile` where given)."""
+        where there are some, else None (compiled here, or by `compile` where given). With
+        `init`, the shared build's compile compiles the fresh state's program too, before it
+        publishes (`Executables.portable` then carries it)."""
         sh = self.shared
         if sh is None:
             return None if compile is None else lambda here: compile()
@@ -283,6 +292,13 @@ class ExecutableSource:
         def load(portable, compile_s: float) -> Executables:
             return from_portable(self.cfg, self.factory, plan, self.devices, portable, compile_s)
 
+        def with_init(build: Callable[[], Executables]) -> Executables:
+            exe = build()
+            exe.compile_init()
+            return exe
+
+        if init:
+            return lambda here: sh.build(key, plan.name, lambda: with_init(compile or here), load)
         return lambda here: sh.build(key, plan.name, compile or here, load)
 
     def _worker_early(self) -> bool:

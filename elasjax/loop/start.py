@@ -54,8 +54,9 @@ def start(cfg: Config, rt: Runtime, topo: Topology, initial: Plan, source: Execu
                 if live != set(topo.device_ids):
                     survivors = [d for d in topo.device_ids if d in live]
                     plan = replan(survivors, topo, cfg, initial, initial)
-                exe = source.start(plan)
-                if cfg.checkpoint.resume_step is None:
+                fresh = cfg.checkpoint.resume_step is None
+                exe = source.start(plan, init=fresh)
+                if fresh:
                     exe.compile_init()
             with rt.guard("start/state"):
                 step, state, saved, dropped = _load_state(cfg, rt, factory, ckpt, exe)
