@@ -145,8 +145,9 @@ class MultiControllerRuntime:
         self._quiet_loops()
         self._drained: tuple[float, int, int] | None = None  # the last `_drain`: (s, arrays, failed)
         # a live peer waiting at another barrier this long is a divergence (`DivergedError`):
-        # far above any skew between processes at one barrier (a start's compile included,
-        # experiments/RESULTS.md "One death stays one death")
+        # far above any skew between processes at one barrier (a start's compile included:
+        # 0.00-0.01 s at the start's entry barriers in 20 supervised launches, experiments/
+        # RESULTS.md "Supervised resumes after the lone-survivor fix")
         self.diverge_after_s = max(DIVERGE_AFTER_S, 4.0 * rc.heartbeat_timeout_s)
         # each live process's arrival at the last entry barrier (s after the first), for the
         # messages of a failure in the block after it (`_arrival_note`)
