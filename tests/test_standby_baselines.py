@@ -488,7 +488,7 @@ def test_under_launch_a_recovery_built_elsewhere_stops_the_workers_unneeded_comp
                 time.sleep(0.01)
             return state(pid)
 
-        def cached(plan):
+        def cached(plan, init=False):
             seen.append((plan.name, stopped_soon(child.pid) if w._stopped is child
                          else state(child.pid), w._stopped is child))
             if plan.name == "raises":
