@@ -76,7 +76,8 @@ class RuntimeConfig:
     """How one process joins the job.
 
     Attributes:
-      coordinator: `host:port` of the coordination service (process 0 binds it).
+      coordinator: `host:port` of the coordination service (the coordination process binds it,
+        `runtime.coordinator`; no training process does).
       num_processes: processes in the job.
       process_id: this process, 0 .. num_processes - 1.
       platform: `cpu` (gloo collectives, `devices_per_process` fake devices) or `gpu`.
