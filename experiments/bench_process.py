@@ -69,7 +69,8 @@ def write_config(size: str, steps: int, out: Path) -> Path:
 
 
 def plain(config_path: str) -> None:
-    """The plain script's whole run (`--plain`): build the user's loop for the config, run it."""
+    """The plain script's whole run (`--plain`): build the user's loop for the config, run it.
+    (`elasjax train` makes the config's fake devices itself; the plain script says so here.)"""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
     from elasjax import config  # the config's reader only: the loop is user_loop's
@@ -83,8 +84,6 @@ def plain(config_path: str) -> None:
 def run(side: str, cfg_path: Path, out: Path) -> float:
     """One whole process of `side` on `cfg_path`; its wall in seconds (raises if it failed)."""
     env = {**os.environ, "ELASJAX_CACHE_DIR": str(out / "cache")}
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
-                        + " --xla_force_host_platform_device_count=8").strip()
     if SIDES[side] is None:
         cmd = [sys.executable, __file__, "--plain", str(cfg_path)]
     else:

@@ -3,10 +3,11 @@
 Compiled with XLA optimisations on, as users run it (the FMA contraction that used to change
 Adam's moments between layouts is an optimised-compile effect; `step._apply_apart`). The
 tensor degree is kept (2), so a device failure and then a host failure take the run from 4 to
-3 to 2 replicas (ZeRO-0, and ZeRO-1 whose storage is re-partitioned each time); ZeRO-2 and ZeRO-3 lose a
-host (4 to 3 replicas, an uneven partition). The fault-free ZeRO-1 run is every test's
-reference (one compile of it for the module): the stage changes no bit. The ZeRO demo itself, as users compile it, through
-every data degree and under `elasjax launch`: tests/test_bitwise_sweep.py."""
+3 to 2 replicas (ZeRO-0, and ZeRO-1 whose storage is re-partitioned each time); ZeRO-2 and
+ZeRO-3 lose a host (4 to 3 replicas, an uneven partition). The fault-free ZeRO-1 run is every
+test's reference (one compile of it for the module): the stage changes no bit. The ZeRO demo
+itself, as users compile it, through every data degree and under `elasjax launch`:
+tests/test_bitwise_sweep.py."""
 
 import jax
 import numpy as np

@@ -4,8 +4,8 @@ with `jax_disable_most_optimizations` to save compile time, see conftest.py).
 Default mode (device and host failure, within 1e-5 of the fault-free run), and deterministic
 ZeRO-1 on a pipeline through an async migration (bitwise). The deterministic mode across data
 meshes and ZeRO stages: test_deterministic_zero.py; the demos at their own sizes through every
-data degree, with XLA exactly as users compile: test_bitwise_sweep.py. The module compiles with its own executable cache and clears JAX's caches on entry
-and exit, so nothing compiled unoptimised is used here or leaks out. XLA_FLAGS are process-wide:
+data degree, with XLA exactly as users compile: test_bitwise_sweep.py. The module compiles
+with its own executable cache and clears JAX's caches on entry and exit, so nothing compiled unoptimised is used here or leaks out. XLA_FLAGS are process-wide:
 here too XLA:CPU emits its older loop kernels instead of its fusion emitters (conftest.py);
 `ELASJAX_TEST_XLA_OPT=1` runs every test with XLA exactly as users run it.
 """

@@ -56,7 +56,6 @@ class Executables:
     # (`store.ProgramStore`, compiled in this run or an earlier one)
     origin: str = "compiled"
     _init: Any = dataclasses.field(default=None, repr=False, compare=False)  # `compile_init`
-    _init_compiled: bool = dataclasses.field(default=False, repr=False, compare=False)  # (here)
     _portable: Any = dataclasses.field(default=None, repr=False, compare=False)
     _portable_lock: Any = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
@@ -84,7 +83,8 @@ class Executables:
                     jaxcompat.serialize(self.train),
                     jaxcompat.serialize(self.checksum),
                 )
-            if self._init_compiled and self._portable.init is None:
+            # a fresh state's program compiled here goes along (one loaded came from `_portable`)
+            if self._init is not None and self._portable.init is None:
                 self._portable = dataclasses.replace(
                     self._portable, init=jaxcompat.serialize(self._init))
             return self._portable
@@ -118,7 +118,6 @@ class Executables:
             self._init = _load(src.init, src.device_ids, list(self.mesh.devices.flat))
             return
         self._init = jax.jit(self.layout.init_fn, out_shardings=self.state_shardings).lower().compile()
-        self._init_compiled = True
 
     def init(self) -> TrainState:
         self.compile_init()

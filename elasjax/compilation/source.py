@@ -292,14 +292,13 @@ class ExecutableSource:
         def load(portable, compile_s: float) -> Executables:
             return from_portable(self.cfg, self.factory, plan, self.devices, portable, compile_s)
 
-        def with_init(build: Callable[[], Executables]) -> Executables:
-            exe = build()
-            exe.compile_init()
+        def built(here: Callable[[], Executables]) -> Executables:
+            exe = (compile or here)()
+            if init:
+                exe.compile_init()
             return exe
 
-        if init:
-            return lambda here: sh.build(key, plan.name, lambda: with_init(compile or here), load)
-        return lambda here: sh.build(key, plan.name, compile or here, load)
+        return lambda here: sh.build(key, plan.name, lambda: built(here), load)
 
     def _worker_early(self) -> bool:
         """Has the compile worker spent less than `WORKER_WAIT_PROGRESS` of a compile's CPU
