@@ -2,6 +2,13 @@
 
     PYTHONPATH=. python experiments/soak_kills.py [--launches 40 --seed 0 --steps 14]
         [--configs configs/demo_zero.yaml,configs/multiprocess.yaml] [--out runs/soak_kills]
+        [--kill-from STEP] [--victim P] [--second random|none|any|detect|recovery/plan|...]
+        [--set standby.wait_at_start=true --set standby.wait_after_recovery=true]
+
+The MTTR fuzz of issue 83 is this soak: `--second any` puts a second kill in a drawn phase of
+the first one's recovery, `--victim 0` kills process 0 first, and the two `--set`s make every
+kill fall after the standby is ready (training waits for it at the start and after each
+recovery).
 
 Each launch runs four processes x two CPU devices (gloo collectives, loopback) with no flag but
 `--processes`, `--devices-per-process` and the schedule: launch i trains the i-th config of
@@ -13,7 +20,10 @@ fault-free run (one process, 8 fake devices) is the reference.
 Printed per launch: the kills, the recoveries, the survivors lost (a process that was not killed
 and did not exit 0: a gloo abort of a healthy survivor shows here as SIGABRT), the launch's exit
 code, and the losses against the fault-free run (max relative deviation; "bitwise" where the run
-was in the deterministic mode and its final state digest equals the reference's). A launch
+was in the deterministic mode and its final state digest equals the reference's), and each
+recovery's MTTR with its phases; the end prints their distribution (median, 90th percentile,
+max) over all recoveries and over those after the standby was ready (a `standby_ready` event
+before the failure), and every recovery with a phase of 8 s or more. A launch
 passes when it exits 0, loses no survivor, has one recovery per kill that fired, and its losses
 are within 1e-5 (bitwise in the deterministic mode). Every record also goes to
 `<out>/soak.jsonl`. Exit code 1 when a launch fails. Wall-clock figures are this machine's (2
@@ -43,12 +53,24 @@ PROCESSES = 4
 ABORT = "Received data size doesn't match expected size"
 
 
-def draw(i: int, seed: int, steps: int) -> list[dict]:
-    """Launch i's kills: one or two fault entries (`kill_process`, phase step or recovery)."""
+def draw(i: int, seed: int, steps: int, kill_from: int = 1, victim: int | None = None,
+         second: str = "random") -> list[dict]:
+    """Launch i's kills: one or two fault entries (`kill_process`, phase step or recovery).
+    The first kill falls at a step in [kill_from, steps - 3), on process `victim` (any when
+    None); `second`: "random" (none, a later step or during the recovery, drawn), "none", or
+    where a second kill always falls: one of `SECOND_PHASES` ("detect": the same step, the
+    two deaths found by one detection; a recovery phase: as that phase of the first one's
+    recovery begins, or in its first step), "any" (one of those, drawn)."""
     rng = random.Random(f"{seed}/{i}")
-    first = {"at_step": rng.randrange(1, steps - 3), "kill_process": rng.randrange(PROCESSES)}
+    first = {"at_step": rng.randrange(kill_from, steps - 3),
+             "kill_process": rng.randrange(PROCESSES) if victim is None else victim}
     kills = [first]
-    if rng.random() < 0.5:
+    if second in SECOND_PHASES or second == "any":
+        phase = rng.choice(SECOND_PHASES) if second == "any" else second
+        other = rng.choice([p for p in range(PROCESSES) if p != first["kill_process"]])
+        kills.append({"at_step": first["at_step"], "kill_process": other,
+                      **({} if phase == "detect" else {"phase": phase})})
+    elif second == "random" and rng.random() < 0.5:
         other = rng.choice([p for p in range(PROCESSES) if p != first["kill_process"]])
         if rng.random() < 0.5:  # during the first one's recovery
             kills.append({"at_step": first["at_step"], "kill_process": other, "phase": "recovery"})
@@ -58,8 +80,15 @@ def draw(i: int, seed: int, steps: int) -> list[dict]:
     return kills
 
 
+# where `draw`'s second kill may fall (`--second`): with the first one ("detect"), or in a
+# phase of its recovery (`faults.RECOVERY_PHASES`)
+SECOND_PHASES = ("detect", "recovery/plan", "recovery/transfer", "recovery/verify",
+                 "recovery/first_step")
+
+
 def spec(k: dict) -> str:
-    return f"{k['at_step']}:{k['kill_process']}" + ("(recovery)" if k.get("phase") == "recovery" else "")
+    phase = k.get("phase", "step")
+    return f"{k['at_step']}:{k['kill_process']}" + (f"({phase})" if phase != "step" else "")
 
 
 def run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
@@ -132,6 +161,7 @@ def judge(i: int, config: str, kills: list[dict], rc: int, took: float, run_dir:
         renewed=sum(1 for e in recs if e.get("collectives_renewed")),
         gloo_aborts=logs.count(ABORT),
         mttr_s=[round(e["mttr_s"], 2) for e in recs],
+        phases=[phases(e, events) for e in recs],
         renew_s=[round(e.get("renew_s") or 0.0, 3) for e in recs],
         drain_s=[e.get("drain_s") for e in recs],
         compile_s=[round(e.get("compile_s") or 0.0, 2) for e in recs],
@@ -168,6 +198,56 @@ def judge(i: int, config: str, kills: list[dict], rc: int, took: float, run_dir:
     return rec
 
 
+# a recovery's phases as its event reports them (docs/reference.md, "Output files")
+PHASES = ("detect_s", "retry_s", "renew_s", "plan_s", "standby_wait_s", "compile_s",
+          "transfer_s", "verify_s", "snapshot_s", "first_step_s")
+LONG_WAIT_S = 8.0  # the collective timeout of a launch's defaults: a wait this long is a timeout
+
+
+def phases(e: dict, events: list[dict]) -> dict:
+    """One recovery's MTTR, phases and conditions: whether the standby had finished building
+    before the failure (a `standby_ready` event earlier in the file), whether it held the plan
+    (`standby_hit`), how many attempts it took."""
+    before = events[:events.index(e)]
+    return {"mttr_s": e["mttr_s"], **{k: e.get(k) for k in PHASES},
+            "standby_ready": any(x["type"] == "standby_ready" for x in before),
+            "standby_hit": e.get("standby_hit"), "attempts": e.get("attempts"),
+            "failed_phases": e.get("failed_phases"), "step": e["step"]}
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs, nearest rank (no interpolation: a figure that was measured)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, -(-int(q * 100) * len(xs) // 100) - 1))]
+
+
+def mttr_table(recs: list[dict]) -> str:
+    """The MTTR distribution over every recovery and over those after the standby was ready,
+    the median of each phase, and every recovery with a phase of LONG_WAIT_S or more."""
+    rows = [(r["launch"], p) for r in recs for p in r.get("phases", [])]
+    if not rows:
+        return "no recoveries"
+    out = []
+    for name, sel in (("all recoveries", rows),
+                      ("after the standby was ready", [x for x in rows if x[1]["standby_ready"]]),
+                      ("one attempt, standby ready", [x for x in rows if x[1]["standby_ready"]
+                                                      and x[1]["attempts"] == 1])):
+        m = [p["mttr_s"] for _, p in sel]
+        if not m:
+            out.append(f"MTTR {name}: none")
+            continue
+        med = {k: statistics.median(p[k] or 0.0 for _, p in sel) for k in PHASES}
+        out.append(f"MTTR {name} ({len(m)}): median {statistics.median(m):.2f}s, p90 "
+                   f"{quantile(m, 0.9):.2f}s, max {max(m):.2f}s; phase medians "
+                   + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in med.items()))
+    long = [(i, p) for i, p in rows if any((p[k] or 0.0) >= LONG_WAIT_S for k in PHASES)]
+    out.append(f"recoveries with a phase of {LONG_WAIT_S:g}s or more: {len(long)}" + "".join(
+        f"\n  launch {i} step {p['step']}: " + ", ".join(
+            f"{k[:-2]} {p[k]:.2f}" for k in PHASES if (p[k] or 0.0) >= 1.0)
+        for i, p in long))
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="configs/demo_zero.yaml,configs/multiprocess.yaml")
@@ -175,6 +255,16 @@ def main(argv=None) -> int:
     ap.add_argument("--first", type=int, default=0, help="the first launch's index (to resume)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--kill-from", type=int, default=1,
+                    help="the first kill's earliest step (later: the standby is more often ready)")
+    ap.add_argument("--victim", type=int, default=None,
+                    help="the process the first kill takes (default: drawn)")
+    ap.add_argument("--second", choices=("random", "none", "any", *SECOND_PHASES),
+                    default="random",
+                    help="the second kill: drawn (none, a later step, during the recovery's "
+                    "transfer), never, or always at the first one's step: found with it "
+                    "(detect), as a phase of its recovery begins, in its first step, or any of "
+                    "these drawn")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--set", action="append", default=[], dest="sets",
                     help="a config override for every launch and reference (not a flag)")
@@ -195,7 +285,7 @@ def main(argv=None) -> int:
     with (out / ("rejudged.jsonl" if args.judge_only else "soak.jsonl")).open("a") as fh:
         for i in range(args.first, args.first + args.launches):
             config = configs[i % len(configs)]
-            kills = draw(i, args.seed, args.steps)
+            kills = draw(i, args.seed, args.steps, args.kill_from, args.victim, args.second)
             run_dir = out / f"launch{i:03d}"
             if args.judge_only:
                 if not (run_dir / "launch.json").exists():
@@ -220,6 +310,7 @@ def main(argv=None) -> int:
             recs.append(rec)
             print(line(rec), flush=True)
     print(summarize(recs), flush=True)
+    print(mttr_table(recs), flush=True)
     return 0 if all(r["ok"] for r in recs) else 1
 
 

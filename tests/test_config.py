@@ -117,7 +117,9 @@ def test_fault_at_the_cut_over_is_one_process_only():
     with pytest.raises(ConfigError, match=r"'faults\[0\].phase' = 'cutover' is not available "
                                           r"under `elasjax launch`.*allowed values: 'step'"):
         faults.resolve_schedule(cfg.faults, topo, cfg.train.steps, faults.MULTI_CONTROLLER)
-    with pytest.raises(ConfigError, match=r"allowed values: 'step', 'recovery', 'cutover'"):
+    with pytest.raises(ConfigError, match=r"allowed values: 'step', 'recovery', 'recovery/plan', "
+                                          r"'recovery/transfer', 'recovery/verify', "
+                                          r"'recovery/first_step', 'cutover'"):
         config.load(None, ["faults=[{at_step: 3, devices: [1], phase: later}]"])
 
 

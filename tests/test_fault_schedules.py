@@ -2,7 +2,9 @@
 
 Hypothesis draws schedules over tiny versions of the demo configs (data x tensor with replicas;
 ZeRO-1 on the default snapshot config): one to three failures of a device, a host, or `count`
-random devices, at any step including 0, and failures during a recovery (`phase: recovery`).
+random devices, at any step including 0, and failures during a recovery (as its plan, transfer
+or verification phase begins: `phase: recovery/plan`, `recovery`, `recovery/verify`; an explicit
+example fails a device in the recovery's first step, `recovery/first_step`).
 Explicit examples add an uneven 8 -> 7 -> 5 -> 3 shrink and the loss of every holder of a
 tensor slice. Pipeline schedules (a pipeline with asynchronous migration; they also draw
 failures at the cut-over step) compile about 4x longer: they run with
@@ -92,7 +94,8 @@ def schedules(draw):
             kinds.append("at cut-over")
         kind = draw(st.sampled_from(kinds))
         if kind == "during recovery":
-            ev = {"at_step": events[-1]["at_step"], "phase": "recovery"}
+            ev = {"at_step": events[-1]["at_step"], "phase": draw(st.sampled_from(
+                ["recovery/plan", "recovery", "recovery/verify"]))}
         elif kind == "at cut-over":  # the cut-over comes 1 to CUTOVER_AFTER steps later
             ev = {"at_step": events[0]["at_step"] + 1, "phase": "cutover"}
         else:
@@ -113,7 +116,7 @@ def schedules(draw):
         if kind == "at cut-over":
             step = max(step, events[0]["at_step"] + CUTOVER_AFTER)
         events.append(ev)
-    events.sort(key=lambda e: (e["at_step"], e.get("phase") == "recovery"))  # stable
+    events.sort(key=lambda e: (e["at_step"], e.get("phase", "").startswith("recovery")))
     return variant, events
 
 
@@ -178,6 +181,9 @@ def references(exe_cache):
     {"at_step": 2, "devices": [3]}, {"at_step": 4, "hosts": [0]}, {"at_step": 6, "devices": [2, 4]},
 ]))
 @example(schedule=("default", [{"at_step": 5, "devices": [0, 2, 4, 6]}]))  # slice 0 is gone
+@example(schedule=("default", [  # a failure in the recovery's first step joins that recovery
+    {"at_step": 3, "devices": [2]}, {"at_step": 3, "devices": [4], "phase": "recovery/first_step"},
+]))
 @settings(max_examples=LONG or 3, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 def test_a_fault_schedule_recovers_exactly_or_names_the_lost_leaf(exe_cache, references,

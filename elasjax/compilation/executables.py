@@ -60,6 +60,15 @@ class Executables:
     _portable_lock: Any = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
     )
+    _eval_exe: Any = dataclasses.field(default=None, repr=False, compare=False)  # `eval_for`
+
+    def eval_for(self, params, batch):
+        """The evaluation's executable for these arguments: compiled on first use (`make_eval`),
+        apart from its run, so that the loop compiles it before the step's collectives are in
+        flight (`stepping.Stepper.dispatch` says why)."""
+        if self._eval_exe is None:
+            self._eval_exe = self.eval.lower(params, batch).compile()
+        return self._eval_exe
 
     @property
     def portable_ok(self) -> bool:
@@ -139,7 +148,7 @@ def _frame(cfg: Config, factory: StateFactory, plan: Plan, devices: dict[int, ja
     ab = abstract_batch(plan, factory.model)
 
     def make_eval(m: Mesh):
-        # Evaluation is not on the recovery path: it compiles on first use (`Executables.eval`)
+        # not on the recovery path: it compiles on first use (`Executables.eval_for`)
         return jax.jit(
             make_eval_step(cfg, factory.model, layout, m, plan),
             in_shardings=(layout.shardings(m).params, batch_shardings(m, ab)),

@@ -280,8 +280,10 @@ class FaultConfig:
 
     `phase`: `step` fails the devices during step `at_step` (in one process: at the boundary
     before it; under launch: right after the process dispatched it, its collectives in flight);
-    `recovery` fails them during the transfer of the recovery that another fault at the same
-    step started, so that recovery has to start again from what is left; `cutover` (one
+    `recovery/plan`, `recovery/transfer`, `recovery/verify` fail them as that phase begins, in the
+    recovery that another fault at the same step started, so that recovery has to start again
+    from what is left (`recovery` is `recovery/transfer`); `recovery/first_step` fails them as the
+    first step after that recovery is dispatched (the recovery goes on in the same event); `cutover` (one
     process) fails them at the first step boundary at or after `at_step` where an async
     migration cuts over, right after the new plan is installed (a run that never cuts over
     then says so in its summary).
@@ -302,7 +304,8 @@ class FaultConfig:
     kill_process: int = -1
     stall_process: int = -1  # `elasjax launch`: this process stalls, alive, for `stall_s`
     stall_s: float = 0.0
-    phase: Literal["step", "recovery", "cutover"] = "step"
+    phase: Literal["step", "recovery", "recovery/plan", "recovery/transfer", "recovery/verify",
+                   "recovery/first_step", "cutover"] = "step"
     join: Optional[JoinConfig] = None
     mtbf: Optional[MtbfConfig] = None
 

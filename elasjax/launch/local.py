@@ -368,7 +368,8 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
     events = resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER,
                               cfg.recovery.worker_restarts)
     scheduled = {
-        h: f"{e.at_step}:{h}" + (" during recovery" if e.phase == "recovery" else "")
+        h: f"{e.at_step}:{h}" + (f" during the {e.phase}" if e.phase.startswith("recovery/")
+                                 else "")
         for e in events
         for h in e.hosts
     }

@@ -178,7 +178,7 @@ def remaining_faults(
     steps_with_failure = {f.at_step for f in kept if _is_failure(f) and f.phase == "step"}
     out: list[FaultConfig] = []
     for f in kept:
-        if f.phase == "recovery" and f.at_step not in steps_with_failure:
+        if f.phase.startswith("recovery") and f.at_step not in steps_with_failure:
             dropped.append((f, f"the failure at step {f.at_step} that its recovery needs fired"))
         else:
             out.append(f)

@@ -267,6 +267,12 @@ class Recovered:
     cutover: PendingCutover | None
 
 
+def _at(during: list, point: str) -> list:
+    """The scheduled failures `during` a recovery that strike as its phase `point` begins
+    (`faults.RECOVERY_PHASES`)."""
+    return [e for e in during if e.phase == f"recovery/{point}"]
+
+
 class Recoverer:
     """Recovery from failures, for the loop (`trainer.Trainer`) on either runtime. `source`
     gives executables, `contingencies` the plans, `transitions` the transfers planned ahead;
@@ -357,6 +363,7 @@ class Recoverer:
                 if not renewal.kept:
                     stores[0] = stores[0].map_data(self.rt.current)
             store = stores[0]
+            self.rt.inject(_at(during, "plan"), "plan", [store])
             early = self._check_recoverable(pos, pool, store, dead, lost_hosts, new_plan, strategy)
             plan_s = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -374,7 +381,7 @@ class Recoverer:
             compile_s = time.perf_counter() - t0
         with self.rt.guard("recovery/transfer"):
             t0 = time.perf_counter()
-            self.rt.inject(during, "transfer", [store])
+            self.rt.inject(_at(during, "transfer"), "transfer", [store])
             built = self._rebuild(pos, pool, store.without(dead), dead, lost_hosts, exe, strategy)
             new_state, resume_at = built.state, built.resume_at
             self.rt.commit(new_state)
@@ -384,6 +391,7 @@ class Recoverer:
         if any(t.src in dead for t in built.log.entries):
             raise AssertionError("a transfer read a failed device")  # invariant
         with self.rt.guard("recovery/verify"):
+            self.rt.inject(_at(during, "verify"), "verify", [store])
             # the new plan's pool replaces the old one only once this attempt succeeds: a retry
             # still needs the old plan's copies
             done = protect_moved(self.rt, exe, new_state, built.expected, "recovered state",

@@ -65,6 +65,14 @@ class Stepper:
         t0 = time.perf_counter()
         if not ls.timeline.startup_s:
             ls.timeline.startup_s = t0 - t_run
+        every = self.cfg.train.eval_every
+        evaluate = every and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps)
+        # the evaluation's batches and executable before the step's collectives are in flight:
+        # its first use compiles, and a compile on the main thread while a dead peer held the
+        # step's collectives kept the survivors from leaving them until it ended (their abort
+        # waits for the main thread, which might post a collective: `aborts`; 1.4 s of detection
+        # in experiments/RESULTS.md, "The MTTR fuzz")
+        evals_in = self._eval_inputs(exe, plan, pos.kept, pos.state) if evaluate else None
         batch = exe.put_batch(host_batch.arrays())
         new_state, met = exe.train(pos.state, batch)
         seq = None
@@ -78,9 +86,8 @@ class Stepper:
         self.rt.inject(due, "after_dispatch")
         ls.pool.take(new_state, step + 1)
         evals = None
-        every = self.cfg.train.eval_every
-        if every and ((step + 1) % every == 0 or step + 1 == self.cfg.train.steps):
-            evals = self._eval(exe, plan, pos.kept, new_state)
+        if evals_in is not None:
+            evals = [fn(new_state.params, b) for fn, b in evals_in]
         # a runtime whose steps complete in their guard waits for the snapshot's copies too; the
         # others leave them running beside the next step
         self.rt.commit((new_state, met, evals, ls.pool.in_flight() if self.rt.step_sync else ()))
@@ -143,12 +150,15 @@ class Stepper:
         self.rt.log(f"step {f.step}: loss {loss:.6f} on {f.plan.name} ({dt:.3f}s)")
         ew.step(rec)
 
-    def _eval(self, exe, plan: Plan, kept, state) -> list:
-        """Held-out loss of `state`: the per-batch (sum, count) arrays, read later."""
+    def _eval_inputs(self, exe, plan: Plan, kept, state) -> list:
+        """The held-out batches on the devices, each with the evaluation's executable (compiled
+        for `state`'s parameters, whose shapes and shardings the step keeps); its runs give the
+        per-batch (sum, count) arrays, read later."""
         out = []
         for i in range(self.cfg.train.eval_batches):
             hb = self._subset(self.data.eval_batch(i, self._layout_plan(plan, kept)), kept)
-            out.append(exe.eval(state.params, exe.put_batch(hb.arrays())))
+            batch = exe.put_batch(hb.arrays())
+            out.append((exe.eval_for(state.params, batch), batch))
         return out
 
     # -- batches (torchft_like processes only the surviving replicas' share) ---------------------

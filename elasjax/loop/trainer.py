@@ -418,6 +418,9 @@ class Trainer:
         due = [e for e in ls.pending if e.at_step == step and e.phase == "step"
                and not e.is_join] + [
             e for e in ls.pending if cutover_now and e.phase == "cutover" and e.at_step <= step
+        ] + [  # the first step after the recovery of their step's failure
+            e for e in ls.pending if e.phase == "recovery/first_step"
+            and ls.open_event is not None and ls.open_event.step == e.at_step
         ]
         if ls.open_event is not None and pos.step == ls.open_event.resumed_at_step:
             ls.open_event.first_step_first_run = pos.exe.runs == 0 and not pos.exe.warm_s
@@ -438,7 +441,8 @@ class Trainer:
         ls.pool.abort(step + 1)  # that step's snapshot, if it was taken
         self.steps.flush(ls, mw, self.emit)  # the checksums of the state recovery rebuilds
         pos = ls.verified()
-        during = [e for e in ls.pending if e.at_step == step and e.phase == "recovery"]
+        during = [e for e in ls.pending if e.at_step == step and e.phase.startswith("recovery/")
+                  and e.phase != "recovery/first_step"]
         unfinished = ls.open_event  # a recovery whose first step just failed
         # a failure re-plans from scratch (returned devices too): nothing stays pending, but a
         # growth that a retry interrupts (below)

@@ -9,8 +9,9 @@ block, and records why; the recovery then renews the CPU client (`collectives.re
 
 Three detectors call in, each on its own thread: the kernel's exit of a same-host peer
 (`on_exit`, `liveness.ProcessExits`), a death notice from the dead process's host (`on_notice`,
-`deathnote`), and a heartbeat silent past `SILENCE_ABORT_FACTOR` liveness timeouts inside a step
-(`on_silent`, `liveness.Liveness`), which says why not 1.
+`deathnote`), and a heartbeat silent inside a step (`on_silent`, `liveness.Liveness`): a
+same-host peer's for the liveness timeout with its CPU time standing still (stopped or hung),
+another host's for `SILENCE_ABORT_FACTOR` liveness timeouts (`on_silent` says why not 1).
 
 **Not while this process still computes.** A gloo collective posted after its process shut the
 sockets down is not told so: its send waits out the collective timeout in
@@ -36,8 +37,8 @@ from .collectives import abort_collectives, gloo_loops
 from .liveness import Liveness, ProcessExits
 from .startup import RuntimeConfig
 
-# a peer silent this many liveness timeouts inside a step has this process's collectives shut
-# down (`CollectiveAborts.on_silent`, which says why not 1)
+# a peer on another host silent this many liveness timeouts inside a step has this process's
+# collectives shut down (`CollectiveAborts.on_silent`, which says why not 1)
 SILENCE_ABORT_FACTOR = 2.0
 # the wait for this process to be quiet before its sockets are shut down (the module docstring):
 # polled every QUIET_POLL_S; quiet when no other thread ran at QUIET_POLLS polls in a row; at
@@ -112,7 +113,13 @@ class CollectiveAborts:
         if self.enabled:
             self._exits.start_watcher(self.on_exit)
             self._liveness.on_silent = self.on_silent
-            self._liveness.on_silent_after = SILENCE_ABORT_FACTOR * self._liveness.timeout
+            self._liveness.on_silent_after = self.silent_after
+
+    def silent_after(self, p: int) -> float:
+        """How long process p's heartbeat is silent before `on_silent` is asked: the liveness
+        timeout for a same-host peer (whose CPU time tells stopped from starved), else
+        `SILENCE_ABORT_FACTOR` of it."""
+        return self._liveness.timeout * (1.0 if self._exits.watching(p) else SILENCE_ABORT_FACTOR)
 
     def enter_block(self, phase: str) -> None:
         """A guard's block begins: from now on a death shuts the collectives down. A peer whose
@@ -205,11 +212,16 @@ class CollectiveAborts:
                            f"collective sockets of this process ({how})")
 
     def on_silent(self, p: int, silent: float) -> None:
-        """Process p's heartbeat has been silent past `SILENCE_ABORT_FACTOR` x the liveness
-        timeout (the liveness watcher's thread). Inside a step's block, for a peer whose exit
-        the kernel cannot report (another host's, or any with `--no-watch-exits`), shut the
-        collectives down as `on_exit` does. A compile starves heartbeats, so other guards are
-        left alone.
+        """Process p's heartbeat has been silent past `silent_after(p)` (the liveness watcher's
+        thread). Inside a step's block, shut the collectives down as `on_exit` does, for a peer
+        whose exit the kernel cannot report (another host's, or any with `--no-watch-exits`),
+        and for a same-host peer whose CPU time stood still all that silence (`Liveness.working`):
+        stopped (SIGSTOP) or hung, it would hold every survivor in the step's collectives until
+        the collective timeout (8.16 s to fence a worker stopped for 20 s, issue 83), whereas a
+        live process whose heartbeat thread is starved burns CPU. The exit barrier then decides
+        as for any silence: a peer that still never posts is declared dead and fenced off, one
+        that posts costs a retry on fresh collectives. A compile starves heartbeats, so other
+        guards are left alone.
 
         The abort is evidence of a failure at the exit barrier, where a peer silent past the
         liveness timeout is then declared dead: a live peer whose heartbeat thread starved that
@@ -217,9 +229,14 @@ class CollectiveAborts:
         in a step beside a background compile on a loaded 2-core machine (experiments/
         RESULTS.md, "bench_detection with the exit watch off, collective timeout 8 s"), which
         at 1 x the liveness timeout cost a live process."""
-        if self._liveness.phase != "step" or self._exits.watching(p):
+        if self._liveness.phase != "step":
             return
+        still = ""
+        if self._exits.watching(p):
+            if self._liveness.working(p, silent):
+                return  # starved, not stuck: the barrier waits for it
+            still = " and its CPU time stood still"
         self.abort_when_quiet(
-            f"when process {p}'s heartbeat was silent {silent:.2f}s",
-            lambda n, how: f"process {p} silent {silent:.2f}s (heartbeat): shut down {n} "
+            f"when process {p}'s heartbeat was silent {silent:.2f}s{still}",
+            lambda n, how: f"process {p} silent {silent:.2f}s{still} (heartbeat): shut down {n} "
                            f"collective sockets of this process ({how})")

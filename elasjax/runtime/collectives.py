@@ -78,7 +78,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 
@@ -166,11 +166,13 @@ def drain(arrays) -> tuple[int, int]:
     return n, failed
 
 
-def renew_cpu_client(client, live: Iterable[int], generation: int, writer: bool, wait_ms: int) -> list:
+def renew_cpu_client(client, live: Iterable[int], generation: int, writer: bool, wait_ms: int,
+                     read: Callable[[str, int], str] | None = None) -> list:
     """Replace this process's CPU client by a new one (every live process calls it, at the same
     point). Returns the new client's devices, ordered by (process, id). The old client's
     arrays stay valid (copy them with `jax.device_put`), its executables do not run on the new
-    devices."""
+    devices. `read(key, ms)`: how a process that is not the writer waits for the writer's
+    go-ahead (`kvwait.read`, which ends when the writer dies; the plain read by default)."""
     from jax.extend import backend
 
     ready = f"elasjax/renew/{generation}"
@@ -190,7 +192,7 @@ def renew_cpu_client(client, live: Iterable[int], generation: int, writer: bool,
             client.key_value_set_bytes(key, value)
         client.key_value_set(ready, repr(time.time()))
     else:
-        client.blocking_key_value_get(ready, wait_ms)
+        (read or client.blocking_key_value_get)(ready, wait_ms)
     backend.clear_backends()
     return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 

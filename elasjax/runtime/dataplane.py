@@ -25,18 +25,21 @@ import jax
 import numpy as np
 
 from ..transfer.copies import pack, packed_size, unpack
+from . import kvwait
 from .p2p import TransferLinks
 
 
 class DataPlane:
     """Numbered exchanges between the live processes (see the module docstring). The runtime
     gives it where devices are (`devices`: id -> the current client's device; `process_of`),
-    who is live (`processes`) and how to bring an array onto the current client (`current`)."""
+    who is live (`processes`), who is gone (`gone`: a read of a gone process's key ends at once,
+    `kvwait`) and how to bring an array onto the current client (`current`)."""
 
     def __init__(self, client, me: int, links: TransferLinks, wait_s: float,
                  devices: dict[int, Any], process_of: Callable[[Any], int],
-                 processes: Callable[[], set[int]], current: Callable[[Any], Any]):
-        self.client, self.me, self.links = client, me, links
+                 processes: Callable[[], set[int]], current: Callable[[Any], Any],
+                 gone: Callable[[int], bool]):
+        self.client, self.me, self.links, self._gone = client, me, links, gone
         self._wait_ms = int(wait_s * 1000)
         self._devices, self._process_of = devices, process_of
         self._processes, self._current = processes, current
@@ -105,7 +108,7 @@ class DataPlane:
         key = f"elasjax/agree/{incident}/{seq}"
         self.client.key_value_set(f"{key}/{self.me}", json.dumps(value), allow_overwrite=True)
         return {
-            p: json.loads(self.client.blocking_key_value_get(f"{key}/{p}", self._wait_ms))
+            p: json.loads(kvwait.read(self.client, f"{key}/{p}", self._wait_ms, p, self._gone))
             for p in sorted(self._processes())
         }
 
@@ -116,5 +119,5 @@ class DataPlane:
         if self.me == src:
             self.client.key_value_set(key, base64.b64encode(pickle.dumps(value)).decode())
             return value
-        return pickle.loads(base64.b64decode(self.client.blocking_key_value_get(key,
-                                                                                self._wait_ms)))
+        return pickle.loads(base64.b64decode(
+            kvwait.read(self.client, key, self._wait_ms, src, self._gone)))

@@ -36,6 +36,7 @@ class Clocks:
     t_body: float | None = None  # the block's body began (after its entry barrier)
     t_kill: float | None = None  # the earliest victim's kill
     t_silent: float | None = None  # the earliest victim's heartbeat went silent
+    t_exit: float | None = None  # this process's exit watch saw the earliest victim's exit
 
 
 def since(t: float | None, t0: float | None) -> float | None:
@@ -82,6 +83,7 @@ def describe(verdict: Verdict, procs: list[int], phase: str, err: BaseException 
         detector=detector,
         kill_to_detect_s=since(c.t_known, c.t_kill),
         kill_to_silent_s=since(c.t_silent, c.t_kill),
+        kill_to_exit_s=since(c.t_exit, c.t_kill),
         kill_to_error_s=since(c.t_err, c.t_kill),
         block_to_error_s=since(c.t_err, c.t_block),
         body_to_error_s=since(c.t_err, c.t_body),
@@ -103,7 +105,8 @@ def log_line(report: FailureReport, phase: str, devices: list[int], killed: bool
     cause = report.error_cause or ""
     return (f"{phase}: {what} (devices {devices}) detected by {report.detected_by}; kill -> "
             f"detected {fmt_s(report.kill_to_detect_s)}, kill -> silent "
-            f"{fmt_s(report.kill_to_silent_s)}, kill -> error {fmt_s(report.kill_to_error_s)}"
+            f"{fmt_s(report.kill_to_silent_s)}, kill -> exit seen {fmt_s(report.kill_to_exit_s)}, "
+            f"kill -> error {fmt_s(report.kill_to_error_s)}"
             + (f"; error: {cause[:160]}" if cause else ""))
 
 

@@ -46,6 +46,11 @@ from ..transfer.shards import ShardStore
 
 IN_PROCESS = "in-process"
 MULTI_CONTROLLER = "multi-controller"
+# a fault's `phase` in a recovery -> where it strikes (`FaultEvent.phase`; the first three are
+# the recovery's guards, `Recoverer._attempt`; the last the first step after it)
+RECOVERY_PHASES = {"recovery": "recovery/transfer", "recovery/plan": "recovery/plan",
+                   "recovery/transfer": "recovery/transfer", "recovery/verify": "recovery/verify",
+                   "recovery/first_step": "recovery/first_step"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +59,7 @@ class FaultEvent:
     device_ids: tuple[int, ...]
     kind: str  # "devices" | "hosts" | "random" | "process" | "join" (devices return) | "stall"
     spec: str  # human-readable origin, e.g. "hosts [1]"
-    phase: str = "step"  # "step" | "recovery" | "cutover"
+    phase: str = "step"  # "step" | a value of RECOVERY_PHASES | "cutover"
     hosts: tuple[int, ...] = ()  # the hosts (processes) it takes down whole (or returns)
     stall_process: int = -1  # kind "stall": the process that sleeps `stall_s` (not a failure)
     stall_s: float = 0.0
@@ -174,9 +179,10 @@ def resolve_schedule(
                 f"config 'faults' fails every device by step {f.at_step} ({key}); at least one "
                 "device must survive"
             )
+        phase = RECOVERY_PHASES.get(f.phase, f.phase)
         events.append(FaultEvent(f.at_step, ids, kind, spec + (
-            {"recovery": " (during recovery)", "cutover": " (at the cut-over)"}.get(f.phase, "")),
-            f.phase, hosts))
+            f" (during the {phase})" if phase.startswith("recovery/") else
+            " (at the cut-over)" if phase == "cutover" else ""), phase, hosts))
     run_processes(steps, joins_too=False)
     for pr in procs:
         pr.annotate(events)
@@ -264,13 +270,14 @@ def _check_phase(f: FaultConfig, key: str, events: list[FaultEvent], runtime: st
     if f.phase == "cutover" and runtime == MULTI_CONTROLLER:
         raise ConfigError(
             f"config '{key}.phase' = 'cutover' is not available under `elasjax launch` (a "
-            "process is killed at a step, not at an event); allowed values: 'step', 'recovery'"
+            "process is killed at a step, not at an event); allowed values: 'step', "
+            + ", ".join(repr(p) for p in RECOVERY_PHASES)
         )
-    if f.phase == "recovery" and not any(
+    if f.phase.startswith("recovery") and not any(
         e.at_step == f.at_step and e.phase == "step" and not e.is_join for e in events
     ):
         raise ConfigError(
-            f"config '{key}.phase' = 'recovery' needs a failure with phase 'step' at the same "
+            f"config '{key}.phase' = '{f.phase}' needs a failure with phase 'step' at the same "
             f"step ({f.at_step}) before it in 'faults': that failure starts the recovery this "
             "one interrupts"
         )

@@ -48,6 +48,8 @@ class FailureReport:
     detected_by: str | None = None  # the detector's account, in words
     kill_to_detect_s: float | None = None  # from the kill (posted by the victim) to the verdict
     kill_to_silent_s: float | None = None
+    # from the kill to this process's exit watch seeing it (a same-host victim's pidfd)
+    kill_to_exit_s: float | None = None
     kill_to_error_s: float | None = None
     block_to_error_s: float | None = None
     # from the end of the entry barrier: how long the block's collectives could wait
@@ -184,7 +186,7 @@ class InProcessRuntime:
         yield
 
     def inject(self, events: Sequence[FaultEvent], point: str, trees: Sequence[Any] = ()) -> None:
-        if point not in ("before_step", "transfer") or not events:
+        if point not in ("before_step", "plan", "transfer", "verify") or not events:
             return
         t0 = time.perf_counter()
         ids = {d for e in events for d in e.device_ids}

@@ -61,7 +61,7 @@ from ..core import jaxcompat
 from ..plan.planner import Topology
 from ..transfer.copies import CopyThreads
 from ..transfer.shards import ShardStore
-from . import failures, membership
+from . import failures, kvwait, membership
 from .aborts import CollectiveAborts
 from .collectives import (
     Renewal, drain, quiet_gloo_loops, reachable_cliques, rendezvous_note, renew_cpu_client,
@@ -89,6 +89,19 @@ DIVERGE_AFTER_S = 120.0
 
 # ---------------------------------------------------------------------------------------------
 # The runtime.
+
+def _footprint() -> str:
+    """This process's resident memory and mappings, as its kill is logged: what the kernel
+    tears down before its peers see it exit (`liveness.ProcessExits._exiting`)."""
+    try:
+        with open("/proc/self/status") as f:
+            rss = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+        with open("/proc/self/maps", "rb") as f:
+            maps = sum(1 for _ in f)
+    except (OSError, StopIteration, ValueError):
+        return "footprint unknown"
+    return f"{rss / 2**20:.2f} GB resident, {maps} mappings"
+
 
 class MultiControllerRuntime:
     """This process's part of a `jax.distributed` job (see the module docstring). A host is a
@@ -136,9 +149,11 @@ class MultiControllerRuntime:
         self.generation = 0  # CPU clients replaced so far (`renew_collectives`, `admit`)
         self._steps = 0  # step guards entered (for `rc.slow`)
         self._retries = 0  # collective failures among live processes since the last good step
-        self.links = TransferLinks(self.client, self.me, rc.host, max(30, rc.collective_timeout_s))
+        self.links = TransferLinks(self.client, self.me, rc.host, max(30, rc.collective_timeout_s),
+                                   self.peer_gone)
         self.plane = DataPlane(self.client, self.me, self.links, rc.collective_timeout_s + 5,
-                               self.devices, self.process_of, self.processes, self.current)
+                               self.devices, self.process_of, self.processes, self.current,
+                               self.peer_gone)
         if self.admission is not None:
             self._adopt_counters(self.admission.counters)
         self.links.start(self.local[0])
@@ -264,8 +279,10 @@ class MultiControllerRuntime:
         if verdict.failed:
             raise self._failure(verdict, phase, t_block, t_err, err, t_body) from err
         if verdict.errors:
-            if err is not None and not isinstance(err, JaxRuntimeError):
-                raise err  # this process's own error (every process raises; none is dead)
+            # this process's own error (every process raises; none is dead); a read that gave
+            # up on a writer the verdict finds alive is the runtime's, as its timeout was
+            if err is not None and not isinstance(err, (JaxRuntimeError, kvwait.WriterGone)):
+                raise err
             if failures.retryable(verdict, self.rc.platform, self.rc.renew_collectives,
                                   self._retries):
                 self._retries += 1
@@ -337,8 +354,9 @@ class MultiControllerRuntime:
         kills = [kv_float(self.client, f"elasjax/kill/{p}") for p in procs]
         kills = [t for t in kills if t is not None]
         seen = [self.liveness.first_silent[p] for p in procs if p in self.liveness.first_silent]
+        exits = [self.exits.seen[p] for p in procs if p in self.exits.seen]
         clocks = failures.Clocks(t_block, t_known, t_err, t_body, min(kills) if kills else None,
-                                 min(seen) if seen else None)
+                                 min(seen) if seen else None, min(exits) if exits else None)
         self.live -= failed
         self.liveness.forget(procs)
         self.exits.forget(procs)
@@ -412,9 +430,11 @@ class MultiControllerRuntime:
     def _new_client(self, generation: int) -> None:
         """Replace the CPU client by a new one, every live process at once (`renew_cpu_client`)."""
         self.generation = generation
+        writer = self.writer_process
         devs = renew_cpu_client(
-            self.client, self.processes(), generation, self.writer,
+            self.client, self.processes(), generation, self.me == writer,
             (self.rc.collective_timeout_s + 30) * 1000,
+            read=lambda key, ms: kvwait.read(self.client, key, ms, writer, self.peer_gone),
         )
         self.devices.update({d.id: d for d in devs})
         self.local = jax.local_devices()
@@ -520,12 +540,13 @@ class MultiControllerRuntime:
             if e.kind == "stall" and e.stall_process == self.me and point == "before_step":
                 self.log(f"stalling {e.stall_s:g}s before dispatching step {e.at_step} ({e.spec})")
                 time.sleep(e.stall_s)
-        if point not in ("after_dispatch", "transfer"):
+        if point not in ("after_dispatch", "plan", "transfer", "verify"):
             return
         for e in events:
             if e.kind != "stall" and self.me in e.hosts:
                 self.client.key_value_set(f"elasjax/kill/{self.me}", repr(time.time()), True)
-                self.log(f"sending SIGKILL to myself ({e.spec}, at step {e.at_step}, {point})")
+                self.log(f"sending SIGKILL to myself ({e.spec}, at step {e.at_step}, {point}; "
+                         f"{_footprint()})")
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def capture(self, tree, dead) -> ShardStore:

@@ -12,19 +12,22 @@ a new key; every live process starts one at the same points, so the keys agree.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 
 from ..core import jaxcompat
+from . import kvwait
 
 
 class TransferLinks:
-    """This process's transfer server and its connections to the other processes' servers."""
+    """This process's transfer server and its connections to the other processes' servers.
+    `gone(p)`: process p is known dead (the wait for its server's address ends, `kvwait`)."""
 
-    def __init__(self, client, me: int, host: str, wait_s: float):
+    def __init__(self, client, me: int, host: str, wait_s: float, gone: Callable[[int], bool]):
         self.client, self.me, self.host, self.wait_s = client, me, host, wait_s
+        self._gone = gone
         self.started = 0  # servers started so far (the key of their addresses)
         self.server: Any = None
         self._addr: dict[int, str] = {}
@@ -56,8 +59,8 @@ class TransferLinks:
         `specs`' shardings; at most `wait_s` (then an error)."""
         if src not in self._conns:
             if src not in self._addr:
-                self._addr[src] = self.client.blocking_key_value_get(
-                    f"elasjax/xfer/{self.started}/{src}", 30_000)
+                self._addr[src] = kvwait.read(
+                    self.client, f"elasjax/xfer/{self.started}/{src}", 30_000, src, self._gone)
             self._conns[src] = self.server.connect(self._addr[src])
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.wait_s)
         return self._conns[src].pull(self._uuid(tag, src, self.me), list(specs), deadline)
