@@ -211,7 +211,8 @@ def phases(e: dict, events: list[dict]) -> dict:
     before = events[:events.index(e)]
     return {"mttr_s": e["mttr_s"], **{k: e.get(k) for k in PHASES},
             "standby_ready": any(x["type"] == "standby_ready" for x in before),
-            "standby_hit": e.get("standby_hit"), "attempts": e.get("attempts"),
+            "standby_hit": e.get("standby_hit"), "origin": e.get("executable_origin"),
+            "attempts": e.get("attempts"), "compiles": e.get("compiles"),
             "failed_phases": e.get("failed_phases"), "step": e["step"]}
 
 

@@ -431,6 +431,7 @@ class Recoverer:
             standby_hit=a.standby_hit,
             standby_wait_s=a.wait_s,
             exe_cache_hit=a.hit,
+            executable_origin=a.exe.origin,
             transfer_s=a.transfer_s,
             verify_s=a.verify_s,
             snapshot_s=a.snapshot_s,

@@ -86,6 +86,10 @@ class RecoveryEvent(RecoveryRecord):
     snapshot_s: float = 0.0
     retry_s: float = 0.0
     standby_wait_s: float = 0.0  # waited for a background compile already under way
+    # where the new plan's executables came from (`Executables.origin`): "compiled" here,
+    # "shared" (compiled once for the job by another process), "stored" (the program store),
+    # "rebound" (loaded from a compile for other devices), "reloaded", "cached", "shipped"
+    executable_origin: str = ""
     # the first step ran the new plan's executable for the first time, never warmed (XLA's
     # first run of a program is slower: its first step is then slow, and says why)
     first_step_first_run: bool = False

@@ -233,7 +233,9 @@ class CollectiveAborts:
             return
         still = ""
         if self._exits.watching(p):
-            if self._liveness.working(p, silent):
+            # its CPU time still over the silence's second half: the last read of it may come
+            # a moment after the last beat seen, and this is asked once per silence
+            if self._liveness.working(p, silent / 2):
                 return  # starved, not stuck: the barrier waits for it
             still = " and its CPU time stood still"
         self.abort_when_quiet(
