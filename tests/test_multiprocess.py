@@ -216,36 +216,6 @@ def test_a_silent_peer_whose_cpu_time_advances_is_working_and_a_stopped_one_is_n
             c.wait()
 
 
-def test_an_exit_is_seen_from_its_beginning_and_a_stopped_process_has_not_exited():
-    """`ProcessExits._exiting` reads the kernel's PF_EXITING of a watched peer (/proc/<pid>/
-    stat): set from the moment its exit begins (a killed worker's address space took over a
-    second to tear down on a loaded host before its pidfd turned readable) and kept until it
-    is reaped. A live process, asleep or stopped, is not exiting; a killed one not yet reaped
-    is, and `exited` and `how` say so."""
-    from elasjax.runtime.liveness import ProcessExits
-
-    class KV:
-        def key_value_set(self, key, value, allow_overwrite=True):
-            pass
-
-    ex = ProcessExits(KV(), 0, [0, 1], enabled=True)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        ex._pids[1], ex._fds[1] = child.pid, os.pidfd_open(child.pid)
-        assert not ex._exiting(1) and not ex.exited(1)
-        os.kill(child.pid, signal.SIGSTOP)
-        assert not ex._exiting(1) and not ex.exited(1)
-        os.kill(child.pid, signal.SIGKILL)
-        import select
-        select.select([ex._fds[1]], [], [], 30)  # its exit is done; not reaped yet (a zombie)
-        assert ex._exiting(1) and ex.exited(1) and ex.how(1) == "pidfd on this host"
-        assert not ex._exiting(2)  # not watched
-    finally:
-        child.kill()
-        child.wait()
-        ex.close()
-
-
 def test_processes_waiting_at_different_barriers_stop_with_a_clear_error():
     """Each heartbeat says at which barrier its process waits (`Liveness.at_barrier`); a live
     peer seen waiting at another barrier than this process's, for longer than the bound, means
@@ -1687,8 +1657,7 @@ def test_the_kernel_reports_a_same_host_death_before_any_timeout(tmp_path):
         r = _result(procs[i], outs[i])
         assert r["slow_ok"] == 3
         assert r["failed"] == [2] and r["procs"] == [2] and r["detector"] == "process exit"
-        assert re.search(r"process 2 exited \((pidfd|exiting in /proc) on this host\)",
-                         r["detected_by"]), r["detected_by"]
+        assert "process 2 exited (pidfd on this host)" in r["detected_by"]
         assert r["after"] == 3.0
 
 

@@ -6,8 +6,7 @@ host only: `liveness.ProcessExits`), and a heartbeat silence can only be trusted
 longer than the silences of live processes, whose heartbeat threads starve for a second or more
 beside compiles on loaded cores (experiments/RESULTS.md, "bench_detection"). But a process that
 dies has a host that lives on: a tiny sidecar process there (no JAX, stdlib only), started by the
-worker, waits on its parent's pidfd (and looks every 50 ms whether the parent's exit has begun:
-`liveness.ProcessExits._exiting` says why) and, the moment the parent exits, sends a UDP datagram
+worker, waits on its parent's pidfd and, the moment the parent exits, sends a UDP datagram
 `dead <process> <pid>` to every peer's listener. A peer's listener thread treats it as proof of
 death (as the kernel's word is for a same-host peer): the collectives of a step are shut down at
 once (`aborts.CollectiveAborts.on_exit`) and the arbiter declares the process dead without a
@@ -47,19 +46,8 @@ except ProcessLookupError:  # it died before this started: no peer is known to t
 peers, buf, stdin = [], b"", sys.stdin.fileno()
 sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 watch = [fd, stdin]
-
-def exiting():  # the parent's exit has begun (PF_EXITING), before its pidfd turns readable
-    try:
-        with open(f"/proc/{parent}/stat", "rb") as f:
-            st = f.read()
-        return bool(int(st[st.rfind(b")") + 2:].split()[6]) & 4)
-    except (OSError, IndexError, ValueError):
-        return False
-
 while True:
-    ready = select.select(watch, [], [], 0.05)[0]
-    if not ready and exiting():  # a "bye" written just before a normal exit is read first
-        ready = select.select(watch, [], [], 0)[0] or [fd]
+    ready = select.select(watch, [], [])[0]
     if stdin in ready:
         data = os.read(stdin, 1 << 16)
         if not data:

@@ -380,15 +380,9 @@ class Incarnation:
         return cls(**json.loads(text))
 
 
-# the task flag of a process whose exit has begun (include/linux/sched.h), field 9 of
-# /proc/<pid>/stat
-_PF_EXITING = 0x00000004
-
-
 class ProcessExits:
     """Peers' exits from the kernel, for peers on this host (Linux `pidfd_open`): a pidfd turns
-    readable the moment its process has exited (a SIGKILL included), before its parent reaps
-    it; the exit's beginning is read from /proc before that (`_exiting`).
+    readable the moment its process exits (a SIGKILL included), before its parent reaps it.
 
     Every process posts `elasjax/proc/<p>` = {boot id, pid, start time} at start; a peer with
     the same boot id (the same kernel) gets a pidfd, opened once while it is alive, after its
@@ -472,35 +466,11 @@ class ProcessExits:
         return True
 
     def how(self, p: int) -> str:
-        """How this process knows p exited: its own pidfd, its exit begun (/proc), or a notice
-        from p's host."""
+        """How this process knows p exited: its own pidfd, or a notice from p's host."""
         fd = self._fds.get(p)
         if fd is not None and select.select([fd], [], [], 0)[0]:
             return "pidfd on this host"
-        if self._exiting(p):
-            return "exiting in /proc on this host"
         return "a death notice from its host"
-
-    def _exiting(self, p: int) -> bool:
-        """Has watched peer p begun to exit (the kernel's PF_EXITING in /proc/<pid>/stat)? Its
-        pidfd turns readable only once the exit is done: the address space is torn down first,
-        and a killed worker's took over a second on a loaded host (experiments/RESULTS.md,
-        "The MTTR fuzz"), its sockets and heartbeat dead meanwhile. The flag is set as the exit
-        begins and never cleared: proof of death as the pidfd is. The pid cannot have been
-        reused while the pidfd says it has not exited (the launcher reaps it later)."""
-        pid = self._pids.get(p)
-        if pid is None:
-            return False
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # reaped: the pidfd says so
-            return False
-        try:
-            flags = int(stat[stat.rfind(b")") + 2:].split()[6])
-        except (IndexError, ValueError):
-            return False
-        return bool(flags & _PF_EXITING)
 
     def exited(self, p: int) -> bool:
         if p in self._noticed:
@@ -508,7 +478,7 @@ class ProcessExits:
         fd = self._fds.get(p)
         if fd is None:
             return False
-        return bool(select.select([fd], [], [], 0)[0]) or self._exiting(p)
+        return bool(select.select([fd], [], [], 0)[0])
 
     def start_watcher(self, on_exit) -> None:
         """Call `on_exit(p)` from a thread, once, the moment a watched peer p exits (`watch`
@@ -534,8 +504,8 @@ class ProcessExits:
                 ready = select.select(list(fds), [], [], 0.05)[0]
             except OSError:  # a descriptor went away meanwhile: look again
                 continue
-            gone = {fds[fd] for fd in ready} | {p for p in fds.values() if self._exiting(p)}
-            for p in sorted(gone):
+            for fd in ready:
+                p = fds[fd]
                 self.seen[p] = time.time()
                 on_exit(p)
 

@@ -92,7 +92,7 @@ DIVERGE_AFTER_S = 120.0
 
 def _footprint() -> str:
     """This process's resident memory and mappings, as its kill is logged: what the kernel
-    tears down before its peers see it exit (`liveness.ProcessExits._exiting`)."""
+    tears down before its pidfd turns readable to its peers (`liveness.ProcessExits`)."""
     try:
         with open("/proc/self/status") as f:
             rss = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
