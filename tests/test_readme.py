@@ -142,6 +142,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "experiments/bench_standby.py": ("validated", "python experiments/bench_standby.py"),
     "PYTHONPATH=. python experiments/bench_detection.py --wait-after-recovery":
         ("validated", "4 launches and 12 SIGKILLs, then skew and restart runs"),
+    "PYTHONPATH=. python experiments/soak_kills.py --launches 10 --seed 83 --configs "
+    "configs/demo_zero.yaml --steps 20 --kill-from 2 --set standby.wait_at_start=true --set "
+    "standby.wait_after_recovery=true": ("validated", "10 launches of 4 processes: ~10 minutes"),
     "elasjax train CONFIG": ("synopsis", "train configs/demo.yaml"),
     "elasjax launch CONFIG --processes P": ("synopsis", "launch configs/demo.yaml --processes 4"),
     "elasjax launch CONFIG --cluster": ("synopsis", "launch configs/demo.yaml --cluster"),
