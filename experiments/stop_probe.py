@@ -10,8 +10,8 @@ stopped with SIGSTOP for `--stop-s` seconds, then continued (SIGCONT). Printed p
 the recovery's detection (stop -> detected, its detector line), MTTR and phases, how the
 stopped worker ended (its exit code and the last line it logged), the launch's exit, and the
 run against its fault-free run (bitwise in the deterministic mode). A launch passes when the
-survivors finish equal to the fault-free run and the stopped worker was fenced (declared dead
-at one recovery) and exited, not left running. Wall-clock figures are this machine's (2 shared
+survivors finish equal to the fault-free run, the events file is whole, and the stopped worker
+was fenced (declared dead at one recovery) and exited with a code, not ended by a signal. Wall-clock figures are this machine's (2 shared
 cores). A benchmark, not a test.
 """
 
@@ -71,7 +71,11 @@ def stopper(run_dir: Path, at_step: int, victim: int, stop_s: float, done: threa
 
 
 def judge(run_dir: Path, ref: Path, rec: dict, victim: int) -> dict:
-    events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+    try:
+        events = read_jsonl(run_dir / "events.jsonl")
+        rec["events_file"] = "whole"
+    except (OSError, json.JSONDecodeError) as e:  # a broken file is a finding, not a crash
+        events, rec["events_file"] = [], f"unreadable: {e}"
     recs = [e for e in events if e["type"] == "recovery"]
     try:
         procs = json.loads((run_dir / "launch.json").read_text()).get("processes", [])
@@ -99,9 +103,9 @@ def judge(run_dir: Path, ref: Path, rec: dict, victim: int) -> dict:
         start = [e for e in events if e["type"] == "start"]
         rec["deterministic"] = bool(start and start[0].get("deterministic"))
     rec["ok"] = bool(
-        rec["exit"] == 0 and rec["failed"] == [[victim]]
+        rec["exit"] == 0 and rec["failed"] == [[victim]] and rec["events_file"] == "whole"
         and all(code == 0 for _, code in rec["others"])
-        and rec["victim_exit"] not in (None, "SIGKILL")
+        and isinstance(rec["victim_exit"], int)  # it exited (a code), not ended by a signal
         and rec.get("max_rel_dev", 1.0) <= 1e-5
         and (not rec.get("deterministic") or rec.get("bitwise") is True))
     return rec
@@ -155,6 +159,7 @@ def main(argv=None) -> int:
               f"detect {rec['detect_s']} MTTR {rec['mttr_s']} stopped worker's exit "
               f"{rec['victim_exit']} ('{rec['victim_last_line'][-90:]}') exit {rec['exit']} dev "
               f"{rec.get('max_rel_dev', '-')}{' bitwise' if rec.get('bitwise') else ''} "
+              f"events file {rec['events_file'][:60]} "
               f"{'ok' if rec['ok'] else 'FAIL'}", flush=True)
         for line in rec["detected_by"]:
             print(f"      detected by: {line}", flush=True)

@@ -79,3 +79,24 @@ def test_an_error_of_the_writer_alone_does_not_cost_its_successor_a_record(tmp_p
     w1.writer = 1
     b.write({"type": "recovery", "step": 5})
     assert [r["type"] for r in read_jsonl(path)] == ["start", "error", "recovery"]
+
+
+def test_a_writer_declared_dead_writes_nothing_when_it_resumes(tmp_path):
+    """Process 0 writes the file, is stopped (SIGSTOP) and declared dead; process 1 takes the
+    file over and goes on. When process 0 resumes, its error record (it finds itself fenced)
+    and anything else it emits stay out of the file: from its old position it wrote over
+    process 1's lines (a broken events file in experiments/RESULTS.md, "The MTTR fuzz")."""
+    path = tmp_path / "events.jsonl"
+    (w0, a), (w1, b) = _pair(path)
+    for rec in ({"type": "start", "step": 0}, {"type": "step", "step": 0}):
+        a.write(rec)
+        b.write(rec)
+    w0.writer = w1.writer = 1  # process 0 declared dead: the runtime says it no longer writes
+    for rec in ({"type": "recovery", "step": 1}, {"type": "failure_cost", "step": 1}):
+        b.write(rec)
+    a.write({"type": "error", "error": "DeclaredDeadError", "message": "fenced", "process": 0})
+    a.write({"type": "step", "step": 1})
+    a.close()
+    b.close()
+    assert [r["type"] for r in read_jsonl(path)] == ["start", "step", "recovery",
+                                                     "failure_cost"]

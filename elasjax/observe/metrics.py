@@ -201,6 +201,11 @@ class JsonlWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self.path is None:
             return
+        if self._f is not None and self.writes is not None and not self.writes():
+            # no longer the writer: a process declared dead while stopped, which resumed after
+            # another took the file over, wrote its error line over the new writer's lines
+            # (experiments/RESULTS.md, "The MTTR fuzz"); it writes nothing more
+            self.close()
         line = json.dumps(record, default=_default) + "\n"
         if self.writes is not None and record.get("type") in self.local_types:
             if self._f is None and self.writes():

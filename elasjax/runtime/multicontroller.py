@@ -146,6 +146,7 @@ class MultiControllerRuntime:
         self.local = jax.local_devices()
         self.threads = CopyThreads()
         self._started = False
+        self.fenced = False  # declared dead by the others (`failures.fenced`)
         self.generation = 0  # CPU clients replaced so far (`renew_collectives`, `admit`)
         self._steps = 0  # step guards entered (for `rc.slow`)
         self._retries = 0  # collective failures among live processes since the last good step
@@ -216,7 +217,9 @@ class MultiControllerRuntime:
 
     @property
     def writer(self) -> bool:
-        return self.me == self.writer_process
+        """This process writes the run's files now (never once it was declared dead: the
+        others went on without it, and the next one writes them)."""
+        return not self.fenced and self.me == self.writer_process
 
     def log(self, msg: str) -> None:
         print(f"[elasjax p{self.me}] {msg}", flush=True)
@@ -252,6 +255,7 @@ class MultiControllerRuntime:
             self.log(f"{phase} entry barrier: {self._arrival_note()}")
         fence = failures.fenced(verdict, self.me, phase)
         if fence is not None:
+            self.fenced = True
             raise fence from None
         if verdict.failed:
             raise self._failure(verdict, phase, t_block, None, None)
@@ -275,6 +279,7 @@ class MultiControllerRuntime:
         verdict = self._exit_barrier(err, self.liveness_timeout(phase, at_exit=True))
         fence = failures.fenced(verdict, self.me, phase)
         if fence is not None:
+            self.fenced = True
             raise fence from err
         if verdict.failed:
             raise self._failure(verdict, phase, t_block, t_err, err, t_body) from err
