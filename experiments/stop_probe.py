@@ -11,8 +11,8 @@ the recovery's detection (stop -> detected, its detector line), MTTR and phases,
 stopped worker ended (its exit code and the last line it logged), the launch's exit, and the
 run against its fault-free run (bitwise in the deterministic mode). A launch passes when the
 survivors finish equal to the fault-free run, the events file is whole, and the stopped worker
-was fenced (declared dead at one recovery) and exited with a code, not ended by a signal. Wall-clock figures are this machine's (2 shared
-cores). A benchmark, not a test.
+was fenced (declared dead at one recovery) and exited with a code, not ended by a signal.
+Wall-clock figures are this machine's (2 shared cores). A benchmark, not a test.
 """
 
 from __future__ import annotations
