@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
-from soak_kills import PHASES, PROCESSES, reference  # noqa: E402
+from soak_kills import PHASES, PROCESSES, reference, run  # noqa: E402
 
 from elasjax.observe.compare import compare_runs  # noqa: E402
 from elasjax.observe.metrics import read_jsonl  # noqa: E402
@@ -140,17 +139,10 @@ def main(argv=None) -> int:
         t = threading.Thread(target=stopper, args=(run_dir, at_step, victim, args.stop_s, done,
                                                    rec), daemon=True)
         t.start()
-        t0 = time.time()
-        with (out / f"launch{i:03d}.log").open("w") as fh:
-            try:
-                rec["exit"] = subprocess.run(
-                    cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.timeout,
-                    env=dict(os.environ, PYTHONPATH=str(ROOT)), check=False).returncode
-            except subprocess.TimeoutExpired:
-                rec["exit"] = 124
+        rec["exit"], took = run(cmd, out / f"launch{i:03d}.log", args.timeout)
         done.set()
         t.join()
-        rec["wall_s"] = round(time.time() - t0, 1)
+        rec["wall_s"] = round(took, 1)
         rec = judge(run_dir, ref, rec, victim)
         recs.append(rec)
         with (out / "probe.jsonl").open("a") as fh:

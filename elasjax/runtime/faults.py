@@ -36,6 +36,7 @@ joins).
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 import numpy as np
@@ -46,11 +47,11 @@ from ..transfer.shards import ShardStore
 
 IN_PROCESS = "in-process"
 MULTI_CONTROLLER = "multi-controller"
-# a fault's `phase` in a recovery -> where it strikes (`FaultEvent.phase`; the first three are
-# the recovery's guards, `Recoverer._attempt`; the last the first step after it)
-RECOVERY_PHASES = {"recovery": "recovery/transfer", "recovery/plan": "recovery/plan",
-                   "recovery/transfer": "recovery/transfer", "recovery/verify": "recovery/verify",
-                   "recovery/first_step": "recovery/first_step"}
+# a fault's `phase` in a recovery (`FaultConfig.phase`): "recovery/<plan|transfer|verify>" strike
+# as that guard of `Recoverer._attempt` begins, "recovery/first_step" in the first step after it;
+# "recovery" is the short form of "recovery/transfer" (`FaultEvent.phase` holds the long one)
+RECOVERY_PHASES = tuple(p for p in typing.get_args(typing.get_type_hints(FaultConfig)["phase"])
+                        if p.startswith("recovery"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ class FaultEvent:
     device_ids: tuple[int, ...]
     kind: str  # "devices" | "hosts" | "random" | "process" | "join" (devices return) | "stall"
     spec: str  # human-readable origin, e.g. "hosts [1]"
-    phase: str = "step"  # "step" | a value of RECOVERY_PHASES | "cutover"
+    phase: str = "step"  # "step" | "recovery/<phase>" (`RECOVERY_PHASES`) | "cutover"
     hosts: tuple[int, ...] = ()  # the hosts (processes) it takes down whole (or returns)
     stall_process: int = -1  # kind "stall": the process that sleeps `stall_s` (not a failure)
     stall_s: float = 0.0
@@ -179,7 +180,7 @@ def resolve_schedule(
                 f"config 'faults' fails every device by step {f.at_step} ({key}); at least one "
                 "device must survive"
             )
-        phase = RECOVERY_PHASES.get(f.phase, f.phase)
+        phase = "recovery/transfer" if f.phase == "recovery" else f.phase
         events.append(FaultEvent(f.at_step, ids, kind, spec + (
             f" (during the {phase})" if phase.startswith("recovery/") else
             " (at the cut-over)" if phase == "cutover" else ""), phase, hosts))
