@@ -619,26 +619,133 @@ def test_a_client_is_kept_only_where_no_communicator_among_survivors_exists():
 def test_a_failed_gloo_rendezvous_names_the_ranks_that_never_published():
     """`collectives.rendezvous_note`, logged where a block failed in gloo's communicator creation:
     per clique, the ranks whose address is in the coordination service, the missing ones named
-    (the process that never entered that creation); None for other errors and unreadable
-    stores."""
-    from elasjax.runtime.collectives import rendezvous_note
+    (the process that never entered that creation), and those a survivor ended for a dead
+    process (`end_rendezvous`); None for other errors and unreadable stores."""
+    from elasjax.runtime.collectives import DEAD_RANK, rendezvous_note
 
     class Store:
-        def key_value_dir_get(self, d):
+        def key_value_dir_get_bytes(self, d):
             assert d == "cpu:gloo/"
-            return [("cpu:gloo/0,1,2048,2049/0", "a"), ("cpu:gloo/0,1,2048,2049/1", "b"),
-                    ("cpu:gloo/0,2048/0", "c"), ("cpu:gloo/0,2048/1", "d")]
+            return [("cpu:gloo/0,1,2048,2049/0", b"a"), ("cpu:gloo/0,1,2048,2049/1", b"b"),
+                    ("cpu:gloo/0,2048/0", b"c"), ("cpu:gloo/0,2048/1", b"d"),
+                    ("cpu:gloo/1,4096/0", b"e"), ("cpu:gloo/1,4096/1", DEAD_RANK)]
 
     class Broken:
-        def key_value_dir_get(self, d):
+        def key_value_dir_get_bytes(self, d):
             raise RuntimeError("UNAVAILABLE")
 
     err = RuntimeError("UNKNOWN: Gloo context initialization failed: [pair.h:311] Connect timeout")
     assert rendezvous_note(Store(), err) == (
         "gloo rendezvous keys published: [0,1,2048,2049] 2/4 (missing ranks [2, 3]); "
-        "[0,2048] 2/2")
+        "[0,2048] 2/2; [1,4096] 1/2 (dead ranks [1]: `end_rendezvous`)")
     assert rendezvous_note(Store(), RuntimeError("Gloo all-reduce failed: Timed out")) is None
     assert rendezvous_note(Broken(), err) is None
+
+
+def test_a_survivor_ends_the_rendezvous_only_for_the_dead_ranks_that_never_published():
+    """`collectives.end_rendezvous`: for each communicator being made, a dead device's missing
+    rank gets the entry gloo refuses (`DEAD_RANK`); a live device's missing rank (a survivor not
+    there yet) and a dead device that published are left alone, and a rank published between the
+    reading and the writing keeps its own entry (the store refuses the write)."""
+    from elasjax.runtime.collectives import DEAD_RANK, end_rendezvous
+
+    class Store:
+        def __init__(self, keys, late=()):
+            self.d = {k: b"addr" for k in keys}
+            self.late = set(late)  # published by their rank after the reading
+
+        def key_value_dir_get_bytes(self, d):
+            return [(k, v) for k, v in self.d.items() if k.startswith(d)]
+
+        def key_value_set_bytes(self, k, v):
+            if k in self.d or k in self.late:
+                raise RuntimeError(f"ALREADY_EXISTS: key {k} already exists.")
+            self.d[k] = v
+
+    dead = {2048, 2049}.__contains__  # process 1's devices
+    st = Store(["cpu:gloo/0,1,2048,2049/0", "cpu:gloo/0,1,2048,2049/1",
+                "cpu:gloo/0,2048,4096/2", "cpu:gloo/1,2049/0", "cpu:gloo/1,2049/1"])
+    assert end_rendezvous(st, dead) == ["cpu:gloo/0,1,2048,2049/2", "cpu:gloo/0,1,2048,2049/3",
+                                        "cpu:gloo/0,2048,4096/1"]
+    assert st.d["cpu:gloo/0,1,2048,2049/3"] == DEAD_RANK
+    assert "cpu:gloo/0,2048,4096/0" not in st.d  # device 0 lives: its process may still come
+    assert st.d["cpu:gloo/1,2049/1"] == b"addr"  # published before it died: its own entry
+    assert end_rendezvous(st, dead) == []  # once
+    late = Store(["cpu:gloo/0,2048/0"], late=["cpu:gloo/0,2048/1"])
+    assert end_rendezvous(late, dead) == [] and "cpu:gloo/0,2048/1" not in late.d
+    assert end_rendezvous(Store([]), dead) == []
+
+
+_RENDEZVOUS_PAIR = """
+import os, sys, threading, time
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+pid, port = int(sys.argv[1]), int(sys.argv[2])
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_enable_recoverability", True)
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+                           heartbeat_timeout_seconds=60)
+if pid == 1:  # makes its client (the topology exchange), never enters the collective
+    jax.devices()
+    time.sleep(120)
+    sys.exit(0)
+from jax._src import distributed
+from elasjax.runtime.collectives import GLOO_KEYS, end_rendezvous
+kv = distributed.global_state.client
+devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+dead = {d.id for d in devices if d.process_index == 1}
+mesh = Mesh(np.array(devices), ("i",))
+f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "i"), mesh=mesh, in_specs=P("i"),
+                          out_specs=P("i")))
+x = jax.make_array_from_callback((4,), NamedSharding(mesh, P("i")),
+                                 lambda i: np.ones(1, np.float32))
+written = []
+
+def end():  # once this process's ranks have published: it waits in the making
+    while len(kv.key_value_dir_get_bytes(GLOO_KEYS + "/")) < 2:
+        time.sleep(0.01)
+    written.extend(end_rendezvous(kv, dead.__contains__))
+
+threading.Thread(target=end, daemon=True).start()
+try:
+    f(x).block_until_ready()
+    print("RESULT ran", flush=True)
+except Exception as e:
+    print("RESULT", written, type(e).__name__, str(e).replace(chr(10), " ")[:400], flush=True)
+os._exit(0)
+"""
+
+
+def test_a_dead_ranks_rendezvous_entry_ends_the_survivors_wait_at_once(tmp_path):
+    """`collectives.end_rendezvous` against this JAX's gloo, plain JAX, two processes: process 0
+    runs an all-reduce over both processes' devices, whose communicator's making waits for
+    process 1's ranks, which never come (gloo waits 30 s). Once process 0's own ranks are in, the
+    dead ranks' entries (`DEAD_RANK`) are written, and the all-reduce fails with gloo's address
+    check, not a timeout, and the process lives on (an entry that does not parse crashed it:
+    SIGSEGV). This depends on gloo's rendezvous format: a JAX whose gloo reads entries otherwise
+    fails here."""
+    script = tmp_path / "pair.py"
+    script.write_text(_RENDEZVOUS_PAIR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=20"}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        out, _ = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 0, out[-3000:]
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT")]
+    assert "['cpu:gloo/0,1,2048,2049/2', 'cpu:gloo/0,1,2048,2049/3']" in line, line
+    assert "Gloo context initialization failed" in line and "bytes.size()" in line, line
 
 
 def test_a_drain_waits_for_every_array_and_ignores_their_errors():

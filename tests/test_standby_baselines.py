@@ -488,7 +488,7 @@ def test_under_launch_a_recovery_built_elsewhere_stops_the_workers_unneeded_comp
                 time.sleep(0.01)
             return state(pid)
 
-        def cached(plan, init=False):
+        def cached(plan, init=False, evaluate=False):
             seen.append((plan.name, stopped_soon(child.pid) if w._stopped is child
                          else state(child.pid), w._stopped is child))
             if plan.name == "raises":
@@ -804,9 +804,10 @@ def test_the_standby_is_on_by_default_in_one_process_and_builds_without_pausing(
     `standby_ready` event with `wait_s` 0 says when it was built, a failure after that is a
     standby hit that compiles nothing and whose first step runs an executable already run once
     (`standby.warm`: warmed between steps), and the `end` event counts the worker's CPU seconds
-    and the warm-ups. How many steps a background compile takes on 2 cores varies, so a hook
-    plays the passage of training time: at step 1 it waits until the standby is built (to the
-    loop, a slow step)."""
+    and the warm-ups. The failure is at the last step, which evaluates: the standby built the
+    evaluation with the plan, so the recovered step compiles nothing for it either. How many
+    steps a background compile takes on 2 cores varies, so a hook plays the passage of training
+    time: at step 1 it waits until the standby is built (to the loop, a slow step)."""
     from elasjax import StepInfo
     from elasjax.config import standby_on
 
@@ -814,7 +815,9 @@ def test_the_standby_is_on_by_default_in_one_process_and_builds_without_pausing(
     # shared cache) and can be past the default 0.5 of its mapping limit, where the standby
     # builds nothing (the budget has tests of its own, below); the suite at c23c9c7 failed so
     cfg = tiny_config("standby.enabled=auto", "standby.max_plans=1", "train.steps=8",
-                      "faults=[{at_step: 6, devices: [0]}]", "standby.map_budget=0.9")
+                      "faults=[{at_step: 7, devices: [0]}]", "standby.map_budget=0.9",
+                      "train.eval_every=4")
+    assert cfg.train.eval_every > 0
     assert standby_on(cfg, None) and not standby_on(cfg, "under launch")
     held = []
 

@@ -61,11 +61,21 @@ class Executables:
         default_factory=threading.Lock, repr=False, compare=False
     )
     _eval_exe: Any = dataclasses.field(default=None, repr=False, compare=False)  # `eval_for`
+    # was `_eval_exe` loaded from a serialized form (then `portable` cannot serialize it again)
+    _eval_loaded: bool = dataclasses.field(default=False, repr=False, compare=False)
+    _eval_other: Any = dataclasses.field(default=None, repr=False, compare=False)  # other shapes
 
     def eval_for(self, params, batch):
-        """The evaluation's executable for these arguments: compiled on first use (`make_eval`),
-        apart from its run, so that the loop compiles it before the step's collectives are in
-        flight (`stepping.Stepper.dispatch` says why)."""
+        """The evaluation's executable for these arguments: built with the plan where it was
+        built ahead (`compile_plan(evaluate=True)`: the standby's and the start's plans, and
+        what they were loaded or rebound from), else compiled on first use (`make_eval`), apart
+        from its run, so that the loop compiles it before the step's collectives are in flight
+        (`stepping.Stepper.dispatch` says why). A batch of another shape than the step's (the
+        torchft_like baseline's surviving columns) gets an executable of its own."""
+        if not all(batch[k].shape == a.shape for k, a in self.batch_abstract.items()):
+            if self._eval_other is None:
+                self._eval_other = self.eval.lower(params, batch).compile()
+            return self._eval_other
         if self._eval_exe is None:
             self._eval_exe = self.eval.lower(params, batch).compile()
         return self._eval_exe
@@ -92,10 +102,15 @@ class Executables:
                     jaxcompat.serialize(self.train),
                     jaxcompat.serialize(self.checksum),
                 )
-            # a fresh state's program compiled here goes along (one loaded came from `_portable`)
+            # a fresh state's program compiled here goes along (one loaded came from `_portable`),
+            # and so does an evaluation compiled here
             if self._init is not None and self._portable.init is None:
                 self._portable = dataclasses.replace(
                     self._portable, init=jaxcompat.serialize(self._init))
+            if (self._eval_exe is not None and not self._eval_loaded
+                    and self._portable.eval is None):
+                self._portable = dataclasses.replace(
+                    self._portable, eval=jaxcompat.serialize(self._eval_exe))
             return self._portable
 
     @property
@@ -158,6 +173,12 @@ def _frame(cfg: Config, factory: StateFactory, plan: Plan, devices: dict[int, ja
     return mesh, layout, layout.shardings(mesh), ab, batch_shardings(mesh, ab), make_eval
 
 
+def evaluates(cfg: Config) -> bool:
+    """Does a run of `cfg` evaluate (`train.eval_every`)? Then a plan built ahead carries the
+    evaluation's executable (`compile_plan(evaluate=True)`)."""
+    return cfg.train.eval_every > 0
+
+
 def compile_plan(
     cfg: Config,
     factory: StateFactory,
@@ -166,13 +187,19 @@ def compile_plan(
     *,
     donate: bool = True,
     store=None,
+    evaluate: bool = False,
 ) -> Executables:
     """AOT-compile the train and checksum functions of `plan`; time it. `donate=False` keeps
     the input state valid after a step (multi-process runs, where a step can fail midway).
     `store` (a `store.ProgramStore`): where the program was compiled before, in this run or an
-    earlier one, it is loaded from there instead (origin "stored"); a compile is written there."""
+    earlier one, it is loaded from there instead (origin "stored"); a compile is written there.
+    `evaluate` (where the run evaluates, `evaluates`): the evaluation is compiled too, so that
+    a plan built ahead (the standby's) compiles nothing at its first evaluation; a recovery's
+    own compile leaves it to the first evaluation (the MTTR is the first step's)."""
     t0 = time.perf_counter()
     mesh, layout, st_sh, ab, b_sh, make_eval = _frame(cfg, factory, plan, devices)
+    eval_fn = make_eval(mesh)
+    eval_low = eval_fn.lower(layout.abstract.params, ab) if evaluate and evaluates(cfg) else None
     abs_state = layout.abstract
     rep = replicated(mesh)
     train_fn = make_train_step(cfg, layout, factory.model, mesh, st_sh, plan)
@@ -189,22 +216,26 @@ def compile_plan(
     ).lower(abs_state)
     key = None
     if store is not None and can_load():
-        key = store.key([train_low.as_text(), sums_low.as_text()], mesh.devices.flat[0])
+        texts = [train_low.as_text(), sums_low.as_text()]
+        if eval_low is not None:  # an entry with the evaluation is an entry of its own
+            texts.append(eval_low.as_text())
+        key = store.key(texts, mesh.devices.flat[0])
         src = store.get(key)
         if src is not None and len(src.device_ids) == mesh.devices.size:
-            train, sums = _load_pair(src, list(mesh.devices.flat))
+            (train, sums), ev = _load_programs(src, list(mesh.devices.flat))
             return Executables(
-                plan, mesh, layout, st_sh, b_sh, train, sums, make_eval(mesh),
+                plan, mesh, layout, st_sh, b_sh, train, sums, eval_fn,
                 time.perf_counter() - t0, ab, make_eval=make_eval, origin="stored",
-                _portable=src,
+                _portable=src, _eval_exe=ev, _eval_loaded=ev is not None,
             )
     with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
         train = train_low.compile()
         sums = sums_low.compile()
+        ev = eval_low.compile() if eval_low is not None else None
     exe = Executables(
-        plan, mesh, layout, st_sh, b_sh, train, sums, make_eval(mesh),
+        plan, mesh, layout, st_sh, b_sh, train, sums, eval_fn,
         time.perf_counter() - t0, ab, make_eval=make_eval,
-        origin="cached" if cached.count else "compiled",
+        origin="cached" if cached.count else "compiled", _eval_exe=ev,
     )
     if key is not None and exe.portable_ok:
         store.put(key, exe.portable())
@@ -218,10 +249,10 @@ def from_portable(
     """`plan`'s executables from their serialized form (compiled elsewhere: a compile worker,
     `compile_worker`), loaded onto `plan`'s devices; `compile_s` is the compile's seconds."""
     mesh, layout, st_sh, ab, b_sh, make_eval = _frame(cfg, factory, plan, devices)
-    train, sums = _load_pair(src, list(mesh.devices.flat))
+    (train, sums), ev = _load_programs(src, list(mesh.devices.flat))
     return Executables(
         plan, mesh, layout, st_sh, b_sh, train, sums, make_eval(mesh), compile_s, ab,
-        make_eval=make_eval, _portable=src,
+        make_eval=make_eval, _portable=src, _eval_exe=ev, _eval_loaded=ev is not None,
     )
 
 
@@ -278,8 +309,8 @@ def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Exec
     src = exe.portable()
     # the snapshot pool's checksums compiled for exe's mesh go along (a renewed client's first
     # snapshot then compiles nothing), loaded beside the train and checksum programs
-    (train, sums), _ = _beside(
-        lambda: _load_pair(src, flat),
+    ((train, sums), ev), _ = _beside(
+        lambda: _load_programs(src, flat),
         lambda: rebind_checksums(exe.mesh, mesh, lambda ser, ids: _load(ser, ids, flat)))
     return dataclasses.replace(
         exe,
@@ -294,6 +325,10 @@ def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Exec
         warm_s=0.0,
         origin="rebound" if plan.device_ids != exe.plan.device_ids else "reloaded",
         _portable=src,
+        # never `exe`'s own: it runs on `exe`'s devices (or a client that is gone)
+        _eval_exe=ev,
+        _eval_loaded=ev is not None,
+        _eval_other=None,
     )
 
 
@@ -308,6 +343,9 @@ class Portable:
     # the fresh state's program (`Executables.compile_init`) where it was compiled before the
     # pair was serialized for the job's other processes (`source.ExecutableSource.start`)
     init: tuple | None = None
+    # the evaluation's executable where it was compiled with the plan (`compile_plan(evaluate=
+    # True)`) or before the pair was serialized; loaded with the pair (`_load_programs`)
+    eval: tuple | None = None
 
 
 def _beside(main, side) -> tuple[Any, Any]:
@@ -325,6 +363,17 @@ def _load_pair(src: "Portable", flat: list) -> tuple[Any, Any]:
     once per job, and a program store")."""
     return _beside(lambda: _load(src.train, src.device_ids, flat),
                    lambda: _load(src.checksum, src.device_ids, flat))
+
+
+def _load_programs(src: "Portable", flat: list) -> tuple[tuple[Any, Any], Any]:
+    """(train, checksum), evaluation: `src`'s executables loaded onto `flat`; the evaluation
+    (None where `src` has none) on the side thread after the checksum."""
+    if getattr(src, "eval", None) is None:  # (a store entry written before it had the field)
+        return _load_pair(src, flat), None
+    train, (sums, ev) = _beside(
+        lambda: _load(src.train, src.device_ids, flat),
+        lambda: (_load(src.checksum, src.device_ids, flat), _load(src.eval, src.device_ids, flat)))
+    return (train, sums), ev
 
 
 def _load(serialized: tuple, old_ids: tuple[int, ...], flat: list) -> Any:
@@ -411,7 +460,7 @@ class ExecutableCache:
 
     def get(
         self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True,
-        reuse_programs: bool = False, build=None, store=None,
+        reuse_programs: bool = False, build=None, store=None, evaluate: bool = False,
     ) -> tuple[Executables, bool]:
         """(executables, found here). An entry made for another client's devices of the same
         ids (a renewed CPU client) is reloaded onto `devices` (compiled again where it cannot be,
@@ -437,7 +486,8 @@ class ExecutableCache:
             exe = rebind(src, plan, devices)
         else:  # outside the lock
             def compile():
-                return compile_plan(cfg, factory, plan, devices, donate=donate, store=store)
+                return compile_plan(cfg, factory, plan, devices, donate=donate, store=store,
+                                    evaluate=evaluate)
             exe = compile() if build is None else build(compile)
         self._put(k, exe, self.program_key(cfg, plan, donate, factory.tx_key))
         return exe, False

@@ -131,12 +131,13 @@ class ExecutableSource:
         for itself, the start's second compile (the tiny suite model's: 2.0 s in each of 4
         processes, experiments/RESULTS.md, "The suite's time")."""
         cpu0 = time.process_time()
-        got = self.get(plan, init=init)
+        got = self.get(plan, init=init, evaluate=True)
         if not got.hit and got.exe.origin == "compiled":
             self.first_compile_cpu_s = time.process_time() - cpu0
         return got.exe
 
-    def get(self, plan: Plan, *, hold: bool = False, init: bool = False) -> Acquired:
+    def get(self, plan: Plan, *, hold: bool = False, init: bool = False,
+            evaluate: bool = False) -> Acquired:
         """The plan's executables, and how they were found (`Acquired`); with `hold` (a
         recovery's), background builds wait from the moment they are found built (before a
         reload onto a renewed client) until `release_background`. A standby hit means
@@ -146,7 +147,9 @@ class ExecutableSource:
         `standby.rebind`, when the compile under way is of its program (for other devices),
         that compile is waited for and the plan loaded from it (`executables.rebind`). Either
         compile, when it runs in the compile worker and has not got far
-        (`WORKER_WAIT_PROGRESS`), is ended instead and the plan compiled here."""
+        (`WORKER_WAIT_PROGRESS`), is ended instead and the plan compiled here. A plan built
+        here compiles its evaluation with it only with `evaluate` (the start's; a recovery's
+        leaves it to its first evaluation, `executables.compile_plan`)."""
         sb, rebind = self.standby, self.cfg.standby.rebind
         if sb is not None:
             key = plan.compile_key
@@ -191,9 +194,9 @@ class ExecutableSource:
                 t0 = time.perf_counter()
                 exe = self.current(sb.wait(key), key)
                 return Acquired(exe, False, False, time.perf_counter() - t0)
-        return self._cold(plan, init=init)
+        return self._cold(plan, init=init, evaluate=evaluate)
 
-    def _cold(self, plan: Plan, *, init: bool = False) -> Acquired:
+    def _cold(self, plan: Plan, *, init: bool = False, evaluate: bool = False) -> Acquired:
         """`plan` built now, not by the standby: compiled on this thread, or loaded from the
         process of the job that compiles it. Under launch the compile worker's compile under
         way, if any, is of another plan (this one was taken from the standby's queue, so the
@@ -205,20 +208,21 @@ class ExecutableSource:
             self._log(f"stopped the compile worker's compile of {getattr(busy, 'name', busy)} "
                       f"while {plan.name} is built (it continues after)")
         try:
-            return Acquired(*self._cached(plan, init=init), False, 0.0)
+            return Acquired(*self._cached(plan, init=init, evaluate=evaluate), False, 0.0)
         finally:
             if paused:
                 self.worker.resume()
 
     def _cached(self, plan: Plan, compile: Callable[[], Executables] | None = None, *,
-                init: bool = False) -> tuple[Executables, bool]:
+                init: bool = False, evaluate: bool = False) -> tuple[Executables, bool]:
         """`plan`'s executables from the cache, else built (`_build`), by `compile` where
         given (a compile worker's) instead of a compile here; with `init`, shared with the
-        fresh state's program (`start`)."""
+        fresh state's program (`start`); with `evaluate`, a compile here compiles the
+        evaluation too (`executables.compile_plan`)."""
         return self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.donate,
             reuse_programs=self.cfg.standby.rebind, build=self._build(plan, compile, init),
-            store=self.store,
+            store=self.store, evaluate=evaluate,
         )
 
     def _shared_key(self, plan: Plan) -> str:
@@ -327,7 +331,7 @@ class ExecutableSource:
         again)."""
         now = on_devices(exe, self.devices)
         if now is None:
-            now = self._cached(exe.plan)[0]
+            now = self._cached(exe.plan, evaluate=True)[0]
         if now is not exe:
             self.standby.put(key, now)
         return now
@@ -429,7 +433,9 @@ class ExecutableSource:
         program. Where they may be loaded again (`standby.rebind`, or a renewed CPU client under
         `launch`), they are serialized here too (`Executables.portable`, once per program), so
         that a rebind or reload at recovery does not pay for it. `prepare` runs on it too (the
-        snapshot checksums of its plan), so that a hit's first snapshot does not compile."""
+        snapshot checksums of its plan), so that a hit's first snapshot does not compile. The
+        evaluation is built with the plan (`executables.compile_plan`), so that a hit's first
+        evaluation does not compile either."""
         if self.worker is not None and not (
             self.rebindable(plan)
             or self.exe_cache.has(self.cfg, plan, self.donate, self.factory.tx_key)
@@ -441,7 +447,7 @@ class ExecutableSource:
 
             exe = self._cached(plan, in_worker)[0]
         else:
-            exe = self._cached(plan)[0]
+            exe = self._cached(plan, evaluate=True)[0]
             if (self.cfg.standby.rebind or jax.process_count() > 1) and exe.portable_ok:
                 exe.portable()
         self._prepare(exe)

@@ -302,7 +302,9 @@ def main() -> int:
             return 0
         t0 = time.perf_counter()
         try:
-            exe = compile_plan(cfg, factory, plan, devices, donate=donate, store=store)
+            # the standby's plans: their evaluation too (`executables.compile_plan`)
+            exe = compile_plan(cfg, factory, plan, devices, donate=donate, store=store,
+                               evaluate=True)
             reply = ("ok", exe.portable(), time.perf_counter() - t0, t0)
             del exe
         except Exception as e:  # noqa: BLE001 - answered; the training process raises it

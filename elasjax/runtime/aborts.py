@@ -24,6 +24,14 @@ process is quiet"). So a detector starts a waiter (`_abort_when_quiet`) that shu
 down once no other thread of this process has run for `QUIET_POLLS` polls (every device thread
 is then blocked in a collective, which the shutdown ends, or done: nothing is posted after it;
 `running_threads` says which threads count), or after `QUIET_WAIT_MAX_S` at most.
+
+**Nor in a communicator's making.** A survivor whose program makes a new gloo communicator (a
+plan's first collective over a device set) waits for every rank's rendezvous entry for gloo's
+30 s; no socket is open yet, so the shutdown does not reach it. When a death is proven (an exit,
+a death notice), a thread of this process fills in the dead devices' missing entries for the
+rest of the block (`end_rendezvous_of`, `collectives.end_rendezvous`), which ends those waits
+with gloo's own error: 30.7-31.0 s recoveries of a kill as a recovery's verification began
+(experiments/RESULTS.md, "The MTTR fuzz").
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .collectives import abort_collectives, gloo_loops
+from .collectives import abort_collectives, end_rendezvous, gloo_loops
 from .liveness import Liveness, ProcessExits
 from .startup import RuntimeConfig
 
@@ -47,6 +55,9 @@ SILENCE_ABORT_FACTOR = 2.0
 QUIET_POLL_S = 0.002
 QUIET_POLLS = 3
 QUIET_WAIT_MAX_S = 2.0
+# how often, in a block after a proven death, the rendezvous entries are read for a dead rank's
+# missing ones (`CollectiveAborts.end_rendezvous_of`)
+RENDEZVOUS_POLL_S = 0.05
 
 
 # threads that never post a collective, by name (/proc/self/task/*/comm): LLVM's (an executable's
@@ -90,11 +101,14 @@ class CollectiveAborts:
 
     def __init__(self, rc: RuntimeConfig, exits: ProcessExits, liveness: Liveness,
                  processes: Callable[[], set[int]], log: Callable[[str], None], *,
+                 client=None, devices_of: Callable[[int], set[int]] | None = None,
                  running: Callable[[], list[str] | None] = running_threads,
                  clock: Callable[[], float] = time.monotonic):
-        """`running` and `clock`: what the waiter polls (`running_threads`) and times its cap
-        with; a test passes its own, so that it checks the order of polls and shutdown rather
-        than how fast a thread ran (tests/test_multiprocess.py,
+        """`client` (the coordination service's) and `devices_of` (a process's device ids):
+        where a dead process's rendezvous entries are written (`end_rendezvous_of`; without
+        them, none are). `running` and `clock`: what the waiter polls (`running_threads`) and
+        times its cap with; a test passes its own, so that it checks the order of polls and
+        shutdown rather than how fast a thread ran (tests/test_multiprocess.py,
         `test_an_abort_waits_until_this_process_no_longer_computes`)."""
         self.enabled = rc.platform == "cpu" and rc.renew_collectives != "never"
         self._running, self._clock = running, clock
@@ -105,6 +119,9 @@ class CollectiveAborts:
         self._in_body = False
         self._block = 0  # blocks entered: a waiter started in one never aborts another
         self._waiter = False  # a waiter (`abort_when_quiet`) is under way in this block
+        self._client, self._devices_of = client, devices_of
+        self._dead: set[int] = set()  # processes proven dead (`end_rendezvous_of`)
+        self._ending = 0  # the block whose rendezvous thread runs (0: none yet)
         self.reason: str | None = None  # why this process shut its collectives down
 
     def start(self) -> None:
@@ -130,6 +147,8 @@ class CollectiveAborts:
             self._block += 1
             self._waiter = False
         gone = [p for p in self._processes() if p != self._exits.me and self._exits.exited(p)]
+        for p in gone:
+            self.end_rendezvous_of(p)
         if gone and self.enabled:
             self.abort_when_quiet(
                 f"when process {gone[0]} was found exited as the {phase} began",
@@ -144,6 +163,38 @@ class CollectiveAborts:
         """A new CPU client: its collectives are whole."""
         with self._lock:
             self.reason = None
+            self._dead.clear()
+
+    def end_rendezvous_of(self, p: int) -> None:
+        """Process p is proven dead: for the rest of this block, a thread ends every wait of
+        this process's programs in a communicator's making for p's ranks (`_end_rendezvous`)."""
+        with self._lock:
+            if not self.enabled or self._client is None or not self._in_body:
+                return
+            self._dead.add(p)
+            if self._ending == self._block:
+                return  # this block's thread is at it; it reads `_dead` at every turn
+            self._ending = block = self._block
+        threading.Thread(target=self._end_rendezvous, args=(block,), daemon=True,
+                         name="elasjax-rendezvous").start()
+
+    def _end_rendezvous(self, block: int) -> None:
+        """Until the block ends, every `RENDEZVOUS_POLL_S`: the dead processes' missing
+        rendezvous entries written (`collectives.end_rendezvous`). A communicator made later in
+        the block (a program that reaches its first collective late) is caught at its making."""
+        while True:
+            with self._lock:
+                if not self._in_body or self._block != block:
+                    return
+                dead = set().union(*(self._devices_of(p) for p in self._dead))
+            try:
+                keys = end_rendezvous(self._client, dead.__contains__)
+            except Exception as e:  # noqa: BLE001 (an unreadable store: gloo's wait ends as before)
+                self._log(f"could not read the gloo rendezvous entries ({type(e).__name__}: {e})")
+                return
+            if keys:
+                self._log(f"ended the gloo rendezvous of dead ranks: {', '.join(keys)}")
+            time.sleep(RENDEZVOUS_POLL_S)
 
     def _abort_when_quiet(self, when: str, log: Callable[[int, str], str], block: int) -> None:
         """Shut the collectives down (`abort`) once this process is quiet, or after
@@ -196,6 +247,7 @@ class CollectiveAborts:
         timeout. Recovery then renews the client."""
         if p not in self._processes():  # a newcomer not admitted yet: no collective waits for it
             return
+        self.end_rendezvous_of(p)
         self.abort_when_quiet(
             f"when process {p} exited (pidfd)",
             lambda n, how: f"process {p} exited (pidfd): shut down {n} collective sockets of "
@@ -206,6 +258,7 @@ class CollectiveAborts:
         death, as the kernel's exit is for a same-host peer (`on_exit`)."""
         if not self._exits.notice(p, pid) or not self.enabled or p not in self._processes():
             return
+        self.end_rendezvous_of(p)
         self.abort_when_quiet(
             f"when a death notice from process {p}'s host arrived",
             lambda n, how: f"process {p} died (death notice from its host): shut down {n} "

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -262,6 +263,47 @@ def quiet_gloo_loops(policy: str = "idle", tries: int = 50,
 
 CONTEXT_FAILED = "Gloo context initialization failed"
 
+# A dead rank's rendezvous entry (`end_rendezvous`): gloo's TCP transport reads a rank's entry as
+# (size_t hostname size, hostname, size_t address size, address, pair ids) and checks that an
+# address has the size of its socket address (`tcp::Address(bytes)`: "sizeof(impl_) ==
+# bytes.size()"); a one-byte address fails that check, which throws, and XLA turns the throw into
+# the collective's error. An empty entry crashed the reader instead (SIGSEGV, jax 0.10.2): it must
+# parse. Read in gloo/transport/tcp/context.cc and address.cc; checked on jax 0.10.2 and 0.12.1 by
+# tests/test_multiprocess.py::test_a_dead_ranks_rendezvous_entry_ends_the_survivors_wait_at_once.
+DEAD_RANK = struct.pack("=Q", 4) + b"dead" + struct.pack("=Q", 1) + b"\0"
+
+
+def end_rendezvous(client, dead: Callable[[int], bool]) -> list[str]:
+    """End every wait in the making of a gloo communicator for a rank that will never come: for
+    each clique some of whose ranks have published their address (`cpu:gloo/<ids>/<rank>`, rank
+    r being the clique's r-th device), publish `DEAD_RANK` for every missing rank whose device is
+    `dead` (a device of a process known dead). Why: a survivor that entered a communicator's
+    making waits for every rank's entry for gloo's 30 s, whatever else it knows (shutting its
+    sockets down does not reach that wait); a dead rank's entry makes the making fail at once
+    with gloo's own error, which the guard reads as the collective failure it is (the MTTR
+    fuzz's kill as a recovery's verification began: experiments/RESULTS.md). A rank published
+    meanwhile keeps its own entry (the store refuses a second write). Only a proven death may
+    call this (an exit, a death notice): a live rank refused would fail its communicator too.
+    Entries of a client are deleted when a renewal or an admission replaces it
+    (`renew_cpu_client`). Returns the keys written."""
+    keys = {k for k, _ in client.key_value_dir_get_bytes(GLOO_KEYS + "/")}
+    out = []
+    for clique in sorted({k.rpartition("/")[0] for k in keys}):
+        try:
+            ids = [int(i) for i in clique[len(GLOO_KEYS) + 1:].split(",")]
+        except ValueError:
+            continue
+        for r, d in enumerate(ids):
+            key = f"{clique}/{r}"
+            if key in keys or not dead(d):
+                continue
+            try:
+                client.key_value_set_bytes(key, DEAD_RANK)
+            except Exception:  # noqa: BLE001 (published meanwhile, or another survivor wrote it)
+                continue
+            out.append(key)
+    return out
+
 
 def rendezvous_note(client, err: BaseException) -> str | None:
     """For an error of gloo's communicator creation (`CONTEXT_FAILED`), which ranks of which
@@ -273,19 +315,22 @@ def rendezvous_note(client, err: BaseException) -> str | None:
     if CONTEXT_FAILED not in str(err):
         return None
     try:
-        keys = [k for k, _ in client.key_value_dir_get(GLOO_KEYS + "/")]
+        entries = client.key_value_dir_get_bytes(GLOO_KEYS + "/")
     except Exception:  # noqa: BLE001 (a diagnostic: never in the way of the failure itself)
         return None
     ranks: dict[str, list[int]] = {}
-    for key in keys:  # "cpu:gloo/<d0,d1,...>/<rank>"
+    ended: dict[str, list[int]] = {}
+    for key, value in entries:  # "cpu:gloo/<d0,d1,...>/<rank>"
         clique, _, rank = key[len(GLOO_KEYS) + 1:].rpartition("/")
         if rank.isdigit():
-            ranks.setdefault(clique, []).append(int(rank))
+            (ended if bytes(value) == DEAD_RANK else ranks).setdefault(clique, []).append(int(rank))
     parts = []
-    for clique, got in sorted(ranks.items()):
+    for clique in sorted(set(ranks) | set(ended)):
+        got, dead = ranks.get(clique, []), sorted(ended.get(clique, []))
         size = clique.count(",") + 1
-        missing = sorted(set(range(size)) - set(got))
+        missing = sorted(set(range(size)) - set(got) - set(dead))
         gap = f" (missing ranks {missing})" if missing else ""
+        gap += f" (dead ranks {dead}: `end_rendezvous`)" if dead else ""
         parts.append(f"[{clique}] {len(got)}/{size}{gap}")
     return "gloo rendezvous keys published: " + ("; ".join(parts) or "none")
 

@@ -179,7 +179,8 @@ class MultiControllerRuntime:
                                  self.admission.counters.guards if self.admission else 0)
         # a peer known dead inside a block shuts this process's collectives down once it is quiet
         # (they would wait for the collective timeout), when a renewed client can replace them
-        self.aborts = CollectiveAborts(rc, self.exits, self.liveness, self.processes, self.log)
+        self.aborts = CollectiveAborts(rc, self.exits, self.liveness, self.processes, self.log,
+                                       client=self.client, devices_of=self.devices_of)
         self.notes = DeathNotes(self.client, self.me, rc.host, self.aborts.on_notice,
                                 rc.death_notices)
         self.aborts.start()
@@ -191,6 +192,10 @@ class MultiControllerRuntime:
         if isinstance(device, str):  # "host:<h>": a host is a process
             return int(device.split(":")[1])
         return self.devices[device].process_index
+
+    def devices_of(self, p: int) -> set[int]:
+        """Process p's device ids (its devices of every client: the ids outlive a renewal)."""
+        return {i for i, d in self.devices.items() if d.process_index == p}
 
     def processes(self) -> set[int]:
         return {self.devices[d].process_index for d in self.live}
