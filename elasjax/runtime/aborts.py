@@ -29,10 +29,9 @@ is then blocked in a collective, which the shutdown ends, or done: nothing is po
 plan's first collective over a device set) waits for every rank's rendezvous entry for gloo's
 30 s; no socket is open yet, so the shutdown does not reach it. When a death is proven (an exit,
 a death notice), a thread of this process fills in the dead devices' missing entries for the
-rest of the block (`end_rendezvous_of`, `collectives.end_rendezvous`), which ends those waits
-with gloo's own error: 30.7-31.0 s recoveries of a kill as a recovery's verification began
-(experiments/RESULTS.md, "The MTTR fuzz").
-"""
+rest of the block where that is safe (`end_rendezvous_of`, `collectives.end_rendezvous`), which
+ends those waits with gloo's own error: 30.7-31.0 s recoveries of a kill as a recovery's
+verification began (experiments/RESULTS.md, "The MTTR battery")."""
 
 from __future__ import annotations
 
@@ -58,9 +57,6 @@ QUIET_WAIT_MAX_S = 2.0
 # how often, in a block after a proven death, the rendezvous entries are read for a dead rank's
 # missing ones (`CollectiveAborts.end_rendezvous_of`)
 RENDEZVOUS_POLL_S = 0.05
-# a block still under way this long after a proven death, this process quiet, has its sockets
-# shut down once more (`CollectiveAborts._end_rendezvous` says why)
-SECOND_SHUTDOWN_S = 1.0
 
 
 # threads that never post a collective, by name (/proc/self/task/*/comm): LLVM's (an executable's
@@ -184,19 +180,7 @@ class CollectiveAborts:
     def _end_rendezvous(self, block: int) -> None:
         """Until the block ends, every `RENDEZVOUS_POLL_S`: the dead processes' missing
         rendezvous entries written (`collectives.end_rendezvous`). A communicator made later in
-        the block (a program that reaches its first collective late) is caught at its making.
-
-        A making that a dead rank's entry ended in one survivor can leave another survivor
-        connecting to it: its connection reached the first one's listener after the pair it was
-        meant for was gone, and it waits for gloo's connect timeout (150.2 s, "pair.h:311
-        Connect timeout", in 1 of 3 fuzz launches with a kill as a recovery's verification
-        began; experiments/RESULTS.md, "The MTTR fuzz"). The sockets of such a connection are
-        established, so shutting them down ends that wait: a block still under way
-        `SECOND_SHUTDOWN_S` after the death, once this process is quiet (nothing is posted
-        after the shutdown), shuts its sockets down once more. The block fails either way: it
-        holds a communicator with a dead rank."""
-        t0 = self._clock()
-        again = False
+        the block (a program that reaches its first collective late) is caught at its making."""
         while True:
             with self._lock:
                 if not self._in_body or self._block != block:
@@ -209,17 +193,6 @@ class CollectiveAborts:
                 return
             if keys:
                 self._log(f"ended the gloo rendezvous of dead ranks: {', '.join(keys)}")
-            if not again and self._clock() - t0 >= SECOND_SHUTDOWN_S and self._running() == []:
-                again = True
-                with self._lock:
-                    n = (abort_collectives([self._port])
-                         if self._in_body and self._block == block else None)
-                    if n is not None and self.reason is None:  # the recovery must know
-                        self.reason = (f"it shut down its collectives ({n} sockets) a second "
-                                       "time in a block still under way after a death")
-                if n is not None:
-                    self._log(f"the block was still under way {self._clock() - t0:.2f}s after a "
-                              f"death: shut down {n} collective sockets of this process again")
             time.sleep(RENDEZVOUS_POLL_S)
 
     def _abort_when_quiet(self, when: str, log: Callable[[int, str], str], block: int) -> None:
