@@ -288,9 +288,10 @@ def end_rendezvous(client, dead: Callable[[int], bool]) -> list[str]:
     one pair at a time, and fails at the first dead one. Where rank 0 is dead that is every
     live rank's first pair: all fail before connecting anything. Otherwise a live rank below
     the dead one fails after connecting to the ranks before it, and a live rank above it waits
-    for a connection the failed one never makes, for gloo's connect timeout (150 s, seen in 2
-    of 9 fuzz launches, and with three plain-JAX processes whenever the dead rank lay between
-    two live ones); the 30 s wait is then the lesser one. A rank published meanwhile keeps its
+    for a connection the failed one never makes, for gloo's connect timeout (150 s, seen in 3
+    of 8 fuzz launches; in a probe of three plain-JAX processes, the dead rank between the two
+    live ones, the one above it was still waiting when the other ended); the 30 s wait is then
+    the lesser one. A rank published meanwhile keeps its
     own entry (the store refuses a second write). Only a proven death may call this (an exit, a
     death notice). Entries of a client are deleted when a renewal or an admission replaces it
     (`renew_cpu_client`). Returns the keys written."""
