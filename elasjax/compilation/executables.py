@@ -61,8 +61,6 @@ class Executables:
         default_factory=threading.Lock, repr=False, compare=False
     )
     _eval_exe: Any = dataclasses.field(default=None, repr=False, compare=False)  # `eval_for`
-    # was `_eval_exe` loaded from a serialized form (then `portable` cannot serialize it again)
-    _eval_loaded: bool = dataclasses.field(default=False, repr=False, compare=False)
     _eval_other: Any = dataclasses.field(default=None, repr=False, compare=False)  # other shapes
 
     def eval_for(self, params, batch):
@@ -102,13 +100,12 @@ class Executables:
                     jaxcompat.serialize(self.train),
                     jaxcompat.serialize(self.checksum),
                 )
-            # a fresh state's program compiled here goes along (one loaded came from `_portable`),
-            # and so does an evaluation compiled here
+            # a fresh state's program and an evaluation compiled here go along (one loaded came
+            # from `_portable`, which then has it)
             if self._init is not None and self._portable.init is None:
                 self._portable = dataclasses.replace(
                     self._portable, init=jaxcompat.serialize(self._init))
-            if (self._eval_exe is not None and not self._eval_loaded
-                    and self._portable.eval is None):
+            if self._eval_exe is not None and self._portable.eval is None:
                 self._portable = dataclasses.replace(
                     self._portable, eval=jaxcompat.serialize(self._eval_exe))
             return self._portable
@@ -226,7 +223,7 @@ def compile_plan(
             return Executables(
                 plan, mesh, layout, st_sh, b_sh, train, sums, eval_fn,
                 time.perf_counter() - t0, ab, make_eval=make_eval, origin="stored",
-                _portable=src, _eval_exe=ev, _eval_loaded=ev is not None,
+                _portable=src, _eval_exe=ev,
             )
     with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
         train = train_low.compile()
@@ -252,7 +249,7 @@ def from_portable(
     (train, sums), ev = _load_programs(src, list(mesh.devices.flat))
     return Executables(
         plan, mesh, layout, st_sh, b_sh, train, sums, make_eval(mesh), compile_s, ab,
-        make_eval=make_eval, _portable=src, _eval_exe=ev, _eval_loaded=ev is not None,
+        make_eval=make_eval, _portable=src, _eval_exe=ev,
     )
 
 
@@ -327,7 +324,6 @@ def rebind(exe: Executables, plan: Plan, devices: dict[int, jax.Device]) -> Exec
         _portable=src,
         # never `exe`'s own: it runs on `exe`'s devices (or a client that is gone)
         _eval_exe=ev,
-        _eval_loaded=ev is not None,
         _eval_other=None,
     )
 
@@ -356,23 +352,18 @@ def _beside(main, side) -> tuple[Any, Any]:
         return main(), other.result()
 
 
-def _load_pair(src: "Portable", flat: list) -> tuple[Any, Any]:
-    """`src`'s train and checksum executables loaded onto `flat`, the checksum on a thread
-    beside the train: a load releases the GIL, and the two together took 0.45-0.49 s against
-    0.63-0.80 s one after the other for the demo's plan (experiments/RESULTS.md, "Compiling
-    once per job, and a program store")."""
-    return _beside(lambda: _load(src.train, src.device_ids, flat),
-                   lambda: _load(src.checksum, src.device_ids, flat))
-
-
 def _load_programs(src: "Portable", flat: list) -> tuple[tuple[Any, Any], Any]:
-    """(train, checksum), evaluation: `src`'s executables loaded onto `flat`; the evaluation
-    (None where `src` has none) on the side thread after the checksum."""
-    if getattr(src, "eval", None) is None:  # (a store entry written before it had the field)
-        return _load_pair(src, flat), None
-    train, (sums, ev) = _beside(
-        lambda: _load(src.train, src.device_ids, flat),
-        lambda: (_load(src.checksum, src.device_ids, flat), _load(src.eval, src.device_ids, flat)))
+    """((train, checksum), evaluation): `src`'s executables loaded onto `flat`, the evaluation
+    None where `src` has none (a store entry written before the field reads the class's
+    default). The checksum and the evaluation load on a thread beside the train: a load
+    releases the GIL, and train and checksum together took 0.45-0.49 s against 0.63-0.80 s one
+    after the other for the demo's plan (experiments/RESULTS.md, "Compiling once per job, and a
+    program store")."""
+    def side():
+        sums = _load(src.checksum, src.device_ids, flat)
+        return sums, None if src.eval is None else _load(src.eval, src.device_ids, flat)
+
+    train, (sums, ev) = _beside(lambda: _load(src.train, src.device_ids, flat), side)
     return (train, sums), ev
 
 
