@@ -1,6 +1,7 @@
 """Standby executables, the deterministic mode, and the baseline recovery strategies."""
 
 import dataclasses
+import os
 import threading
 import time
 
@@ -14,6 +15,7 @@ from elasjax.core.counters import CompileCounter, map_usage
 from elasjax.compilation.executables import rebind
 from elasjax.compilation.standby import BackgroundJobs, StandbyCompiler
 from elasjax.compilation.worker import CompileCancelled
+from elasjax.config import ConfigError
 from elasjax.observe.metrics import read_jsonl
 from elasjax.transfer import checksum
 
@@ -594,6 +596,116 @@ def test_a_compile_stopped_by_pause_reports_the_seconds_it_ran():
         w._proc = None
         child.kill()
         child.wait()
+
+_BURNER = """
+import pickle, sys
+out, inp = sys.stdout.buffer, sys.stdin.buffer
+pickle.dump(("ready",), out); out.flush()
+pickle.load(inp)
+while True:
+    pass
+"""
+
+
+def test_the_workers_pace_holds_its_cpu_time_to_its_share_unless_the_run_needs_the_compile():
+    """`standby.worker_share`: a child that compiles a plan nobody waits for uses at most its
+    share of the cores (the governor's token bucket over its CPU time, stopping it past the
+    budget); once the run needs the compile (`StandbyCompiler.needed`) it runs unpaced, and
+    `pause` keeps it stopped whatever the pace says. Bounds on the child's CPU time and its
+    process state, not on wall time: a loaded machine only gives it less."""
+    import subprocess
+    import sys
+    import threading
+
+    from elasjax.compilation.worker import CompileWorker
+    from elasjax.runtime.liveness import cpu_s
+
+    def state(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    def until(cond, timeout=60.0):
+        deadline = time.monotonic() + timeout
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return cond()
+
+    need = threading.Event()
+    w = CompileWorker(tiny_config("standby.worker_share=0.05"), needed=need.is_set)
+    assert w.pace_rate == pytest.approx(0.05 * len(os.sched_getaffinity(0)))
+    child = subprocess.Popen([sys.executable, "-c", _BURNER], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+    w._proc = child
+    def request():
+        try:
+            w.compile("plan", False)
+        except RuntimeError:  # the child killed at the end
+            pass
+
+    threading.Thread(target=request, daemon=True).start()
+    try:
+        assert until(lambda: w._cpu_at_request not in (None, "starting"))
+        assert until(lambda: w.paced > 0)  # past its budget: stopped, its credit spent
+        cpu0, t0 = cpu_s(child.pid), time.perf_counter()
+        time.sleep(2.5)
+        used, dt = cpu_s(child.pid) - cpu0, time.perf_counter() - t0
+        # its budget, one period's run past it before the governor looks again (the burner is
+        # one thread) and a tick of /proc's clock (10 ms); unpaced it would be about dt
+        assert used <= w.pace_rate * dt + w.PACE_PERIOD_S + 0.02, (used, dt)
+        need.set()  # the run waits for it now: never stopped again
+        assert until(lambda: w._paced is None)
+        assert w.paced_s > 0
+        for _ in range(20):
+            time.sleep(w.PACE_PERIOD_S)
+            assert state(child.pid) != "T" and w._paced is None
+        need.clear()
+        assert w.pause()  # a recovery's stop outlasts the pace's
+        assert until(lambda: state(child.pid) == "T")
+        time.sleep(0.5)
+        assert state(child.pid) == "T" and w._paced is None
+        w.resume()
+        assert until(lambda: w._paced is not None or state(child.pid) != "T")
+    finally:
+        w._closed.set()
+        w.resume()
+        w._unpace()
+        w._proc = None
+        child.kill()
+        child.wait()
+
+
+def test_a_paced_standby_rests_after_a_rebind_until_a_plan_is_needed():
+    """`StandbyCompiler(pace=)`: after a rebind nothing waited for, the next build waits
+    `seconds x (1 / pace - 1)` (here some 100 times the build), and a plan needed meanwhile
+    (`wait`) ends the rest at once: the wait returns long before the rest would have."""
+    first = threading.Event()
+
+    def build(plan):
+        time.sleep(0.05)
+        first.set()
+        return plan
+
+    sb = StandbyCompiler(build, cheap=lambda p: True, pace=0.002)
+    try:
+        sb.submit(["a", "b", "c"])
+        assert first.wait(60)
+        time.sleep(0.5)  # resting: "b" is not started
+        assert sb.started == ["a"] and sb.resting_s == 0.0
+        assert sb.wait("c", timeout=60) == "c"  # ends the rest (> 20 s) and comes first
+        assert sb.started[:2] == ["a", "c"] and sb.resting_s < 20
+        assert not sb.needed()
+    finally:
+        sb.close()
+
+
+def test_the_workers_share_must_be_a_fraction_of_the_cores():
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ConfigError, match=r"standby.worker_share.*0 < worker_share <= 1"):
+            tiny_config(f"standby.worker_share={bad}")
+    with pytest.raises(ConfigError, match=r"standby.worker_share.* must be a number"):
+        tiny_config("standby.worker_share=true")
+    assert tiny_config("standby.worker_share=null").standby.worker_share is None
+
 
 _WORKER_RUN = """
 import json, sys

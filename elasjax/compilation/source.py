@@ -81,7 +81,8 @@ class ExecutableSource:
                 # other processes wait for what it compiles, and another process's compile at
                 # nice 0 did not stall the launch's steps (experiments/RESULTS.md, "A compile on
                 # a training process's thread stalls the job's steps")
-                self.worker = CompileWorker(cfg)
+                self.worker = CompileWorker(
+                    cfg, needed=lambda: self.standby is not None and self.standby.needed())
             elif cfg.standby.compiler == "process":
                 raise ConfigError(
                     f"config 'standby.compiler' = process: {why}; allowed values here: thread, auto"
@@ -96,6 +97,10 @@ class ExecutableSource:
             cancel=self.worker.kill if self.worker is not None and not self.shares else None,
             shed=self.exe_cache.shed,
             order=self.standby_order if self.shares else None,
+            held_s=(lambda: self.worker.stopped_s + self.worker.paced_s)
+            if self.worker is not None else None,
+            # the worker's pace for the rebinds this process builds beside the steps
+            pace=self.worker.pace_rate if self.worker is not None else None,
         )
 
     def hold_background(self) -> None:
@@ -385,6 +390,7 @@ class ExecutableSource:
         are ready at once, not queued behind a build under way."""
         key = plan.compile_key
         self.standby.submit([key])
+        self.standby.expedite(key)  # the run waits to cut over to it: never paced (`needed`)
         if from_cache and not self.standby.ready(key) and self.exe_cache.has(
                 self.cfg, plan, self.donate, self.factory.tx_key):
             exe = self._cached(plan)[0]  # found: no compile

@@ -51,6 +51,8 @@ class StandbyCompiler:
         cancel: Callable[[], bool] | None = None,
         shed: Callable[[float], bool] | None = None,
         order: Callable[[list], list] | None = None,
+        held_s: Callable[[], float] | None = None,
+        pace: float | None = None,
     ):
         """`cheap(plan)`: can `plan` be built now without an XLA compile (`executables.rebind`)?
         Such plans are built first; a plan made urgent (`expedite`, `wait`, `submit(front=)`)
@@ -64,8 +66,15 @@ class StandbyCompiler:
         frees mappings held elsewhere for reuse (`ExecutableCache.shed`), asked over budget after
         the stale ready plans and before the queue is dropped. `order(plans)`: the queued
         plans that need a compile, in the order to take them (where processes share their
-        compiles: `source.ExecutableSource.standby_order`); the queue's order without it."""
+        compiles: `source.ExecutableSource.standby_order`); the queue's order without it.
+        `held_s()`: seconds builds have been held stopped so far (`CompileWorker.pause` and its
+        pace), left out of `compile_s`. `pace`: the cores a rebind (`cheap`, built on this
+        thread) that nothing waits for may take on average: after one, the next build waits
+        `seconds x (1 / pace - 1)` unless a plan is needed meanwhile (`CompileWorker`'s pace,
+        for the builds of the training process; `resting_s` sums the waits)."""
         self.compile_fn, self.max_plans, self.cheap = compile_fn, max_plans, cheap
+        self.held_s, self.pace = held_s, pace
+        self.resting_s = 0.0
         self.order = order
         self.cancel_fn, self.shed_fn = cancel, shed
         self.cancelled = 0  # builds ended by `drop_queued`
@@ -79,6 +88,8 @@ class StandbyCompiler:
         self._busy: Any = None
         self._busy_since = 0.0
         self._busy_cheap = False
+        self._busy_urgent = False  # the build under way was made urgent (`needed`)
+        self._waiting_all = 0  # callers blocked in `wait_all`
         self._errors: dict = {}
         self._cv = threading.Condition()
         self._stop = False
@@ -128,13 +139,25 @@ class StandbyCompiler:
             if plan in self._ready:
                 return "ready"
             if plan == self._busy:
+                self._busy_urgent = True
                 return "busy"
             if plan in self._queue:
                 self._queue.remove(plan)
                 self._queue.insert(0, plan)
                 self._urgent.add(plan)
+                self._cv.notify_all()  # a rest between builds ends (`_rest`)
                 return "front"
             return "absent"
+
+    def needed(self) -> bool:
+        """Does the run need the build under way now: a caller waits for it (`wait`, or
+        `wait_all` for every build), or it was made urgent (`expedite`, `submit(front=)`, a
+        pending cut-over's plan)? A build nobody needs yet is one of the likely failures'
+        plans, built beside the training steps (`CompileWorker` paces those)."""
+        with self._cv:
+            return self._busy is not None and (
+                self._busy_urgent or self._waiting_all > 0 or self._busy in self._waiting
+            )
 
     def take(self, plan) -> bool:
         """Remove `plan` from the queue (the caller compiles it itself); False if not queued."""
@@ -231,7 +254,12 @@ class StandbyCompiler:
     def wait_all(self, timeout: float | None = None) -> bool:
         """Block until the queue is empty and nothing compiles; True if so before `timeout`."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and self._busy is None, timeout)
+            self._waiting_all += 1
+            self._cv.notify_all()  # a rest between builds ends (`_rest`)
+            try:
+                return self._cv.wait_for(lambda: not self._queue and self._busy is None, timeout)
+            finally:
+                self._waiting_all -= 1
 
     def wait(self, plan, timeout: float | None = None) -> Any | None:
         """Block until `plan` is compiled (queueing it first if needed)."""
@@ -303,12 +331,14 @@ class StandbyCompiler:
                     self._cv.notify_all()
                     continue
                 self._queue.remove(plan)
+                urgent = plan in self._urgent
                 self._urgent.discard(plan)
                 cheap = self.cheap is not None and self.cheap(plan)
                 self._busy, self._busy_since, self._busy_cheap = plan, time.perf_counter(), cheap
+                self._busy_urgent = urgent
                 self.started.append(plan)
                 del self.started[: -self.STARTED_KEPT]
-            t0 = time.perf_counter()
+            t0, held0 = time.perf_counter(), self.held_s() if self.held_s else 0.0
             try:
                 exe = self.compile_fn(plan)
                 err = None
@@ -322,8 +352,9 @@ class StandbyCompiler:
                 continue
             except Exception as e:  # surfaced to whoever waits for this plan
                 exe, err = None, e
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0 - ((self.held_s() - held0) if self.held_s else 0.0)
             with self._cv:
+                needed = self._busy_urgent or self._waiting_all > 0 or plan in self._waiting
                 self._busy = None
                 if err is None:
                     self._ready[plan] = exe
@@ -341,6 +372,16 @@ class StandbyCompiler:
                 else:
                     self._errors[plan] = err
                 self._cv.notify_all()
+                if self.pace is not None and cheap and err is None and not needed:
+                    self._rest(dt * (1.0 / self.pace - 1.0))
+
+    def _rest(self, seconds: float) -> None:
+        """Under the lock: wait `seconds` before the next build, or until a queued plan is
+        needed (`wait`, `wait_all`, `expedite`) or the compiler stops (`pace`)."""
+        t0 = time.perf_counter()
+        self._cv.wait_for(lambda: self._stop or self._waiting_all > 0 or bool(self._urgent)
+                          or any(p in self._waiting for p in self._queue), seconds)
+        self.resting_s += time.perf_counter() - t0
 
     def _within_budget(self) -> bool:
         """Under the lock: is the process within `map_budget` of its mapping limit, after

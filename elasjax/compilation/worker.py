@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 
@@ -64,6 +66,17 @@ CARRIED_CONFIG = (
     "jax_optimization_level",
     "jax_exec_time_optimization_effort",
 )
+
+
+def local_processes() -> int:
+    """How many of the job's processes share this host: `ELASJAX_LOCAL_PROCESSES` (set by
+    `elasjax launch` for a local job), else Open MPI's or SLURM's count of tasks on this node,
+    else 1."""
+    for name in ("ELASJAX_LOCAL_PROCESSES", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        m = re.match(r"\d+", os.environ.get(name, ""))
+        if m and int(m.group()) > 0:
+            return int(m.group())
+    return 1
 
 
 class CompileCancelled(Exception):
@@ -106,8 +119,28 @@ class CompileWorker:
     # priority"). So the child runs at normal priority, in one process as under launch.
     nice = 0  # the child's priority, as the start line states it
 
-    def __init__(self, cfg):
+    # Pacing (`standby.worker_share`): how often the governor looks at the child's CPU time
+    # (`_govern` says why this often), and the most CPU seconds of unused budget it carries over
+    # (as seconds at the budget's rate), so that a child idle for a while does not then run
+    # unpaced for as long.
+    PACE_PERIOD_S = 0.2
+    PACE_BURST_S = 0.2
+
+    def __init__(self, cfg, needed: Callable[[], bool] | None = None):
+        """`needed()`: does the run wait for the compile under way (`StandbyCompiler.needed`)?
+        Such a compile is never paced."""
         self.cfg = cfg
+        self.share = cfg.standby.worker_share
+        self._needed = needed
+        # CPU seconds per second the child may use while paced: its share of the cores this
+        # process has, the host's divided among the job's processes on it (`local_processes`)
+        self.pace_rate = (None if self.share is None
+                          else self.share * len(os.sched_getaffinity(0)) / local_processes())
+        self._paced: subprocess.Popen | None = None  # the child the governor holds stopped
+        self._paced_at = 0.0
+        self.paced = 0  # times the governor stopped the child
+        self.paced_s = 0.0  # seconds the governor held it stopped, all requests
+        self._closed = threading.Event()
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self.started = 0  # children started
@@ -124,6 +157,9 @@ class CompileWorker:
         self.stopped_s = 0.0  # seconds the child spent stopped, all requests
         self._stopped_at = 0.0  # when `pause` stopped it (perf_counter)
         self._stops: list[tuple[float, float]] = []  # this request's stops (perf_counter)
+        if self.pace_rate is not None:
+            threading.Thread(target=self._govern, name="elasjax-compile-pace",
+                             daemon=True).start()
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ)
@@ -216,6 +252,75 @@ class CompileWorker:
         now = cpu_s(proc.pid)
         return None if now is None else (now - start, mean)
 
+    # -- pacing: the child's share of the cores while training steps run beside it -----------
+
+    def _govern(self) -> None:
+        """The governor thread: while the child compiles a plan nobody waits for, it may use
+        `pace_rate` CPU seconds per second, on average (a token bucket over its CPU time, Linux
+        `/proc`): past its budget it is stopped (SIGSTOP) until the budget has grown back. Why:
+        where the devices are this host's cores (fake CPU devices), a compile at any priority
+        takes its CPU time from the steps; paced, it takes about its share at a time, and the
+        standby is ready later (experiments/RESULTS.md, "The paced compile worker"). A period
+        of 0.2 s rather than 0.05 or 0.01: stopping and continuing the child more often cost
+        the steps more than its CPU share (the same file). A compile the run needs now (a
+        recovery's, a cut-over's, one training waits for) runs unpaced."""
+        credit, last, pid = 0.0, None, None
+        while not self._closed.wait(self.PACE_PERIOD_S):
+            with self._lock:
+                proc, busy = self._proc, self._cpu_at_request is not None  # its start-up too
+                paused = self._stopped is not None
+            if (proc is None or not busy or paused or proc.poll() is not None
+                    or (self._needed is not None and self._needed())):
+                self._unpace()
+                credit, last, pid = 0.0, None, None
+                continue
+            now, cpu = time.perf_counter(), cpu_s(proc.pid)
+            if cpu is None:
+                continue
+            if pid != proc.pid or last is None:
+                credit, last, pid = 0.0, (now, cpu), proc.pid
+                continue
+            credit = min(credit + (now - last[0]) * self.pace_rate - (cpu - last[1]),
+                         self.PACE_BURST_S * self.pace_rate)
+            last = (now, cpu)
+            if credit < 0:
+                self._pace_stop(proc)
+            else:
+                self._unpace()
+
+    def _pace_stop(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            if self._paced is not None or self._proc is not proc or self._stopped is not None:
+                return
+            try:
+                os.kill(proc.pid, signal.SIGSTOP)
+            except OSError:  # it just ended
+                return
+            self._paced, self._paced_at = proc, time.perf_counter()
+            self.paced += 1
+
+    def _unpace(self, cont: bool = True) -> None:
+        """End the governor's stop, if any (with `cont`, SIGCONT unless `pause` holds the child
+        too). Call with the lock free (`_end_pace` under it)."""
+        with self._lock:
+            proc = self._end_pace()
+            cont = cont and proc is not None and self._stopped is None
+        if cont and proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGCONT)
+            except OSError:  # it ended meanwhile
+                pass
+
+    def _end_pace(self) -> subprocess.Popen | None:
+        """Under the lock: close the governor's stop (counted in `paced_s` and left out of the
+        compile's seconds, as `pause`'s are); returns the child it held."""
+        proc, self._paced = self._paced, None
+        if proc is not None:
+            now = time.perf_counter()
+            self.paced_s += now - self._paced_at
+            self._stops.append((self._paced_at, now))
+        return proc
+
     def pause(self) -> bool:
         """Stop the child (SIGSTOP) while it has a compile under way; True if it was stopped.
         For a recovery under launch that builds its plan elsewhere (on its own thread, or in
@@ -229,10 +334,12 @@ class CompileWorker:
             proc, busy = self._proc, self._cpu_at_request is not None
             if proc is None or not busy or proc.poll() is not None or self._stopped is not None:
                 return False
-            try:
-                os.kill(proc.pid, signal.SIGSTOP)
-            except OSError:  # it just ended
-                return False
+            if self._paced is None:
+                try:
+                    os.kill(proc.pid, signal.SIGSTOP)
+                except OSError:  # it just ended
+                    return False
+            self._end_pace()  # stopped already by the governor: the stop is pause's from now
             self._stopped, self._stopped_at = proc, time.perf_counter()
             self.paused += 1
             return True
@@ -263,7 +370,9 @@ class CompileWorker:
         return True
 
     def close(self) -> None:
+        self._closed.set()
         self.resume()  # a stopped child would not read the EOF
+        self._unpace()
         with self._lock:
             proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:

@@ -278,6 +278,10 @@ def _validate_recovery(cfg: Config) -> None:
 
 
 def _validate_standby(s: StandbyConfig) -> None:
+    _require(s.worker_share is None or (
+        not isinstance(s.worker_share, bool) and 0.0 < s.worker_share <= 1.0),
+        "standby.worker_share", f"= {s.worker_share!r}; allowed values: a fraction of the "
+        "cores, 0 < worker_share <= 1, or null (the compile worker unpaced)")
     _require(s.max_plans is None or s.max_plans >= 1, "standby.max_plans",
              "must be null (every likely failure's plan) or >= 1")
     _require(s.programs_max_mb > 0, "standby.programs_max_mb",

@@ -461,11 +461,9 @@ class StandbyConfig:
     `auto` (default): 2 where a job's processes share their compiles, 1 elsewhere
     (`standby_depth`).
 
-    `compiler`: where the compiles run. `process`: a child process at a lower CPU priority
-    (`elasjax.compilation.worker`; the CPU backend, the built-in GPT and the trainer's
-    optimizer, in one process or under launch with `share_compiles`, where it runs at normal
-    priority: the other processes wait for its programs): training steps come
-    first, a recovery that needs another program ends the child's compile so that its own has
+    `compiler`: where the compiles run. `process`: a child process at normal priority, paced
+    by `worker_share` (`elasjax.compilation.worker`; the CPU backend, the built-in GPT and the
+    trainer's optimizer, in one process or under launch with `share_compiles`): a recovery that needs another program ends the child's compile so that its own has
     every core (in one process; under launch the compile goes on, other processes wait for
     it), one it needs is waited for (at normal priority) only when the child is a quarter of a
     compile's CPU time into it, and ended and compiled here otherwise. `thread`: in the
@@ -473,6 +471,19 @@ class StandbyConfig:
     can take twice as long; under launch the job's steps all but stopped while one process
     compiled, experiments/RESULTS.md "A compile on a training process's thread stalls the
     job's steps"). `auto` (default): `process` where it applies, else `thread`.
+
+    `worker_share`: the compile worker's pace (null, the default: unpaced). While training
+    steps run beside it and nothing waits for the compile under way (a likely failure's plan),
+    the child may use this fraction of the cores this process has (the host's divided among the
+    job's processes on it), on average; past it the child is stopped until its budget grows
+    back, and the rebinds this process builds beside the steps rest in proportion. A compile
+    the run needs now (a recovery's, a cut-over's, or one training waits for: `wait_at_start`,
+    `wait_after_recovery`) runs unpaced. On fake CPU devices a compile at any priority takes
+    its CPU time from the steps: the pace spreads that time, it does not remove it. The demo's
+    3,000 steps on 2 cores: unpaced, the steps beside the standby's builds 1.5x the steps
+    without a standby, the standby ready at step 638; at 0.1, every window of 300 steps at most
+    1.18x, the standby not ready by the end; the same wall either way (experiments/RESULTS.md,
+    "The paced compile worker").
 
     `wait_at_start` blocks before step 0 until the standby is ready and the transitions of
     `recovery.prepare_transfers` are planned; `wait_after_recovery` blocks the same way after
@@ -505,6 +516,9 @@ class StandbyConfig:
     # where background compiles run: "auto" (process where it applies, else thread),
     # "process" (a child process a recovery can stop, `compile_worker`), or "thread"
     compiler: Literal["auto", "process", "thread"] = "auto"
+    # the compile worker's share of this process's cores while training steps run beside it and
+    # nothing waits for its compile (a token bucket over its CPU time); null: unpaced
+    worker_share: Optional[float] = None
     max_plans: Optional[int] = None  # None: every likely failure's plan
     depth: Union[int, Literal["auto"]] = "auto"  # failures ahead: 1, 2 or auto (`standby_depth`)
     # build a device set's executables from its program compiled for other devices

@@ -375,7 +375,8 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
     }
     kill_steps = {h: e.at_step for e in events for h in e.hosts}
     rc0 = dataclasses.replace(job.rc, coordinator=f"127.0.0.1:{_free_port()}")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # the job's processes on this host (`worker.local_processes`: a compile worker's pace)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ELASJAX_LOCAL_PROCESSES=str(job.processes))
     env["XLA_FLAGS"] = xla_flags(rc0, env.get("XLA_FLAGS", ""))
     procs: list[_Proc] = []
     t_start = time.time()

@@ -295,7 +295,8 @@ class EndEvent(Record):
     # process or an earlier run), "compile_s" (wall seconds of the
     # builds), "worker_cpu_s" (the compile worker process's CPU seconds; null where builds ran on
     # a thread of the training process, whose CPU time is not told apart; the compiles it
-    # finished), "warmed" (executables built in the background and run once on zeros between
+    # finished), "worker_paced_s" (seconds `standby.worker_share` held the worker stopped;
+    # null without a worker), "warmed" (executables built in the background and run once on zeros between
     # steps, `standby.warm`)}; null: nothing was built in the background
     standby: dict | None
     notes: list[str]

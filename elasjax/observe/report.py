@@ -221,8 +221,10 @@ def standby_line(cfg, on: bool, no_worker: str | None, worker, shared: bool,
                 "builds the plans, or under launch where the processes share the compiles "
                 f"of the built-in GPT and optimizer; here {why}; --standby or "
                 "standby.enabled: true turns it on): a recovery compiles its new plan")
-    where = (f"in a compile worker process at nice {worker.nice}" if worker is not None
-             else "on a thread of this process")
+    where = (f"in a compile worker process at nice {worker.nice}" + (
+                 f", paced to {worker.share:g} of the cores while steps run beside it"
+                 if worker.share is not None else "")
+             if worker is not None else "on a thread of this process")
     if shared:
         where += " (each program compiled by one process of the job, loaded by the others)"
     pause = ("training waits until they are built" if cfg.standby.wait_at_start else
@@ -255,6 +257,7 @@ def standby_cost(sb, worker, warmed: int = 0) -> dict | None:
     return {"compiled": sb.compiled, "rebound": sb.rebound, "loaded": sb.loaded,
             "compile_s": round(sb.compile_s + sb.rebind_s, 3),
             "worker_cpu_s": (round(worker.compile_cpu_s, 3) if worker is not None else None),
+            "worker_paced_s": (round(worker.paced_s, 3) if worker is not None else None),
             "warmed": warmed}
 
 
@@ -263,7 +266,9 @@ def standby_cost_line(cost: dict) -> str:
     return (f"standby: {cost['compiled']} plans compiled, "
             + (f"{cost['loaded']} loaded from a compile elsewhere, " if cost["loaded"] else "")
             + f"{cost['rebound']} rebound in the background ({cost['compile_s']:.1f}s of builds"
-            + (f", {cost['worker_cpu_s']:.1f} CPU seconds in the compile worker)"
+            + (f", {cost['worker_cpu_s']:.1f} CPU seconds in the compile worker"
+               + (f", held {cost['worker_paced_s']:.1f}s by its pace"
+                  if cost.get("worker_paced_s") else "") + ")"
                if cost["worker_cpu_s"] is not None else " on a thread of this process)")
             + (f"; {cost['warmed']} warmed between steps" if cost.get("warmed") else ""))
 
