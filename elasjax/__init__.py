@@ -26,32 +26,76 @@ Two ways in:
 See docs/api.md and examples/. Everything not listed in `__all__` is internal.
 """
 
-from .config import CheckpointConfig, Config, ConfigError, SnapshotConfig
-from .config import load as load_config
-from .core.sharding import opt_state_shardings
-from .elastic import (
-    Coverage,
-    ElasticState,
-    Recovery,
-    StandbyProgress,
-    StateMismatchError,
-    ZeroShardings,
-    pad_batch,
-    partition_over,
-    plan_mesh,
-    sample_keys,
-    state_checksums,
-    zero_shardings,
-)
-from .layout.state import OptimizerMeaningError
-from .loop.trainer import RunSummary, run
-from .models import ArraySource, DataSource, LayerStack, ModelSpec
-from .models import register as register_model
-from .observe.events import Event, StepInfo
-from .observe.metrics import RecoveryEvent, RecoveryRecord
-from .observe.tensorboard import TensorBoardWriter
-from .transfer.reshard import transition
-from .transfer.shards import ShardStore, TransferLog, UnrecoverableStateError
+from typing import TYPE_CHECKING
+
+# The public names, each from its module, imported at first use (PEP 562): a process that needs
+# one part of the package does not pay for the rest. `elasjax launch`'s launcher and the
+# coordination process import the config and the runtime only, not flax, orbax or the loop
+# (experiments/RESULTS.md, "What a process pays to import elasjax").
+_WHERE = {
+    "CheckpointConfig": ".config", "Config": ".config", "ConfigError": ".config",
+    "SnapshotConfig": ".config", "load_config": (".config", "load"),
+    "opt_state_shardings": ".core.sharding",
+    **{n: ".elastic" for n in (
+        "Coverage", "ElasticState", "Recovery", "StandbyProgress", "StateMismatchError",
+        "ZeroShardings", "pad_batch", "partition_over", "plan_mesh", "sample_keys",
+        "state_checksums", "zero_shardings")},
+    "OptimizerMeaningError": ".layout.state",
+    "RunSummary": ".loop.trainer", "run": ".loop.trainer",
+    "ArraySource": ".models", "DataSource": ".models", "LayerStack": ".models",
+    "ModelSpec": ".models", "register_model": (".models", "register"),
+    "Event": ".observe.events", "StepInfo": ".observe.events",
+    "RecoveryEvent": ".observe.metrics", "RecoveryRecord": ".observe.metrics",
+    "TensorBoardWriter": ".observe.tensorboard",
+    "transition": ".transfer.reshard",
+    "ShardStore": ".transfer.shards", "TransferLog": ".transfer.shards",
+    "UnrecoverableStateError": ".transfer.shards",
+}
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'elasjax' has no attribute {name!r}")
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), attr)
+    globals()[name] = value  # the next use is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from .config import CheckpointConfig, Config, ConfigError, SnapshotConfig
+    from .config import load as load_config
+    from .core.sharding import opt_state_shardings
+    from .elastic import (
+        Coverage,
+        ElasticState,
+        Recovery,
+        StandbyProgress,
+        StateMismatchError,
+        ZeroShardings,
+        pad_batch,
+        partition_over,
+        plan_mesh,
+        sample_keys,
+        state_checksums,
+        zero_shardings,
+    )
+    from .layout.state import OptimizerMeaningError
+    from .loop.trainer import RunSummary, run
+    from .models import ArraySource, DataSource, LayerStack, ModelSpec
+    from .models import register as register_model
+    from .observe.events import Event, StepInfo
+    from .observe.metrics import RecoveryEvent, RecoveryRecord
+    from .observe.tensorboard import TensorBoardWriter
+    from .transfer.reshard import transition
+    from .transfer.shards import ShardStore, TransferLog, UnrecoverableStateError
 
 __all__ = [
     # the pieces

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..config import Config, ConfigError, load
-from ..layout.state import load_optimizer
 from ..observe.events import load_hooks
 from ..observe.metrics import read_jsonl
 from ..observe.tensorboard import check_available as check_tensorboard
@@ -140,6 +139,8 @@ def launch_local(
                                for k, v in settings.items())]
     worker_restarts = base.recovery.worker_restarts
     if base.train.optimizer:  # a bad name is an error here too, not in every worker
+        from ..layout.state import load_optimizer  # (optax and flax: only where one is named)
+
         load_optimizer(base.train.optimizer)
     check_tensorboard(base)  # tensorboardX missing: an error here, not in the writing worker
     processes += base.parallel.spares  # the spares run as processes of their own, last

@@ -34,7 +34,6 @@ from typing import NoReturn
 import jax
 
 from ..config import Config, ConfigError, FaultConfig, load
-from ..loop.trainer import Trainer
 from ..observe.events import import_user_module, load_hooks
 from ..plan.planner import Topology, initial_plan
 from ..runtime.faults import MULTI_CONTROLLER, resolve_schedule
@@ -165,6 +164,8 @@ def run_worker(
         return 0
     cfg = resolve_config(cfg, jax.process_count(), len(jax.local_devices()), kills)
     try:
+        from ..loop.trainer import Trainer  # here: the launcher imports this module too
+
         summary = Trainer(cfg, out, runtime=rt, hooks=fns).run()
     finally:  # an error exit is announced to the peers (`deathnote`), a normal one is not
         rt.close(finished=sys.exc_info()[0] is None)
