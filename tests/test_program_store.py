@@ -73,6 +73,35 @@ def test_the_fresh_states_program_travels_with_the_plans_and_loads_without_a_com
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+def test_a_start_compiles_its_programs_side_by_side_counted_as_its_own_and_stores_no_init(
+        setup, tmp_path):
+    """`compile_plan(init=True)` (a fresh start's plan) compiles the checksum, evaluation and
+    fresh-state programs on a thread beside the train program: every compile still counts as
+    the caller's (`CompileCounter`: a recovery proves with it that it compiled nothing), the
+    fresh state is the one `compile_init` makes, and the store keeps no fresh-state program
+    (its initial values are baked in, and the store's key names the train and checksum
+    programs only)."""
+    _, t, a, b = setup
+    cfg = tiny_config("faults=[]", "train.eval_every=2")  # a run that evaluates
+    store = ProgramStore(tmp_path)
+    with CompileCounter() as cc:
+        exe = compile_plan(cfg, t.factory, a, t.devices, donate=False, store=store,
+                           evaluate=True, init=True)
+    # train on this thread; checksum, evaluation and fresh state beside it
+    assert cc.count == 4 and exe._init is not None and exe._eval_exe is not None
+    assert store.get(next(iter(p.stem for p in tmp_path.glob("*.pkl")))).init is None
+    want = compile_plan(cfg, t.factory, a, t.devices, donate=False)
+    want.compile_init()
+    for u, v in zip(jax.tree.leaves(exe.init()), jax.tree.leaves(want.init()), strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    # loaded from the store, its fresh state's program is compiled where it runs, not loaded
+    got = compile_plan(cfg, t.factory, a, t.devices, donate=False, store=ProgramStore(tmp_path),
+                       evaluate=True, init=True)
+    assert got.origin == "stored" and got._init is None
+    for u, v in zip(jax.tree.leaves(got.init()), jax.tree.leaves(want.init()), strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
 def test_an_unreadable_entry_is_deleted_and_the_plan_compiled(setup, tmp_path):
     cfg, t, a, _ = setup
     store = ProgramStore(tmp_path)

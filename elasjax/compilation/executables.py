@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from .. import models
 from ..config import Config
 from ..core import jaxcompat
-from ..core.counters import CompileCounter, within_map_budget
+from ..core.counters import CompileCounter, on_behalf_of, within_map_budget
 from ..core.mesh import make_mesh, replicated
 from ..core.sharding import batch_shardings
 from ..layout.state import StateFactory, StateLayout, TrainState
@@ -185,6 +185,8 @@ def compile_plan(
     donate: bool = True,
     store=None,
     evaluate: bool = False,
+    init: bool = False,
+    beside: bool = True,
 ) -> Executables:
     """AOT-compile the train and checksum functions of `plan`; time it. `donate=False` keeps
     the input state valid after a step (multi-process runs, where a step can fail midway).
@@ -192,7 +194,16 @@ def compile_plan(
     earlier one, it is loaded from there instead (origin "stored"); a compile is written there.
     `evaluate` (where the run evaluates, `evaluates`): the evaluation is compiled too, so that
     a plan built ahead (the standby's) compiles nothing at its first evaluation; a recovery's
-    own compile leaves it to the first evaluation (the MTTR is the first step's)."""
+    own compile leaves it to the first evaluation (the MTTR is the first step's). `init` (a
+    fresh start's plan): the fresh state's program too (`Executables.compile_init`).
+
+    The train program compiles on this thread, the others beside it on a thread of their own
+    (an XLA compile releases the GIL; their compiles count as this thread's, `CompileCounter`),
+    unless `beside` is False (the compile worker's background compiles, which would take a
+    second core from the steps):
+    the 3.3M ladder size's start compiled its train step in 6.4 s, the checksums in 2.1 s and
+    the fresh state in 2.2 s, one after the other (experiments/RESULTS.md, "The start's
+    compiles side by side")."""
     t0 = time.perf_counter()
     mesh, layout, st_sh, ab, b_sh, make_eval = _frame(cfg, factory, plan, devices)
     eval_fn = make_eval(mesh)
@@ -225,14 +236,23 @@ def compile_plan(
                 time.perf_counter() - t0, ab, make_eval=make_eval, origin="stored",
                 _portable=src, _eval_exe=ev,
             )
+    init_low = (jax.jit(layout.init_fn, out_shardings=st_sh).lower() if init else None)
+    caller = threading.get_ident()
+
+    def side():
+        with on_behalf_of(caller):
+            return (sums_low.compile(), eval_low.compile() if eval_low is not None else None,
+                    init_low.compile() if init_low is not None else None)
+
     with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
-        train = train_low.compile()
-        sums = sums_low.compile()
-        ev = eval_low.compile() if eval_low is not None else None
+        if beside:
+            train, (sums, ev, init_exe) = _beside(train_low.compile, side)
+        else:
+            train, (sums, ev, init_exe) = train_low.compile(), side()
     exe = Executables(
         plan, mesh, layout, st_sh, b_sh, train, sums, eval_fn,
         time.perf_counter() - t0, ab, make_eval=make_eval,
-        origin="cached" if cached.count else "compiled", _eval_exe=ev,
+        origin="cached" if cached.count else "compiled", _eval_exe=ev, _init=init_exe,
     )
     if key is not None and exe.portable_ok:
         store.put(key, exe.portable())
@@ -452,6 +472,7 @@ class ExecutableCache:
     def get(
         self, cfg: Config, factory: StateFactory, plan: Plan, devices, *, donate: bool = True,
         reuse_programs: bool = False, build=None, store=None, evaluate: bool = False,
+        init: bool = False,
     ) -> tuple[Executables, bool]:
         """(executables, found here). An entry made for another client's devices of the same
         ids (a renewed CPU client) is reloaded onto `devices` (compiled again where it cannot be,
@@ -478,7 +499,7 @@ class ExecutableCache:
         else:  # outside the lock
             def compile():
                 return compile_plan(cfg, factory, plan, devices, donate=donate, store=store,
-                                    evaluate=evaluate)
+                                    evaluate=evaluate, init=init)
             exe = compile() if build is None else build(compile)
         self._put(k, exe, self.program_key(cfg, plan, donate, factory.tx_key))
         return exe, False

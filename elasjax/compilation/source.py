@@ -227,7 +227,7 @@ class ExecutableSource:
         return self.exe_cache.get(
             self.cfg, self.factory, plan, self.devices, donate=self.donate,
             reuse_programs=self.cfg.standby.rebind, build=self._build(plan, compile, init),
-            store=self.store, evaluate=evaluate,
+            store=self.store, evaluate=evaluate, init=init,
         )
 
     def _shared_key(self, plan: Plan) -> str:

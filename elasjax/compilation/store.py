@@ -22,6 +22,7 @@ longest ago.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -144,6 +145,11 @@ class ProgramStore:
         return got
 
     def put(self, key: str, portable: Portable) -> None:
+        """Keep `portable` under `key`, without a fresh state's program: that one bakes in
+        the seed and the initial values, which the key (the train and checksum programs) does
+        not name (tests/test_program_store.py)."""
+        if portable.init is not None:
+            portable = dataclasses.replace(portable, init=None)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = self.path / f".{key}.{os.getpid()}.tmp"

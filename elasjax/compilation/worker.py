@@ -413,7 +413,7 @@ def main() -> int:
         try:
             # the standby's plans: their evaluation too (`executables.compile_plan`)
             exe = compile_plan(cfg, factory, plan, devices, donate=donate, store=store,
-                               evaluate=True)
+                               evaluate=True, beside=False)  # one core: the steps have the rest
             reply = ("ok", exe.portable(), time.perf_counter() - t0, t0)
             del exe
         except Exception as e:  # noqa: BLE001 - answered; the training process raises it

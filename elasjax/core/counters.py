@@ -4,6 +4,7 @@ executables map memory)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 
@@ -43,9 +44,26 @@ def within_map_budget(budget: float, collect: bool = True) -> bool:
     return usage is None or usage <= budget
 
 
+# helper thread -> the thread it compiles for (`on_behalf_of`): a compile split over threads
+# (`executables.compile_plan`) still counts as its caller's
+_ON_BEHALF: dict[int, int] = {}
+
+
+@contextlib.contextmanager
+def on_behalf_of(thread_id: int):
+    """Within it, this thread's compiles count as thread `thread_id`'s (`CompileCounter`)."""
+    me = threading.get_ident()
+    _ON_BEHALF[me] = thread_id
+    try:
+        yield
+    finally:
+        _ON_BEHALF.pop(me, None)
+
+
 class CompileCounter:
-    """Counts XLA backend compilations made on one thread (JAX's monitoring events), so that a
-    recovery can prove it compiled nothing. Use as a context manager; `count` is live."""
+    """Counts XLA backend compilations made on one thread (JAX's monitoring events), and on the
+    threads that compile for it (`on_behalf_of`), so that a recovery can prove it compiled
+    nothing. Use as a context manager; `count` is live."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
     # recorded only when JAX's persistent compilation cache served an executable (loaded, not
@@ -59,7 +77,8 @@ class CompileCounter:
         self.seconds = 0.0
 
     def _listener(self, event: str, duration: float, **kwargs) -> None:
-        if event == self.event and threading.get_ident() == self.thread_id:
+        me = threading.get_ident()
+        if event == self.event and _ON_BEHALF.get(me, me) == self.thread_id:
             self.count += 1
             self.seconds += duration
 
