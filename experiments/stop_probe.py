@@ -11,7 +11,9 @@ the recovery's detection (stop -> detected, its detector line), MTTR and phases,
 stopped worker ended (its exit code and the last line it logged), the launch's exit, and the
 run against its fault-free run (bitwise in the deterministic mode). A launch passes when the
 survivors finish equal to the fault-free run, the events file is whole, and the stopped worker
-was fenced (declared dead at one recovery) and exited with a code, not ended by a signal.
+was fenced (declared dead at one recovery) and exited with a code, not ended by a signal, or
+was still stopped when the job finished and the launcher ended it (its launch.json entry says
+`stopped_at_end`).
 Wall-clock figures are this machine's (2 shared cores). A benchmark, not a test.
 """
 
@@ -91,6 +93,7 @@ def judge(run_dir: Path, ref: Path, rec: dict, victim: int) -> dict:
         phases=[{k: e.get(k) for k in PHASES} for e in recs],
         detected_by=[e.get("detected_by", "")[:300] for e in recs],
         victim_exit=stopped.get("signal") or stopped.get("returncode"),
+        victim_stopped_at_end=bool(stopped.get("stopped_at_end")),
         victim_last_line=lines[-1][:200] if lines else "",
         others=sorted((s["process"], s.get("signal") or s.get("returncode")) for s in procs
                       if s["process"] != victim),
@@ -104,7 +107,9 @@ def judge(run_dir: Path, ref: Path, rec: dict, victim: int) -> dict:
     rec["ok"] = bool(
         rec["exit"] == 0 and rec["failed"] == [[victim]] and rec["events_file"] == "whole"
         and all(code == 0 for _, code in rec["others"])
-        and isinstance(rec["victim_exit"], int)  # it exited (a code), not ended by a signal
+        # it exited (a code), not ended by a signal; or it was still stopped when the job
+        # finished, and the launcher ended it (`launch.local._monitor`)
+        and (isinstance(rec["victim_exit"], int) or rec["victim_stopped_at_end"])
         and rec.get("max_rel_dev", 1.0) <= 1e-5
         and (not rec.get("deterministic") or rec.get("bitwise") is True))
     return rec
@@ -149,7 +154,9 @@ def main(argv=None) -> int:
             fh.write(json.dumps(rec) + "\n")
         print(f"{i:3d} stop {rec['stop']}: recoveries {rec['recoveries']} failed {rec['failed']} "
               f"detect {rec['detect_s']} MTTR {rec['mttr_s']} stopped worker's exit "
-              f"{rec['victim_exit']} ('{rec['victim_last_line'][-90:]}') exit {rec['exit']} dev "
+              f"{rec['victim_exit']}"
+              f"{' (stopped when the job finished: ended by the launcher)' if rec['victim_stopped_at_end'] else ''}"
+              f" ('{rec['victim_last_line'][-90:]}') exit {rec['exit']} dev "
               f"{rec.get('max_rel_dev', '-')}{' bitwise' if rec.get('bitwise') else ''} "
               f"events file {rec['events_file'][:60]} "
               f"{'ok' if rec['ok'] else 'FAIL'}", flush=True)

@@ -1709,6 +1709,9 @@ try:
             if me == 1 and step == 1 and mode in ("kill", "exit", "notice"):
                 time.sleep(3.0)
         out["slow_ok"] += 1
+        if me == 1 and step == 1 and mode == "between":
+            # stopped between two guards for 2.5 s: the others wait at the next entry barrier
+            subprocess.run([sys.executable, "-c", STOP, str(os.getpid())])
     victim = 0 if mode == "arbiter" else 2
     with rt.guard("step"):
         y = f(x)
@@ -1729,7 +1732,7 @@ f, x = step_fn(live)  # the survivors go on over their own devices
 with rt.guard("step"):
     out["after"] = float(np.asarray(f(x).addressable_shards[0].data)[0])
 print("RESULT " + json.dumps(out), flush=True)
-if mode == "fence":  # the job goes on until the fenced process has read its verdict
+if mode in ("fence", "between"):  # the job goes on until the fenced one has read its verdict
     try:
         kv_client().blocking_key_value_get("test/fenced/1", 60_000)  # bounds a hang only
     except Exception:  # it was not fenced: its own RESULT says what happened
@@ -1859,6 +1862,23 @@ def test_a_process_silent_past_the_liveness_timeout_is_fenced_off(tmp_path):
     for i in (0, 2):
         r = _result(procs[i], outs[i])
         assert r["slow_ok"] == 1 and r["failed"] == [1] and r["detector"] == "heartbeat"
+        assert r["after"] == 3.0
+
+
+@pytest.mark.slow
+def test_a_process_stopped_between_two_guards_is_fenced_at_the_entry_barrier(tmp_path):
+    """Process 1 is stopped (SIGSTOP) for 2.5 s between two guards: no block runs, none fails,
+    and the others wait for it at the next entry barrier. Silent past the liveness timeout (1 s)
+    with its CPU time standing still, it is stuck, not late (`liveness.peer_state`): declared
+    dead there, long before the slow limit (5 s), which the 2.5 s stop would have outlasted.
+    It leaves with DeclaredDeadError when it continues; the others go on without it."""
+    procs, outs = _guard_job("between", tmp_path)
+    r1 = _result(procs[1], outs[1])
+    assert "process 1 was declared dead" in r1["fenced"]
+    for i in (0, 2):
+        r = _result(procs[i], outs[i])
+        assert r["slow_ok"] == 2 and r["failed"] == [1] and r["detector"] == "heartbeat", r
+        assert "entry barrier (liveness timeout 1s)" in r["detected_by"], r["detected_by"]
         assert r["after"] == 3.0
 
 

@@ -67,6 +67,7 @@ class _Proc:
     log: Path
     ended_at: float | None = None
     incarnation: int = 0  # 0: started with the job; k: its k-th restart (`_Restarts`)
+    stopped_at_end: bool = False  # stopped (SIGSTOP) when the job finished: ended by `_reap`
 
     @property
     def returncode(self) -> int | None:
@@ -427,10 +428,14 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
                 "ended_after_s": None if p.ended_at is None else round(p.ended_at - t_start, 3),
                 "log": str(p.log),
                 "running_after_reap": p.popen.poll() is None,
+                "stopped_at_end": p.stopped_at_end,
             }
         )
     if left:
         message += f"; SIGKILLed {len(left)} process(es) still running: {left}"
+        stopped = [p.index for p in procs if p.stopped_at_end]
+        if stopped:
+            message += f" (stopped when the job finished: {stopped})"
     coordination = {"pid": coord.pid, "returncode": coord_rc,
                     "log": str(job.out / "coordinator.log"),
                     "running_after_reap": coord.poll() is None}
@@ -522,6 +527,16 @@ def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet,
             break
         if done and now > min(p.ended_at for p in done) + heartbeat_s + 15:
             break  # grace for the others to end themselves
+        left = [p for p in procs if p.ended_at is None]
+        if done and left and all(_stopped(p.popen.pid) for p in left):
+            # a stopped worker cannot end itself, and continued after its job ended it was
+            # aborted by XLA's coordination agent (SIGABRT, 2 of 5 stop probes:
+            # experiments/RESULTS.md, "The MTTR battery"): the job is over, it is ended now
+            for p in left:
+                p.stopped_at_end = True
+                _say(quiet, f"process {p.index} is stopped (SIGSTOP) and the job finished "
+                            "without it: the launcher ends it")
+            break
         if now > deadline:
             return "timeout", "the job did not finish within the launch timeout"
         time.sleep(0.2)
@@ -573,6 +588,15 @@ def _last_error(log: Path) -> str:
 STACKS_S = 1.0  # what a worker gets to write its stacks before the SIGKILL
 
 
+def _stopped(pid: int) -> bool:
+    """Is process `pid` stopped (SIGSTOP, or traced and stopped: /proc state T or t)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _registered(log: Path) -> bool:
     """Has the worker logging to `log` registered its stack dump (it logs as `[elasjax pN]`
     only after `process.run_worker` did)? SIGUSR1 would end one still starting."""
@@ -589,7 +613,8 @@ def _reap(procs: Sequence[_Proc]) -> list[int]:
     faulthandler for it), written to its log: a finished worker that did not exit within the
     grace says there where it was held (experiments/RESULTS.md, "The bitwise sweep": 2 of 10
     launches of the ZeRO demo ended so, with nothing in the logs to say why)."""
-    asked = [p for p in procs if p.popen.poll() is None and _registered(p.log)]
+    asked = [p for p in procs if p.popen.poll() is None and _registered(p.log)
+             and not _stopped(p.popen.pid)]  # a stopped one would not answer
     for p in asked:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.popen.pid, signal.SIGUSR1)

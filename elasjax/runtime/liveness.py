@@ -167,13 +167,21 @@ class Liveness:
 
 
 def peer_state(p: int, liveness: Liveness, exits: "ProcessExits", limit: float,
-               starved_max: float) -> tuple[str, float]:
+               starved_max: float, stuck_after: float | None = None) -> tuple[str, float]:
     """Process p's state as a barrier sees it, with its heartbeat silence: `exited` (the kernel
-    said so), `alive` (silent at most `limit`), `starved` (silent longer, but under
-    `starved_max` with its CPU time advancing: `Liveness.working`) or `dead`."""
+    said so), `stuck` (a same-host peer silent past `stuck_after` whose CPU time stood still
+    over the second half of that silence: stopped or hung, as `aborts.CollectiveAborts.on_silent`
+    judges one inside a step), `alive` (silent at most `limit`), `starved` (silent longer, but
+    under `starved_max` with its CPU time advancing: `Liveness.working`) or `dead`. Why
+    `stuck`: a worker stopped (SIGSTOP) between two steps is absent from the next step's entry
+    barrier, where no block failed, and was fenced only at the slow limit (5.04 s in 1 of 5
+    stop probes: experiments/RESULTS.md, "A stopped worker at a barrier")."""
     if exits.exited(p):
         return "exited", liveness.observe(p)
     silent = liveness.observe(p)
+    if (stuck_after is not None and stuck_after < silent <= limit and exits.watching(p)
+            and not liveness.working(p, silent / 2)):
+        return "stuck", silent
     if silent <= limit:
         return "alive", silent
     if silent < starved_max and liveness.working(p, limit):
@@ -212,14 +220,15 @@ def read_post(raw: str) -> tuple[float, str]:
 
 def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Liveness,
               exits: "ProcessExits", fast: float, slow: float, starved_max: float,
-              diverge_after_s: float = float("inf")):
+              diverge_after_s: float = float("inf"), stuck_after: float | None = None):
     """The arbiter's wait at a barrier: read each pending process's post (`<key>/<p>`) until
     every one has posted or is dead. A peer is dead when it exited (`exits`), or when its
     heartbeat has been silent past the limit (`fast` once some post reports an error, the
     evidence of a failure; else `slow`) and it is not a same-host peer whose CPU time advanced
     within that limit (`Liveness.working`: starved, waited for up to `starved_max` of silence;
     a start-up compile on loaded cores can silence a live process for seconds:
-    experiments/RESULTS.md, "bench_detection").
+    experiments/RESULTS.md, "bench_detection"), or a same-host peer stuck (`peer_state`:
+    silent past `stuck_after`, its CPU time standing still).
     `statuses` and the posts read are `post`s. Returns (statuses {p: status}, arrivals {p: wall
     clock}, failed {p: silence}, exited, starved {p: silence}, the limit applied)."""
     t_wait = time.time()
@@ -239,7 +248,7 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
             except JaxRuntimeError:  # not there yet: dead or slow?
                 pass
             limit = fast if any(v.startswith("err:") for v in statuses.values()) else slow
-            state, silent = peer_state(p, liveness, exits, limit, starved_max)
+            state, silent = peer_state(p, liveness, exits, limit, starved_max, stuck_after)
             if state == "exited":
                 failed[p] = silent
                 exited.append(p)
@@ -251,7 +260,7 @@ def arbitrate(client, key: str, statuses: dict, pending: list, liveness: Livenes
             if state == "starved":
                 starved[p] = silent
                 continue
-            used = limit
+            used = stuck_after if state == "stuck" else limit
             failed[p] = silent
             starved.pop(p, None)  # its CPU time stopped too: dead after all, not waited for
             pending.remove(p)

@@ -350,7 +350,10 @@ class MultiControllerRuntime:
                       where: str = "exit") -> Verdict:
         self.exits.watch()  # every process: its exit watcher aborts collectives (`aborts`)
         self.notes.refresh(self.processes())  # where to send this process's death notice
-        return self.barriers.barrier(err, timeout, where, sorted(self.processes()))
+        # a same-host peer silent past the fast timeout with its CPU time standing still is
+        # stopped or hung at any barrier (a compile would burn CPU): `liveness.peer_state`
+        return self.barriers.barrier(err, timeout, where, sorted(self.processes()),
+                                     stuck_after=self.rc.liveness_timeout_s)
 
     def _failure(
         self, verdict: Verdict, phase: str, t_block: float, t_err, err,

@@ -73,10 +73,11 @@ class Barriers:
         self.guards = guards
 
     def barrier(self, err: BaseException | None, timeout: float, where: str,
-                live: list[int]) -> Verdict:
+                live: list[int], stuck_after: float | None = None) -> Verdict:
         """Post this process's status (`err` or ok) at the next barrier and return its verdict
         (`timeout`: the liveness timeout that makes an absent peer dead; `live`: the live
-        processes, sorted)."""
+        processes, sorted; `stuck_after`: the silence that makes a same-host peer whose CPU
+        time stands still dead, whatever `timeout` is: `liveness.peer_state`)."""
         self.guards += 1
         key = f"elasjax/g/{self.guards}"
         status = "ok" if err is None else "err:" + (str(err).splitlines() or [""])[0][:300]
@@ -84,17 +85,18 @@ class Barriers:
         self.liveness.at_barrier = f"#{self.guards} {self.liveness.phase} {where}"
         try:
             self.client.key_value_set(f"{key}/{self.me}", mine, allow_overwrite=True)
-            return self._verdict(key, mine, err, timeout, where, live)
+            return self._verdict(key, mine, err, timeout, where, live, stuck_after)
         finally:
             self.liveness.at_barrier = ""
 
     def _verdict(self, key: str, mine: str, err, timeout: float, where: str,
-                 live: list[int]) -> Verdict:
+                 live: list[int], stuck_after: float | None = None) -> Verdict:
         """This barrier's verdict: the arbiter's, or this process's as the arbiter."""
         slow = max(timeout, float(self.heartbeat_timeout_s))
         # the arbiter is judged as `arbitrate` judges any peer: the fast timeout where this
         # process's own block failed (evidence of a failure), else the slow one
-        verdict, gone = self._await_verdict(key, live, timeout if err is not None else slow)
+        verdict, gone = self._await_verdict(key, live, timeout if err is not None else slow,
+                                            stuck_after)
         if verdict is not None:
             return verdict  # the arbiter's
         # this process arbitrates: it is the lowest live process, or every lower one died here
@@ -106,6 +108,7 @@ class Barriers:
         statuses, arrived, failed, exited, starved, used = arbitrate(
             self.client, key, {self.me: mine}, [p for p in live if p != self.me and p not in gone],
             self.liveness, self.exits, timeout, slow, self.starved_max_s, self.diverge_after_s,
+            stuck_after,
         )
         for p, silence in gone.items():  # arbiters that died before posting a verdict
             failed[p] = silence
@@ -146,8 +149,8 @@ class Barriers:
                 self.client.key_value_delete(old)  # the directory: every post and the verdict
         return verdict
 
-    def _await_verdict(self, key: str, live: list[int],
-                       limit: float) -> tuple[Verdict | None, dict]:
+    def _await_verdict(self, key: str, live: list[int], limit: float,
+                       stuck_after: float | None = None) -> tuple[Verdict | None, dict]:
         """Wait for the verdict of the lowest live process; when it dies first (`peer_state` with
         `limit`), the next one arbitrates, and so on.
         Returns (the verdict, {}), or (None, {p: silence} of the dead arbiters) when this process
@@ -164,11 +167,11 @@ class Barriers:
             except JaxRuntimeError:
                 pass
             state, silent = peer_state(arbiter, self.liveness, self.exits, limit,
-                                       self.starved_max_s)
+                                       self.starved_max_s, stuck_after)
             if state == "alive":  # but waiting elsewhere, for good: never silence
                 diverged(arbiter, self.liveness, self.liveness.at_barrier, t_wait,
                          self.diverge_after_s)
-            if state in ("exited", "dead"):
+            if state in ("exited", "dead", "stuck"):
                 self.log(f"{self.liveness.phase}: the arbiter, process {arbiter}, is dead "
                          f"(silent {silent:.2f}s); the next live process arbitrates")
                 gone[arbiter] = silent
