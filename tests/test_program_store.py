@@ -75,9 +75,10 @@ def test_the_fresh_states_program_travels_with_the_plans_and_loads_without_a_com
 
 def test_a_start_compiles_its_programs_side_by_side_counted_as_its_own_and_stores_no_init(
         setup, tmp_path):
-    """`compile_plan(init=True)` (a fresh start's plan) compiles the checksum, evaluation and
-    fresh-state programs on a thread beside the train program: every compile still counts as
-    the caller's (`CompileCounter`: a recovery proves with it that it compiled nothing), the
+    """`compile_plan(init=True, beside=True)` (a fresh start's plan, a core idle) compiles the
+    checksum, evaluation and fresh-state programs on a thread beside the train program: every
+    compile still counts as the caller's (`CompileCounter`: a recovery proves with it that it
+    compiled nothing), the
     fresh state is the one `compile_init` makes, and the store keeps no fresh-state program
     (its initial values are baked in, and the store's key names the train and checksum
     programs only)."""
@@ -86,7 +87,7 @@ def test_a_start_compiles_its_programs_side_by_side_counted_as_its_own_and_store
     store = ProgramStore(tmp_path)
     with CompileCounter() as cc:
         exe = compile_plan(cfg, t.factory, a, t.devices, donate=False, store=store,
-                           evaluate=True, init=True)
+                           evaluate=True, init=True, beside=True)
     # train on this thread; checksum, evaluation and fresh state beside it
     assert cc.count == 4 and exe._init is not None and exe._eval_exe is not None
     assert store.get(next(iter(p.stem for p in tmp_path.glob("*.pkl")))).init is None

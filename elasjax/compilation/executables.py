@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import os
 import threading
 import time
 import weakref
@@ -186,7 +187,7 @@ def compile_plan(
     store=None,
     evaluate: bool = False,
     init: bool = False,
-    beside: bool = True,
+    beside: bool | None = None,
 ) -> Executables:
     """AOT-compile the train and checksum functions of `plan`; time it. `donate=False` keeps
     the input state valid after a step (multi-process runs, where a step can fail midway).
@@ -197,13 +198,15 @@ def compile_plan(
     own compile leaves it to the first evaluation (the MTTR is the first step's). `init` (a
     fresh start's plan): the fresh state's program too (`Executables.compile_init`).
 
-    The train program compiles on this thread, the others beside it on a thread of their own
-    (an XLA compile releases the GIL; their compiles count as this thread's, `CompileCounter`),
-    unless `beside` is False (the compile worker's background compiles, which would take a
-    second core from the steps):
-    the 3.3M ladder size's start compiled its train step in 6.4 s, the checksums in 2.1 s and
-    the fresh state in 2.2 s, one after the other (experiments/RESULTS.md, "The start's
-    compiles side by side")."""
+    With `beside` the train program compiles on this thread and the others on a thread of their
+    own (an XLA compile releases the GIL; their compiles count as this thread's,
+    `CompileCounter`): the 3.3M ladder size's start compiled its train step in 6.4 s, the
+    checksums in 2.1 s and the fresh state in 2.2 s one after the other, 8.5 s side by side.
+    None (the default): beside where a core is idle (`_core_idle`); the compile worker passes
+    False (a second core would come from the steps). On busy cores two compiles at once only
+    contend: the suite, two tests at a time on 2 cores, took 1542 s with them always side by
+    side against 1411 s one after the other (experiments/RESULTS.md, "The start's compiles
+    side by side")."""
     t0 = time.perf_counter()
     mesh, layout, st_sh, ab, b_sh, make_eval = _frame(cfg, factory, plan, devices)
     eval_fn = make_eval(mesh)
@@ -245,7 +248,7 @@ def compile_plan(
                     init_low.compile() if init_low is not None else None)
 
     with CompileCounter(event=CompileCounter.CACHE_HIT) as cached:
-        if beside:
+        if beside if beside is not None else _core_idle():
             train, (sums, ev, init_exe) = _beside(train_low.compile, side)
         else:
             train, (sums, ev, init_exe) = train_low.compile(), side()
@@ -362,6 +365,15 @@ class Portable:
     # the evaluation's executable where it was compiled with the plan (`compile_plan(evaluate=
     # True)`) or before the pair was serialized; loaded with the pair (`_load_programs`)
     eval: tuple | None = None
+
+
+def _core_idle() -> bool:
+    """Is a core this process may use idle: the 1-minute load average at least one under their
+    count? (Where the platform does not say: no.)"""
+    try:
+        return len(os.sched_getaffinity(0)) - os.getloadavg()[0] >= 1.0
+    except (AttributeError, OSError):
+        return False
 
 
 def _beside(main, side) -> tuple[Any, Any]:
