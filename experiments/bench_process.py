@@ -88,15 +88,18 @@ def plain(config_path: str) -> None:
     loop.wall(cfg.train.steps)
 
 
-def run(side: str, cfg_path: Path, out: Path) -> float:
-    """One whole process of `side` on `cfg_path`; its wall in seconds (raises if it failed)."""
+def run(side: str, cfg_path: Path, out: Path, sets: list[str] | None = None) -> float:
+    """One whole process of `side` on `cfg_path` (`sets`: its overrides, `SIDES[side]` unless
+    given; None: the plain script); its wall in seconds (raises if it failed). An `elasjax
+    train` side writes its run to `out/run`."""
     env = {**os.environ, "ELASJAX_CACHE_DIR": str(out / "cache")}
-    if SIDES[side] is None:
+    sets = SIDES[side] if sets is None else sets
+    if sets is None:
         cmd = [sys.executable, __file__, "--plain", str(cfg_path)]
     else:
         cmd = [sys.executable, "-m", "elasjax.cli", "train", str(cfg_path), "--quiet",
                "--out", str(out / "run")]
-        for s in SIDES[side]:
+        for s in sets:
             cmd += ["--set", s]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -148,23 +151,15 @@ def measure_windows(size: str, steps: int, width: int, rounds: int, out: Path) -
     """`elasjax train` of `steps` steps per side (`WINDOW_SIDES`), rounds interleaved: each
     step's own time (`step_time_s`: from its dispatch, or the step before's end, to its end; the
     process's start-up and step 0's compile are not in it), the mean of each window of
-    `width` steps from step 1 (its wall over its steps), and the step at which the standby was seen built. A window's
-    ratio is the side's median against the standby-off run's of the same round."""
+    `width` steps from step 1 (its wall over its steps), and the step at which the standby was
+    seen built. A window's ratio is the side's mean against the standby-off run's of the same
+    round."""
     cfg = write_config(size, steps, out)
-    per = {s: [] for s in WINDOW_SIDES}  # side -> per round: (window medians, ready step, wall)
+    per = {s: [] for s in WINDOW_SIDES}  # side -> per round: (window means, ready step, wall, paced s)
     for r in range(rounds):
         for side, sets in WINDOW_SIDES.items():
             where = Path(tempfile.mkdtemp(prefix="run-", dir=out))
-            env = {**os.environ, "ELASJAX_CACHE_DIR": str(where / "cache")}
-            cmd = [sys.executable, "-m", "elasjax.cli", "train", str(cfg), "--quiet",
-                   "--out", str(where / "run")]
-            for x in sets:
-                cmd += ["--set", x]
-            t0 = time.perf_counter()
-            p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            wall = time.perf_counter() - t0
-            if p.returncode != 0:
-                raise RuntimeError(f"{side}: exit {p.returncode}\n{p.stderr[-3000:]}")
+            wall = run(side, cfg, where, sets)
             rows = _jsonl(where / "run" / "metrics.jsonl")
             dts = [row["step_time_s"] for row in rows if row["step"] >= 1]
             # a window's mean, not its median: a paced compile slows a few steps a lot, which a

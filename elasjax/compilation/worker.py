@@ -299,12 +299,12 @@ class CompileWorker:
             self._paced, self._paced_at = proc, time.perf_counter()
             self.paced += 1
 
-    def _unpace(self, cont: bool = True) -> None:
-        """End the governor's stop, if any (with `cont`, SIGCONT unless `pause` holds the child
-        too). Call with the lock free (`_end_pace` under it)."""
+    def _unpace(self) -> None:
+        """End the governor's stop, if any, and continue the child unless `pause` holds it too.
+        Call with the lock free (`_end_pace` under it)."""
         with self._lock:
             proc = self._end_pace()
-            cont = cont and proc is not None and self._stopped is None
+            cont = proc is not None and self._stopped is None
         if cont and proc.poll() is None:
             try:
                 os.kill(proc.pid, signal.SIGCONT)
