@@ -243,8 +243,13 @@ def _launch(args) -> int:
             restart_backoff_s=args.restart_backoff,
             kill_coordinator=args.kill_coordinator,
             worker_restarts=args.worker_restarts,
+            script_args=args.script_args,
             **process.settings_of(args),
         )
+    if args.config.endswith(".py"):
+        raise process.ConfigError(
+            f"launch {args.config} --coordinator/--cluster: a script joins a cluster's job in a "
+            "later version; allowed for a script: a local launch (--processes P)")
     if args.kill_coordinator is not None:
         raise process.ConfigError(
             "--kill-coordinator is for a local launch (--processes P), whose launcher runs the "
@@ -334,7 +339,9 @@ def _add_launch(sub) -> None:
     m = sub.add_parser(
         "launch", help="train as P processes on jax.distributed; survive killed processes"
     )
-    m.add_argument("config")
+    m.add_argument("config", help="a config (.yaml, elasjax's loop) or your own training script "
+                   "(.py, run in every process with the arguments after '--'; its ElasticState "
+                   "survives the kills: docs/api.md)")
     m.add_argument("--processes", type=int, default=None, help="local processes to start")
     m.add_argument("--devices-per-process", type=int, default=2, help="CPU devices per process")
     m.add_argument("--spares", default=None, metavar="K",
@@ -399,7 +406,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if argv[:1] == ["launch"] and "--" in argv:  # a launched script's own arguments
+        i = argv.index("--")
+        argv, script_args = argv[:i], argv[i + 1:]
     args = parser().parse_args(argv)
+    args.script_args = script_args
     if args.cmd == "launch":  # before anything creates a JAX backend in this process
         from .config import ConfigError
         from .runtime.multicontroller import RejoinUnsupportedError

@@ -36,7 +36,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -49,12 +49,15 @@ from .core import rng
 from .core.sharding import path_str
 from .observe.metrics import RecoveryRecord
 from .plan.planner import Topology
-from .runtime.inprocess import InProcessRuntime
+from .runtime import job
+from .runtime.faults import FaultEvent
+from .runtime.inprocess import DeviceFailure, InProcessRuntime, read_replicated
 from .transfer import checksum, reshard
 from .transfer.checkpoint import Checkpointer
 from .transfer.coverage import Coverage, coverage, explain
 from .transfer.shards import (
     ShardStore,
+    map_shard_data,
     StateMismatchError,
     UnrecoverableStateError,
     describe_state,
@@ -68,11 +71,14 @@ PyTree = Any
 
 __all__ = [
     "ElasticState",
+    "Step",
     "Coverage",
     "Recovery",
     "StandbyProgress",
     "StateMismatchError",
     "pad_batch",
+    "put_batch",
+    "host_value",
     "partition_over",
     "zero_shardings",
     "ZeroShardings",
@@ -225,6 +231,26 @@ def sample_keys(root: jax.Array, step, sample_ids) -> jax.Array:
     return rng.sample_keys(rng.step_key(root, step), sample_ids)
 
 
+def put_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """The global batch (numpy, the same in every process) as arrays on `sharding`'s mesh:
+    each process places the rows of its own devices only (`jax.make_array_from_callback`).
+    In one process it is `jax.device_put`; under `elasjax launch` it is how a batch gets onto a
+    mesh that spans processes."""
+    return {k: jax.make_array_from_callback(np.shape(v), sharding, lambda i, v=v: np.asarray(v)[i])
+            for k, v in batch.items()}
+
+
+def host_value(x: jax.Array) -> np.ndarray:
+    """The value of a replicated array (a loss, a metric), read from a device of this process:
+    under `elasjax launch` `float(x)` of an array that spans processes is refused by JAX."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    if not x.is_fully_replicated:
+        raise ValueError("host_value: the array is sharded over processes; allowed: a "
+                         "replicated array (out_shardings=NamedSharding(mesh, P()))")
+    return np.asarray(x.addressable_shards[0].data)
+
+
 @jax.jit
 def _checksums(tree):
     return checksum.tree_checksums(tree)
@@ -252,10 +278,32 @@ class Recovery(RecoveryRecord):
     to_mesh: dict[str, int]
     spares: list[int]
     unrecoverable: str = ""
+    # what the failure was (real process deaths under `elasjax launch`, or simulated), how long
+    # its detection took (from the kill to the verdict where the kill's time is known; 0 when
+    # simulated), the processes that died, the attempts (a death during a recovery starts another
+    # from what is left; `retry_s` the failed ones' time), the collectives' renewal's seconds,
+    # the bytes that crossed processes, and the first step after it (the redone one: its
+    # dispatch to its commit; None until it ran)
+    failure_simulation: str = ""
+    detect_s: float = 0.0
+    failed_processes: list[int] = dataclasses.field(default_factory=list)
+    attempts: int = 1
+    retry_s: float = 0.0
+    renew_s: float = 0.0
+    bytes_cross_process: int = 0
+    first_step_s: float | None = None
 
     @property
     def total_s(self) -> float:
-        return self.plan_s + self.compile_s + self.transfer_s + self.verify_s
+        """From the failure's detection to the state verified on the new mesh."""
+        return self.retry_s + self.plan_s + self.compile_s + self.transfer_s + self.verify_s
+
+    @property
+    def mttr_s(self) -> float | None:
+        """Detection, recovery and the first step after it (None until that step ran)."""
+        if self.first_step_s is None:
+            return None
+        return self.detect_s + self.total_s + self.first_step_s
 
 
 def _unwrap_keys(tree: PyTree) -> PyTree:
@@ -272,7 +320,8 @@ class ElasticState:
       axes: how to re-plan after a failure (`plan_mesh`); by default the same axis names with
         the first axis taking the rest and the others kept.
       devices_per_host: the failure domain: consecutive devices of `devices` fail together when
-        a host fails. Buddy snapshots go to another host.
+        a host fails. Buddy snapshots go to another host. Default 1 in one process; under
+        `elasjax launch` a host is a process (its devices).
       devices: every device of the job, in host order (default: the mesh's, sorted by id).
       snapshot: which copies of unique shards to keep (`SnapshotConfig`; default: buddy copies
         with two hosts or more, host-memory copies with one; `copies=k`: k buddy copies on k
@@ -289,24 +338,49 @@ class ElasticState:
         mesh: Mesh,
         *,
         axes: Mapping[str, int | Sequence[int]] | None = None,
-        devices_per_host: int = 1,
+        devices_per_host: int | None = None,
         devices: Sequence[jax.Device] | None = None,
         snapshot: SnapshotConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
     ):
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                "ElasticState runs in one process (simulated failures); for real process deaths "
-                "on jax.distributed use the trainer (`elasjax launch`)"
+        self.job = job.current()
+        if self.job is None and jax.process_count() > 1:
+            raise RuntimeError(
+                "ElasticState: this jax.distributed job was not started by elasjax, so no "
+                "process death could be detected or survived; run your script as the job's "
+                "processes with `elasjax launch my_train.py --processes P "
+                "--devices-per-process D [--kill STEP:PROCESS] [-- your args]` (docs/api.md)"
             )
-        devs = sorted(mesh.devices.flat, key=lambda d: d.id) if devices is None else list(devices)
-        if devices_per_host < 1 or len(devs) % devices_per_host:
-            raise ValueError(
-                f"devices_per_host = {devices_per_host} must be >= 1 and divide the job's "
-                f"{len(devs)} devices"
-            )
-        self.devices = {d.id: d for d in devs}
+        if self.job is not None:
+            rt = self.job.runtime
+            if checkpoint is not None and checkpoint.dir:
+                raise ValueError(
+                    "ElasticState: checkpoint under `elasjax launch` is not supported yet; "
+                    "allowed there: checkpoint=None (live copies and snapshots only)")
+            per = rt.topology.devices_per_host
+            if devices_per_host not in (None, per):
+                raise ValueError(
+                    f"devices_per_host = {devices_per_host}: under `elasjax launch` a host is a "
+                    f"process, which holds {per} devices; allowed values: None, {per}")
+            if devices is not None and {d.id for d in devices} != set(rt.devices):
+                raise ValueError("devices: under `elasjax launch` every device of the job "
+                                 "(jax.devices()); allowed values: None or all of them")
+            devs = [rt.devices[i] for i in rt.topology.device_ids]
+            devices_per_host = per
+        else:
+            devs = (sorted(mesh.devices.flat, key=lambda d: d.id) if devices is None
+                    else list(devices))
+            devices_per_host = 1 if devices_per_host is None else devices_per_host
+            if devices_per_host < 1 or len(devs) % devices_per_host:
+                raise ValueError(
+                    f"devices_per_host = {devices_per_host} must be >= 1 and divide the job's "
+                    f"{len(devs)} devices"
+                )
+            rt = None
         self.topology = Topology(tuple(d.id for d in devs), devices_per_host)
+        self.rt = rt if rt is not None else InProcessRuntime(topology=self.topology)
+        # the runtime's own table under launch: a renewal of the collectives updates it in place
+        self.devices = self.rt.devices if self.job is not None else {d.id: d for d in devs}
         self.axes = dict(axes) if axes is not None else {
             a: (-1 if i == 0 else n) for i, (a, n) in enumerate(mesh.shape.items())
         }
@@ -314,8 +388,7 @@ class ElasticState:
         self.mesh = mesh
         self.live: set[int] = set(self.devices)
         self.spares: list[int] = sorted(self.live - {d.id for d in mesh.devices.flat})
-        self.pool = SnapshotPool(snapshot or SnapshotConfig(), self.topology,
-                                 InProcessRuntime(topology=self.topology))
+        self.pool = SnapshotPool(snapshot or SnapshotConfig(), self.topology, self.rt)
         self.dead_hosts: set[int] = set()
         self.step = -1
         self.good: dict[str, str] | None = None
@@ -327,6 +400,9 @@ class ElasticState:
         self.checkpointer = Checkpointer(checkpoint) if checkpoint and checkpoint.dir else None
         self._standby: PiecesStandby | None = None
         self._exe = None
+        self._open: Step | None = None  # the step whose block runs (`steps`)
+        self._yielded: Step | None = None  # the step `steps` gave last
+        self._first_after: Recovery | None = None  # a recovery whose first step is to come
         self.state = jax.device_put(state, self.shardings())
         self._configure_pool(self.pool, self.state, self.mesh)
 
@@ -375,10 +451,55 @@ class ElasticState:
 
     # -- steps ----------------------------------------------------------------------------------
 
+    def steps(self, stop: int, *, start: int | None = None) -> Iterator[Step]:
+        """Your loop's steps, `start` (default: the one after the last committed) to `stop - 1`:
+
+            for step in es.steps(n):
+                with step:                  # the unit a failure interrupts and redoes
+                    state, loss = train(es.state, batch(step.n))
+                    es.commit(state, step.n)
+
+        A process death inside the block (under `elasjax launch`) ends it on every survivor at
+        once; the state is recovered (a mesh over the live devices, the last committed state
+        rebuilt from live copies and verified: `recovery` is the record) and the same step comes
+        again, on `es.state` and `es.mesh`. The loop, the batch and the step stay yours; read
+        them from `es` inside the block. In one process the block only checks that the step
+        committed (failures there are simulated: `simulate_failure`, `recover`)."""
+        n = self.step + 1 if start is None else int(start)
+        while n < stop:
+            step = self._yielded = Step(self, n)
+            yield step
+            if step.failed:
+                n = self.step + 1  # the step after the recovered state: the interrupted one
+            elif not step.committed:
+                raise RuntimeError(
+                    f"step {n}: its block ended without `es.commit(state, {n})`; commit every "
+                    "step of `es.steps` (a failure can only be recovered from a committed state)")
+            else:
+                n += 1
+
+    @property
+    def writer(self) -> bool:
+        """Does this process write the run's files (the lowest live one; True in one process)?"""
+        return bool(self.rt.writer)
+
+    def state_digest(self) -> str:
+        """One digest of the committed state's checksums: two runs that end on equal bits print
+        the same digest (the loop's `state_digest`)."""
+        return checksum.digest(self.committed_checksums())
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """The last recovery (None before the first)."""
+        return self.recoveries[-1] if self.recoveries else None
+
     def commit(self, state: PyTree, step: int) -> None:
         """`state` is the good state after `step`: keep its checksums (computed on device, read
         lazily) and snapshot its unique shards (asynchronously; filed at the next commit or
-        recovery). Call it once per step, after your train step returns."""
+        recovery). Call it once per step, after your train step returns. Inside a step's block
+        (`steps`) the commit takes effect when the block ends well; under `elasjax launch` it
+        must be inside one, and the step must not donate `es.state` (a death can interrupt it,
+        and the recovery reads its input)."""
         for (path, x), sh in zip(jax.tree_util.tree_flatten_with_path(state)[0], self._want):
             if not x.sharding.is_equivalent_to(sh, x.ndim):
                 raise ValueError(
@@ -386,15 +507,61 @@ class ElasticState:
                     f"`shardings(mesh)` says ({sh}); jit your step with "
                     "out_shardings=elastic.shardings() so the snapshots cover what you hold"
                 )
-        self.state, self.step = state, step
-        self._sums = self._commit_sums()(state)
-        for x in jax.tree.leaves(self._sums):
+        block = self._open
+        if self.job is not None:
+            if block is None:
+                raise RuntimeError(
+                    "commit: under `elasjax launch` a step commits inside its block: `for step "
+                    "in es.steps(n): with step: ... es.commit(state, step.n)`")
+            donated = [path_str(p) for p, x in jax.tree_util.tree_flatten_with_path(self.state)[0]
+                       if x.is_deleted()]
+            if donated:
+                raise ValueError(
+                    f"commit: your step donated the committed state ('{donated[0]}' is deleted); "
+                    "under `elasjax launch` a death can interrupt a step and the recovery reads "
+                    "its input: jit the step without donate_argnums")
+        if block is not None and step != block.n:
+            raise ValueError(f"commit: step {step} inside the block of step {block.n}; "
+                             f"allowed: {block.n}")
+        sums = self._commit_sums()(state)
+        for x in jax.tree.leaves(sums):
             x.copy_to_host_async()
-        self.good = None
         raw = _unwrap_keys(state)
+        if self.job is not None and self.rt.me in self.job.kills.get(step, ()):
+            # `--kill STEP:PROCESS`: right after the step was dispatched, its collectives in flight
+            self.rt.inject([FaultEvent(step, (), "process", f"--kill {step}:{self.rt.me}",
+                                       hosts=(self.rt.me,))], "after_dispatch")
         self.pool.take(raw, step)
+        if block is None:
+            self._apply(state, step, sums)
+            if self._yielded is not None and self._yielded.n == step:
+                self._yielded.committed = True  # (a step of `steps` committed outside a block)
+            return
+        block.staged = (state, step, sums)  # (dropped with its snapshot if the step fails)
+        # under launch the block's end is where a failure shows: its programs end inside it
+        self.rt.commit((state, sums, self.pool.in_flight()))
+
+    def _apply(self, state: PyTree, step: int, sums) -> None:
+        """`state` is committed as the state after `step`."""
+        self.state, self.step, self._sums = state, step, sums
+        if self._first_after is not None:  # the first step after a recovery: until its commit
+            rec, t = self._first_after
+            rec.first_step_s, self._first_after = time.perf_counter() - t, None
+            if self._standby is not None:  # the next failure's meshes, the first step done
+                self._standby.submit(self.likely_meshes())
+        # under launch the checksums are read at once (every process holds them): a read later
+        # could meet a renewed client
+        self.good = self._host_sums(sums) if self.job is not None else None
+        if self.job is not None:
+            self.job.committed(step)
         if self.checkpointer is not None and self.checkpointer.due(step):
-            self.checkpointer.save(step, raw, self.committed_checksums())
+            self.checkpointer.save(step, _unwrap_keys(state), self.committed_checksums())
+
+    def _host_sums(self, sums) -> dict[str, str]:
+        """Checksums (replicated device arrays) as hex strings, read from this process's
+        devices."""
+        return {path_str(p): checksum.hex_of(read_replicated(x, self.live))
+                for p, x in jax.tree_util.tree_flatten_with_path(sums)[0]}
 
     def close(self) -> None:
         """Wait for checkpoint writes in flight; stop the standby compiles."""
@@ -571,87 +738,154 @@ class ElasticState:
     def recover(self, failed: Iterable[int] = (), *, mesh: Mesh | None = None) -> Recovery:
         """Move the last committed state onto a mesh of the live devices (`mesh`, or one planned
         by `plan_mesh` over `axes`), from live copies only, and verify it. `failed`: devices
-        lost since the last `simulate_failure` (that one's are already known).
+        lost since the last `simulate_failure` (that one's are already known). In one process;
+        under `elasjax launch` a step's block recovers by itself (`steps`).
 
         Raises `UnrecoverableStateError` (a slice has no live copy; the message names the leaf)
         or `StateMismatchError` (a rebuilt leaf's checksum differs); the state is then unusable
         and the previous one is not touched."""
-        t0 = time.perf_counter()
+        if self.job is not None:
+            raise RuntimeError(
+                "recover: under `elasjax launch` a death is detected inside a step's block, "
+                "which recovers by itself: `for step in es.steps(n): with step: ...`")
         extra_dead = set(failed) - (set(self.devices) - self.live)
-        good = self.committed_checksums()
+        self.committed_checksums()  # read before any more devices leave
         self.live -= extra_dead
         self._failed |= extra_dead
-        dead = set(self.devices) - self.live
-        self.dead_hosts |= self._hosts_lost(dead)
-        if mesh is None:
-            mesh, spare = plan_mesh([self.devices[i] for i in self.topology.device_ids
-                                     if i in self.live], self.axes)
-        else:
-            gone = {d.id for d in mesh.devices.flat} & dead
+        if mesh is not None:
+            gone = {d.id for d in mesh.devices.flat} & (set(self.devices) - self.live)
             if gone:
                 raise ValueError(f"recover: the given mesh uses failed devices {sorted(gone)}")
-            spare = [self.devices[i] for i in sorted(self.live - {d.id for d in mesh.devices.flat})]
-        hit, compile_s = None, 0.0
-        if self._standby is not None:
-            self._standby.drop_queued(keep=mesh)  # the cores go to this recovery
-            hit = self._standby.ready(mesh)
-            tc = time.perf_counter()
-            # at once on a hit; a queued mesh jumps the line
-            exe, sums_fn = self._standby.wait(mesh)
-            compile_s = time.perf_counter() - tc
-        else:
-            tc = time.perf_counter()
-            sums_fn = self._compile_checksums(mesh)
-            compile_s = time.perf_counter() - tc
-        store = self._survivors if self._survivors is not None else ShardStore.capture(self.state)
-        store = store.without(dead)
-        refusals_before = len(self.pool.refusals)
-        extra = self.pool.sources(dead, self.dead_hosts, version=self.step)
-        t1 = time.perf_counter()
-        plan_s = t1 - t0 - compile_s
-        step, why = self.step, ""
-        try:
-            new, log = reshard.transition(
-                store, self.shardings(mesh), devices=self.devices, extra_sources=extra
-            )
-            rung, moved, transfers = log.worst_rung(), log.bytes_moved, log.transfers
-        except UnrecoverableStateError as e:
-            if self.checkpointer is None or self.checkpointer.latest_step() is None:
-                raise UnrecoverableStateError(e.leaf, e.box, self._explain(e.leaf, e.box, dead)) from None
-            why = str(e)
-            new, step, good = self._from_checkpoint(mesh)
-            rung, moved, transfers = "checkpoint", 0, 0
-        jax.block_until_ready(new)
-        t2 = time.perf_counter()
-        # (compiled for the shardings of `mesh`, which a checkpoint restore may not give)
-        same = all(x.sharding.is_equivalent_to(sh, x.ndim) for x, sh in zip(
-            jax.tree.leaves(new), jax.tree.leaves(self.shardings(mesh))))
+        return self._recover([], mesh)
 
-        done = verify_and_protect(  # the previous state and pool are untouched if this raises
-            new, checksums=lambda s: checksum.to_host((sums_fn if same else _checksums)(s)),
-            expected=good, what="recovered state", against=f"the state of step {step}",
-            pool=self.pool, configure=lambda p: self._configure_pool(p, new, mesh), step=step,
-            take=_unwrap_keys(new))
+    def _on_failure(self, failure: DeviceFailure) -> Recovery:
+        """A death the runtime found inside a block (every survivor gets the same failure):
+        the step's commit is dropped and the last committed state recovered."""
+        self.live -= failure.devices
+        self._failed |= failure.devices
+        return self._recover([failure], None)
+
+    def _recover(self, failures: list[DeviceFailure], mesh: Mesh | None) -> Recovery:
+        """The recovery (`recover`): attempts until one succeeds; a death during one (under
+        launch) starts the next from what is left, with every failed device so far."""
+        t_first = time.perf_counter()
+        good = self.committed_checksums()
+        dead = set(self.devices) - self.live
+        store = self._survivors if self._survivors is not None else self.rt.capture(self.state, dead)
+        # what survives (in a list: a renewal of the collectives moves it onto the new client)
+        stores = [store.without(dead)]
+        refusals_before = len(self.pool.refusals)
+        attempts, renewals = 0, []
+        while True:
+            attempts += 1
+            t_attempt = time.perf_counter()
+            try:
+                a = self._attempt(stores, dead, good, mesh, failures[-1] if failures else None,
+                                  renewals)
+                break
+            except DeviceFailure as f:  # only under launch: another death during the recovery
+                failures.append(f)
+                self.live -= f.devices
+                self._failed |= f.devices
+                dead = set(self.devices) - self.live
+                stores[0] = stores[0].without(dead)
+        done, log = a.done, a.log
         rec = Recovery(
-            step=step, failed_devices=sorted(self._failed),
-            from_mesh=dict(self.mesh.shape), to_mesh=dict(mesh.shape),
-            spares=[d.id for d in spare], rung=rung, bytes_moved=moved,
-            transfers=transfers, verify=done.compared.as_dict(),
-            verified=done.compared.verified, plan_s=plan_s, transfer_s=t2 - t1,
-            verify_s=done.verify_s, refused_snapshots=self.pool.refusals[refusals_before:],
-            steps_lost=self.step - step, unrecoverable=why, standby_hit=hit,
-            compile_s=compile_s,
+            step=a.step, failed_devices=sorted(self._failed),
+            from_mesh=dict(self.mesh.shape), to_mesh=dict(a.mesh.shape),
+            spares=[d.id for d in a.spare], rung=a.rung,
+            bytes_moved=log.bytes_moved if log else 0, transfers=log.transfers if log else 0,
+            verify=done.compared.as_dict(), verified=done.compared.verified, plan_s=a.plan_s,
+            transfer_s=a.transfer_s, verify_s=done.verify_s,
+            refused_snapshots=self.pool.refusals[refusals_before:],
+            steps_lost=self.step - a.step, unrecoverable=a.why, standby_hit=a.hit,
+            compile_s=a.compile_s, failure_simulation=self.rt.failure_simulation,
+            detect_s=failures[0].detect_s if failures else 0.0,
+            failed_processes=sorted({p for f in failures for p in f.report.failed_processes}),
+            attempts=attempts, retry_s=t_attempt - t_first,
+            renew_s=sum(r.renew_s for r in renewals),
+            bytes_cross_process=log.cross_process_bytes if log else 0,
         )
-        self.step = step
-        self.state, self.mesh, self.spares = new, mesh, rec.spares
-        self._sums_fn = sums_fn if same else None  # (compiled for `mesh`'s shardings)
+        self.step = a.step
+        self.state, self.mesh, self.spares = a.state, a.mesh, rec.spares
+        self._sums_fn = a.sums_fn if a.same else None  # (compiled for `mesh`'s shardings)
         self._survivors, self._failed = None, set()
         self.pool = done.pool  # the new layout is protected at once
         self.recoveries.append(rec)
+        self._first_after = (rec, time.perf_counter())
         if self._standby is not None:
-            self._exe = exe
-            self._standby.submit(self.likely_meshes())  # the next failure's meshes
+            self._exe = a.exe  # (the next failure's meshes: after the first step, `_apply`)
         return rec
+
+    def _attempt(self, stores: list[ShardStore], dead: set[int], good: dict[str, str],
+                 mesh: Mesh | None, failure: DeviceFailure | None, renewals: list) -> _Attempt:
+        """One recovery attempt, each phase in a guard of the runtime (under launch a death in
+        any of them raises `DeviceFailure` on every survivor; in one process a guard is
+        nothing): plan (fresh collectives where the failure interrupted them, the mesh, its
+        executables), transfer (from live copies and verified snapshots), verify (against the
+        committed checksums; the new layout's snapshot pool)."""
+        rt, launched = self.rt, self.job is not None
+        with rt.guard("recovery/plan"):
+            t0 = time.perf_counter()
+            self.dead_hosts |= self._hosts_lost(dead)
+            renewal = rt.renew_collectives(failure) if failure is not None else None
+            if renewal is not None:
+                renewals.append(renewal)
+                if not renewal.kept:
+                    stores[0] = stores[0].map_data(rt.current)
+            live = [self.devices[i] for i in self.topology.device_ids if i in self.live]
+            if mesh is None:
+                mesh, spare = plan_mesh(live, self.axes)
+            else:
+                used = {d.id for d in mesh.devices.flat}
+                spare = [d for d in live if d.id not in used]
+            t1 = time.perf_counter()
+            hit, exe = None, None
+            if self._standby is not None:
+                self._standby.drop_queued(keep=mesh)  # the cores go to this recovery
+                # a hit: built before the failure; after a renewal of the collectives, for the
+                # same device ids of the old client, and loaded onto the new one here
+                hit = self._standby.ready(mesh) or self._standby.built_before(mesh)
+                exe, sums_fn = self._standby.wait(mesh)  # at once on a hit; else jumps the line
+            else:
+                sums_fn = self._compile_checksums(mesh)
+            compile_s = time.perf_counter() - t1
+        with rt.guard("recovery/transfer"):
+            t2 = time.perf_counter()
+            extra = self.pool.sources(dead, self.dead_hosts, version=self.step)
+            if launched:  # device snapshots of a renewed client, on the current one
+                extra = {k: map_shard_data(v, rt.current) for k, v in extra.items()}
+            step, why, good_of, log = self.step, "", good, None
+            try:
+                new, log = reshard.transition(
+                    stores[0], self.shardings(mesh), devices=self.devices, extra_sources=extra,
+                    transport=rt if launched else None, threads=rt.threads if launched else None,
+                )
+                rung = log.worst_rung()
+            except UnrecoverableStateError as e:
+                if self.checkpointer is None or self.checkpointer.latest_step() is None:
+                    raise UnrecoverableStateError(
+                        e.leaf, e.box, self._explain(e.leaf, e.box, dead)) from None
+                why = str(e)
+                new, step, good_of = self._from_checkpoint(mesh)
+                rung, log = "checkpoint", None
+            if launched:
+                rt.commit(new)
+            else:
+                jax.block_until_ready(new)
+            transfer_s = time.perf_counter() - t2
+        # (compiled for the shardings of `mesh`, which a checkpoint restore may not give)
+        same = all(x.sharding.is_equivalent_to(sh, x.ndim) for x, sh in zip(
+            jax.tree.leaves(new), jax.tree.leaves(self.shardings(mesh))))
+        with rt.guard("recovery/verify"):
+            done = verify_and_protect(  # the previous state and pool are untouched if this raises
+                new, checksums=lambda s: self._host_sums((sums_fn if same else _checksums)(s)),
+                expected=good_of, what="recovered state", against=f"the state of step {step}",
+                pool=self.pool, configure=lambda p: self._configure_pool(p, new, mesh),
+                step=step, take=_unwrap_keys(new), commit=rt.commit if launched else None)
+        return _Attempt(state=new, mesh=mesh, spare=spare, done=done, log=log, step=step,
+                        why=why, rung=rung, hit=hit, exe=exe, sums_fn=sums_fn, same=same,
+                        plan_s=t1 - t0, compile_s=compile_s, transfer_s=transfer_s)
 
     def _from_checkpoint(self, mesh: Mesh) -> tuple[PyTree, int, dict[str, str]]:
         """The newest checkpoint read onto `mesh` (keys wrapped again), its step and checksums."""
@@ -671,3 +905,94 @@ class ElasticState:
         )
         return state, int(meta["step"]), meta["checksums"]
 
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Attempt:
+    """A recovery attempt that succeeded (`ElasticState._attempt`): the state rebuilt on `mesh`
+    and verified (`done`, with the new layout's snapshot pool), what it came from, and each
+    phase's seconds."""
+
+    state: PyTree
+    mesh: Mesh
+    spare: list
+    done: Any  # transfer.verified.Protected
+    log: Any  # the transition's TransferLog (None: restored from a checkpoint)
+    step: int  # the step whose state it is
+    why: str  # why the live copies did not do (a checkpoint was used), else ""
+    rung: str
+    hit: bool | None
+    exe: Any  # the standby's step for `mesh` (None without a standby)
+    sums_fn: Any
+    same: bool  # the state has `shardings(mesh)` (its checksums compiled for them apply)
+    plan_s: float
+    compile_s: float
+    transfer_s: float
+
+
+class Step:
+    """One step of your loop (`ElasticState.steps`): its number `n` (also `int(step)`), and,
+    as `with step:`, the block a process death interrupts. Under `elasjax launch` the block runs
+    in a guard of the job's runtime: an entry barrier, your code, an exit barrier where every
+    live process learns what happened; a death inside it makes every survivor leave the block
+    together, recover (`ElasticState.recovery`) and get the same step again from
+    `ElasticState.steps`. In one process the block is your code alone."""
+
+    def __init__(self, es: ElasticState, n: int):
+        self.es, self.n = es, n
+        self.staged = None  # (state, step, checksums) committed in the block, not yet applied
+        self.committed = False
+        self.failed = False  # a failure ended the block; the state was recovered
+        self._guard = None
+
+    def __int__(self) -> int:
+        return self.n
+
+    __index__ = __int__
+
+    def __repr__(self) -> str:
+        return f"Step({self.n})"
+
+    def __enter__(self) -> Step:
+        es = self.es
+        if es._open is not None:
+            raise RuntimeError(f"step {self.n}: the block of step {es._open.n} is still open")
+        while True:
+            guard = es.rt.guard("step")
+            try:
+                guard.__enter__()  # the entry barrier: a death may be found here already
+            except DeviceFailure as f:
+                es._on_failure(f)
+                if es.step + 1 != self.n:
+                    raise RuntimeError(
+                        f"step {self.n}: the recovered state is that of step {es.step}") from f
+                continue
+            self._guard, es._open = guard, self
+            return self
+
+    def __exit__(self, et, e, tb) -> bool:
+        es, guard = self.es, self._guard
+        es._open, self._guard = None, None
+        try:
+            guard.__exit__(et, e, tb)  # the exit barrier: raises what every process decides
+        except DeviceFailure as f:
+            self._drop()
+            es._on_failure(f)
+            self.failed = True
+            return True  # `steps` gives the interrupted step again, on the recovered state
+        except BaseException:
+            self._drop()
+            raise
+        if et is not None:
+            self._drop()
+            return False
+        if self.staged is not None:
+            es._apply(*self.staged)
+            self.staged, self.committed = None, True
+        return False
+
+    def _drop(self) -> None:
+        """The step's commit does not count: its snapshot generation is dropped."""
+        if self.staged is not None:
+            self.es.pool.abort(self.staged[1])
+            self.staged = None

@@ -148,6 +148,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "elasjax train CONFIG": ("synopsis", "train configs/demo.yaml"),
     "elasjax launch CONFIG --processes P": ("synopsis", "launch configs/demo.yaml --processes 4"),
     "elasjax launch CONFIG --cluster": ("synopsis", "launch configs/demo.yaml --cluster"),
+    "elasjax launch SCRIPT.py --processes P [-- ARGS]": (
+        "synopsis", "launch examples/own_loop.py --processes 4"),
+    "elasjax launch SCRIPT.py": ("name", "launch"),
     "elasjax plan CONFIG --devices 8 --fail 3": (
         "synopsis", "plan configs/demo.yaml --devices 8 --fail 3"),
     "elasjax compare RUN REFERENCE": ("synopsis", "compare runs/demo runs/demo_ref"),

@@ -135,6 +135,14 @@ class PiecesStandby(StandbyCompiler):
         """Why `mesh` cannot be rebound whatever was compiled (None: it can)."""
         return "rebind=False" if not self.rebind else function_rebind_blocker(mesh)
 
+    def built_before(self, mesh: Mesh) -> bool:
+        """Was a mesh of `mesh`'s shape on the same device ids built? (After the job's
+        collectives were renewed, a mesh of the new client's devices is a new key; what was
+        built for its ids loads onto them: a rebind in `build`, not a compile.)"""
+        ids = (shape_key(mesh), tuple(d.id for d in mesh.devices.flat))
+        return any((shape_key(m), tuple(d.id for d in m.devices.flat)) == ids
+                   for m in self.ready_keys())
+
     def _cheap(self, mesh: Mesh) -> bool:
         with self._lk:
             src = self._sources.get(shape_key(mesh))

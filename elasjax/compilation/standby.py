@@ -237,6 +237,11 @@ class StandbyCompiler:
         with self._cv:
             return list(self._ready.values())
 
+    def ready_keys(self) -> list:
+        """The plans built so far (the kept ones)."""
+        with self._cv:
+            return list(self._ready)
+
     def ready(self, plan) -> bool:
         with self._cv:
             return plan in self._ready

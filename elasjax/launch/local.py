@@ -33,7 +33,7 @@ from ..observe.metrics import read_jsonl
 from ..observe.tensorboard import check_available as check_tensorboard
 from ..plan.planner import Topology
 from ..runtime import coordinator
-from ..runtime.faults import MULTI_CONTROLLER, resolve_schedule
+from ..runtime.faults import MULTI_CONTROLLER, FaultEvent, resolve_schedule
 from ..runtime.startup import (
     COORDINATION_HEARTBEAT_S,
     RuntimeConfig,
@@ -92,6 +92,7 @@ def launch_local(
     restart_backoff_s: float = 2.0,
     kill_coordinator: int | None = None,
     worker_restarts: int = 0,
+    script_args: Sequence[str] = (),
     **settings,
 ) -> int:
     """Start `processes` workers on this machine (loopback), plus `spares` hot spare workers
@@ -118,7 +119,25 @@ def launch_local(
 
     `kill_coordinator` (a step): the launcher SIGKILLs the coordination process once that step's
     metrics row is logged, in the first attempt only (the loss of the node it runs on).
+
+    A `config_path` ending in `.py` is the user's own training script: every worker runs it
+    (`elasjax.launch.script`) with `script_args`, its `ElasticState` on the job's runtime; the
+    kills count the steps it commits. What needs elasjax's loop (a config's `--set`, spares,
+    supervised or worker restarts, the coordination process's kill) is refused by name.
     """
+    if config_path is not None and str(config_path).endswith(".py"):
+        return _launch_script(
+            config_path, script_args, overrides, processes=processes,
+            devices_per_process=devices_per_process, out=out, kills=kills, timeout_s=timeout_s,
+            quiet=quiet, refused={"--set": list(overrides), "--slow": slow,
+                                  "--import": list(imports), "--hook": list(hooks),
+                                  "--spares": spares, "--max-restarts": max_restarts,
+                                  "--kill-coordinator": kill_coordinator,
+                                  "--worker-restarts": worker_restarts},
+            settings=settings)
+    if script_args:
+        raise ConfigError(f"arguments after '--' ({' '.join(script_args)}) go to a launched "
+                          "script (a .py file); a config takes --set KEY=VALUE")
     for flag, v in (("--processes", processes), ("--devices-per-process", devices_per_process)):
         if v < 1:
             raise ConfigError(f"{flag} {v}: allowed values: an integer >= 1")
@@ -171,6 +190,36 @@ def launch_local(
     attempts = _attempts(job, overrides, kills, cfg, t_start + timeout_s, quiet, policy, sup,
                          kill_coordinator, worker_restarts)
     return _report_launch(attempts, sup, policy, cfg, out, t_start, quiet)
+
+
+def _launch_script(script: str, script_args: Sequence[str], overrides, *, processes: int,
+                   devices_per_process: int, out, kills: Sequence[KillSpec], timeout_s: float,
+                   quiet: bool, refused: dict, settings: dict) -> int:
+    """`launch_local` of a user's script (see there): its workers run `launch.script`."""
+    from .script import check_script, kills_by_step
+
+    for flag, v in (("--processes", processes), ("--devices-per-process", devices_per_process)):
+        if v < 1:
+            raise ConfigError(f"{flag} {v}: allowed values: an integer >= 1")
+    given = [flag for flag, v in refused.items() if v]
+    if given:
+        raise ConfigError(
+            f"launch of a script ({script}): {', '.join(given)} "
+            "apply to elasjax's own loop (a config); a script takes its own arguments after "
+            "'--', the detector's flags and --kill STEP:PROCESS")
+    check_script(script)
+    kills_by_step(kills, processes)  # a bad process, or every process killed: an error here
+    base = load(None)
+    detector = resolve_settings(base.launch, settings)
+    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="elasjax-launch-"))
+    out.mkdir(parents=True, exist_ok=True)
+    job = _Job(script, processes, devices_per_process, out, (), (),
+               RuntimeConfig("127.0.0.1:0", processes, process_id=0,
+                             devices_per_process=devices_per_process, **detector),
+               None, script_args=list(script_args))
+    t_start = time.time()
+    a = _run_attempt(job, [], kills, base, t_start + timeout_s, quiet, RestartPolicy(0, 0.0))
+    return _report_launch([a], None, RestartPolicy(0, 0.0), None, out, t_start, quiet)
 
 
 def _attempts(job: _Job, overrides: list[str], kills: Sequence[KillSpec], cfg, deadline: float,
@@ -233,7 +282,8 @@ def _report_launch(attempts: list[_Attempt], sup: SupervisorLog | None, policy: 
     _say(quiet, "per process: " + _per_process(last.status))
     if last.outcome == "finished":
         _print_recoveries(out, quiet)
-    elif sup is None and last.outcome in RESTARTABLE and last.returncode != USAGE_ERROR:
+    elif (sup is None and cfg is not None and last.outcome in RESTARTABLE
+          and last.returncode != USAGE_ERROR):
         hint = (
             "to resume from its newest checkpoint: --set checkpoint.resume_step=-1, or supervise "
             "the launch with --max-restarts N"
@@ -258,9 +308,19 @@ class _Job:
     hooks: Sequence[str]
     rc: RuntimeConfig  # its coordinator is replaced by each attempt's
     slow: str | None
+    script_args: Sequence[str] | None = None  # a user's script (`config_path`) and its argv
 
     def command(self, coordinator: str, process: int, overrides, kills) -> list[str]:
         rc = self.rc
+        if self.script_args is not None:
+            return [
+                sys.executable, "-u", "-m", "elasjax.launch.script", str(self.config_path),
+                "--coordinator", coordinator, "--num-processes", str(self.processes),
+                "--process-id", str(process), "--devices-per-process",
+                str(self.devices_per_process), *rc.settings_argv(),
+                *(a for k in kills for a in ("--kill", str(k))),
+                "--die-with-parent", str(os.getpid()), "--", *self.script_args,
+            ]
         cmd = [
             sys.executable,
             "-u",
@@ -367,8 +427,10 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
                  worker_restarts: int = 0) -> _Attempt:
     """Start every process of the job on a fresh coordinator port, monitor them, reap them."""
     topo = Topology(tuple(range(job.processes * job.devices_per_process)), job.devices_per_process)
-    events = resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER,
-                              cfg.recovery.worker_restarts)
+    events = (resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER,
+                               cfg.recovery.worker_restarts) if job.script_args is None
+              else [FaultEvent(k.at_step, (), "process", f"process {k.process}",
+                               hosts=(k.process,)) for k in kills])
     scheduled = {
         h: f"{e.at_step}:{h}" + (f" during the {e.phase}" if e.phase.startswith("recovery/")
                                  else "")

@@ -1,0 +1,146 @@
+"""A user's script as a process of a job: `elasjax launch SCRIPT.py --processes P ...` starts P of
+these (`python -m elasjax.launch.script SCRIPT.py --coordinator ... --process-id I ... -- ARGS`).
+
+The worker joins the job (`jax.distributed` through the coordination process, the
+multi-controller runtime with its detectors), hands the runtime to the script's `ElasticState`
+(`runtime.job`), then runs the script as `__main__` with `ARGS` as its `sys.argv[1:]`. The
+script's loop stays the script's: each step in `with step:` of `ElasticState.steps`, which a
+process death interrupts and redoes on the recovered state (docs/api.md, "Your own loop under
+launch").
+
+`--kill STEP:PROCESS` counts the steps the script commits (`ElasticState.commit(state, STEP)`):
+the process SIGKILLs itself right after that commit was dispatched. A kill whose step the
+script never committed, and a script that never committed at all while kills were scheduled,
+end the worker with a usage error (exit 2) after the script returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import runpy
+import signal
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from ..runtime.startup import RuntimeConfig, add_setting_flags, resolve_settings, settings_of
+from .process import KillSpec, _leave, _shutdown
+
+USAGE_ERROR = 2
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m elasjax.launch.script", description=__doc__)
+    ap.add_argument("script")
+    ap.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    ap.add_argument("--num-processes", type=int, required=True)
+    ap.add_argument("--process-id", type=int, required=True)
+    ap.add_argument("--devices-per-process", type=int, default=2)
+    ap.add_argument("--platform", choices=("cpu", "gpu"), default="cpu")
+    add_setting_flags(ap)
+    ap.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS")
+    ap.add_argument("--die-with-parent", type=int, metavar="PID", help=argparse.SUPPRESS)
+    return ap
+
+
+def check_script(script: str) -> Path:
+    """The script's path, or a clear error."""
+    path = Path(script)
+    if path.suffix != ".py" or not path.is_file():
+        raise FileNotFoundError(
+            f"launch: script {script!r} is not a Python file here; allowed: a path to a .py "
+            "file (your training script) or a config (.yaml)")
+    return path
+
+
+def kills_by_step(kills, processes: int) -> dict[int, tuple[int, ...]]:
+    """`--kill` options -> step -> processes, checked against the job's size."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for k in kills:
+        if not 0 <= k.process < processes:
+            raise ValueError(f"--kill {k}: process {k.process} does not exist; allowed "
+                             f"processes: 0 .. {processes - 1}")
+        out[k.at_step].append(k.process)
+    if len({p for ps in out.values() for p in ps}) >= processes:
+        raise ValueError(f"--kill {' '.join(str(k) for k in kills)} kills every process; at "
+                         "least one must survive")
+    return {s: tuple(sorted(set(ps))) for s, ps in out.items()}
+
+
+def run_script(path: Path, argv: list[str], rc: RuntimeConfig,
+               kills: dict[int, tuple[int, ...]]) -> int:
+    """Join the job, run the script in it, leave; returns the exit code. `kills`:
+    `kills_by_step`."""
+    from ..runtime import job
+    from ..runtime.multicontroller import MultiControllerRuntime
+    from ..runtime.startup import initialize
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's reap asks for stacks
+    initialize(rc)
+    rt = MultiControllerRuntime(rc)
+    state = job.ScriptJob(rt, kills)
+    job.set_current(state)
+    finished = False
+    try:
+        sys.argv = [str(path), *argv]
+        sys.path.insert(0, str(path.resolve().parent))
+        runpy.run_path(str(path), run_name="__main__")
+        finished = True
+    except SystemExit as e:  # the script's own exit
+        finished = e.code in (None, 0)
+        if not finished:
+            raise
+    finally:
+        rt.close(finished=finished)
+    unmet = state.unmet_kills()
+    if unmet:
+        last = state.last_commit
+        said = ("the script never committed a step (ElasticState.commit)" if last is None
+                else f"the script's last commit was step {last}")
+        rt.log(f"error: --kill {', '.join(f'{s}:{list(p)}' for s, p in unmet)} never happened: "
+               f"{said}; allowed kill steps: "
+               + ("none" if last is None else f"0 .. {last}"))
+        _shutdown()
+        return USAGE_ERROR
+    rt.log("done: the script returned")
+    _shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, script_args = argv[:i], argv[i + 1:]
+    args = parser().parse_args(argv)
+    if args.die_with_parent is not None:
+        from ..runtime.liveness import die_with_parent
+
+        die_with_parent(args.die_with_parent)
+    from ..config import ConfigError, load
+
+    try:
+        path = check_script(args.script)
+        rc = RuntimeConfig(
+            args.coordinator, args.num_processes, args.process_id, args.platform,
+            args.devices_per_process, **resolve_settings(load(None).launch, settings_of(args)),
+        )
+        kills = kills_by_step([KillSpec.parse(k) for k in args.kill], args.num_processes)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"[elasjax p{args.process_id}] error: {e}", file=sys.stderr, flush=True)
+        return USAGE_ERROR
+    try:
+        code = run_script(path, script_args, rc, kills)
+    except Exception as e:
+        print(f"[elasjax p{args.process_id}] the script stopped: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        raise
+    _leave(code)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The job a user's script runs in under `elasjax launch SCRIPT.py` (`launch.script`): this
+process's runtime and the kills scheduled for it, which `ElasticState` takes up when it is made.
+
+The worker that runs the script sets it before the script starts (`set_current`), so the script
+needs no start-up call of its own: run alone it is a one-process program, under launch a process
+of the job. The commits are counted here (`committed`), so that the worker can refuse, after the
+script returned, a `--kill` step the script never committed and a script that never committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class ScriptJob:
+    """This process's part of a launched script's job.
+
+    Attributes:
+      runtime: the `MultiControllerRuntime` every `ElasticState` of the script runs on.
+      kills: step -> the processes SIGKILLed right after committing that step (`--kill`).
+      last_commit: the last step committed in this process (None: none yet).
+      states: `ElasticState`s made so far (one engine per runtime: a second one is refused).
+    """
+
+    runtime: Any
+    kills: dict[int, tuple[int, ...]]
+    last_commit: int | None = None
+    states: int = 0
+
+    def committed(self, step: int) -> None:
+        self.last_commit = step if self.last_commit is None else max(self.last_commit, step)
+
+    def unmet_kills(self) -> list[tuple[int, tuple[int, ...]]]:
+        """The scheduled kills whose step the script never committed."""
+        last = -1 if self.last_commit is None else self.last_commit
+        return sorted((s, p) for s, p in self.kills.items() if s > last)
+
+
+_current: ScriptJob | None = None
+
+
+def set_current(job: ScriptJob | None) -> None:
+    global _current
+    _current = job
+
+
+def current() -> ScriptJob | None:
+    """The launched script's job in this process, or None (not under `elasjax launch SCRIPT`)."""
+    return _current

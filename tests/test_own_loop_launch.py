@@ -1,0 +1,140 @@
+"""A user's own loop (examples/own_loop.py) under `elasjax launch SCRIPT.py`: real SIGKILLs of
+any process, process 0 included, survived in place by `ElasticState` (docs/api.md, "Your own
+loop under launch"); and the bad uses refused by name."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import elasjax
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "own_loop.py"
+
+
+def _launch(tmp_path, name, *flags, script=SCRIPT, args=()):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "elasjax.cli", "launch", str(script), "--processes", "4",
+           "--devices-per-process", "2", "--out", str(tmp_path / name), *flags,
+           "--", "--out", str(out), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=dict(os.environ))
+    return r, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.mark.slow
+def test_a_users_loop_survives_sigkills_of_any_process_with_the_fault_free_computation(tmp_path):
+    r, clean = _launch(tmp_path, "clean")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert clean["recoveries"] == [] and clean["mesh"] == {"data": 4, "model": 2}
+    for name, kills, died, meshes, args in [
+        ("one", ["--kill", "6:1"], [[1]], [{"data": 3, "model": 2}], ()),
+        ("two", ["--kill", "3:0", "--kill", "8:2"], [[0], [2]],
+         [{"data": 3, "model": 2}, {"data": 2, "model": 2}], ()),
+        # the step compiled before step 0 for every likely failure's mesh, loaded onto the
+        # renewed client's devices at the recovery (a load, not a compile)
+        ("standby", ["--kill", "6:1"], [[1]], [{"data": 3, "model": 2}], ("--standby",)),
+    ]:
+        r, run = _launch(tmp_path, name, *kills, args=args)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "finished the run" in r.stdout
+        recs = run["recoveries"]
+        assert [x["failed_processes"] for x in recs] == died
+        assert [x["to_mesh"] for x in recs] == meshes
+        # the state committed before the killed step, rebuilt from live copies and verified;
+        # the killed step redone on it
+        assert [x["step"] for x in recs] == [int(k.split(":")[0]) - 1 for k in kills[1::2]]
+        for x in recs:
+            assert x["verified"] and x["attempts"] == 1 and x["rung"] in ("replica", "buddy")
+            assert x["failure_simulation"].startswith("real")
+            assert x["detect_s"] < 5 and x["first_step_s"] is not None
+            assert x["standby_hit"] is (True if args else None)
+        # every step once, on the fault-free run's batch and random numbers: the losses agree
+        # to float rounding (a smaller data degree sums in another order)
+        assert run["losses"].keys() == clean["losses"].keys()
+        dev = max(abs(run["losses"][k] - v) / abs(v) for k, v in clean["losses"].items())
+        assert dev < 1e-5, dev
+
+
+@pytest.mark.slow
+def test_a_kill_the_script_never_reaches_and_a_script_that_never_commits_are_refused(tmp_path):
+    r, _ = _launch(tmp_path, "past", "--kill", "40:1")
+    assert r.returncode == 1
+    assert "--kill 40:[1] never happened: the script's last commit was step 11" in r.stdout
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("import sys\nprint('no loop here', sys.argv[1:])\n")
+    r, _ = _launch(tmp_path, "lazy", "--kill", "2:1", script=lazy)
+    assert r.returncode == 1
+    assert "the script never committed a step" in r.stdout
+
+
+def test_a_launch_of_a_script_refuses_what_only_the_loop_takes(tmp_path, capsys):
+    from elasjax.cli import main
+
+    code = main(["launch", str(SCRIPT), "--processes", "2", "--set", "train.steps=3"])
+    assert code == 2
+    assert "--set apply to elasjax's own loop" in capsys.readouterr().err
+    code = main(["launch", str(SCRIPT), "--processes", "2", "--kill", "3:2"])
+    assert code == 2
+    assert "process 2 does not exist; allowed processes: 0 .. 1" in capsys.readouterr().err
+    code = main(["launch", str(tmp_path / "nope.py"), "--processes", "2"])
+    assert code == 2
+    assert "is not a Python file here" in capsys.readouterr().err
+
+
+def test_elastic_state_refuses_a_distributed_job_elasjax_did_not_start(monkeypatch):
+    state = {"w": jnp.ones((8, 4))}
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1})
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(RuntimeError, match=r"elasjax launch my_train.py --processes P"):
+        elasjax.ElasticState(state, lambda m: {"w": NamedSharding(m, P())}, mesh)
+
+
+def _tiny(devices_per_host=2):
+    state = {"w": jnp.arange(96, dtype=jnp.float32).reshape(24, 4)}
+    mesh, _ = elasjax.plan_mesh(jax.devices(), {"data": -1})
+    es = elasjax.ElasticState(state, lambda m: {"w": NamedSharding(m, P("data"))}, mesh,
+                              devices_per_host=devices_per_host)
+    step = jax.jit(lambda s: {"w": s["w"] * 2.0 + 1.0})
+    return es, step
+
+
+def test_the_steps_of_one_process_commit_in_their_block_and_resume_after_a_recovery():
+    es, step = _tiny()
+    seen = []
+    for s in es.steps(6):
+        with s:
+            if s.n == 3 and not es.recoveries:
+                es.simulate_failure([2, 3])  # a host fails between steps 2 and 3
+                es.recover()
+            es.commit(step(es.state), s.n)
+        seen.append((s.n, dict(es.mesh.shape)["data"]))
+    assert seen == [(0, 8), (1, 8), (2, 8), (3, 6), (4, 6), (5, 6)]
+    want = np.arange(96, dtype=np.float32).reshape(24, 4)
+    for _ in range(6):
+        want = want * 2 + 1
+    np.testing.assert_array_equal(np.asarray(es.state["w"]), want)
+    assert es.step == 5 and es.recovery.first_step_s is not None
+    assert es.recovery.failure_simulation.startswith("simulated")
+
+
+def test_a_step_block_that_does_not_commit_its_step_is_an_error():
+    es, step = _tiny()
+    with pytest.raises(RuntimeError, match=r"step 0: its block ended without `es.commit"):
+        for s in es.steps(2):
+            with s:
+                step(es.state)
+    es, step = _tiny()
+    with pytest.raises(ValueError, match=r"commit: step 5 inside the block of step 0"):
+        for s in es.steps(2):
+            with s:
+                es.commit(step(es.state), 5)
+    assert es.step == -1  # nothing was committed
