@@ -201,6 +201,17 @@ def _sim(args) -> int:
 def _launch(args) -> int:
     from .launch import local, process
 
+    if args.config.endswith(".py"):  # a user's script
+        from .launch import script
+
+        script.check_flags(args.config, {
+            "--set": args.set, "--standby": args.standby, "--spares": args.spares,
+            "--slow": args.slow, "--import": args.imports, "--hook": args.hooks,
+            "--optimizer": args.optimizer, "--tensorboard": args.tensorboard,
+            "--max-restarts": args.max_restarts, "--worker-restarts": args.worker_restarts,
+            "--kill-coordinator": args.kill_coordinator})
+        if args.cluster or args.coordinator is not None:
+            return _launch_script_here(args)
     kills = [process.KillSpec.parse(k) for k in args.kill]
     if args.standby:
         args.set = [*STANDBY, *args.set]
@@ -246,10 +257,6 @@ def _launch(args) -> int:
             script_args=args.script_args,
             **process.settings_of(args),
         )
-    if args.config.endswith(".py"):
-        raise process.ConfigError(
-            f"launch {args.config} --coordinator/--cluster: a script joins a cluster's job in a "
-            "later version; allowed for a script: a local launch (--processes P)")
     if args.kill_coordinator is not None:
         raise process.ConfigError(
             "--kill-coordinator is for a local launch (--processes P), whose launcher runs the "
@@ -273,6 +280,34 @@ def _launch(args) -> int:
     if args.num_processes is None or args.process_id is None:  # join a cluster as one process
         raise process.ConfigError("--coordinator needs --num-processes and --process-id")
     return process.worker_main(args)  # the one worker entry point
+
+
+def _launch_script_here(args) -> int:
+    """This process joins a cluster's job running a user's script (`--cluster`, or
+    `--coordinator` with `--num-processes` and `--process-id`): `launch.script.worker_main`."""
+    from .core import jaxcompat
+    from .launch import script
+
+    if args.processes is not None:
+        raise script.ConfigError(
+            "--cluster/--coordinator joins a cluster's job as one of its processes; --processes "
+            "starts a local job; allowed: one of them")
+    if args.out is not None:
+        raise script.ConfigError(
+            "--out names the local launcher's directory (its workers' logs); a script on a "
+            "cluster writes its own outputs; allowed there: --out not given")
+    if args.cluster:
+        args.coordinator, args.num_processes, args.process_id = jaxcompat.cluster_params(
+            args.coordinator, args.num_processes, args.process_id)
+    missing = [flag for flag, v in (("--coordinator", args.coordinator),
+                                    ("--num-processes", args.num_processes),
+                                    ("--process-id", args.process_id)) if v is None]
+    if missing:
+        raise script.ConfigError(
+            f"a script joining a cluster's job needs {', '.join(missing)} (given, or from the "
+            "environment with --cluster: SLURM, Open MPI, Kubernetes, Cloud TPU)")
+    args.script = args.config
+    return script.worker_main(args, args.script_args)
 
 
 def _add_train(sub) -> None:

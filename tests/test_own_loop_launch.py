@@ -36,12 +36,12 @@ def test_a_users_loop_survives_sigkills_of_any_process_with_the_fault_free_compu
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert clean["recoveries"] == [] and clean["mesh"] == {"data": 4, "model": 2}
     for name, kills, died, meshes, args in [
-        ("one", ["--kill", "6:1"], [[1]], [{"data": 3, "model": 2}], ()),
-        ("two", ["--kill", "3:0", "--kill", "8:2"], [[0], [2]],
-         [{"data": 3, "model": 2}, {"data": 2, "model": 2}], ()),
         # the step compiled before step 0 for every likely failure's mesh, loaded onto the
         # renewed client's devices at the recovery (a load, not a compile)
         ("standby", ["--kill", "6:1"], [[1]], [{"data": 3, "model": 2}], ("--standby",)),
+        # without it the redone step compiles for the new mesh; process 0 dies first
+        ("two", ["--kill", "3:0", "--kill", "8:2"], [[0], [2]],
+         [{"data": 3, "model": 2}, {"data": 2, "model": 2}], ()),
     ]:
         r, run = _launch(tmp_path, name, *kills, args=args)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -66,9 +66,9 @@ def test_a_users_loop_survives_sigkills_of_any_process_with_the_fault_free_compu
 
 @pytest.mark.slow
 def test_a_kill_the_script_never_reaches_and_a_script_that_never_commits_are_refused(tmp_path):
-    r, _ = _launch(tmp_path, "past", "--kill", "40:1")
+    r, _ = _launch(tmp_path, "past", "--kill", "40:1", args=("--steps", "3"))
     assert r.returncode == 1
-    assert "--kill 40:[1] never happened: the script's last commit was step 11" in r.stdout
+    assert "--kill 40:[1] never happened: the script's last commit was step 2" in r.stdout
     lazy = tmp_path / "lazy.py"
     lazy.write_text("import sys\nprint('no loop here', sys.argv[1:])\n")
     r, _ = _launch(tmp_path, "lazy", "--kill", "2:1", script=lazy)
@@ -138,3 +138,42 @@ def test_a_step_block_that_does_not_commit_its_step_is_an_error():
             with s:
                 es.commit(step(es.state), 5)
     assert es.step == -1  # nothing was committed
+
+
+@pytest.mark.slow
+def test_a_script_joins_a_clusters_job_one_process_per_command(tmp_path):
+    """`elasjax launch SCRIPT.py --coordinator HOST:PORT --num-processes 2 --process-id I`, as a
+    cluster's scheduler would start it on each host (the coordination process started apart):
+    process 1 is SIGKILLed after committing step 4 and process 0 trains on alone."""
+    import signal
+    import socket
+
+    from elasjax.launch.local import _stop_coordinator
+    from elasjax.runtime import coordinator
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    coord = coordinator.start_local(port, 2, 30, tmp_path / "coordinator.log", env=env)
+    out = tmp_path / "cluster.json"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "elasjax.cli", "launch", str(SCRIPT), "--coordinator",
+         f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+         "--devices-per-process", "4", "--kill", "4:1", "--", "--steps", "8", "--out", str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        _stop_coordinator(coord)
+    assert [p.returncode for p in procs] == [0, -signal.SIGKILL], "\n".join(o[-2000:] for o in outs)
+    run = json.loads(out.read_text())
+    (rec,) = run["recoveries"]
+    assert rec["failed_processes"] == [1] and rec["step"] == 3 and rec["verified"]
+    assert rec["to_mesh"] == {"data": 2, "model": 2} and sorted(run["losses"]) == [
+        str(i) for i in range(8)]

@@ -130,6 +130,7 @@ def launch_local(
             config_path, script_args, overrides, processes=processes,
             devices_per_process=devices_per_process, out=out, kills=kills, timeout_s=timeout_s,
             quiet=quiet, refused={"--set": list(overrides), "--slow": slow,
+                                  # (`--standby`, `--optimizer` and `--tensorboard` arrive as --set)
                                   "--import": list(imports), "--hook": list(hooks),
                                   "--spares": spares, "--max-restarts": max_restarts,
                                   "--kill-coordinator": kill_coordinator,
@@ -196,17 +197,12 @@ def _launch_script(script: str, script_args: Sequence[str], overrides, *, proces
                    devices_per_process: int, out, kills: Sequence[KillSpec], timeout_s: float,
                    quiet: bool, refused: dict, settings: dict) -> int:
     """`launch_local` of a user's script (see there): its workers run `launch.script`."""
-    from .script import check_script, kills_by_step
+    from .script import check_flags, check_script, kills_by_step
 
     for flag, v in (("--processes", processes), ("--devices-per-process", devices_per_process)):
         if v < 1:
             raise ConfigError(f"{flag} {v}: allowed values: an integer >= 1")
-    given = [flag for flag, v in refused.items() if v]
-    if given:
-        raise ConfigError(
-            f"launch of a script ({script}): {', '.join(given)} "
-            "apply to elasjax's own loop (a config); a script takes its own arguments after "
-            "'--', the detector's flags and --kill STEP:PROCESS")
+    check_flags(script, refused)
     check_script(script)
     kills_by_step(kills, processes)  # a bad process, or every process killed: an error here
     base = load(None)

@@ -25,6 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from ..config import ConfigError, load
 from ..runtime.startup import RuntimeConfig, add_setting_flags, resolve_settings, settings_of
 from .process import KillSpec, _leave, _shutdown
 
@@ -53,6 +54,17 @@ def check_script(script: str) -> Path:
             f"launch: script {script!r} is not a Python file here; allowed: a path to a .py "
             "file (your training script) or a config (.yaml)")
     return path
+
+
+def check_flags(script: str, given: dict) -> None:
+    """Refuse the flags that apply to elasjax's own loop (a config), by name. `given`: flag ->
+    its value (a false value: not given)."""
+    named = [flag for flag, v in given.items() if v]
+    if named:
+        raise ConfigError(
+            f"launch of a script ({script}): {', '.join(named)} apply to elasjax's own loop (a "
+            "config); a script takes its own arguments after '--', the detector's flags and "
+            "--kill STEP:PROCESS")
 
 
 def kills_by_step(kills, processes: int) -> dict[int, tuple[int, ...]]:
@@ -109,6 +121,26 @@ def run_script(path: Path, argv: list[str], rc: RuntimeConfig,
     return 0
 
 
+def worker_main(args: argparse.Namespace, script_args: list[str]) -> int:
+    """One process of a script's job: the local launcher's workers (`main`) and
+    `elasjax launch SCRIPT.py --coordinator ...` / `--cluster` on a cluster, whose scheduler
+    starts one per host. Usage errors raise `ConfigError`/`ValueError`/`FileNotFoundError`
+    before the job is joined; a finished script ends the process here (`_leave`)."""
+    path = check_script(args.script)
+    rc = RuntimeConfig(
+        args.coordinator, args.num_processes, args.process_id, args.platform,
+        args.devices_per_process, **resolve_settings(load(None).launch, settings_of(args)),
+    )
+    kills = kills_by_step([KillSpec.parse(k) for k in args.kill], args.num_processes)
+    try:
+        code = run_script(path, script_args, rc, kills)
+    except Exception as e:
+        print(f"[elasjax p{args.process_id}] the script stopped: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        raise
+    _leave(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     script_args: list[str] = []
@@ -120,25 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         from ..runtime.liveness import die_with_parent
 
         die_with_parent(args.die_with_parent)
-    from ..config import ConfigError, load
-
     try:
-        path = check_script(args.script)
-        rc = RuntimeConfig(
-            args.coordinator, args.num_processes, args.process_id, args.platform,
-            args.devices_per_process, **resolve_settings(load(None).launch, settings_of(args)),
-        )
-        kills = kills_by_step([KillSpec.parse(k) for k in args.kill], args.num_processes)
+        return worker_main(args, script_args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"[elasjax p{args.process_id}] error: {e}", file=sys.stderr, flush=True)
         return USAGE_ERROR
-    try:
-        code = run_script(path, script_args, rc, kills)
-    except Exception as e:
-        print(f"[elasjax p{args.process_id}] the script stopped: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
-        raise
-    _leave(code)
 
 
 if __name__ == "__main__":
