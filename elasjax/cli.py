@@ -384,8 +384,11 @@ def _add_launch(sub) -> None:
                    "process's place, so the mesh keeps its size (= parallel.spares)")
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     m.add_argument("--out", default=None, help="metrics.jsonl, events.jsonl, worker logs")
-    m.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS",
-                   help="SIGKILL process PROCESS right after it dispatches step STEP")
+    m.add_argument("--kill", action="append", default=[], metavar="STEP:PROCESS[:PHASE]",
+                   help="SIGKILL process PROCESS right after it dispatches step STEP; with "
+                   "PHASE (plan, transfer, verify, first_step) as that phase of the recovery "
+                   "another kill at step STEP started begins (for a script: the step it "
+                   "commits)")
     m.add_argument("--kill-coordinator", type=int, default=None, metavar="STEP",
                    help="local launch: SIGKILL the coordination process once step STEP is "
                    "logged (the loss of its node; the job ends, or restarts under "

@@ -50,7 +50,6 @@ from .core.sharding import path_str
 from .observe.metrics import RecoveryRecord
 from .plan.planner import Topology
 from .runtime import job
-from .runtime.faults import FaultEvent
 from .runtime.inprocess import DeviceFailure, InProcessRuntime, read_replicated
 from .transfer import checksum, reshard
 from .transfer.checkpoint import Checkpointer
@@ -527,10 +526,10 @@ class ElasticState:
         for x in jax.tree.leaves(sums):
             x.copy_to_host_async()
         raw = _unwrap_keys(state)
-        if self.job is not None and self.rt.me in self.job.kills.get(step, ()):
-            # `--kill STEP:PROCESS`: right after the step was dispatched, its collectives in flight
-            self.rt.inject([FaultEvent(step, (), "process", f"--kill {step}:{self.rt.me}",
-                                       hosts=(self.rt.me,))], "after_dispatch")
+        if self.job is not None:  # `--kill`: right after the step's dispatch, its collectives in flight
+            redo = self._first_after is not None  # the step a recovery redoes
+            self.job.kill(self.rt, step, "recovery/first_step" if redo else "step",
+                          "after_dispatch")
         self.pool.take(raw, step)
         if block is None:
             self._apply(state, step, sums)
@@ -758,16 +757,19 @@ class ElasticState:
                 raise ValueError(f"recover: the given mesh uses failed devices {sorted(gone)}")
         return self._recover([], mesh)
 
-    def _on_failure(self, failure: DeviceFailure) -> Recovery:
-        """A death the runtime found inside a block (every survivor gets the same failure):
-        the step's commit is dropped and the last committed state recovered."""
+    def _on_failure(self, failure: DeviceFailure, at: int) -> Recovery:
+        """A death the runtime found inside the block of step `at` (every survivor gets the
+        same failure): the step's commit is dropped and the last committed state recovered."""
         self.live -= failure.devices
         self._failed |= failure.devices
-        return self._recover([failure], None)
+        return self._recover([failure], None, at)
 
-    def _recover(self, failures: list[DeviceFailure], mesh: Mesh | None) -> Recovery:
+    def _recover(self, failures: list[DeviceFailure], mesh: Mesh | None,
+                 at: int | None = None) -> Recovery:
         """The recovery (`recover`): attempts until one succeeds; a death during one (under
-        launch) starts the next from what is left, with every failed device so far."""
+        launch) starts the next from what is left, with every failed device so far. `at`: the
+        step whose block the failure ended (its `--kill`s in the recovery's phases, first
+        attempt only)."""
         t_first = time.perf_counter()
         good = self.committed_checksums()
         dead = set(self.devices) - self.live
@@ -781,7 +783,7 @@ class ElasticState:
             t_attempt = time.perf_counter()
             try:
                 a = self._attempt(stores, dead, good, mesh, failures[-1] if failures else None,
-                                  renewals)
+                                  renewals, at if attempts == 1 else None)
                 break
             except DeviceFailure as f:  # only under launch: another death during the recovery
                 failures.append(f)
@@ -818,14 +820,21 @@ class ElasticState:
         return rec
 
     def _attempt(self, stores: list[ShardStore], dead: set[int], good: dict[str, str],
-                 mesh: Mesh | None, failure: DeviceFailure | None, renewals: list) -> _Attempt:
+                 mesh: Mesh | None, failure: DeviceFailure | None, renewals: list,
+                 at: int | None) -> _Attempt:
         """One recovery attempt, each phase in a guard of the runtime (under launch a death in
         any of them raises `DeviceFailure` on every survivor; in one process a guard is
         nothing): plan (fresh collectives where the failure interrupted them, the mesh, its
         executables), transfer (from live copies and verified snapshots), verify (against the
         committed checksums; the new layout's snapshot pool)."""
         rt, launched = self.rt, self.job is not None
+
+        def kills(phase: str) -> None:  # `--kill STEP:PROCESS:PHASE`, as the phase begins
+            if launched and at is not None:
+                self.job.kill(rt, at, f"recovery/{phase}", phase)
+
         with rt.guard("recovery/plan"):
+            kills("plan")
             t0 = time.perf_counter()
             self.dead_hosts |= self._hosts_lost(dead)
             renewal = rt.renew_collectives(failure) if failure is not None else None
@@ -851,6 +860,7 @@ class ElasticState:
                 sums_fn = self._compile_checksums(mesh)
             compile_s = time.perf_counter() - t1
         with rt.guard("recovery/transfer"):
+            kills("transfer")
             t2 = time.perf_counter()
             extra = self.pool.sources(dead, self.dead_hosts, version=self.step)
             if launched:  # device snapshots of a renewed client, on the current one
@@ -878,6 +888,7 @@ class ElasticState:
         same = all(x.sharding.is_equivalent_to(sh, x.ndim) for x, sh in zip(
             jax.tree.leaves(new), jax.tree.leaves(self.shardings(mesh))))
         with rt.guard("recovery/verify"):
+            kills("verify")
             done = verify_and_protect(  # the previous state and pool are untouched if this raises
                 new, checksums=lambda s: self._host_sums((sums_fn if same else _checksums)(s)),
                 expected=good_of, what="recovered state", against=f"the state of step {step}",
@@ -962,7 +973,7 @@ class Step:
             try:
                 guard.__enter__()  # the entry barrier: a death may be found here already
             except DeviceFailure as f:
-                es._on_failure(f)
+                es._on_failure(f, self.n)
                 if es.step + 1 != self.n:
                     raise RuntimeError(
                         f"step {self.n}: the recovered state is that of step {es.step}") from f
@@ -977,7 +988,7 @@ class Step:
             guard.__exit__(et, e, tb)  # the exit barrier: raises what every process decides
         except DeviceFailure as f:
             self._drop()
-            es._on_failure(f)
+            es._on_failure(f, self.n)
             self.failed = True
             return True  # `steps` gives the interrupted step again, on the recovered state
         except BaseException:

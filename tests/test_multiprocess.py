@@ -85,8 +85,15 @@ RECOVERY_FIELDS = {  # docs/reference.md, "Output files", and what `elasjax trai
 def test_launch_config_and_one_fault_schedule_are_checked():
     cfg = tiny_config("train.steps=12", "faults=[]")
     assert KillSpec.parse("4:2") == KillSpec(4, 2)
-    with pytest.raises(ConfigError, match="STEP:PROCESS"):
-        KillSpec.parse("4-2")
+    assert KillSpec.parse("4:1:transfer") == KillSpec(4, 1, "recovery/transfer")
+    assert str(KillSpec(4, 1, "recovery/transfer")) == "4:1:transfer"
+    for bad in ("4-2", "4:1:later", "4:1:transfer:x"):
+        with pytest.raises(ConfigError, match="STEP:PROCESS"):
+            KillSpec.parse(bad)
+    during = resolve_config(cfg, 4, 2, [KillSpec(4, 2), KillSpec(4, 1, "recovery/transfer")])
+    assert during.faults == resolve_config(tiny_config(
+        "train.steps=12", "faults=[{at_step: 4, kill_process: 2}, {at_step: 4, kill_process: 1, "
+        "phase: recovery/transfer}]"), 4, 2).faults
     # --kill and the config route are the same schedule
     by_flag = resolve_config(cfg, 4, 2, [KillSpec(4, 2)])
     by_config = resolve_config(tiny_config("train.steps=12", "faults=[{at_step: 4, kill_process: 2}]"), 4, 2)

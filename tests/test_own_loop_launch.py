@@ -85,6 +85,9 @@ def test_a_launch_of_a_script_refuses_what_only_the_loop_takes(tmp_path, capsys)
     code = main(["launch", str(SCRIPT), "--processes", "2", "--kill", "3:2"])
     assert code == 2
     assert "process 2 does not exist; allowed processes: 0 .. 1" in capsys.readouterr().err
+    code = main(["launch", str(SCRIPT), "--processes", "2", "--kill", "3:1:verify"])
+    assert code == 2
+    assert "no kill at step 3 starts a recovery for it" in capsys.readouterr().err
     code = main(["launch", str(tmp_path / "nope.py"), "--processes", "2"])
     assert code == 2
     assert "is not a Python file here" in capsys.readouterr().err
@@ -177,3 +180,21 @@ def test_a_script_joins_a_clusters_job_one_process_per_command(tmp_path):
     assert rec["failed_processes"] == [1] and rec["step"] == 3 and rec["verified"]
     assert rec["to_mesh"] == {"data": 2, "model": 2} and sorted(run["losses"]) == [
         str(i) for i in range(8)]
+
+
+@pytest.mark.slow
+def test_a_death_during_the_recovery_starts_another_attempt_or_is_refused_by_name(tmp_path):
+    """`--kill 6:1` and, as that recovery's transfer begins, `--kill 6:3:transfer`: the second
+    attempt plans over what is left and the state verifies (process 1's ZeRO partitions from
+    their buddy copies on process 2). With `6:2:transfer` those copies die too: the recovery
+    raises, naming the lost slice, and nothing trains on."""
+    r, run = _launch(tmp_path, "twice", "--kill", "6:1", "--kill", "6:3:transfer")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (rec,) = run["recoveries"]
+    assert rec["attempts"] == 2 and rec["failed_processes"] == [1, 3] and rec["verified"]
+    assert rec["step"] == 5 and rec["to_mesh"] == {"data": 2, "model": 2}
+    assert sorted(run["losses"], key=int) == [str(i) for i in range(12)]
+    r, run = _launch(tmp_path, "lost", "--kill", "6:1", "--kill", "6:2:transfer")
+    assert r.returncode == 1 and run is None
+    assert "UnrecoverableStateError: state leaf 'opt/" in r.stdout
+    assert "has no live copy" in r.stdout

@@ -56,20 +56,33 @@ from ..transfer.snapshot import check_coverable
 @dataclasses.dataclass(frozen=True)
 class KillSpec:
     """SIGKILL process `process` right after it dispatches step `at_step` (`--kill STEP:PROCESS`,
-    the same as a config fault `{at_step, kill_process}`)."""
+    the same as a config fault `{at_step, kill_process}`), or, with a phase (`--kill
+    STEP:PROCESS:PHASE`, PHASE one of `KILL_PHASES`), as that phase of the recovery another kill
+    at the same step started begins (`{at_step, kill_process, phase: recovery/PHASE}`)."""
 
     at_step: int
     process: int
+    phase: str = "step"  # "step" or "recovery/<one of KILL_PHASES>"
 
     @classmethod
     def parse(cls, text: str) -> KillSpec:
-        step, sep, proc = text.partition(":")
-        if not sep or not step.strip().isdigit() or not proc.strip().isdigit():
-            raise ConfigError(f"--kill {text!r} must look like STEP:PROCESS, e.g. --kill 3:2")
-        return cls(int(step), int(proc))
+        parts = [p.strip() for p in text.split(":")]
+        if len(parts) not in (2, 3) or not parts[0].isdigit() or not parts[1].isdigit() or (
+                len(parts) == 3 and parts[2] not in KILL_PHASES):
+            raise ConfigError(
+                f"--kill {text!r} must look like STEP:PROCESS (after dispatching step STEP) or "
+                f"STEP:PROCESS:PHASE (PHASE one of {', '.join(KILL_PHASES)}: in the recovery "
+                "another kill at step STEP started), e.g. --kill 3:2 --kill 3:1:transfer")
+        phase = "step" if len(parts) == 2 else f"recovery/{parts[2]}"
+        return cls(int(parts[0]), int(parts[1]), phase)
 
     def __str__(self) -> str:
-        return f"{self.at_step}:{self.process}"
+        tail = "" if self.phase == "step" else ":" + self.phase.split("/", 1)[1]
+        return f"{self.at_step}:{self.process}{tail}"
+
+
+# the recovery phases a `--kill` may name (`config.FaultConfig.phase` without `recovery/`)
+KILL_PHASES = ("plan", "transfer", "verify", "first_step")
 
 
 def parse_slow(text: str, processes: int) -> tuple[int, float, int, int]:
@@ -128,7 +141,8 @@ def resolve_config(
             f"({n_processes - k} processes x {devices_per_process}{spares}); allowed values: "
             f"-1, {n}"
         )
-    faults = list(cfg.faults) + [FaultConfig(k.at_step, kill_process=k.process) for k in kills]
+    faults = list(cfg.faults) + [FaultConfig(k.at_step, kill_process=k.process, phase=k.phase)
+                                 for k in kills]
     faults.sort(key=lambda f: f.at_step)  # stable: a recovery-phase fault stays after its cause
     par = dataclasses.replace(p, devices=n, devices_per_host=devices_per_process)
     out = cfg.replace(parallel=par, faults=tuple(faults))

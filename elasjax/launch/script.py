@@ -67,18 +67,25 @@ def check_flags(script: str, given: dict) -> None:
             "--kill STEP:PROCESS")
 
 
-def kills_by_step(kills, processes: int) -> dict[int, tuple[int, ...]]:
-    """`--kill` options -> step -> processes, checked against the job's size."""
-    out: dict[int, list[int]] = defaultdict(list)
+def kills_by_step(kills, processes: int) -> dict[int, dict[str, tuple[int, ...]]]:
+    """`--kill` options -> step -> phase ("step" or "recovery/...") -> processes, checked
+    against the job's size: a recovery-phase kill needs a kill at its step to start that
+    recovery, and one process must survive."""
+    out: dict[int, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
     for k in kills:
         if not 0 <= k.process < processes:
             raise ValueError(f"--kill {k}: process {k.process} does not exist; allowed "
                              f"processes: 0 .. {processes - 1}")
-        out[k.at_step].append(k.process)
-    if len({p for ps in out.values() for p in ps}) >= processes:
+        out[k.at_step][k.phase].add(k.process)
+    for step, phases in out.items():
+        if set(phases) - {"step"} and "step" not in phases:
+            raise ValueError(
+                f"--kill {step}:...:{next(p for p in phases if p != 'step').split('/')[1]}: no "
+                f"kill at step {step} starts a recovery for it; add --kill {step}:PROCESS")
+    if len({p for ph in out.values() for ps in ph.values() for p in ps}) >= processes:
         raise ValueError(f"--kill {' '.join(str(k) for k in kills)} kills every process; at "
                          "least one must survive")
-    return {s: tuple(sorted(set(ps))) for s, ps in out.items()}
+    return {s: {ph: tuple(sorted(ps)) for ph, ps in phases.items()} for s, phases in out.items()}
 
 
 def run_script(path: Path, argv: list[str], rc: RuntimeConfig,

@@ -19,13 +19,16 @@ class ScriptJob:
 
     Attributes:
       runtime: the `MultiControllerRuntime` every `ElasticState` of the script runs on.
-      kills: step -> the processes SIGKILLed right after committing that step (`--kill`).
+      kills: step -> phase -> processes (`--kill`): phase "step", right after dispatching that
+        step's commit; "recovery/plan", "recovery/transfer", "recovery/verify" as that phase of
+        the recovery the step's kill started begins; "recovery/first_step" right after the
+        redone step's commit is dispatched.
       last_commit: the last step committed in this process (None: none yet).
       states: `ElasticState`s made so far (one engine per runtime: a second one is refused).
     """
 
     runtime: Any
-    kills: dict[int, tuple[int, ...]]
+    kills: dict[int, dict[str, tuple[int, ...]]]
     last_commit: int | None = None
     states: int = 0
 
@@ -33,9 +36,21 @@ class ScriptJob:
         self.last_commit = step if self.last_commit is None else max(self.last_commit, step)
 
     def unmet_kills(self) -> list[tuple[int, tuple[int, ...]]]:
-        """The scheduled kills whose step the script never committed."""
+        """The scheduled kills (after a step's dispatch) whose step the script never
+        committed."""
         last = -1 if self.last_commit is None else self.last_commit
-        return sorted((s, p) for s, p in self.kills.items() if s > last)
+        return sorted((s, ph["step"]) for s, ph in self.kills.items()
+                      if s > last and "step" in ph)
+
+    def kill(self, rt, step: int, phase: str, point: str) -> None:
+        """SIGKILL this process if `--kill` scheduled it at `step` in `phase` (`rt.inject` at
+        `point`: "after_dispatch", "plan", "transfer", "verify")."""
+        from .faults import FaultEvent
+
+        if rt.me in self.kills.get(step, {}).get(phase, ()):
+            tail = "" if phase == "step" else ":" + phase.split("/", 1)[1]
+            rt.inject([FaultEvent(step, (), "process", f"--kill {step}:{rt.me}{tail}",
+                                  phase=phase, hosts=(rt.me,))], point)
 
 
 _current: ScriptJob | None = None
