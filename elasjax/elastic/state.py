@@ -1,268 +1,44 @@
-"""Elasticity for your own JAX state and train step: the *pieces* entry point.
-
-You keep your model, your loss, your optax optimizer and your loop. At step boundaries you call:
-
-- `plan_mesh(devices, axes)`: a mesh over the live devices (which axis sizes to use, spares);
-- `ElasticState.commit(state, step)`: after a good step, record the state's checksums and
-  snapshot the shards a failure would otherwise lose (buddy device / host memory copies);
-- `ElasticState.recover(failed)`: after a failure, re-plan the mesh over the survivors, rebuild
-  the state on it from live copies only (surviving replicas, then verified snapshots), and verify
-  every leaf against the checksums of the last committed step. The state is bitwise the one that
-  was committed, or recovery raises (`UnrecoverableStateError`, `StateMismatchError`); it never
-  continues with re-initialised or partly stale values.
-
-Any pytree of arrays works: float (f32, bf16, f64), integer (int32, int64), bool leaves and typed
-PRNG keys. The state's layout is yours: a function `shardings(mesh)` returning a pytree of
-`NamedSharding`s that matches the state, on any mesh axes. `zero_shardings(stage, ...)` gives
-it the loop's ZeRO stages (1: optimizer state over the data axis; 3: parameters too) as
-sharding edits (`partition_over`): the optimizer still sees the parameter structure, so any
-optax transform keeps its meaning.
-
-The computation stays the fault-free one when the step follows the consistency contract: the
-same global batch at every step (`pad_batch` pads it to the data degree with weight-0 rows),
-the loss normalised by the global count of real items (not a mean over replicas), and random
-draws keyed by (step, global sample id) (`sample_keys`).
-
-Failures here are the in-process kind: `simulate_failure` deletes every buffer on the failed
-devices (the state's and the snapshots'), so recovery can only read what a real failure leaves.
-Real process deaths under `jax.distributed` run through the trainer (`elasjax launch`); this
-class refuses a multi-process job with a clear error.
-"""
+"""`ElasticState`: your state, kept recoverable at each commit and rebuilt by a recovery, in one
+process (failures simulated) or under `elasjax launch SCRIPT.py` (real process deaths, on the
+job's runtime); `Recovery`, what one recovery did."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from .compilation.pieces_standby import PiecesStandby, StandbyProgress
-from .config import CheckpointConfig, SnapshotConfig
-from .core import rng
-from .core.sharding import path_str
-from .observe.metrics import RecoveryRecord
-from .plan.planner import Topology
-from .runtime import job
-from .runtime.inprocess import DeviceFailure, InProcessRuntime, read_replicated
-from .transfer import checksum, reshard
-from .transfer.checkpoint import Checkpointer
-from .transfer.coverage import Coverage, coverage, explain
-from .transfer.shards import (
+from ..compilation.pieces_standby import PiecesStandby, StandbyProgress
+from ..config import CheckpointConfig, SnapshotConfig
+from ..core.sharding import path_str
+from ..observe.metrics import RecoveryRecord
+from ..plan.planner import Topology
+from ..runtime import job
+from ..runtime.inprocess import DeviceFailure, InProcessRuntime, read_replicated
+from ..transfer import checksum, reshard
+from ..transfer.checkpoint import Checkpointer
+from ..transfer.coverage import Coverage, coverage, explain
+from ..transfer.shards import (
     ShardStore,
-    map_shard_data,
-    StateMismatchError,
     UnrecoverableStateError,
     describe_state,
     is_key,
     key_data_sharding,
+    map_shard_data,
 )
-from .transfer.snapshot import SnapshotPool
-from .transfer.verified import verify_and_protect
+from ..transfer.snapshot import SnapshotPool
+from ..transfer.verified import verify_and_protect
+from .contract import _checksums, state_checksums
+from .meshes import plan_mesh
+from .steps import Step
 
 PyTree = Any
-
-__all__ = [
-    "ElasticState",
-    "Step",
-    "Coverage",
-    "Recovery",
-    "StandbyProgress",
-    "StateMismatchError",
-    "pad_batch",
-    "put_batch",
-    "host_value",
-    "partition_over",
-    "zero_shardings",
-    "ZeroShardings",
-    "plan_mesh",
-    "sample_keys",
-    "state_checksums",
-]
-
-
-# ---------------------------------------------------------------------------------------------
-# Meshes.
-
-
-def plan_mesh(
-    devices: Sequence[jax.Device], axes: Mapping[str, int | Sequence[int]]
-) -> tuple[Mesh, list[jax.Device]]:
-    """A mesh over as many of `devices` as the axis sizes allow, and the devices left spare.
-
-    `axes` maps each mesh axis name, in mesh order, to its size: an int, a sequence of allowed
-    sizes (first preferred), or -1 for at most one axis that takes the rest. Among the allowed
-    sizes, the choice that uses the most devices wins; ties go to the earlier preferences. With
-    `{"data": -1, "model": (2, 1)}`, 8 devices give data 4 x model 2 and 7 give data 7 x model 1
-    (all 7 used) where `{"data": -1, "model": 2}` gives data 3 x model 2 and one spare.
-    Devices keep their given order (the last axis fastest), so keep a host's devices together.
-    """
-    devices = list(devices)
-    if not devices:
-        raise ValueError("plan_mesh: no devices")
-    names = list(axes)
-    rest = [a for a in names if axes[a] == -1]
-    if len(rest) > 1:
-        raise ValueError(f"plan_mesh: axes {rest} are all -1; at most one axis may take the rest")
-    options = []
-    for a in names:
-        v = axes[a]
-        sizes = [-1] if v == -1 else ([int(v)] if isinstance(v, (int, np.integer)) else [int(s) for s in v])
-        if not sizes or any(s < 1 and s != -1 for s in sizes):
-            raise ValueError(
-                f"plan_mesh: axis '{a}' = {v!r}; allowed values: a positive int, a sequence of "
-                "positive ints (first preferred), or -1 (the rest)"
-            )
-        options.append(sizes)
-    best = None
-    for rank, combo in enumerate(itertools.product(*options)):
-        fixed = math.prod(s for s in combo if s != -1)
-        if fixed > len(devices):
-            continue
-        shape = [len(devices) // fixed if s == -1 else s for s in combo]
-        used = math.prod(shape)
-        if best is None or used > best[0]:
-            best = (used, shape)
-    if best is None or best[0] == 0:
-        raise ValueError(
-            f"plan_mesh: no allowed shape of axes {dict(axes)} fits {len(devices)} live device(s)"
-        )
-    used, shape = best
-    mesh = Mesh(np.asarray(devices[:used], dtype=object).reshape(shape), tuple(names))
-    return mesh, devices[used:]
-
-
-def partition_over(
-    shardings: PyTree, abstract: PyTree, axis: str = "data"
-) -> tuple[PyTree, list[str]]:
-    """Shard each leaf over mesh axis `axis` as well (ZeRO-1 for optimizer state): the first
-    dimension that is not sharded yet and divides by the axis size gets it. Returns the new
-    shardings and the paths of the arrays that could not be partitioned (no free dimension
-    divides by the axis size, as happens on an uneven data degree), which stay as they were:
-    they are listed, never hidden. Scalars stay as they are."""
-    left: list[str] = []
-
-    def one(path, sh, x):
-        if not isinstance(sh, NamedSharding):
-            raise TypeError(f"partition_over: '{path_str(path)}' has a {type(sh).__name__}; "
-                            "allowed: NamedSharding")
-        n = sh.mesh.shape[axis]
-        spec = list(sh.spec) + [None] * (len(x.shape) - len(sh.spec))
-        if n == 1 or len(x.shape) == 0 or axis in jax.tree.leaves(spec):
-            return sh  # nothing to do, or a scalar: nothing to partition
-        for i, (dim, s) in enumerate(zip(x.shape, spec)):
-            if s is None and dim % n == 0:
-                spec[i] = axis
-                return NamedSharding(sh.mesh, PartitionSpec(*spec))
-        left.append(path_str(path))
-        return sh
-
-    out = jax.tree_util.tree_map_with_path(
-        one, shardings, abstract, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
-    )
-    return out, left
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroShardings:
-    """`zero_shardings`' result: the parameters' and the optimizer state's shardings, and the
-    paths of the arrays no dimension of which could be partitioned (left as they were)."""
-
-    params: PyTree
-    opt: PyTree
-    left: list[str]
-
-
-def zero_shardings(
-    stage: int, params: PyTree, opt: PyTree, abstract_params: PyTree, abstract_opt: PyTree,
-    axis: str = "data",
-) -> ZeroShardings:
-    """The loop's `zero.stage` for your own state, as sharding edits over mesh axis `axis`
-    (`partition_over`): stage 0 leaves both as given; 1 partitions the optimizer state; 3 the
-    parameters too (XLA gathers them where your step uses them). Stage 2 partitions the loop's
-    gradient accumulators, which your step owns: it is refused, use 1 (and constrain your
-    accumulators to the optimizer state's shardings if you keep any). `params`/`opt` are
-    shardings trees (`opt_state_shardings` gives the optimizer's), `abstract_*` the arrays or
-    `jax.eval_shape` results they describe."""
-    if stage not in (0, 1, 3):
-        why = (" (stage 2 partitions the loop's gradient accumulators; your step owns its "
-               "gradients)" if stage == 2 else "")
-        raise ValueError(f"zero_shardings: stage = {stage!r}{why}; allowed values: 0, 1, 3")
-    if stage == 0:
-        return ZeroShardings(params, opt, [])
-    opt, left = partition_over(opt, abstract_opt, axis)
-    if stage == 3:
-        params, left_p = partition_over(params, abstract_params, axis)
-        left = left_p + left
-    return ZeroShardings(params, opt, left)
-
-
-# ---------------------------------------------------------------------------------------------
-# The consistency contract: the same batch, keys and normalisation on any mesh.
-
-
-def pad_batch(batch: Mapping[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
-    """The global batch padded along its first axis to a multiple of `multiple` (the data
-    degree), with a `weight` entry: 1 for real rows, 0 for padding. A loss of the form
-    `sum(loss_i * weight_i) / sum(weight)` is then the same estimator on any data degree."""
-    sizes = {k: np.shape(v)[0] for k, v in batch.items()}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"pad_batch: the batch's entries differ in their first axis: {sizes}")
-    if "weight" in batch:
-        raise ValueError("pad_batch: the batch already has a 'weight' entry")
-    n = next(iter(sizes.values()))
-    pad = -n % multiple
-    out = {k: np.concatenate([v, np.zeros((pad, *np.shape(v)[1:]), np.asarray(v).dtype)])
-           for k, v in batch.items()}
-    out["weight"] = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
-    return out
-
-
-def sample_keys(root: jax.Array, step, sample_ids) -> jax.Array:
-    """One PRNG key per global sample id at `step`: `fold_in(fold_in(root, step), id)`. No draw
-    then depends on the mesh or on which device runs the sample."""
-    return rng.sample_keys(rng.step_key(root, step), sample_ids)
-
-
-def put_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """The global batch (numpy, the same in every process) as arrays on `sharding`'s mesh:
-    each process places the rows of its own devices only (`jax.make_array_from_callback`).
-    In one process it is `jax.device_put`; under `elasjax launch` it is how a batch gets onto a
-    mesh that spans processes."""
-    return {k: jax.make_array_from_callback(np.shape(v), sharding, lambda i, v=v: np.asarray(v)[i])
-            for k, v in batch.items()}
-
-
-def host_value(x: jax.Array) -> np.ndarray:
-    """The value of a replicated array (a loss, a metric), read from a device of this process:
-    under `elasjax launch` `float(x)` of an array that spans processes is refused by JAX."""
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    if not x.is_fully_replicated:
-        raise ValueError("host_value: the array is sharded over processes; allowed: a "
-                         "replicated array (out_shardings=NamedSharding(mesh, P()))")
-    return np.asarray(x.addressable_shards[0].data)
-
-
-@jax.jit
-def _checksums(tree):
-    return checksum.tree_checksums(tree)
-
-
-def state_checksums(state: PyTree) -> dict[str, str]:
-    """{leaf path: 16 hex digits}: a checksum of each leaf's bits that does not depend on how the
-    leaf is sharded (equal values give equal checksums on any mesh)."""
-    return checksum.to_host(_checksums(state))
-
-
-# ---------------------------------------------------------------------------------------------
-# The state.
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -939,71 +715,3 @@ class _Attempt:
     plan_s: float
     compile_s: float
     transfer_s: float
-
-
-class Step:
-    """One step of your loop (`ElasticState.steps`): its number `n` (also `int(step)`), and,
-    as `with step:`, the block a process death interrupts. Under `elasjax launch` the block runs
-    in a guard of the job's runtime: an entry barrier, your code, an exit barrier where every
-    live process learns what happened; a death inside it makes every survivor leave the block
-    together, recover (`ElasticState.recovery`) and get the same step again from
-    `ElasticState.steps`. In one process the block is your code alone."""
-
-    def __init__(self, es: ElasticState, n: int):
-        self.es, self.n = es, n
-        self.staged = None  # (state, step, checksums) committed in the block, not yet applied
-        self.committed = False
-        self.failed = False  # a failure ended the block; the state was recovered
-        self._guard = None
-
-    def __int__(self) -> int:
-        return self.n
-
-    __index__ = __int__
-
-    def __repr__(self) -> str:
-        return f"Step({self.n})"
-
-    def __enter__(self) -> Step:
-        es = self.es
-        if es._open is not None:
-            raise RuntimeError(f"step {self.n}: the block of step {es._open.n} is still open")
-        while True:
-            guard = es.rt.guard("step")
-            try:
-                guard.__enter__()  # the entry barrier: a death may be found here already
-            except DeviceFailure as f:
-                es._on_failure(f, self.n)
-                if es.step + 1 != self.n:
-                    raise RuntimeError(
-                        f"step {self.n}: the recovered state is that of step {es.step}") from f
-                continue
-            self._guard, es._open = guard, self
-            return self
-
-    def __exit__(self, et, e, tb) -> bool:
-        es, guard = self.es, self._guard
-        es._open, self._guard = None, None
-        try:
-            guard.__exit__(et, e, tb)  # the exit barrier: raises what every process decides
-        except DeviceFailure as f:
-            self._drop()
-            es._on_failure(f, self.n)
-            self.failed = True
-            return True  # `steps` gives the interrupted step again, on the recovered state
-        except BaseException:
-            self._drop()
-            raise
-        if et is not None:
-            self._drop()
-            return False
-        if self.staged is not None:
-            es._apply(*self.staged)
-            self.staged, self.committed = None, True
-        return False
-
-    def _drop(self) -> None:
-        """The step's commit does not count: its snapshot generation is dropped."""
-        if self.staged is not None:
-            self.es.pool.abort(self.staged[1])
-            self.staged = None
