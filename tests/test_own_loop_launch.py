@@ -4,6 +4,7 @@ loop under launch"); and the bad uses refused by name."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,11 @@ def test_a_users_loop_survives_sigkills_of_any_process_with_the_fault_free_compu
         r, run = _launch(tmp_path, name, *kills, args=args)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert "finished the run" in r.stdout
+        if args:  # each shape's step compiled once in the job, loaded by the other processes
+            logs = "".join(p.read_text() for p in (tmp_path / name).glob("worker*.log"))
+            shapes = re.findall(r"compiled the step for (.+?) in [\d.]+s and published", logs)
+            assert len(shapes) == len(set(shapes)) >= 2, shapes
+            assert "data 4 x model 2" in shapes and "loaded the step for" in logs
         recs = run["recoveries"]
         assert [x["failed_processes"] for x in recs] == died
         assert [x["to_mesh"] for x in recs] == meshes

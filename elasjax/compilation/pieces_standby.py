@@ -39,6 +39,7 @@ from .executables import (
     portable_function,
     rebind_function,
 )
+from .shared import SharedBuilds
 from .standby import StandbyCompiler
 
 LOG_KEPT = 256
@@ -98,6 +99,36 @@ class StandbyProgress:
         return self.message
 
 
+class _SharedShape:
+    """A shape's (step, checksums) as `shared.SharedBuilds` hands a program between the processes
+    of a job: compiled here and serialized for the others (`portable`), or loaded from the
+    serialized form another process published (`origin` "shared")."""
+
+    def __init__(self, step, sums, compiled, portable, compile_s: float, error=None):
+        self.step, self.sums, self.compiled, self._portable = step, sums, compiled, portable
+        self.compile_s, self.error, self.origin = compile_s, error, "compiled"
+        self.portable_ok = portable is not None
+
+    @classmethod
+    def compile(cls, low, mesh: Mesh) -> _SharedShape:
+        t0 = time.perf_counter()
+        step, sums = low[0].compile(), low[1].compile()
+        took = time.perf_counter() - t0
+        try:
+            portable = (portable_function(step, mesh), portable_function(sums, mesh))
+        except Exception as e:  # noqa: BLE001 - the others compile on their own
+            return cls(step, sums, (step, sums), None, took, e)
+        return cls(step, sums, (step, sums), portable, took)
+
+    @classmethod
+    def load(cls, portable, mesh: Mesh, compile_s: float) -> _SharedShape:
+        return cls(rebind_function(portable[0], mesh), rebind_function(portable[1], mesh),
+                   None, portable, compile_s)
+
+    def portable(self):
+        return self._portable
+
+
 class PiecesStandby(StandbyCompiler):
     """A `StandbyCompiler` of meshes whose builds compile once per program and rebind the rest.
 
@@ -106,7 +137,10 @@ class PiecesStandby(StandbyCompiler):
     `rebind`: load a program compiled for another mesh of the same shape where possible.
     `progress`: True (each line on stderr), False (none) or a callable taking a
     `StandbyProgress` (called on the thread that built the mesh: the standby thread, or the
-    caller's for the current mesh). Every record is kept in `log` (the last `LOG_KEPT`)."""
+    caller's for the current mesh). Every record is kept in `log` (the last `LOG_KEPT`).
+    `shared` (under `elasjax launch`): the first mesh of each shape is compiled by one process of
+    the job and loaded by the others (`shared.SharedBuilds`), so a shape costs the job one
+    compile, not one per process."""
 
     def __init__(
         self,
@@ -115,8 +149,10 @@ class PiecesStandby(StandbyCompiler):
         max_meshes: int | None = None,
         rebind: bool = True,
         progress: bool | Callable[[StandbyProgress], Any] = True,
+        shared: SharedBuilds | None = None,
     ):
         self.lower, self.max_meshes, self.rebind = lower, max_meshes, rebind
+        self.shared = shared
         self.progress = progress
         self.log: list[StandbyProgress] = []
         self.fallbacks: dict[str, int] = {}  # why a mesh was compiled, not rebound -> how many
@@ -172,6 +208,8 @@ class PiecesStandby(StandbyCompiler):
                 out = StepExecutables(step, sums, "rebound", time.perf_counter() - t0)
                 self._built(mesh, out, "rebound")
                 return out
+        if why == "first of its shape" and self.shared is not None and self.blocker(mesh) is None:
+            return self._shared_build(mesh, low, texts, t0)
         step, sums = low[0].compile(), low[1].compile()
         with self._lk:
             kept = self._sources.get(shape_key(mesh))
@@ -186,6 +224,37 @@ class PiecesStandby(StandbyCompiler):
             with self._lk:
                 self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
         self._built(mesh, out, how)
+        return out
+
+    def close(self) -> None:
+        if self.shared is not None:  # a wait for another process's compile ends too
+            self.shared.close()
+        super().close()
+
+    def _shared_build(self, mesh: Mesh, low, texts: tuple, t0: float) -> StepExecutables:
+        """The first mesh of its shape under launch: compiled by the process of the job that
+        takes its lease, loaded by the others (the key is the lowered programs, which name mesh
+        positions, not devices); the shape's source for the rebinds either way."""
+        def load(portable, compile_s: float) -> _SharedShape:
+            try:
+                return _SharedShape.load(portable, mesh, compile_s)
+            except Exception:  # noqa: BLE001 - not loadable here: compile it (slower, not wrong)
+                return _SharedShape.compile(low, mesh)
+
+        got = self.shared.build(SharedBuilds.key("pieces", texts),
+                                f"the step for {describe(mesh)}",
+                                lambda: _SharedShape.compile(low, mesh), load)
+        step, sums, compiled, portable = got.step, got.sums, got.compiled, got.portable()
+        error, loaded = got.error, got.origin == "shared"
+        with self._lk:
+            self._sources.setdefault(shape_key(mesh), {
+                "mesh": mesh, "texts": texts, "compiled": compiled, "portable": portable,
+                "error": error,
+            })
+        origin = "rebound" if loaded else "compiled"
+        out = StepExecutables(step, sums, origin, time.perf_counter() - t0)
+        self._built(mesh, out, "loaded: compiled by another process of the job" if loaded
+                    else "compiled")
         return out
 
     def _portable(self, src: dict) -> tuple[PortableFunction, PortableFunction]:

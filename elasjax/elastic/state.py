@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..compilation.pieces_standby import PiecesStandby, StandbyProgress
+from ..compilation.shared import SharedBuilds
 from ..config import CheckpointConfig, SnapshotConfig
 from ..core.sharding import path_str
 from ..observe.metrics import RecoveryRecord
@@ -400,9 +401,12 @@ class ElasticState:
         self._make_step, self._batch_fn = make_step, batch
         if self._standby is not None:  # another step: nothing built for the old one applies
             self._standby.close()
+        rt = self.rt
+        shared = (SharedBuilds(rt.client, rt.me, rt.peer_gone, rt.log)
+                  if self.job is not None and rt.shares_compiles and rebind else None)
         self._standby = PiecesStandby(
             self._lower, max_meshes=None if max_meshes is None else int(max_meshes),
-            rebind=rebind, progress=progress,
+            rebind=rebind, progress=progress, shared=shared,
         )
         # the current mesh's checksums too: `commit` takes them (`_commit_sums`)
         self._exe, self._sums_fn = self._standby.build_current(self.mesh)
@@ -417,9 +421,11 @@ class ElasticState:
         return [] if self._standby is None else list(self._standby.log)
 
     def likely_meshes(self) -> list[Mesh]:
-        """The meshes `recover` would plan after each single device or host failure."""
+        """The meshes `recover` would plan after each single device or host failure (under
+        `elasjax launch` a device fails only with its process: each single host's)."""
         live = [i for i in self.topology.device_ids if i in self.live]
-        lose = [{d} for d in live] + [
+        singles = [{d} for d in live] if self.rt.device_failures else []
+        lose = singles + [
             set(self.topology.host_devices(h)) & set(live) for h in range(self.topology.n_hosts)
         ]
         out = {}
