@@ -651,11 +651,12 @@ def test_a_failed_gloo_rendezvous_names_the_ranks_that_never_published():
 
 def test_a_survivor_ends_the_rendezvous_only_for_the_dead_ranks_that_never_published():
     """`collectives.end_rendezvous`: for each communicator being made whose rank 0 is a dead
-    device, the dead devices' missing ranks get the entry gloo refuses (`DEAD_RANK`); a live
-    device's missing rank (a survivor not there yet) and a dead device that published are left
-    alone, a rank published between the reading and the writing keeps its own entry (the store
-    refuses the write), and a communicator whose rank 0 lives is left to gloo's own timeout (a
-    live rank would wait for a connection: the function's docstring)."""
+    device, or whose dead ranks all come after its live ones, the dead devices' missing ranks
+    get the entry gloo refuses (`DEAD_RANK`); a live device's missing rank (a survivor not there
+    yet) and a dead device that published are left alone, a rank published between the reading
+    and the writing keeps its own entry (the store refuses the write), and a communicator with a
+    dead rank between live ones is left to gloo's own timeout (a live rank would wait for a
+    connection: the function's docstring)."""
     from elasjax.runtime.collectives import DEAD_RANK, end_rendezvous
 
     class Store:
@@ -680,8 +681,10 @@ def test_a_survivor_ends_the_rendezvous_only_for_the_dead_ranks_that_never_publi
     assert st.d["cpu:gloo/0,1,2048,2049/1"] == DEAD_RANK
     assert "cpu:gloo/0,2048,4096/1" not in st.d  # device 2048 lives: its process may still come
     assert st.d["cpu:gloo/0,1/1"] == b"addr"  # published before it died: its own entry
-    assert "cpu:gloo/2048,0,4096/1" not in st.d  # rank 0 lives: left to gloo's timeout
+    assert "cpu:gloo/2048,0,4096/1" not in st.d  # between live ranks: left to gloo's timeout
     assert end_rendezvous(st, dead) == []  # once
+    last = Store(["cpu:gloo/2048,4096,0,1/0", "cpu:gloo/2048,4096,0,1/1"])
+    assert end_rendezvous(last, dead) == ["cpu:gloo/2048,4096,0,1/2", "cpu:gloo/2048,4096,0,1/3"]
     late = Store(["cpu:gloo/0,2048/1"], late=["cpu:gloo/0,2048/0"])
     assert end_rendezvous(late, dead) == [] and "cpu:gloo/0,2048/0" not in late.d
     assert end_rendezvous(Store([]), dead) == []
@@ -698,15 +701,16 @@ jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_enable_recoverability", True)
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
                            heartbeat_timeout_seconds=60)
-if pid == 0:  # makes its client (the topology exchange), never enters the collective: the
-    jax.devices()  # dead process, whose device is the communicator's rank 0
+DEAD = int(sys.argv[3])  # 0: the communicator's first ranks are the dead ones; 1: its last
+if pid == DEAD:  # makes its client (the topology exchange), never enters the collective
+    jax.devices()
     time.sleep(120)
     sys.exit(0)
 from jax._src import distributed
 from elasjax.runtime.collectives import GLOO_KEYS, end_rendezvous
 kv = distributed.global_state.client
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-dead = {d.id for d in devices if d.process_index == 0}
+dead = {d.id for d in devices if d.process_index == DEAD}
 mesh = Mesh(np.array(devices), ("i",))
 f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "i"), mesh=mesh, in_specs=P("i"),
                           out_specs=P("i")))
@@ -729,14 +733,15 @@ os._exit(0)
 """
 
 
-def test_a_dead_ranks_rendezvous_entry_ends_the_survivors_wait_at_once(tmp_path):
-    """`collectives.end_rendezvous` against this JAX's gloo, plain JAX, two processes: process 1
-    runs an all-reduce over both processes' devices, whose communicator's making waits for
-    process 0's ranks (0 and 1), which never come (gloo waits 30 s). Once process 1's own ranks
-    are in, the dead ranks' entries (`DEAD_RANK`) are written, and the all-reduce fails with
-    gloo's address check, not a timeout, and the process lives on (an entry that does not parse
-    crashed it: SIGSEGV). This depends on gloo's rendezvous format: a JAX whose gloo reads
-    entries otherwise fails here."""
+@pytest.mark.parametrize("dead, keys", [(0, "0,1"), (1, "2,3")])
+def test_a_dead_ranks_rendezvous_entry_ends_the_survivors_wait_at_once(dead, keys, tmp_path):
+    """`collectives.end_rendezvous` against this JAX's gloo, plain JAX, two processes: the live
+    one runs an all-reduce over both processes' devices, whose communicator's making waits for
+    the other's ranks (0 and 1, or 2 and 3: the first ranks or the last), which never come
+    (gloo waits 30 s). Once the live process's own ranks are in, the dead ranks' entries
+    (`DEAD_RANK`) are written, and the all-reduce fails with gloo's address check, not a
+    timeout, and the process lives on (an entry that does not parse crashed it: SIGSEGV). This
+    depends on gloo's rendezvous format: a JAX whose gloo reads entries otherwise fails here."""
     script = tmp_path / "pair.py"
     script.write_text(_RENDEZVOUS_PAIR)
     with socket.socket() as s:
@@ -744,18 +749,21 @@ def test_a_dead_ranks_rendezvous_entry_ends_the_survivors_wait_at_once(tmp_path)
         port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=20"}
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(dead)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
              for i in range(2)]
+    live = procs[1 - dead]
     try:
-        out, _ = procs[1].communicate(timeout=120)
+        out, _ = live.communicate(timeout=120)
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert procs[1].returncode == 0, out[-3000:]
+    assert live.returncode == 0, out[-3000:]
     (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT")]
-    assert "['cpu:gloo/0,1,2048,2049/0', 'cpu:gloo/0,1,2048,2049/1']" in line, line
+    a, b = keys.split(",")
+    assert f"['cpu:gloo/0,1,2048,2049/{a}', 'cpu:gloo/0,1,2048,2049/{b}']" in line, line
     assert "Gloo context initialization failed" in line and "bytes.size()" in line, line
 
 

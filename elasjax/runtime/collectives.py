@@ -276,25 +276,28 @@ DEAD_RANK = struct.pack("=Q", 4) + b"dead" + struct.pack("=Q", 1) + b"\0"
 def end_rendezvous(client, dead: Callable[[int], bool]) -> list[str]:
     """End every wait in the making of a gloo communicator for a rank that will never come,
     where that is safe: for each clique some of whose ranks have published their address
-    (`cpu:gloo/<ids>/<rank>`, rank r being the clique's r-th device) and whose rank 0 is a
-    `dead` device (a device of a process known dead), publish `DEAD_RANK` for every missing
-    dead rank. Why: a survivor that entered a communicator's making waits for every rank's entry
-    for gloo's 30 s, whatever else it knows (shutting its sockets down does not reach that
-    wait); a dead rank's entry makes the making fail with gloo's own error, which the guard reads
-    as the collective failure it is (the MTTR fuzz's kill as a recovery's verification began:
-    experiments/RESULTS.md).
+    (`cpu:gloo/<ids>/<rank>`, rank r being the clique's r-th device) whose rank 0 is a `dead`
+    device (a device of a process known dead), or whose dead ranks all come after every live
+    one, publish `DEAD_RANK` for every missing dead rank. Why: a survivor that entered a
+    communicator's making waits for every rank's entry for gloo's 30 s, whatever else it knows
+    (shutting its sockets down does not reach that wait); a dead rank's entry makes the making
+    fail with gloo's own error, which the guard reads as the collective failure it is (the MTTR
+    fuzz's kill as a recovery's verification began: experiments/RESULTS.md).
 
-    Why rank 0 only: once every entry is in, each rank connects to the others in rank order,
+    Why only those: once every entry is in, each rank connects to the others in rank order,
     one pair at a time, and fails at the first dead one. Where rank 0 is dead that is every
-    live rank's first pair: all fail before connecting anything. Otherwise a live rank below
-    the dead one fails after connecting to the ranks before it, and a live rank above it waits
-    for a connection the failed one never makes, for gloo's connect timeout (150 s, seen in 3
-    of 8 fuzz launches; in a probe of three plain-JAX processes, the dead rank between the two
-    live ones, the one above it was still waiting when the other ended); the 30 s wait is then
-    the lesser one. A rank published meanwhile keeps its
-    own entry (the store refuses a second write). Only a proven death may call this (an exit, a
-    death notice). Entries of a client are deleted when a renewal or an admission replaces it
-    (`renew_cpu_client`). Returns the keys written."""
+    live rank's first pair: all fail before connecting anything. Where the dead ranks come after
+    every live one, each live rank connects to every other live rank before its first dead
+    pair, so every live pair is made and then each live rank fails (experiments/RESULTS.md, "A
+    second death during a script's recovery"). Otherwise a live rank below a dead one fails
+    after connecting to the ranks before it, and a live rank above it waits for a connection
+    the failed one never makes, for gloo's connect timeout (150 s, seen in 3 of 8 fuzz
+    launches; in a probe of three plain-JAX processes, the dead rank between the two live ones,
+    the one above it was still waiting when the other ended); the 30 s wait is then the lesser
+    one. A rank published meanwhile keeps its own entry (the store refuses a second write).
+    Only a proven death may call this (an exit, a death notice). Entries of a client are deleted
+    when a renewal or an admission replaces it (`renew_cpu_client`). Returns the keys
+    written."""
     keys = {k for k, _ in client.key_value_dir_get_bytes(GLOO_KEYS + "/")}
     out = []
     for clique in sorted({k.rpartition("/")[0] for k in keys}):
@@ -302,7 +305,9 @@ def end_rendezvous(client, dead: Callable[[int], bool]) -> list[str]:
             ids = [int(i) for i in clique[len(GLOO_KEYS) + 1:].split(",")]
         except ValueError:
             continue
-        if not dead(ids[0]):
+        gone = [r for r, d in enumerate(ids) if dead(d)]
+        live = [r for r, d in enumerate(ids) if not dead(d)]
+        if not gone or not (gone[0] == 0 or min(gone) > max(live, default=-1)):
             continue  # a live rank would wait for a connection (the docstring says why)
         for r, d in enumerate(ids):
             key = f"{clique}/{r}"
