@@ -208,8 +208,7 @@ def _launch(args) -> int:
             "--set": args.set, "--standby": args.standby, "--spares": args.spares,
             "--slow": args.slow, "--import": args.imports, "--hook": args.hooks,
             "--optimizer": args.optimizer, "--tensorboard": args.tensorboard,
-            "--max-restarts": args.max_restarts, "--worker-restarts": args.worker_restarts,
-            "--kill-coordinator": args.kill_coordinator})
+            "--max-restarts": args.max_restarts, "--kill-coordinator": args.kill_coordinator})
         if args.cluster or args.coordinator is not None:
             return _launch_script_here(args)
     kills = [process.KillSpec.parse(k) for k in args.kill]

@@ -8,6 +8,7 @@ and the same step redone, with the same global batch and random numbers.
     python examples/own_loop.py                       # one process, 8 fake CPU devices
     elasjax launch examples/own_loop.py --processes 4 --devices-per-process 2 --kill 6:1
     elasjax launch examples/own_loop.py --processes 4 --kill 5:0 --kill 11:2 -- --steps 16
+    elasjax launch examples/own_loop.py --processes 4 --kill 3:1 --worker-restarts 1 -- --steps 60 --pace 0.2
 
 `--out FILE` writes the losses, the final state's digest and the recoveries as JSON (from
 the lowest live process), so that two runs can be compared.
@@ -16,6 +17,7 @@ the lowest live process), so that two runs can be compared.
 import argparse
 import json
 import os
+import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8")  # (alone; inert under launch)
@@ -58,6 +60,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pace", type=float, default=0.0,
+                    help="seconds each step waits after its commit (a stand-in for a bigger step)")
     ap.add_argument("--standby", action="store_true",
                     help="compile the step for every likely failure's mesh before step 0")
     args = ap.parse_args()
@@ -128,11 +132,14 @@ def main():
                   f"{r.bytes_cross_process} B across processes)", flush=True)
             continue
         losses[step.n] = float(elasjax.host_value(loss))
+        time.sleep(args.pace)
     es.close()
     digest = es.state_digest()
     print(f"final loss {losses[args.steps - 1]:.6f} on mesh {dict(es.mesh.shape)}; "
           f"state digest {digest}", flush=True)
     if args.out and es.writer:
+        joins = [{"step": j.step, "processes": j.processes, "to_mesh": j.to_mesh,
+                  "verified": j.verified, "total_s": j.total_s} for j in es.joins]
         rec = [{"step": r.step, "failed_processes": r.failed_processes, "to_mesh": r.to_mesh,
                 "rung": r.rung, "verified": r.verified, "detect_s": r.detect_s,
                 "total_s": r.total_s, "first_step_s": r.first_step_s, "mttr_s": r.mttr_s,
@@ -141,7 +148,7 @@ def main():
                for r in es.recoveries]
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "digest": digest, "mesh": dict(es.mesh.shape),
-                       "recoveries": rec}, f)
+                       "recoveries": rec, "joins": joins}, f)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from ..transfer.shards import StateMismatchError, is_key
 from ..compilation.pieces_standby import StandbyProgress
 from .contract import host_value, pad_batch, put_batch, sample_keys, state_checksums
 from .meshes import ZeroShardings, partition_over, plan_mesh, zero_shardings
-from .state import ElasticState, Recovery
+from .state import ElasticState, Join, Recovery
 from .steps import Step
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "Step",
     "Coverage",
     "Recovery",
+    "Join",
     "StandbyProgress",
     "StateMismatchError",
     "pad_batch",

@@ -82,6 +82,29 @@ class Recovery(RecoveryRecord):
         return self.detect_s + self.total_s + self.first_step_s
 
 
+@dataclasses.dataclass(kw_only=True)
+class Join:
+    """Restarted processes admitted into a launched script's job (`--worker-restarts`): the
+    step whose committed state they got, their processes and devices, the meshes before and
+    after the growth, the bytes moved (across processes too), what the grown state's checksums
+    were compared with (`verify`, `verified`), and the seconds of each part (`total_s`: from
+    the admission's start, on each process)."""
+
+    step: int
+    processes: list[int]
+    devices: list[int]
+    from_mesh: dict[str, int]
+    to_mesh: dict[str, int]
+    bytes_moved: int
+    bytes_cross_process: int
+    verify: dict
+    verified: bool
+    compile_s: float
+    transfer_s: float
+    verify_s: float
+    total_s: float
+
+
 def _unwrap_keys(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
 
@@ -179,6 +202,10 @@ class ElasticState:
         self._open: Step | None = None  # the step whose block runs (`steps`)
         self._yielded: Step | None = None  # the step `steps` gave last
         self._first_after: Recovery | None = None  # a recovery whose first step is to come
+        self.joins: list[Join] = []  # restarted processes admitted (under launch)
+        if self.job is not None and self.rt.admission is not None:
+            self._arrive(state)  # a restarted process: the job's state, not the one given
+            return
         self.state = jax.device_put(state, self.shardings())
         self._configure_pool(self.pool, self.state, self.mesh)
 
@@ -487,6 +514,98 @@ class ElasticState:
                 else state_checksums(self.state)
             )
         return self.good
+
+    # -- restarted processes (under launch, `--worker-restarts`) ----------------------------------
+
+    def _admit_joiners(self) -> Join | None:
+        """At a step's start: admit the restarted processes the last step's verdict named
+        (every live process reads the same list), and grow onto their devices (`_grow`)."""
+        joiners = self.rt.joiners() if self.job is not None else []
+        if not joiners:
+            return None
+        t0 = time.perf_counter()
+        package = {"step": self.step, "good": self.committed_checksums(),
+                   "mesh_ids": [d.id for d in self.mesh.devices.flat],
+                   "mesh_shape": list(self.mesh.shape.items()),
+                   "dead_hosts": sorted(self.dead_hosts)}
+        admitted = self.rt.admit(package)  # a new CPU client with the newcomers
+        self.live |= set(admitted.devices)
+        self.dead_hosts -= {self.topology.host_of(d) for d in admitted.devices}
+        store = ShardStore.capture(self.state).map_data(self.rt.current)
+        return self._grow(store, admitted.processes, admitted.devices, t0)
+
+    def _arrive(self, state: PyTree) -> None:
+        """A restarted process admitted into the running job: the state is the job's, held by
+        the others on their mesh (this process sees it as global arrays with no shard here);
+        it takes part in the growth onto its devices (`_grow`), as the others do at that
+        step's start. What `state` holds is not used, only its structure."""
+        rt = self.rt
+        t0 = time.perf_counter()
+        pkg = rt.admission.loop
+        names, sizes = zip(*pkg["mesh_shape"])
+        old = Mesh(np.array([rt.devices[i] for i in pkg["mesh_ids"]]).reshape(sizes), names)
+        self.step, self.good = pkg["step"], dict(pkg["good"])
+        self.dead_hosts = set(pkg["dead_hosts"])
+        self.live = set(rt.live)
+        self.mesh = old
+
+        def empty(x, sh):
+            if is_key(x):
+                raise NotImplementedError(
+                    "a state with typed PRNG-key leaves cannot be handed to a restarted "
+                    "process yet; keep the key's data (jax.random.key_data) in the state")
+            return jax.make_array_from_single_device_arrays(x.shape, sh, [], dtype=x.dtype)
+
+        self.state = jax.tree.map(empty, state, self.shardings(old))
+        mine = tuple(sorted(rt.devices_of(rt.me)))
+        try:
+            self._grow(ShardStore.capture(self.state), (rt.me,), mine, t0)
+        except DeviceFailure as f:  # it holds nothing of the state yet: it cannot recover
+            raise RuntimeError(
+                f"a failure interrupted this process's admission at step {self.step} "
+                f"({f.cause}); it leaves the job (a restart may ask again)") from f
+
+    def _grow(self, store: ShardStore, processes, devices, t0: float) -> Join:
+        """Every live process and the newcomers: the committed state moved onto the mesh over
+        the grown live set (the newcomers' shards copied from live ones), verified against its
+        checksums, a fresh snapshot pool."""
+        rt = self.rt
+        with rt.guard("admit/state"):
+            live = [self.devices[i] for i in self.topology.device_ids if i in self.live]
+            mesh, spare = plan_mesh(live, self.axes)
+            t1 = time.perf_counter()
+            if self._standby is not None:
+                self._standby.drop_queued(keep=mesh)
+                exe, sums_fn = self._standby.wait(mesh)  # a load where its shape was built
+            else:
+                exe, sums_fn = None, self._compile_checksums(mesh)
+            t2 = time.perf_counter()
+            new, log = reshard.transition(store, self.shardings(mesh), devices=self.devices,
+                                          transport=rt, threads=rt.threads)
+            rt.commit(new)
+            t3 = time.perf_counter()
+        with rt.guard("admit/verify"):
+            done = verify_and_protect(
+                new, checksums=lambda s: self._host_sums(sums_fn(s)), expected=self.good,
+                what="state after the admission", against=f"the state of step {self.step}",
+                pool=self.pool, configure=lambda p: self._configure_pool(p, new, mesh),
+                step=self.step, take=_unwrap_keys(new), commit=rt.commit)
+        join = Join(step=self.step, processes=sorted(processes), devices=sorted(devices),
+                    from_mesh=dict(self.mesh.shape), to_mesh=dict(mesh.shape),
+                    bytes_moved=log.bytes_moved, bytes_cross_process=log.cross_process_bytes,
+                    verify=done.compared.as_dict(), verified=done.compared.verified,
+                    compile_s=t2 - t1, transfer_s=t3 - t2, verify_s=done.verify_s,
+                    total_s=time.perf_counter() - t0)
+        self.state, self.mesh, self.spares = new, mesh, [d.id for d in spare]
+        self._sums_fn, self.pool = sums_fn, done.pool
+        self.joins.append(join)
+        rt.log(f"admitted process(es) {join.processes} at step {self.step}: mesh "
+               f"{join.from_mesh} -> {join.to_mesh}, {join.bytes_cross_process} B across "
+               f"processes, verified {join.verified}, {join.total_s:.2f}s")
+        if self._standby is not None:
+            self._exe = exe
+            self._standby.submit(self.likely_meshes())
+        return join
 
     # -- failures -------------------------------------------------------------------------------
 

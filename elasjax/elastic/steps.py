@@ -34,6 +34,7 @@ class Step:
         es = self.es
         if es._open is not None:
             raise RuntimeError(f"step {self.n}: the block of step {es._open.n} is still open")
+        es._admit_joiners()  # restarted processes the last step's verdict named
         while True:
             guard = es.rt.guard("step")
             try:

@@ -133,8 +133,8 @@ def launch_local(
                                   # (`--standby`, `--optimizer` and `--tensorboard` arrive as --set)
                                   "--import": list(imports), "--hook": list(hooks),
                                   "--spares": spares, "--max-restarts": max_restarts,
-                                  "--kill-coordinator": kill_coordinator,
-                                  "--worker-restarts": worker_restarts},
+                                  "--kill-coordinator": kill_coordinator},
+            worker_restarts=worker_restarts, restart_backoff_s=restart_backoff_s,
             settings=settings)
     if script_args:
         raise ConfigError(f"arguments after '--' ({' '.join(script_args)}) go to a launched "
@@ -195,7 +195,8 @@ def launch_local(
 
 def _launch_script(script: str, script_args: Sequence[str], overrides, *, processes: int,
                    devices_per_process: int, out, kills: Sequence[KillSpec], timeout_s: float,
-                   quiet: bool, refused: dict, settings: dict) -> int:
+                   quiet: bool, refused: dict, worker_restarts: int, restart_backoff_s: float,
+                   settings: dict) -> int:
     """`launch_local` of a user's script (see there): its workers run `launch.script`."""
     from .script import check_flags, check_script, kills_by_step
 
@@ -204,6 +205,9 @@ def _launch_script(script: str, script_args: Sequence[str], overrides, *, proces
             raise ConfigError(f"{flag} {v}: allowed values: an integer >= 1")
     check_flags(script, refused)
     check_script(script)
+    if not isinstance(worker_restarts, int) or worker_restarts < 0:
+        raise ConfigError(f"--worker-restarts {worker_restarts!r}: allowed values: an integer "
+                          ">= 0 (dead workers started again to rejoin the job; 0: never)")
     kills_by_step(kills, processes)  # a bad process, or every process killed: an error here
     base = load(None)
     detector = resolve_settings(base.launch, settings)
@@ -214,7 +218,9 @@ def _launch_script(script: str, script_args: Sequence[str], overrides, *, proces
                              devices_per_process=devices_per_process, **detector),
                None, script_args=list(script_args))
     t_start = time.time()
-    a = _run_attempt(job, [], kills, base, t_start + timeout_s, quiet, RestartPolicy(0, 0.0))
+    policy = RestartPolicy(0, restart_backoff_s)
+    a = _run_attempt(job, [], kills, base, t_start + timeout_s, quiet, policy,
+                     worker_restarts=worker_restarts)
     return _report_launch([a], None, RestartPolicy(0, 0.0), None, out, t_start, quiet)
 
 

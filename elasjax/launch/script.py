@@ -93,12 +93,18 @@ def run_script(path: Path, argv: list[str], rc: RuntimeConfig,
     """Join the job, run the script in it, leave; returns the exit code. `kills`:
     `kills_by_step`."""
     from ..runtime import job
+    from ..runtime.membership import JobEndedError
     from ..runtime.multicontroller import MultiControllerRuntime
     from ..runtime.startup import initialize
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's reap asks for stacks
     initialize(rc)
-    rt = MultiControllerRuntime(rc)
+    try:
+        rt = MultiControllerRuntime(rc)
+    except JobEndedError as e:  # restarted too late: the run is over, and that is no error
+        print(f"[elasjax p{rc.process_id}] {e}", flush=True)
+        _shutdown()
+        return 0
     state = job.ScriptJob(rt, kills)
     job.set_current(state)
     finished = False
