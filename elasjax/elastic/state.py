@@ -21,6 +21,7 @@ from ..core.sharding import path_str
 from ..observe.metrics import RecoveryRecord
 from ..plan.planner import Topology
 from ..runtime import job
+from ..runtime.attempts import Attempts, until_recovered
 from ..runtime.inprocess import DeviceFailure, InProcessRuntime, read_replicated
 from ..transfer import checksum, reshard
 from ..transfer.checkpoint import Checkpointer
@@ -678,20 +679,20 @@ class ElasticState:
         # what survives (in a list: a renewal of the collectives moves it onto the new client)
         stores = [store.without(dead)]
         refusals_before = len(self.pool.refusals)
-        attempts, renewals = 0, []
-        while True:
-            attempts += 1
-            t_attempt = time.perf_counter()
-            try:
-                a = self._attempt(stores, dead, good, mesh, failures[-1] if failures else None,
-                                  renewals, at if attempts == 1 else None)
-                break
-            except DeviceFailure as f:  # only under launch: another death during the recovery
-                failures.append(f)
-                self.live -= f.devices
-                self._failed |= f.devices
-                dead = set(self.devices) - self.live
-                stores[0] = stores[0].without(dead)
+        renewals: list = []
+
+        def attempt(run: Attempts) -> _Attempt:
+            return self._attempt(stores, set(self.devices) - self.live, good, mesh,
+                                 run.failures[-1] if run.failures else None, renewals,
+                                 at if run.first else None)
+
+        def fold(f: DeviceFailure) -> None:  # only under launch: a death during the recovery
+            self.live -= f.devices
+            self._failed |= f.devices
+            stores[0] = stores[0].without(set(self.devices) - self.live)
+
+        a, run = until_recovered(failures, attempt, fold)
+        failures, attempts, t_attempt = run.failures, run.count, run.t_last
         done, log = a.done, a.log
         rec = Recovery(
             step=a.step, failed_devices=sorted(self._failed),

@@ -44,6 +44,7 @@ from ..layout.state import StateFactory, make_optimizer
 from ..observe.metrics import RecoveryEvent
 from ..plan.contingencies import Contingencies
 from ..plan.planner import Plan, Topology, same_shape, torchft_kept, torchft_plan
+from ..runtime.attempts import Attempts, until_recovered
 from ..runtime.collectives import Renewal
 from ..runtime.inprocess import DeviceFailure, host_values
 from ..transfer import checksum
@@ -293,7 +294,6 @@ class Recoverer:
         t_first = time.perf_counter()
         compiles_before = self.compiles.count
         self.transitions.stop()  # plans for the old plan's failures: stop preparing them
-        failures = [failure]
         dead = set(failure.devices)
         lost_hosts = set(pos.lost_hosts)
         # what survives of the last good state (held in a list: an attempt that renews the
@@ -303,23 +303,25 @@ class Recoverer:
             self.ckpt.reopen(self.rt.processes())
         t_setup = time.perf_counter() - t_first  # counted in the plan phase
         renewals: list[Renewal] = []
-        attempts = 0
-        while True:
-            attempts += 1
-            t_attempt = time.perf_counter() if attempts > 1 else t_first + t_setup
-            for f in failures:
-                lost_hosts |= self.topo.hosts_lost(f.devices)
+        refusals_before = 0
+
+        def attempt(run: Attempts) -> _Attempt:
+            nonlocal refusals_before
+            for f in run.failures:
+                lost_hosts.update(self.topo.hosts_lost(f.devices))
             refusals_before = len(pool.refusals)  # (the new plan's pool shares the list)
-            try:
-                a = self._attempt(pos, pool, failures[-1], dead, lost_hosts, stores, renewals,
-                                  during if attempts == 1 else [])
-                break
-            except DeviceFailure as f:  # a failure during the recovery: start again
-                if self.ckpt is not None:
-                    self.ckpt.reopen(self.rt.processes())
-                failures.append(f)
-                dead |= f.devices
-                stores[0] = stores[0].without(dead)
+            return self._attempt(pos, pool, run.failures[-1], dead, lost_hosts, stores, renewals,
+                                 during if run.first else [])
+
+        def fold(f: DeviceFailure) -> None:  # a failure during the recovery: start again
+            if self.ckpt is not None:
+                self.ckpt.reopen(self.rt.processes())
+            dead.update(f.devices)
+            stores[0] = stores[0].without(dead)
+
+        a, run = until_recovered([failure], attempt, fold)
+        failures, attempts = run.failures, run.count
+        t_attempt = run.t_last if attempts > 1 else t_first + t_setup
         a.plan_s += t_setup if attempts == 1 else 0.0
         ev = self._event(pos, a, failures, dead, renewals, attempts,
                          retry_s=t_attempt - t_first - t_setup,
