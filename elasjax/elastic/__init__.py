@@ -38,7 +38,8 @@ from ..transfer.shards import StateMismatchError, is_key
 from ..compilation.pieces_standby import StandbyProgress
 from .contract import host_value, pad_batch, put_batch, sample_keys, state_checksums
 from .meshes import ZeroShardings, partition_over, plan_mesh, zero_shardings
-from .state import ElasticState, Join, Recovery
+from .records import Join, Recovery
+from .state import ElasticState
 from .steps import Step
 
 __all__ = [
