@@ -135,6 +135,8 @@ class ElasticState:
         self.recoveries: list[Recovery] = []
         self.checkpointer = Checkpointer(checkpoint) if checkpoint and checkpoint.dir else None
         self._standby: PiecesStandby | None = None
+        self._make_step = self._batch_fn = None  # your step and batch for it (`standby`)
+        self._want: list = []  # the shardings `commit` checks (`_configure_pool`)
         self._exe = None
         self._open: Step | None = None  # the step whose block runs (`steps`)
         self._yielded: Step | None = None  # the step `steps` gave last
