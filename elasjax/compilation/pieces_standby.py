@@ -50,6 +50,11 @@ def shape_key(mesh: Mesh) -> tuple:
     return tuple(mesh.shape.items()), tuple(getattr(mesh, "axis_types", ()) or ())
 
 
+def _ids(mesh: Mesh) -> tuple:
+    """A mesh by its shape and device ids (the same on a renewed client)."""
+    return shape_key(mesh), tuple(d.id for d in mesh.devices.flat)
+
+
 def describe(mesh: Mesh) -> str:
     return " x ".join(f"{a} {n}" for a, n in mesh.shape.items())
 
@@ -157,6 +162,7 @@ class PiecesStandby(StandbyCompiler):
         self.log: list[StandbyProgress] = []
         self.fallbacks: dict[str, int] = {}  # why a mesh was compiled, not rebound -> how many
         self._sources: dict[tuple, dict] = {}  # shape -> the compiled mesh's program
+        self._texts: dict[tuple, tuple] = {}  # (shape, device ids) -> its lowered programs
         self._lk = threading.Lock()  # sources and the round's counts
         self._round: dict | None = None
         self._first: StepExecutables | None = None
@@ -175,9 +181,7 @@ class PiecesStandby(StandbyCompiler):
         """Was a mesh of `mesh`'s shape on the same device ids built? (After the job's
         collectives were renewed, a mesh of the new client's devices is a new key; what was
         built for its ids loads onto them: a rebind in `build`, not a compile.)"""
-        ids = (shape_key(mesh), tuple(d.id for d in mesh.devices.flat))
-        return any((shape_key(m), tuple(d.id for d in m.devices.flat)) == ids
-                   for m in self.ready_keys())
+        return any(_ids(m) == _ids(mesh) for m in self.ready_keys())
 
     def _cheap(self, mesh: Mesh) -> bool:
         with self._lk:
@@ -188,8 +192,16 @@ class PiecesStandby(StandbyCompiler):
         """`mesh`'s step and checksums: rebound from the compile for its shape where the program
         lowered for `mesh` is that one, else compiled (and kept as its shape's source)."""
         t0 = time.perf_counter()
-        low = self.lower(mesh)
-        texts = tuple(x.as_text() for x in low)
+        # a mesh on the device ids of one built before (the same mesh on a renewed client):
+        # its programs are the ones lowered then, and it is rebound without lowering again
+        # (0.41 s of a recovery's 0.51 s before: experiments/RESULTS.md, "The pieces' standby
+        # under launch")
+        with self._lk:
+            texts = self._texts.get(_ids(mesh))
+        low = None
+        if texts is None:
+            low = self.lower(mesh)
+            texts = tuple(x.as_text() for x in low)
         why = self.blocker(mesh)
         with self._lk:
             src = self._sources.get(shape_key(mesh))
@@ -206,8 +218,10 @@ class PiecesStandby(StandbyCompiler):
                 why = f"rebinding failed ({type(e).__name__}: {str(e)[:200]})"
             else:
                 out = StepExecutables(step, sums, "rebound", time.perf_counter() - t0)
-                self._built(mesh, out, "rebound")
+                self._built(mesh, out, "rebound", texts)
                 return out
+        if low is None:
+            low = self.lower(mesh)
         if why == "first of its shape" and self.shared is not None and self.blocker(mesh) is None:
             return self._shared_build(mesh, low, texts, t0)
         step, sums = low[0].compile(), low[1].compile()
@@ -223,7 +237,7 @@ class PiecesStandby(StandbyCompiler):
         if why != "first of its shape":
             with self._lk:
                 self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
-        self._built(mesh, out, how)
+        self._built(mesh, out, how, texts)
         return out
 
     def close(self) -> None:
@@ -254,7 +268,7 @@ class PiecesStandby(StandbyCompiler):
         origin = "rebound" if loaded else "compiled"
         out = StepExecutables(step, sums, origin, time.perf_counter() - t0)
         self._built(mesh, out, "loaded: compiled by another process of the job" if loaded
-                    else "compiled")
+                    else "compiled", texts)
         return out
 
     def _portable(self, src: dict) -> tuple[PortableFunction, PortableFunction]:
@@ -358,8 +372,9 @@ class PiecesStandby(StandbyCompiler):
         return (compiles * self._mean("compiled") + rebinds * self._mean("rebound"),
                 bool(rebinds and not self._n["rebound"]))
 
-    def _built(self, mesh: Mesh, out: StepExecutables, how: str) -> None:
+    def _built(self, mesh: Mesh, out: StepExecutables, how: str, texts: tuple) -> None:
         with self._lk:
+            self._texts[_ids(mesh)] = texts
             self._n[out.origin] += 1
             self._s[out.origin] += out.seconds
             r = self._round
