@@ -151,6 +151,11 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "elasjax launch SCRIPT.py --processes P [-- ARGS]": (
         "synopsis", "launch examples/own_loop.py --processes 4"),
     "elasjax launch SCRIPT.py": ("name", "launch"),
+    "elasjax launch examples/own_loop.py --processes 4 --devices-per-process 2 --kill 6:1 -- "
+    "--standby": ("elsewhere", "tests/test_own_loop_launch.py::"
+                  "test_a_users_loop_survives_sigkills_of_any_process_with_the_fault_free_computation"),
+    "PYTHONPATH=. python experiments/fuzz_own_loop.py --launches 10 --seed 81 --standby": (
+        "validated", "10 launches of 4 processes: about 3 minutes"),
     "elasjax plan CONFIG --devices 8 --fail 3": (
         "synopsis", "plan configs/demo.yaml --devices 8 --fail 3"),
     "elasjax compare RUN REFERENCE": ("synopsis", "compare runs/demo runs/demo_ref"),
