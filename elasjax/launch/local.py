@@ -123,11 +123,17 @@ def launch_local(
     A `config_path` ending in `.py` is the user's own training script: every worker runs it
     (`elasjax.launch.script`) with `script_args`, its `ElasticState` on the job's runtime; the
     kills count the steps it commits. What needs elasjax's loop (a config's `--set`, spares,
-    supervised or worker restarts, the coordination process's kill) is refused by name.
+    supervised restarts of the whole job, the coordination process's kill) is refused by name.
     """
+    for flag, v in (("--processes", processes), ("--devices-per-process", devices_per_process)):
+        if v < 1:
+            raise ConfigError(f"{flag} {v}: allowed values: an integer >= 1")
+    if not isinstance(worker_restarts, int) or worker_restarts < 0:
+        raise ConfigError(f"--worker-restarts {worker_restarts!r}: allowed values: an integer "
+                          ">= 0 (dead workers started again to rejoin the job; 0: never)")
     if config_path is not None and str(config_path).endswith(".py"):
         return _launch_script(
-            config_path, script_args, overrides, processes=processes,
+            config_path, script_args, processes=processes,
             devices_per_process=devices_per_process, out=out, kills=kills, timeout_s=timeout_s,
             quiet=quiet, refused={"--set": list(overrides), "--slow": slow,
                                   # (`--standby`, `--optimizer` and `--tensorboard` arrive as --set)
@@ -139,12 +145,6 @@ def launch_local(
     if script_args:
         raise ConfigError(f"arguments after '--' ({' '.join(script_args)}) go to a launched "
                           "script (a .py file); a config takes --set KEY=VALUE")
-    for flag, v in (("--processes", processes), ("--devices-per-process", devices_per_process)):
-        if v < 1:
-            raise ConfigError(f"{flag} {v}: allowed values: an integer >= 1")
-    if not isinstance(worker_restarts, int) or worker_restarts < 0:
-        raise ConfigError(f"--worker-restarts {worker_restarts!r}: allowed values: an integer "
-                          ">= 0 (dead workers started again to rejoin the job; 0: never)")
     policy = RestartPolicy(max_restarts, restart_backoff_s)
     # Fail fast, before any process starts: config, kill schedule and initial plan (pure).
     import_modules(imports)
@@ -193,21 +193,16 @@ def launch_local(
     return _report_launch(attempts, sup, policy, cfg, out, t_start, quiet)
 
 
-def _launch_script(script: str, script_args: Sequence[str], overrides, *, processes: int,
+def _launch_script(script: str, script_args: Sequence[str], *, processes: int,
                    devices_per_process: int, out, kills: Sequence[KillSpec], timeout_s: float,
                    quiet: bool, refused: dict, worker_restarts: int, restart_backoff_s: float,
                    settings: dict) -> int:
-    """`launch_local` of a user's script (see there): its workers run `launch.script`."""
+    """`launch_local` of a user's script (see there; its counts checked there): its workers run
+    `launch.script`."""
     from .script import check_flags, check_script, kills_by_step
 
-    for flag, v in (("--processes", processes), ("--devices-per-process", devices_per_process)):
-        if v < 1:
-            raise ConfigError(f"{flag} {v}: allowed values: an integer >= 1")
     check_flags(script, refused)
     check_script(script)
-    if not isinstance(worker_restarts, int) or worker_restarts < 0:
-        raise ConfigError(f"--worker-restarts {worker_restarts!r}: allowed values: an integer "
-                          ">= 0 (dead workers started again to rejoin the job; 0: never)")
     kills_by_step(kills, processes)  # a bad process, or every process killed: an error here
     base = load(None)
     detector = resolve_settings(base.launch, settings)
