@@ -8,7 +8,8 @@ and the same step redone, with the same global batch and random numbers.
     python examples/own_loop.py                       # one process, 8 fake CPU devices
     elasjax launch examples/own_loop.py --processes 4 --devices-per-process 2 --kill 6:1
     elasjax launch examples/own_loop.py --processes 4 --kill 5:0 --kill 11:2 -- --steps 16
-    elasjax launch examples/own_loop.py --processes 4 --kill 3:1 --worker-restarts 1 -- --steps 60 --pace 0.2
+    elasjax launch examples/own_loop.py --processes 4 --kill 3:1 --worker-restarts 1 \
+        -- --steps 60 --pace 0.2
 
 `--out FILE` writes the losses, the final state's digest and the recoveries as JSON (from
 the lowest live process), so that two runs can be compared.
@@ -19,8 +20,9 @@ import json
 import os
 import time
 
+# alone: 8 fake CPU devices; under launch the worker's backend has started already (inert)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")  # (alone; inert under launch)
+                           + " --xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

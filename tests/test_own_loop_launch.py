@@ -212,9 +212,9 @@ def test_a_restarted_process_rejoins_a_users_loop_and_the_job_grows_back(tmp_pat
     starts it again; it runs the script from its start, is admitted at a step's start, and the
     job grows back onto its devices (the state moved onto the grown mesh and verified), every
     step once."""
-    # paced steps: the restarted process's start (imports, its own init) within the run
+    # paced steps (20 s in all): the restarted process starts (imports, its own init) within the run
     r, run = _launch(tmp_path, "rejoin", "--kill", "3:1", "--worker-restarts", "1",
-                     "--restart-backoff", "0.5", args=("--steps", "60", "--pace", "0.25"))
+                     "--restart-backoff", "0.5", args=("--steps", "80", "--pace", "0.25"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "p1=SIGKILL" in r.stdout and "p1=0" in r.stdout  # killed, then ended well
     (rec,) = run["recoveries"]
@@ -222,7 +222,7 @@ def test_a_restarted_process_rejoins_a_users_loop_and_the_job_grows_back(tmp_pat
     (join,) = run["joins"]
     assert join["processes"] == [1] and join["verified"] and join["step"] > 3
     assert join["to_mesh"] == run["mesh"] == {"data": 4, "model": 2}
-    assert sorted(run["losses"], key=int) == [str(i) for i in range(60)]
+    assert sorted(run["losses"], key=int) == [str(i) for i in range(80)]
     log = (tmp_path / "rejoin" / "worker1.r1.log").read_text()
     assert f"admitted process(es) [1] at step {join['step']}" in log
     assert "done: the script returned" in log

@@ -269,7 +269,7 @@ class ElasticState:
         for x in jax.tree.leaves(sums):
             x.copy_to_host_async()
         raw = _unwrap_keys(state)
-        if self.job is not None:  # `--kill`: right after the step's dispatch, its collectives in flight
+        if self.job is not None:  # `--kill`: right after the dispatch, its collectives in flight
             redo = self._first_after is not None  # the step a recovery redoes
             self.job.kill(self.rt, step, "recovery/first_step" if redo else "step",
                           "after_dispatch")
@@ -613,7 +613,8 @@ class ElasticState:
         t_first = time.perf_counter()
         good = self.committed_checksums()
         dead = set(self.devices) - self.live
-        store = self._survivors if self._survivors is not None else self.rt.capture(self.state, dead)
+        store = (self._survivors if self._survivors is not None
+                 else self.rt.capture(self.state, dead))
         # what survives (in a list: a renewal of the collectives moves it onto the new client)
         stores = [store.without(dead)]
         refusals_before = len(self.pool.refusals)
