@@ -217,20 +217,10 @@ def _launch(args) -> int:
     args.set = [*args.set, *_optimizer_override(args), *_tensorboard_override(args)]
     spares = None if args.spares is None else process.parse_spares(args.spares)
     if args.cluster:
-        from .core import jaxcompat
-
         if args.processes is not None:
             raise process.ConfigError("--cluster joins a cluster's job as one of its processes; "
                                      "allowed with --cluster: --processes not given")
-        args.coordinator, args.num_processes, args.process_id = jaxcompat.cluster_params(
-            args.coordinator, args.num_processes, args.process_id)
-        missing = [flag for flag, v in (("--coordinator", args.coordinator),
-                                        ("--num-processes", args.num_processes),
-                                        ("--process-id", args.process_id)) if v is None]
-        if missing:
-            raise process.ConfigError(
-                f"--cluster found no value for {', '.join(missing)} in the environment (JAX "
-                "detects SLURM, Open MPI, Kubernetes and Cloud TPU jobs); pass them by hand")
+        _cluster_address(args)
     if args.coordinator is None:  # start the processes here, on loopback
         if args.num_processes is not None or args.process_id is not None:
             raise process.ConfigError("--num-processes/--process-id need --coordinator")
@@ -281,10 +271,26 @@ def _launch(args) -> int:
     return process.worker_main(args)  # the one worker entry point
 
 
+def _cluster_address(args) -> None:
+    """`--cluster`: the coordinator, the process count and this process's id taken from the
+    cluster's environment where not given; an error naming what none gives."""
+    from .config import ConfigError
+    from .core import jaxcompat
+
+    args.coordinator, args.num_processes, args.process_id = jaxcompat.cluster_params(
+        args.coordinator, args.num_processes, args.process_id)
+    missing = [flag for flag, v in (("--coordinator", args.coordinator),
+                                    ("--num-processes", args.num_processes),
+                                    ("--process-id", args.process_id)) if v is None]
+    if missing:
+        raise ConfigError(
+            f"--cluster found no value for {', '.join(missing)} in the environment (JAX "
+            "detects SLURM, Open MPI, Kubernetes and Cloud TPU jobs); pass them by hand")
+
+
 def _launch_script_here(args) -> int:
     """This process joins a cluster's job running a user's script (`--cluster`, or
     `--coordinator` with `--num-processes` and `--process-id`): `launch.script.worker_main`."""
-    from .core import jaxcompat
     from .launch import script
 
     if args.processes is not None:
@@ -296,15 +302,9 @@ def _launch_script_here(args) -> int:
             "--out names the local launcher's directory (its workers' logs); a script on a "
             "cluster writes its own outputs; allowed there: --out not given")
     if args.cluster:
-        args.coordinator, args.num_processes, args.process_id = jaxcompat.cluster_params(
-            args.coordinator, args.num_processes, args.process_id)
-    missing = [flag for flag, v in (("--coordinator", args.coordinator),
-                                    ("--num-processes", args.num_processes),
-                                    ("--process-id", args.process_id)) if v is None]
-    if missing:
-        raise script.ConfigError(
-            f"a script joining a cluster's job needs {', '.join(missing)} (given, or from the "
-            "environment with --cluster: SLURM, Open MPI, Kubernetes, Cloud TPU)")
+        _cluster_address(args)
+    if args.num_processes is None or args.process_id is None:
+        raise script.ConfigError("--coordinator needs --num-processes and --process-id")
     args.script = args.config
     return script.worker_main(args, args.script_args)
 

@@ -513,22 +513,15 @@ class ElasticState:
             live = [self.devices[i] for i in self.topology.device_ids if i in self.live]
             mesh, spare = plan_mesh(live, self.axes)
             t1 = time.perf_counter()
-            if self._standby is not None:
-                self._standby.drop_queued(keep=mesh)
-                exe, sums_fn = self._standby.wait(mesh)  # a load where its shape was built
-            else:
-                exe, sums_fn = None, self._compile_checksums(mesh)
+            _, exe, sums_fn = self._executables(mesh)  # a load where its shape was built
             t2 = time.perf_counter()
             new, log = reshard.transition(store, self.shardings(mesh), devices=self.devices,
                                           transport=rt, threads=rt.threads)
             rt.commit(new)
             t3 = time.perf_counter()
         with rt.guard("admit/verify"):
-            done = verify_and_protect(
-                new, checksums=lambda s: self._host_sums(sums_fn(s)), expected=self.good,
-                what="state after the admission", against=f"the state of step {self.step}",
-                pool=self.pool, configure=lambda p: self._configure_pool(p, new, mesh),
-                step=self.step, take=_unwrap_keys(new), commit=rt.commit)
+            done = self._verified(new, mesh, sums_fn, self.good, "state after the admission",
+                                  self.step)
         join = Join(step=self.step, processes=sorted(processes), devices=sorted(devices),
                     from_mesh=dict(self.mesh.shape), to_mesh=dict(mesh.shape),
                     bytes_moved=log.bytes_moved, bytes_cross_process=log.cross_process_bytes,
@@ -690,15 +683,7 @@ class ElasticState:
                 used = {d.id for d in mesh.devices.flat}
                 spare = [d for d in live if d.id not in used]
             t1 = time.perf_counter()
-            hit, exe = None, None
-            if self._standby is not None:
-                self._standby.drop_queued(keep=mesh)  # the cores go to this recovery
-                # a hit: built before the failure; after a renewal of the collectives, for the
-                # same device ids of the old client, and loaded onto the new one here
-                hit = self._standby.ready(mesh) or self._standby.built_before(mesh)
-                exe, sums_fn = self._standby.wait(mesh)  # at once on a hit; else jumps the line
-            else:
-                sums_fn = self._compile_checksums(mesh)
+            hit, exe, sums_fn = self._executables(mesh)
             compile_s = time.perf_counter() - t1
         with rt.guard("recovery/transfer"):
             kills("transfer")
@@ -730,14 +715,35 @@ class ElasticState:
             jax.tree.leaves(new), jax.tree.leaves(self.shardings(mesh))))
         with rt.guard("recovery/verify"):
             kills("verify")
-            done = verify_and_protect(  # the previous state and pool are untouched if this raises
-                new, checksums=lambda s: self._host_sums((sums_fn if same else _checksums)(s)),
-                expected=good_of, what="recovered state", against=f"the state of step {step}",
-                pool=self.pool, configure=lambda p: self._configure_pool(p, new, mesh),
-                step=step, take=_unwrap_keys(new), commit=rt.commit if launched else None)
+            # the previous state and pool are untouched if this raises
+            done = self._verified(new, mesh, sums_fn if same else _checksums, good_of,
+                                  "recovered state", step)
         return Attempt(state=new, mesh=mesh, spare=spare, done=done, log=log, step=step,
                         why=why, rung=rung, hit=hit, exe=exe, sums_fn=sums_fn, same=same,
                         plan_s=t1 - t0, compile_s=compile_s, transfer_s=transfer_s)
+
+    def _executables(self, mesh: Mesh) -> tuple[bool | None, Any, Any]:
+        """(standby hit, your step, the checksums) for `mesh`: the standby's (the cores go to
+        this move: the queue is dropped; a hit was built before, on a renewed client for the
+        same device ids, loaded onto the new one here), else None and the checksums compiled
+        (None: no standby)."""
+        if self._standby is None:
+            return None, None, self._compile_checksums(mesh)
+        self._standby.drop_queued(keep=mesh)
+        hit = self._standby.ready(mesh) or self._standby.built_before(mesh)
+        exe, sums_fn = self._standby.wait(mesh)  # at once on a hit; else jumps the line
+        return hit, exe, sums_fn
+
+    def _verified(self, new: PyTree, mesh: Mesh, sums_fn, expected: dict[str, str], what: str,
+                  step: int):
+        """`new` on `mesh` checked against `expected` (`verify_and_protect`), then protected by
+        a fresh snapshot pool as the state of `step`; under launch its copies are waited for
+        in the caller's guard."""
+        return verify_and_protect(
+            new, checksums=lambda s: self._host_sums(sums_fn(s)), expected=expected, what=what,
+            against=f"the state of step {step}", pool=self.pool,
+            configure=lambda p: self._configure_pool(p, new, mesh), step=step,
+            take=_unwrap_keys(new), commit=self.rt.commit if self.job is not None else None)
 
     def _from_checkpoint(self, mesh: Mesh) -> tuple[PyTree, int, dict[str, str]]:
         """The newest checkpoint read onto `mesh` (keys wrapped again), its step and checksums."""

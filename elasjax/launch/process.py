@@ -157,6 +157,20 @@ def resolve_config(
     return out
 
 
+def join_job(rc: RuntimeConfig) -> MultiControllerRuntime | None:
+    """This process joins the job described by `rc` (elasjax's loop or a user's script alike):
+    its runtime, or None for a process restarted after the run ended (said, left; no error)."""
+    # the launcher asks a worker it is about to SIGKILL for its threads' stacks (`local._reap`)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    initialize(rc)
+    try:
+        return MultiControllerRuntime(rc)
+    except JobEndedError as e:  # restarted too late: the run is over, and that is no error
+        print(f"[elasjax p{rc.process_id}] {e}", flush=True)
+        _shutdown()
+        return None
+
+
 def run_worker(
     cfg: Config,
     rc: RuntimeConfig,
@@ -167,14 +181,8 @@ def run_worker(
     """Join the job described by `rc` and train; returns a process exit code. `hooks`:
     `MODULE:FUNCTION` names (`elasjax.observe.events`), called in this process."""
     fns = load_hooks(hooks)
-    # the launcher asks a worker it is about to SIGKILL for its threads' stacks (`local._reap`)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    initialize(rc)
-    try:
-        rt = MultiControllerRuntime(rc)
-    except JobEndedError as e:  # restarted too late: the run is over, and that is no error
-        print(f"[elasjax p{rc.process_id}] {e}", flush=True)
-        _shutdown()
+    rt = join_job(rc)
+    if rt is None:
         return 0
     cfg = resolve_config(cfg, jax.process_count(), len(jax.local_devices()), kills)
     try:

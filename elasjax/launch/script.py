@@ -17,17 +17,15 @@ end the worker with a usage error (exit 2) after the script returned.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import os
 import runpy
-import signal
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 from ..config import ConfigError, load
 from ..runtime.startup import RuntimeConfig, add_setting_flags, resolve_settings, settings_of
-from .process import KillSpec, _leave, _shutdown
+from .process import KillSpec, _leave, _shutdown, join_job
 
 USAGE_ERROR = 2
 
@@ -93,17 +91,9 @@ def run_script(path: Path, argv: list[str], rc: RuntimeConfig,
     """Join the job, run the script in it, leave; returns the exit code. `kills`:
     `kills_by_step`."""
     from ..runtime import job
-    from ..runtime.membership import JobEndedError
-    from ..runtime.multicontroller import MultiControllerRuntime
-    from ..runtime.startup import initialize
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's reap asks for stacks
-    initialize(rc)
-    try:
-        rt = MultiControllerRuntime(rc)
-    except JobEndedError as e:  # restarted too late: the run is over, and that is no error
-        print(f"[elasjax p{rc.process_id}] {e}", flush=True)
-        _shutdown()
+    rt = join_job(rc)
+    if rt is None:
         return 0
     state = job.ScriptJob(rt, kills)
     job.set_current(state)
