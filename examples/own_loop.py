@@ -9,7 +9,7 @@ and the same step redone, with the same global batch and random numbers.
     elasjax launch examples/own_loop.py --processes 4 --devices-per-process 2 --kill 6:1
     elasjax launch examples/own_loop.py --processes 4 --kill 5:0 --kill 11:2 -- --steps 16
     elasjax launch examples/own_loop.py --processes 4 --kill 3:1 --worker-restarts 1 \
-        -- --steps 60 --pace 0.2
+        -- --steps 120 --pace 0.2
 
 `--out FILE` writes the losses, the final state's digest and the recoveries as JSON (from
 the lowest live process), so that two runs can be compared.
@@ -63,7 +63,8 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default=None)
     ap.add_argument("--pace", type=float, default=0.0,
-                    help="seconds each step waits after its commit (a stand-in for a bigger step)")
+                    help="seconds each step waits after its commit (a stand-in for a bigger "
+                    "step) while the job is short of a process that died and may rejoin")
     ap.add_argument("--standby", action="store_true",
                     help="compile the step for every likely failure's mesh before step 0")
     args = ap.parse_args()
@@ -134,7 +135,8 @@ def main():
                   f"{r.bytes_cross_process} B across processes)", flush=True)
             continue
         losses[step.n] = float(elasjax.host_value(loss))
-        time.sleep(args.pace)
+        if es.recoveries and not es.joins:  # (a restart has this long to rejoin)
+            time.sleep(args.pace)
     es.close()
     digest = es.state_digest()
     print(f"final loss {losses[args.steps - 1]:.6f} on mesh {dict(es.mesh.shape)}; "
