@@ -955,6 +955,20 @@ def _ends(out: Path) -> dict:
     return {s["process"]: (s["signal"] or s["returncode"]) for s in summary["processes"]}
 
 
+def _assert_ends(out: Path, expected: dict) -> None:
+    """Each process ended as `expected` (an exit code or a signal's name); where one did not,
+    the failure shows the tail of its log, so a run that failed once in CI names its cause."""
+    ends = _ends(out)
+    odd = [p for p in ends if ends[p] != expected.get(p)]
+    tails = "\n".join(f"--- worker{p}.log (ended {ends[p]!r}, expected {expected.get(p)!r}):\n"
+                      + _tail(out / f"worker{p}.log") for p in odd)
+    assert ends == expected, tails
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    return path.read_text()[-chars:] if path.exists() else f"(no {path.name})"
+
+
 @pytest.mark.slow
 def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference, tmp_path):
     out = tmp_path / "mp"
@@ -969,7 +983,7 @@ def test_sigkill_one_of_four_processes_matches_the_single_process_run(reference,
              "JAX_LOG_COMPILES": "1"},  # (counted below: the fresh state's program)
     )
     assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
+    _assert_ends(out, {0: 0, 1: 0, 2: "SIGKILL", 3: 0})
     events = read_jsonl(out / "events.jsonl")
     # the user's hook (tests/user_hooks.py) ran in each survivor: every step once, each recovery
     # once (the kill's, and a collective retry's where a loaded host made one: `deaths`)
@@ -1038,7 +1052,7 @@ def test_a_users_lamb_survives_a_sigkill_with_its_fault_free_computation(exe_cac
         "--optimizer", "user_optim:lamb", env={"PYTHONPATH": str(ROOT / "tests")},
     )
     assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
+    _assert_ends(out, {0: 0, 1: 0, 2: "SIGKILL", 3: 0})
     metrics = read_jsonl(out / "metrics.jsonl")
     _assert_matches(metrics, ref)
     rel = max(abs(r["loss"] - ref.losses[r["step"]]) / ref.losses[r["step"]] for r in metrics)
@@ -1065,7 +1079,7 @@ def test_a_collective_that_times_out_among_live_processes_is_retried_on_fresh_co
         sets=["faults=[{at_step: 3, stall_process: 1, stall_s: 3}]"],
     )
     assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: 0}
+    _assert_ends(out, {0: 0, 1: 0})
     metrics = read_jsonl(out / "metrics.jsonl")
     _assert_matches(metrics, reference)
     assert [r["n_devices"] for r in metrics] == [8] * STEPS
@@ -1125,7 +1139,7 @@ def test_zero_partitions_come_back_from_buddies_across_a_kill_during_recovery(ze
         timeout=480,  # two recoveries' compiles on 2 loaded cores: 270 s was not always enough
     )
     assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0, 3: "SIGKILL"}
+    _assert_ends(out, {0: 0, 1: "SIGKILL", 2: 0, 3: "SIGKILL"})
     (ev,) = deaths(read_jsonl(out / "events.jsonl"))
     assert ev["attempts"] == 2 and ev["failed_processes"] == [1, 3]
     assert ev["verify"]["leaves"] > 0
@@ -1170,7 +1184,7 @@ def test_a_hot_spare_takes_the_killed_process_place_and_the_mesh_keeps_its_size(
         sets=_SPARES, timeout=240,
     )
     assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0}
+    _assert_ends(out, {0: 0, 1: "SIGKILL", 2: 0})
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(6)), "a step was lost or repeated"
     for r in metrics:
@@ -1228,7 +1242,7 @@ def test_killing_a_process_and_its_buddy_stops_every_survivor_with_the_leaf_name
 def _assert_process_0_survived(out: Path, stdout: str, reference) -> dict:
     """Process 0 was killed in step 4 and the other three finished with the fault-free
     computation; returns its recovery event."""
-    assert _ends(out) == {0: "SIGKILL", 1: 0, 2: 0, 3: 0}
+    _assert_ends(out, {0: "SIGKILL", 1: 0, 2: 0, 3: 0})
     metrics = read_jsonl(out / "metrics.jsonl")
     _assert_matches(metrics, reference)  # every step once, though the writer changed
     assert [r["n_processes"] for r in metrics] == [4] * 4 + [3] * (STEPS - 4)
@@ -1548,7 +1562,7 @@ def test_zero3_with_two_copies_survives_two_processes_killed_together_and_evalua
     rc, stdout = _launch(out, *_LAUNCH_ONE_EACH, "--kill", "3:1", "--kill", "3:2",
                          sets=("parallel.devices=-1", *ZERO3[1:]), timeout=480)
     assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: "SIGKILL", 3: 0}
+    _assert_ends(out, {0: 0, 1: "SIGKILL", 2: "SIGKILL", 3: 0})
     ev = _recovery(out)
     assert ev["step"] == 3 and ev["failed_processes"] == [1, 2], ev
     assert ev["verify"]["leaves"] > 0, ev
@@ -1590,7 +1604,7 @@ def test_a_partition_with_no_live_copy_comes_back_from_the_checkpoint(exe_cache,
                          sets=("parallel.devices=-1", *CHECKPOINTED[1:],
                                f"checkpoint.dir={tmp_path / 'ck'}"), timeout=480)
     assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0, 3: 0}
+    _assert_ends(out, {0: 0, 1: "SIGKILL", 2: 0, 3: 0})
     ev = _recovery(out)
     at = _checkpoint_resumed(ev)
     rows = read_jsonl(out / "metrics.jsonl")
@@ -1616,7 +1630,7 @@ def test_the_baselines_recover_a_sigkill_under_launch_as_they_do_in_one_process(
     rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "2", "--kill", kill,
                          sets=sets)
     assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: 0, 2: "SIGKILL", 3: 0}
+    _assert_ends(out, {0: 0, 1: 0, 2: "SIGKILL", 3: 0})
     ev = _recovery(out)
     assert ev["failed_processes"] == [2] and ev["strategy"] == strategy, ev
     assert ev["verify"]["leaves"] > 0, ev
@@ -1653,7 +1667,7 @@ def test_a_pipeline_resumes_on_the_fast_path_and_cuts_over_under_launch(exe_cach
                          sets=(*PIPELINE, "recovery.migration=async",
                                "recovery.max_fast_path_steps=2"), timeout=480)
     assert rc == 0, stdout
-    assert _ends(out) == {0: 0, 1: "SIGKILL", 2: 0, 3: 0}
+    _assert_ends(out, {0: 0, 1: "SIGKILL", 2: 0, 3: 0})
     ev = _recovery(out)
     assert ev["step"] == 3 and ev["verify"]["leaves"] > 0 and ev["migration"] == "async", ev
     events = read_jsonl(out / "events.jsonl")
