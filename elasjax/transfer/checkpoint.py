@@ -36,7 +36,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..config import CheckpointConfig, ConfigError
@@ -44,6 +43,16 @@ from ..plan.zero import ZeroLayout
 from .lone_writer import LoneWriter
 from .reshard import transition
 from .shards import Shard, ShardStore, StateMismatchError
+
+
+def _ocp():
+    """Orbax, imported where a checkpoint is made or read: it costs every process that imports
+    elasjax's loop about 0.2 s of CPU at start (`python -X importtime`), and most runs
+    (every launch worker of the suite, a run without `checkpoint.dir`) never use it
+    (experiments/RESULTS.md, "What a process pays at start")."""
+    import orbax.checkpoint as ocp
+
+    return ocp
 
 
 class CheckpointFormatError(ConfigError):
@@ -203,9 +212,9 @@ class Checkpointer:
             self.manager.reload()
 
     def _open(self, processes: set[int] | None):
-        mp = ocp.options.MultiprocessingOptions()
+        mp = _ocp().options.MultiprocessingOptions()
         if processes is not None:  # a multi-process job: exactly these take part
-            mp = ocp.options.MultiprocessingOptions(
+            mp = _ocp().options.MultiprocessingOptions(
                 primary_host=min(processes), active_processes=set(processes),
                 barrier_sync_key_prefix=f"elasjax-ckpt-{self.generation}",
             )
@@ -214,16 +223,16 @@ class Checkpointer:
         # keeps the default primary host, process 0, and writes its files (the JSON record,
         # the array metadata) only there, so once process 0 is gone every checkpoint was a
         # commit marker over nothing (tests/test_checkpoint_multiprocess.py).
-        registry = ocp.DefaultCheckpointHandlerRegistry()
-        state = ocp.StandardCheckpointHandler(multiprocessing_options=mp)
-        meta = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
-        for item, handler, kinds in (("state", state, (ocp.args.StandardSave, ocp.args.StandardRestore)),
-                                     ("meta", meta, (ocp.args.JsonSave, ocp.args.JsonRestore))):
+        registry = _ocp().DefaultCheckpointHandlerRegistry()
+        state = _ocp().StandardCheckpointHandler(multiprocessing_options=mp)
+        meta = _ocp().JsonCheckpointHandler(multiprocessing_options=mp)
+        for item, handler, kinds in (("state", state, (_ocp().args.StandardSave, _ocp().args.StandardRestore)),
+                                     ("meta", meta, (_ocp().args.JsonSave, _ocp().args.JsonRestore))):
             for kind in kinds:
                 registry.add(item, kind, handler)
-        return ocp.CheckpointManager(
+        return _ocp().CheckpointManager(
             self.dir,
-            options=ocp.CheckpointManagerOptions(
+            options=_ocp().CheckpointManagerOptions(
                 max_to_keep=self.cfg.keep, enable_async_checkpointing=True,
                 multiprocessing_options=mp, create=False,
             ),
@@ -264,9 +273,9 @@ class Checkpointer:
         self._sync()
         self.manager.save(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave(meta),
+            args=_ocp().args.Composite(
+                state=_ocp().args.StandardSave(state),
+                meta=_ocp().args.JsonSave(meta),
             ),
             force=True,
         )
@@ -305,7 +314,7 @@ class Checkpointer:
         naming the first leaf that differs."""
         _AbandonedReads.install(self.dir)
         try:
-            stored = ocp.StandardCheckpointHandler().metadata(self.dir / str(step) / "state")
+            stored = _ocp().StandardCheckpointHandler().metadata(self.dir / str(step) / "state")
         except Exception as e:  # noqa: BLE001 (any unreadable metadata: said as such)
             _AbandonedReads.failed = True
             raise CheckpointFormatError(
@@ -345,8 +354,8 @@ class Checkpointer:
         try:
             out = self.manager.restore(
                 step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_target), meta=ocp.args.JsonRestore()
+                args=_ocp().args.Composite(
+                    state=_ocp().args.StandardRestore(abstract_target), meta=_ocp().args.JsonRestore()
                 ),
             )
         except Exception as e:  # noqa: BLE001 (Orbax wraps a damaged file's error in Exception)
@@ -366,7 +375,7 @@ class Checkpointer:
         self._sync()
         self.manager.wait_until_finished()
         self.check_files(step)
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        return self.manager.restore(step, args=_ocp().args.Composite(meta=_ocp().args.JsonRestore()))["meta"]
 
     # -- damaged files -----------------------------------------------------------------------
 
