@@ -212,9 +212,10 @@ class Checkpointer:
             self.manager.reload()
 
     def _open(self, processes: set[int] | None):
-        mp = _ocp().options.MultiprocessingOptions()
+        ocp = _ocp()
+        mp = ocp.options.MultiprocessingOptions()
         if processes is not None:  # a multi-process job: exactly these take part
-            mp = _ocp().options.MultiprocessingOptions(
+            mp = ocp.options.MultiprocessingOptions(
                 primary_host=min(processes), active_processes=set(processes),
                 barrier_sync_key_prefix=f"elasjax-ckpt-{self.generation}",
             )
@@ -223,16 +224,16 @@ class Checkpointer:
         # keeps the default primary host, process 0, and writes its files (the JSON record,
         # the array metadata) only there, so once process 0 is gone every checkpoint was a
         # commit marker over nothing (tests/test_checkpoint_multiprocess.py).
-        registry = _ocp().DefaultCheckpointHandlerRegistry()
-        state = _ocp().StandardCheckpointHandler(multiprocessing_options=mp)
-        meta = _ocp().JsonCheckpointHandler(multiprocessing_options=mp)
-        for item, handler, kinds in (("state", state, (_ocp().args.StandardSave, _ocp().args.StandardRestore)),
-                                     ("meta", meta, (_ocp().args.JsonSave, _ocp().args.JsonRestore))):
+        registry = ocp.DefaultCheckpointHandlerRegistry()
+        state = ocp.StandardCheckpointHandler(multiprocessing_options=mp)
+        meta = ocp.JsonCheckpointHandler(multiprocessing_options=mp)
+        for item, handler, kinds in (("state", state, (ocp.args.StandardSave, ocp.args.StandardRestore)),
+                                     ("meta", meta, (ocp.args.JsonSave, ocp.args.JsonRestore))):
             for kind in kinds:
                 registry.add(item, kind, handler)
-        return _ocp().CheckpointManager(
+        return ocp.CheckpointManager(
             self.dir,
-            options=_ocp().CheckpointManagerOptions(
+            options=ocp.CheckpointManagerOptions(
                 max_to_keep=self.cfg.keep, enable_async_checkpointing=True,
                 multiprocessing_options=mp, create=False,
             ),
@@ -258,6 +259,7 @@ class Checkpointer:
     def save(self, step: int, state: Any, checksums: dict[str, str], form: dict | None = None) -> None:
         """Save `state` as it is; `form` (`form_of(plan)`) says which plan's form that is (None:
         the canonical form)."""
+        ocp = _ocp()
         meta = {"step": step, "checksums": checksums, "form": form}
         self._checked.pop(step, None)
         if jax.process_count() > 1 and all(
@@ -273,9 +275,9 @@ class Checkpointer:
         self._sync()
         self.manager.save(
             step,
-            args=_ocp().args.Composite(
-                state=_ocp().args.StandardSave(state),
-                meta=_ocp().args.JsonSave(meta),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave(meta),
             ),
             force=True,
         )
@@ -312,9 +314,10 @@ class Checkpointer:
         """Checkpoint `step`'s arrays against the target's leaves (shapes and dtypes), before
         anything is read: a checkpoint of another model or shape is a `CheckpointFormatError`
         naming the first leaf that differs."""
+        ocp = _ocp()
         _AbandonedReads.install(self.dir)
         try:
-            stored = _ocp().StandardCheckpointHandler().metadata(self.dir / str(step) / "state")
+            stored = ocp.StandardCheckpointHandler().metadata(self.dir / str(step) / "state")
         except Exception as e:  # noqa: BLE001 (any unreadable metadata: said as such)
             _AbandonedReads.failed = True
             raise CheckpointFormatError(
@@ -346,6 +349,7 @@ class Checkpointer:
         (`check_files`, unless the caller just did: `files_checked`; `check_fits`); an
         unreadable checkpoint is a `CheckpointFormatError` naming the file where the read says
         which value failed."""
+        ocp = _ocp()
         self._sync()
         self.manager.wait_until_finished()
         if not files_checked:
@@ -354,8 +358,8 @@ class Checkpointer:
         try:
             out = self.manager.restore(
                 step,
-                args=_ocp().args.Composite(
-                    state=_ocp().args.StandardRestore(abstract_target), meta=_ocp().args.JsonRestore()
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_target), meta=ocp.args.JsonRestore()
                 ),
             )
         except Exception as e:  # noqa: BLE001 (Orbax wraps a damaged file's error in Exception)
@@ -372,10 +376,11 @@ class Checkpointer:
     def metadata(self, step: int) -> dict:
         """The JSON record of checkpoint `step` alone: {step, checksums, form}; the checkpoint's
         files checked first (`check_files`)."""
+        ocp = _ocp()
         self._sync()
         self.manager.wait_until_finished()
         self.check_files(step)
-        return self.manager.restore(step, args=_ocp().args.Composite(meta=_ocp().args.JsonRestore()))["meta"]
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     # -- damaged files -----------------------------------------------------------------------
 
