@@ -387,7 +387,8 @@ def _add_launch(sub) -> None:
                    help="SIGKILL process PROCESS right after it dispatches step STEP; with "
                    "PHASE (plan, transfer, verify, first_step) as that phase of the recovery "
                    "another kill at step STEP started begins (for a script: the step it "
-                   "commits)")
+                   "commits; and PHASE admission: as the first admission of a restarted process "
+                   "from step STEP on moves the state)")
     m.add_argument("--kill-coordinator", type=int, default=None, metavar="STEP",
                    help="local launch: SIGKILL the coordination process once step STEP is "
                    "logged (the loss of its node; the job ends, or restarts under "

@@ -79,11 +79,13 @@ def main():
              "w2": NamedSharding(m, P("model", None)), "b2": NamedSharding(m, P())}
         opt = elasjax.opt_state_shardings(tx, abstract["opt"], abstract["params"], p)
         z = elasjax.zero_shardings(1, p, opt, abstract["params"], abstract["opt"])  # ZeRO-1
-        return {"params": z.params, "opt": z.opt, "step": NamedSharding(m, P())}
+        return {"params": z.params, "opt": z.opt, "step": NamedSharding(m, P()),
+                "key": NamedSharding(m, P())}
 
-    def fresh():
+    def fresh():  # the dropout key is state too (a typed key: moved, verified, handed on)
         params = init(root)
-        return {"params": params, "opt": tx.init(params), "step": jnp.int32(0)}
+        return {"params": params, "opt": tx.init(params), "step": jnp.int32(0),
+                "key": jax.random.fold_in(root, 1)}
 
     abstract = jax.eval_shape(fresh)
     state = jax.jit(fresh, out_shardings=shardings(mesh))()  # each process makes its part
@@ -95,11 +97,11 @@ def main():
         return jnp.sum(ce * b["weight"]) / jnp.sum(b["weight"])  # global normalisation
 
     def train_step(state, b):
-        keys = elasjax.sample_keys(root, state["step"], b["id"])
+        keys = elasjax.sample_keys(state["key"], state["step"], b["id"])
         loss, g = jax.value_and_grad(loss_fn)(state["params"], b, keys)
         upd, opt = tx.update(g, state["opt"], state["params"])
         new = {"params": optax.apply_updates(state["params"], upd), "opt": opt,
-               "step": state["step"] + 1}
+               "step": state["step"] + 1, "key": state["key"]}
         return new, loss
 
     steps = {}  # mesh -> your step compiled for it (no donation: a death may interrupt it)
@@ -152,7 +154,8 @@ def main():
                for r in es.recoveries]
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "digest": digest, "mesh": dict(es.mesh.shape),
-                       "recoveries": rec, "joins": joins}, f)
+                       "recoveries": rec, "joins": joins,
+                       "key_dtype": str(es.state["key"].dtype)}, f)
 
 
 if __name__ == "__main__":

@@ -211,7 +211,8 @@ def test_a_restarted_process_rejoins_a_users_loop_and_the_job_grows_back(tmp_pat
     """`--kill 3:1 --worker-restarts 1`: process 1 dies after committing step 3; the launcher
     starts it again; it runs the script from its start, is admitted at a step's start, and the
     job grows back onto its devices (the state moved onto the grown mesh and verified), every
-    step once."""
+    step once. The state holds a typed PRNG key (the example's dropout key), which the newcomer
+    receives as any leaf (its empty view made from the key's data: `shards.held_elsewhere`)."""
     # steps paced while the job is short of process 1 (up to 38 s): the restarted process
     # starts (imports, its own init) within the run even on a loaded machine
     r, run = _launch(tmp_path, "rejoin", "--kill", "3:1", "--worker-restarts", "1",
@@ -225,6 +226,54 @@ def test_a_restarted_process_rejoins_a_users_loop_and_the_job_grows_back(tmp_pat
     assert join["processes"] == [1] and join["verified"] and join["step"] > rec["step"], join
     assert join["to_mesh"] == run["mesh"] == {"data": 4, "model": 2}
     assert sorted(run["losses"], key=int) == [str(i) for i in range(80)]
+    assert run["key_dtype"] == "key<fry>"
     log = (tmp_path / "rejoin" / "worker1.r1.log").read_text()
     assert f"admitted process(es) [1] at step {join['step']}" in log
     assert "done: the script returned" in log
+
+
+@pytest.mark.slow
+def test_a_death_during_an_admission_is_recovered_from_the_state_before_it(tmp_path):
+    """`--kill 3:1 --worker-restarts 1 --kill 4:2:admission`: process 1 dies after step 3 and is
+    started again; as its admission moves the state, process 2 dies. The admission fails on
+    every process (its guards are the job's); the newcomer, which holds nothing yet, leaves
+    (exit 1); the survivors recover the state committed before the admission from live copies,
+    the newcomer's exit folded into that recovery, and train on: every step once, with the
+    losses of the script run alone."""
+    r, run = _launch(tmp_path, "admission", "--kill", "3:1", "--kill", "4:2:admission",
+                     "--worker-restarts", "1", "--restart-backoff", "0.5",
+                     args=("--steps", "40", "--pace", "0.5"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "p1=SIGKILL" in r.stdout and "p2=SIGKILL" in r.stdout and "p1=1" in r.stdout
+    first, second = run["recoveries"]
+    assert first["step"] == 2 and first["failed_processes"] == [1]
+    assert second["failed_processes"] == [1, 2] and second["verified"], second
+    assert second["step"] > first["step"] and second["to_mesh"] == {"data": 2, "model": 2}
+    assert run["joins"] == [] and run["mesh"] == {"data": 2, "model": 2}
+    assert sorted(run["losses"], key=int) == [str(i) for i in range(40)]
+    log = (tmp_path / "admission" / "worker1.r1.log").read_text()
+    assert "a failure interrupted this process's admission" in log
+    alone = tmp_path / "alone.json"
+    subprocess.run([sys.executable, str(SCRIPT), "--steps", "40", "--out", str(alone)],
+                   check=True, capture_output=True, timeout=300, cwd=ROOT, env=dict(os.environ))
+    ref = json.loads(alone.read_text())["losses"]
+    dev = max(abs(run["losses"][k] - v) / abs(v) for k, v in ref.items())
+    assert dev < 1e-5, dev
+
+
+def test_an_admission_kill_needs_a_kill_before_it():
+    from elasjax.config import ConfigError
+    from elasjax.launch.process import KillSpec, resolve_config
+    from elasjax.launch.script import kills_by_step
+
+    spec = KillSpec.parse("4:2:admission")
+    assert (spec.phase, str(spec)) == ("admission", "4:2:admission")
+    with pytest.raises(ValueError, match="no kill at or before step 4 makes a process to restart"):
+        kills_by_step([spec, KillSpec.parse("5:1")], 4)
+    assert kills_by_step([KillSpec.parse("3:1"), spec], 4) == {
+        3: {"step": (1,)}, 4: {"admission": (2,)}}
+    with pytest.raises(ConfigError, match="--kill 4:2:admission: the phase 'admission' is a "
+                       "launched script's"):
+        resolve_config(elasjax.config.load(None, []), 4, 2, [spec])
+    with pytest.raises(ConfigError, match="or admission: as the first admission"):
+        KillSpec.parse("4:2:admit")

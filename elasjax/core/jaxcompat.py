@@ -1,6 +1,6 @@
 """Every use of JAX's private or experimental modules, in one place, each probed at first use.
 
-elasjax needs five things JAX does not publish:
+elasjax needs six things JAX does not publish:
 
 - **loading a serialized executable onto other devices** (`executable_loader`): a standby plan
   rebound to the survivors, or a renewed CPU client's executables reloaded, without a compile
@@ -17,6 +17,10 @@ elasjax needs five things JAX does not publish:
 - **a cluster's job parameters from its environment** (`cluster_params`, for `elasjax launch
   --cluster`): JAX's own detection of SLURM, Open MPI, Kubernetes and Cloud TPU jobs. No
   fallback: a clear error that says to pass the flags by hand.
+- **the implementation of a typed PRNG-key dtype** (`key_impl_of`): a process that holds no
+  shard of a key leaf (a restarted process admitted into a job) makes its empty view of it from
+  the leaf's abstract value, where `jax.random.key_impl` wants an array. No fallback: a clear
+  error.
 - **serializing a compiled executable** (`serialize`, `jax.experimental.serialize_executable`) and
   **point-to-point transfers** (`jax.experimental.transfer`, in `runtime.p2p`): experimental, not
   private; a missing module is a clear error when the feature is used.
@@ -223,6 +227,15 @@ def backends_initialized() -> bool | None:
         return bool(xla_bridge.backends_are_initialized())
     except (ImportError, AttributeError):
         return None
+
+
+def key_impl_of(dtype):
+    """The PRNG implementation of the typed-key `dtype` (`jax.random.key_impl` of an array of
+    it), for `jax.random.wrap_key_data`."""
+    try:
+        return dtype._impl
+    except AttributeError as e:
+        raise _missing(f"the implementation of the PRNG-key dtype {dtype} (its _impl)", e) from None
 
 
 def transfer_module():

@@ -28,6 +28,7 @@ from ..transfer.shards import (
     ShardStore,
     UnrecoverableStateError,
     describe_state,
+    held_elsewhere,
     is_key,
     key_data_sharding,
     map_shard_data,
@@ -471,7 +472,14 @@ class ElasticState:
         self.live |= set(admitted.devices)
         self.dead_hosts -= {self.topology.host_of(d) for d in admitted.devices}
         store = ShardStore.capture(self.state).map_data(self.rt.current)
-        return self._grow(store, admitted.processes, admitted.devices, t0)
+        try:
+            return self._grow(store, admitted.processes, admitted.devices, t0)
+        except DeviceFailure:
+            # a failure like any other (`Step.__enter__` recovers): the committed state, on the
+            # new client, is what the survivors hold; a newcomer leaves (`_arrive`), and its
+            # exit is a death the recovery folds in
+            self._survivors = store
+            raise
 
     def _arrive(self, state: PyTree) -> None:
         """A restarted process admitted into the running job: the state is the job's, held by
@@ -488,14 +496,7 @@ class ElasticState:
         self.live = set(rt.live)
         self.mesh = old
 
-        def empty(x, sh):
-            if is_key(x):
-                raise NotImplementedError(
-                    "a state with typed PRNG-key leaves cannot be handed to a restarted "
-                    "process yet; keep the key's data (jax.random.key_data) in the state")
-            return jax.make_array_from_single_device_arrays(x.shape, sh, [], dtype=x.dtype)
-
-        self.state = jax.tree.map(empty, state, self.shardings(old))
+        self.state = jax.tree.map(held_elsewhere, state, self.shardings(old))
         mine = tuple(sorted(rt.devices_of(rt.me)))
         try:
             self._grow(ShardStore.capture(self.state), (rt.me,), mine, t0)
@@ -510,6 +511,7 @@ class ElasticState:
         checksums, a fresh snapshot pool."""
         rt = self.rt
         with rt.guard("admit/state"):
+            self.job.kill_at_admission(rt, self.step)  # (`--kill S:P:admission`)
             live = [self.devices[i] for i in self.topology.device_ids if i in self.live]
             mesh, spare = plan_mesh(live, self.axes)
             t1 = time.perf_counter()
@@ -590,9 +592,10 @@ class ElasticState:
                 raise ValueError(f"recover: the given mesh uses failed devices {sorted(gone)}")
         return self._recover([], mesh)
 
-    def _on_failure(self, failure: DeviceFailure, at: int) -> Recovery:
+    def _on_failure(self, failure: DeviceFailure, at: int | None) -> Recovery:
         """A death the runtime found inside the block of step `at` (every survivor gets the
-        same failure): the step's commit is dropped and the last committed state recovered."""
+        same failure; None: in an admission before a block): the step's commit is dropped and
+        the last committed state recovered."""
         self.live -= failure.devices
         self._failed |= failure.devices
         return self._recover([failure], None, at)

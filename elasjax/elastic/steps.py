@@ -34,7 +34,13 @@ class Step:
         es = self.es
         if es._open is not None:
             raise RuntimeError(f"step {self.n}: the block of step {es._open.n} is still open")
-        es._admit_joiners()  # restarted processes the last step's verdict named
+        try:
+            es._admit_joiners()  # restarted processes the last step's verdict named
+        except DeviceFailure as f:  # during the admission: the committed state recovered
+            es._on_failure(f, None)
+            if es.step + 1 != self.n:
+                raise RuntimeError(
+                    f"step {self.n}: the recovered state is that of step {es.step}") from f
         while True:
             guard = es.rt.guard("step")
             try:

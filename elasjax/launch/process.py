@@ -58,31 +58,40 @@ class KillSpec:
     """SIGKILL process `process` right after it dispatches step `at_step` (`--kill STEP:PROCESS`,
     the same as a config fault `{at_step, kill_process}`), or, with a phase (`--kill
     STEP:PROCESS:PHASE`, PHASE one of `KILL_PHASES`), as that phase of the recovery another kill
-    at the same step started begins (`{at_step, kill_process, phase: recovery/PHASE}`)."""
+    at the same step started begins (`{at_step, kill_process, phase: recovery/PHASE}`). A
+    launched script's kill may also name the phase `admission`: as the first admission of a
+    restarted process at a step's start from STEP on moves the state
+    (`runtime.job.ScriptJob.kill_at_admission`)."""
 
     at_step: int
     process: int
-    phase: str = "step"  # "step" or "recovery/<one of KILL_PHASES>"
+    phase: str = "step"  # "step", "recovery/<one of KILL_PHASES>" or "admission"
 
     @classmethod
     def parse(cls, text: str) -> KillSpec:
         parts = [p.strip() for p in text.split(":")]
         if len(parts) not in (2, 3) or not parts[0].isdigit() or not parts[1].isdigit() or (
-                len(parts) == 3 and parts[2] not in KILL_PHASES):
+                len(parts) == 3 and parts[2] not in (*KILL_PHASES, ADMISSION)):
             raise ConfigError(
                 f"--kill {text!r} must look like STEP:PROCESS (after dispatching step STEP) or "
                 f"STEP:PROCESS:PHASE (PHASE one of {', '.join(KILL_PHASES)}: in the recovery "
-                "another kill at step STEP started), e.g. --kill 3:2 --kill 3:1:transfer")
-        phase = "step" if len(parts) == 2 else f"recovery/{parts[2]}"
+                f"another kill at step STEP started; or {ADMISSION}: as the first admission of a "
+                "restarted process from step STEP on moves the state, a launched script only), "
+                "e.g. --kill 3:2 --kill 3:1:transfer")
+        phase = ("step" if len(parts) == 2 else ADMISSION if parts[2] == ADMISSION
+                 else f"recovery/{parts[2]}")
         return cls(int(parts[0]), int(parts[1]), phase)
 
     def __str__(self) -> str:
-        tail = "" if self.phase == "step" else ":" + self.phase.split("/", 1)[1]
+        tail = "" if self.phase == "step" else ":" + self.phase.split("/", 1)[-1]
         return f"{self.at_step}:{self.process}{tail}"
 
 
 # the recovery phases a `--kill` may name (`config.FaultConfig.phase` without `recovery/`)
 KILL_PHASES = ("plan", "transfer", "verify", "first_step")
+# the phase of a launched script's admissions (`ElasticState._grow`); the loop's fault schedule
+# (`config.FaultConfig.phase`) has none yet
+ADMISSION = "admission"
 
 
 def parse_slow(text: str, processes: int) -> tuple[int, float, int, int]:
@@ -141,6 +150,12 @@ def resolve_config(
             f"({n_processes - k} processes x {devices_per_process}{spares}); allowed values: "
             f"-1, {n}"
         )
+    for k in kills:
+        if k.phase == ADMISSION:
+            raise ConfigError(
+                f"--kill {k}: the phase '{ADMISSION}' is a launched script's (ElasticState); "
+                f"a config's loop takes STEP:PROCESS or a recovery's phase: "
+                f"{', '.join(KILL_PHASES)}")
     faults = list(cfg.faults) + [FaultConfig(k.at_step, kill_process=k.process, phase=k.phase)
                                  for k in kills]
     faults.sort(key=lambda f: f.at_step)  # stable: a recovery-phase fault stays after its cause

@@ -9,7 +9,9 @@ process death interrupts and redoes on the recovered state (docs/api.md, "Your o
 launch").
 
 `--kill STEP:PROCESS` counts the steps the script commits (`ElasticState.commit(state, STEP)`):
-the process SIGKILLs itself right after that commit was dispatched. A kill whose step the
+the process SIGKILLs itself right after that commit was dispatched; `--kill STEP:PROCESS:PHASE`
+as that phase of the recovery begins, or with `admission` as the first admission of a
+restarted process at a step's start from STEP on moves the state. A kill whose step the
 script never committed, and a script that never committed at all while kills were scheduled,
 end the worker with a usage error (exit 2) after the script returned.
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from ..config import ConfigError, load
 from ..runtime.startup import RuntimeConfig, add_setting_flags, resolve_settings, settings_of
-from .process import KillSpec, _leave, _shutdown, join_job
+from .process import ADMISSION, KillSpec, _leave, _shutdown, join_job
 
 USAGE_ERROR = 2
 
@@ -66,9 +68,9 @@ def check_flags(script: str, given: dict) -> None:
 
 
 def kills_by_step(kills, processes: int) -> dict[int, dict[str, tuple[int, ...]]]:
-    """`--kill` options -> step -> phase ("step" or "recovery/...") -> processes, checked
-    against the job's size: a recovery-phase kill needs a kill at its step to start that
-    recovery, and one process must survive."""
+    """`--kill` options -> step -> phase ("step", "recovery/..." or "admission") -> processes,
+    checked against the job's size: a recovery-phase kill needs a kill at its step to start that
+    recovery, an admission's a kill at or before its step, and one process must survive."""
     out: dict[int, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
     for k in kills:
         if not 0 <= k.process < processes:
@@ -76,10 +78,16 @@ def kills_by_step(kills, processes: int) -> dict[int, dict[str, tuple[int, ...]]
                              f"processes: 0 .. {processes - 1}")
         out[k.at_step][k.phase].add(k.process)
     for step, phases in out.items():
-        if set(phases) - {"step"} and "step" not in phases:
+        if set(phases) - {"step", ADMISSION} and "step" not in phases:
             raise ValueError(
-                f"--kill {step}:...:{next(p for p in phases if p != 'step').split('/')[1]}: no "
+                f"--kill {step}:...:"
+                f"{next(p for p in phases if p not in ('step', ADMISSION)).split('/')[1]}: no "
                 f"kill at step {step} starts a recovery for it; add --kill {step}:PROCESS")
+        if ADMISSION in phases and not any(s <= step and "step" in ph for s, ph in out.items()):
+            raise ValueError(
+                f"--kill {step}:...:{ADMISSION}: no kill at or before step {step} makes a "
+                f"process to restart and admit; add --kill STEP:PROCESS with STEP <= {step} "
+                "(and --worker-restarts)")
     if len({p for ph in out.values() for ps in ph.values() for p in ps}) >= processes:
         raise ValueError(f"--kill {' '.join(str(k) for k in kills)} kills every process; at "
                          "least one must survive")

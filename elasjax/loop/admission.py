@@ -46,7 +46,7 @@ from ..plan.planner import Plan
 from ..runtime.faults import FaultEvent
 from ..runtime.membership import Admitted
 from ..transfer.reshard import transition
-from ..transfer.shards import ShardStore, is_key
+from ..transfer.shards import ShardStore, held_elsewhere
 from .cutover import Cutovers
 from .recovery import PendingCutover, Position, TransitionPlanner, protect_moved
 
@@ -62,16 +62,10 @@ class Welcomed:
     pending: PendingCutover | None
 
 
-def held_elsewhere(exe: Executables):
+def state_held_elsewhere(exe: Executables):
     """`exe`'s plan's state as a process holding none of its devices sees it: global arrays with
     no shard here (what a hot spare holds)."""
-    def empty(a, sh):
-        if is_key(a):
-            raise NotImplementedError(
-                "a state with typed PRNG-key leaves cannot be handed to a rejoining process yet")
-        return jax.make_array_from_single_device_arrays(a.shape, sh, [], dtype=a.dtype)
-
-    return jax.tree.map(empty, exe.layout.abstract, exe.state_shardings)
+    return jax.tree.map(held_elsewhere, exe.layout.abstract, exe.state_shardings)
 
 
 class Admissions:
@@ -89,7 +83,7 @@ class Admissions:
         the standby's plans over exactly `live_after` (every process calls it; on a live process
         the current plan's are reloaded onto the new client).
         Returns `pos` with this process's executables and, on a newcomer, its view of the
-        state (`held_elsewhere`)."""
+        state (`state_held_elsewhere`)."""
         rt = self.rt
         writer = rt.writer_process
         blob = None
@@ -128,7 +122,7 @@ class Admissions:
                 exe = built
         if exe is None:  # the writer's could not be serialized: compiled here
             exe = self.source.get(pos.plan).exe
-        return dataclasses.replace(pos, exe=exe, state=held_elsewhere(exe))
+        return dataclasses.replace(pos, exe=exe, state=state_held_elsewhere(exe))
 
     def settle(self, pos: Position, pool, admitted: Admitted, paces: dict[str, float],
                pending: PendingCutover | None, stood_on: dict) -> Welcomed:

@@ -66,9 +66,9 @@ class Runtime(Protocol):
         `DeviceFailure` on every survivor, naming the same devices."""
 
     def inject(self, events: Sequence, point: str, trees: Sequence[Any] = ()) -> None:
-        """Make scheduled failures happen at `point` ("before_step", "after_dispatch", and in
-        a recovery "plan", "transfer", "verify"); each runtime acts at the points where its
-        failures happen."""
+        """Make scheduled failures happen at `point` ("before_step", "after_dispatch", in a
+        recovery "plan", "transfer", "verify", and "admission"); each runtime acts at the points
+        where its failures happen."""
 
     def detection_report(self, incident: int | None) -> dict:
         """Every survivor's detection time of failure `incident` (`FailureReport.incident`)."""

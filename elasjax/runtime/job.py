@@ -22,7 +22,8 @@ class ScriptJob:
       kills: step -> phase -> processes (`--kill`): phase "step", right after dispatching that
         step's commit; "recovery/plan", "recovery/transfer", "recovery/verify" as that phase of
         the recovery the step's kill started begins; "recovery/first_step" right after the
-        redone step's commit is dispatched.
+        redone step's commit is dispatched; "admission" as the first admission at the start of
+        a step from that one on moves the state (`kill_at_admission`).
       last_commit: the last step committed in this process (None: none yet).
       states: `ElasticState`s made so far (one engine per runtime: a second one is refused).
     """
@@ -51,6 +52,20 @@ class ScriptJob:
             tail = "" if phase == "step" else ":" + phase.split("/", 1)[1]
             rt.inject([FaultEvent(step, (), "process", f"--kill {step}:{rt.me}{tail}",
                                   phase=phase, hosts=(rt.me,))], point)
+
+    def kill_at_admission(self, rt, step: int) -> None:
+        """SIGKILL this process if `--kill S:PROCESS:admission` names it with S <= `step` (the
+        step at whose start restarted processes are admitted), as the state's move begins. Only
+        the process the job started with: a restarted one (`rt.admission`) never takes it, so
+        a restart of the victim, or the victim's id restarted earlier, is not killed again."""
+        from .faults import FaultEvent
+
+        if rt.admission is not None:
+            return
+        for s, phases in sorted(self.kills.items()):
+            if s <= step and rt.me in phases.get("admission", ()):
+                rt.inject([FaultEvent(step, (), "process", f"--kill {s}:{rt.me}:admission",
+                                      phase="admission", hosts=(rt.me,))], "admission")
 
 
 _current: ScriptJob | None = None

@@ -518,6 +518,9 @@ class MultiControllerRuntime:
                 admitted_devices=tuple(sorted(added)),
             )
             for p in procs:
+                # the kill its last incarnation posted is not this one's: a later death of the
+                # newcomer would be reported with that kill's time (`_failure`)
+                self.client.key_value_delete(f"elasjax/kill/{p}")
                 membership.post_admission(self.client, p, joining[p],
                                           membership.Admission(counters, package))
         self.live = live
@@ -553,7 +556,7 @@ class MultiControllerRuntime:
             if e.kind == "stall" and e.stall_process == self.me and point == "before_step":
                 self.log(f"stalling {e.stall_s:g}s before dispatching step {e.at_step} ({e.spec})")
                 time.sleep(e.stall_s)
-        if point not in ("after_dispatch", "plan", "transfer", "verify"):
+        if point not in ("after_dispatch", "plan", "transfer", "verify", "admission"):
             return
         for e in events:
             if e.kind != "stall" and self.me in e.hosts:

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..core.jaxcompat import key_impl_of
 from ..core.sharding import path_str
 
 PyTree = Any
@@ -113,6 +114,19 @@ def key_data_sharding(sharding, key_dtype):
         f"a PRNG-key leaf sharded by {type(sharding).__name__} is not supported; allowed: "
         "NamedSharding, SingleDeviceSharding"
     )
+
+
+def held_elsewhere(like, sharding) -> jax.Array:
+    """A global array of `like`'s shape and dtype laid out by `sharding`, of which this process
+    holds no shard: what a process that holds none of `sharding`'s devices (a restarted process
+    admitted into a job) sees of a leaf before a transition copies its shards to it. A typed
+    PRNG-key leaf is its (empty) key data wrapped as keys: wrapping computes nothing."""
+    if is_key(like):
+        data = _key_data(jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=sharding), False)
+        empty = jax.make_array_from_single_device_arrays(
+            data.shape, data.sharding, [], dtype=np.uint32)
+        return jax.random.wrap_key_data(empty, impl=key_impl_of(like.dtype))
+    return jax.make_array_from_single_device_arrays(like.shape, sharding, [], dtype=like.dtype)
 
 
 @functools.lru_cache(maxsize=512)
