@@ -67,6 +67,9 @@ def main():
                     "step) while the job is short of a process that died and may rejoin")
     ap.add_argument("--standby", action="store_true",
                     help="compile the step for every likely failure's mesh before step 0")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="Orbax checkpoints every 2 steps in DIR: the last rung, when a slice "
+                    "of the state has no live copy")
     args = ap.parse_args()
 
     tx = optax.adamw(3e-3)
@@ -89,7 +92,9 @@ def main():
 
     abstract = jax.eval_shape(fresh)
     state = jax.jit(fresh, out_shardings=shardings(mesh))()  # each process makes its part
-    es = elasjax.ElasticState(state, shardings, mesh, axes=axes)
+    ckpt = (elasjax.CheckpointConfig(args.checkpoint, every=2, keep=2) if args.checkpoint
+            else None)
+    es = elasjax.ElasticState(state, shardings, mesh, axes=axes, checkpoint=ckpt)
 
     def loss_fn(params, b, keys):
         logits = forward(params, b["x"], keys)

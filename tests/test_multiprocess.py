@@ -1321,12 +1321,20 @@ def test_a_killed_process_is_restarted_rejoins_and_the_job_grows_back(rejoin_ref
     compiled). Then process
     1, the writer of the run's files, is killed and not restarted (the budget is spent): the
     rejoined process, which was handed what the loop had seen and written, writes on. Every step
-    is logged once, with the fault-free computation, and the `end` event is whole."""
+    is logged once, with the fault-free computation, and the `end` event is whole. Checkpoints
+    every 4 steps go on through it all: process 1 alone, both again after the admission (the
+    newcomer opens the checkpoints' manager with the others: made at its start, it hung in
+    Orbax's barrier there), process 0 alone."""
     out = tmp_path / "rejoin"
     rc, stdout = _launch(out, "--processes", "2", "--devices-per-process", "2", "--kill", "4:0",
                          "--kill", "18:1", "--worker-restarts", "1", "--restart-backoff", "0.5",
-                         sets=(f"train.steps={REJOIN_STEPS}", *REJOIN))
+                         sets=(f"train.steps={REJOIN_STEPS}", *REJOIN,
+                               f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=4",
+                               "checkpoint.keep=10"))
     assert rc == 0, stdout
+    # committed: each of the run's checkpoints but those a death cut off (Orbax's temporaries)
+    saved = sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit())
+    assert saved[-1] == REJOIN_STEPS and all(s % 4 == 0 for s in saved), saved
     summary = json.loads((out / "launch.json").read_text())
     ends = sorted((s["process"], s["incarnation"], s["signal"] or s["returncode"])
                   for s in summary["processes"])

@@ -193,17 +193,29 @@ def test_a_death_during_the_recovery_starts_another_attempt_or_is_refused_by_nam
     """`--kill 6:1` and, as that recovery's transfer begins, `--kill 6:3:transfer`: the second
     attempt plans over what is left and the state verifies (process 1's ZeRO partitions from
     their buddy copies on process 2). With `6:2:transfer` those copies die too: the recovery
-    raises, naming the lost slice, and nothing trains on."""
+    raises, naming the lost slice, and nothing trains on; with checkpoints (the example's
+    `--checkpoint`, every 2 steps), the survivors restore the newest one instead, verified
+    against its checksums, and redo the steps since."""
     r, run = _launch(tmp_path, "twice", "--kill", "6:1", "--kill", "6:3:transfer")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (rec,) = run["recoveries"]
     assert rec["attempts"] == 2 and rec["failed_processes"] == [1, 3] and rec["verified"]
     assert rec["step"] == 5 and rec["to_mesh"] == {"data": 2, "model": 2}
     assert sorted(run["losses"], key=int) == [str(i) for i in range(12)]
+    twice = run["losses"]
     r, run = _launch(tmp_path, "lost", "--kill", "6:1", "--kill", "6:2:transfer")
     assert r.returncode == 1 and run is None
     assert "UnrecoverableStateError: state leaf 'opt/" in r.stdout
     assert "has no live copy" in r.stdout
+    r, run = _launch(tmp_path, "ckpt", "--kill", "6:1", "--kill", "6:2:transfer",
+                     args=("--checkpoint", str(tmp_path / "ck")))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (rec,) = run["recoveries"]
+    assert rec["rung"] == "checkpoint" and rec["verified"] and rec["failed_processes"] == [1, 2]
+    assert rec["step"] in (2, 4) and rec["to_mesh"] == {"data": 2, "model": 2}
+    assert sorted(run["losses"], key=int) == [str(i) for i in range(12)]
+    dev = max(abs(run["losses"][k] - v) / abs(v) for k, v in twice.items())
+    assert dev < 2e-5, dev  # both within 1e-5 of the fault-free run
 
 
 @pytest.mark.slow
@@ -212,11 +224,15 @@ def test_a_restarted_process_rejoins_a_users_loop_and_the_job_grows_back(tmp_pat
     starts it again; it runs the script from its start, is admitted at a step's start, and the
     job grows back onto its devices (the state moved onto the grown mesh and verified), every
     step once. The state holds a typed PRNG key (the example's dropout key), which the newcomer
-    receives as any leaf (its empty view made from the key's data: `shards.held_elsewhere`)."""
+    receives as any leaf (its empty view made from the key's data: `shards.held_elsewhere`).
+    Checkpoints every 2 steps go on over the survivors, then over the grown job, the newcomer
+    included (it opens them with the others, its Orbax operations counted as theirs:
+    `checkpoint._agree_operation_ids`; before, the first save after the admission hung)."""
     # steps paced while the job is short of process 1 (up to 38 s): the restarted process
     # starts (imports, its own init) within the run even on a loaded machine
     r, run = _launch(tmp_path, "rejoin", "--kill", "3:1", "--worker-restarts", "1",
-                     "--restart-backoff", "0.5", args=("--steps", "80", "--pace", "0.5"))
+                     "--restart-backoff", "0.5",
+                     args=("--steps", "80", "--pace", "0.5", "--checkpoint", str(tmp_path / "ck")))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "p1=SIGKILL" in r.stdout and "p1=0" in r.stdout  # killed, then ended well
     (rec,) = run["recoveries"]
@@ -227,6 +243,8 @@ def test_a_restarted_process_rejoins_a_users_loop_and_the_job_grows_back(tmp_pat
     assert join["to_mesh"] == run["mesh"] == {"data": 4, "model": 2}
     assert sorted(run["losses"], key=int) == [str(i) for i in range(80)]
     assert run["key_dtype"] == "key<fry>"
+    saved = sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit())
+    assert saved == [76, 78], saved  # the last two (keep 2), saved by the grown job
     log = (tmp_path / "rejoin" / "worker1.r1.log").read_text()
     assert f"admitted process(es) [1] at step {join['step']}" in log
     assert "done: the script returned" in log

@@ -90,10 +90,6 @@ class ElasticState:
             )
         if self.job is not None:
             rt = self.job.runtime
-            if checkpoint is not None and checkpoint.dir:
-                raise ValueError(
-                    "ElasticState: checkpoint under `elasjax launch` is not supported yet; "
-                    "allowed there: checkpoint=None (live copies and snapshots only)")
             per = rt.topology.devices_per_host
             if devices_per_host not in (None, per):
                 raise ValueError(
@@ -134,7 +130,15 @@ class ElasticState:
         self._survivors: ShardStore | None = None
         self._failed: set[int] = set()  # failed since the last recovery
         self.recoveries: list[Recovery] = []
-        self.checkpointer = Checkpointer(checkpoint) if checkpoint and checkpoint.dir else None
+        # under launch over the job's live processes (each writes its own shards), moved to the
+        # survivors at a failure and to the grown job at an admission (`Checkpointer.reopen`)
+        self.checkpointer = None
+        if checkpoint and checkpoint.dir:
+            # a restarted process opens it with the job's processes once admitted (`_grow`)
+            adm = self.rt.admission if self.job is not None else None
+            self.checkpointer = Checkpointer(
+                checkpoint, self.rt.processes(), joining=adm is not None,
+                generation=adm.loop["ckpt_generation"] or 0 if adm is not None else 0)
         self._standby: PiecesStandby | None = None
         self._make_step = self._batch_fn = None  # your step and batch for it (`standby`)
         self._want: list = []  # the shardings `commit` checks (`_configure_pool`)
@@ -467,7 +471,10 @@ class ElasticState:
         package = {"step": self.step, "good": self.committed_checksums(),
                    "mesh_ids": [d.id for d in self.mesh.devices.flat],
                    "mesh_shape": list(self.mesh.shape.items()),
-                   "dead_hosts": sorted(self.dead_hosts)}
+                   "dead_hosts": sorted(self.dead_hosts),
+                   # the checkpoints' barriers are named by it (`Checkpointer.reopen`)
+                   "ckpt_generation": (self.checkpointer.generation
+                                       if self.checkpointer is not None else None)}
         admitted = self.rt.admit(package)  # a new CPU client with the newcomers
         self.live |= set(admitted.devices)
         self.dead_hosts -= {self.topology.host_of(d) for d in admitted.devices}
@@ -532,6 +539,8 @@ class ElasticState:
                     total_s=time.perf_counter() - t0)
         self.state, self.mesh, self.spares = new, mesh, [d.id for d in spare]
         self._sums_fn, self.pool = sums_fn, done.pool
+        if self.checkpointer is not None:  # the grown job's processes save from now on
+            self.checkpointer.reopen(rt.processes())
         self.joins.append(join)
         rt.log(f"admitted process(es) {join.processes} at step {self.step}: mesh "
                f"{join.from_mesh} -> {join.to_mesh}, {join.bytes_cross_process} B across "
@@ -615,6 +624,8 @@ class ElasticState:
         stores = [store.without(dead)]
         refusals_before = len(self.pool.refusals)
         renewals: list = []
+        if self.checkpointer is not None:  # its barriers without the dead (none in one process)
+            self.checkpointer.reopen(self.rt.processes())
 
         def attempt(run: Attempts) -> Attempt:
             return self._attempt(stores, set(self.devices) - self.live, good, mesh,
@@ -624,6 +635,8 @@ class ElasticState:
         def fold(f: DeviceFailure) -> None:  # only under launch: a death during the recovery
             self.live -= f.devices
             self._failed |= f.devices
+            if self.checkpointer is not None:
+                self.checkpointer.reopen(self.rt.processes())
             stores[0] = stores[0].without(set(self.devices) - self.live)
 
         a, run = until_recovered(failures, attempt, fold)

@@ -170,7 +170,9 @@ class Trainer:
         self.exe_cache = exe_cache if exe_cache is not None else ExecutableCache()
         self.donate, self._fused_snapshots = donation(cfg, self.rt)
         check_coverable(cfg.snapshot, self.topo)
-        self.ckpt = (Checkpointer(cfg.checkpoint, self.rt.processes())
+        adm = self.rt.admission  # a restarted process: opened once admitted (`_welcome`)
+        self.ckpt = (Checkpointer(cfg.checkpoint, self.rt.processes(), joining=adm is not None,
+                                  generation=adm.loop.ckpt_generation or 0 if adm else 0)
                      if cfg.checkpoint.dir is not None else None)
         self.compiles = CompileCounter()
         # a runtime that admits restarted processes (`admission`) may grow at any step
@@ -333,6 +335,8 @@ class Trainer:
         if not procs or ls.open_event is not None or (pc is not None and pc.kind != "growth"):
             return
         package = ls.package((mw.lines, ew.writer.lines), time.perf_counter() - self._t_run)
+        if self.ckpt is not None:
+            package = dataclasses.replace(package, ckpt_generation=self.ckpt.generation)
         self._welcome(ls, self.rt.admit(package), ew)
 
     def _rejoin(self, mw: JsonlWriter, ew: Emitter) -> LoopState:
@@ -376,6 +380,8 @@ class Trainer:
             done = self.admissions.settle(pos, ls.pool, admitted, paces(ls.timeline),
                                           ls.cutover, ls.stood_on)
         ls.pos, ls.pool, ls.cutover = done.pos, done.pool, done.pending
+        if self.ckpt is not None:  # the grown job's processes save from now on, the newcomer's
+            self.ckpt.reopen(self.rt.processes())  # first manager included
         t2 = time.perf_counter()
         jev = done.event
         jev.rejoined = {"processes": procs, "generation": admitted.generation,

@@ -30,6 +30,7 @@ import logging
 import re
 import sys
 import types
+import warnings
 from pathlib import Path
 from urllib.parse import unquote
 from typing import Any
@@ -53,6 +54,29 @@ def _ocp():
     import orbax.checkpoint as ocp
 
     return ocp
+
+
+# each generation of a job's checkpoint manager numbers Orbax's operations from its own block
+_OPS_PER_GENERATION = 1 << 20
+
+
+def _agree_operation_ids(generation: int) -> None:
+    """Orbax names the key-value signals of a save after a count of the process's operations
+    (`OperationIdGenerator`, process-wide): a process restarted into a running job counts from
+    0 while the others are further on, and at the first save after its admission every process
+    waited for a signal posted under another name (an own loop's job with checkpoints hung there
+    5 minutes, tests/test_own_loop_launch.py's rejoin test). Every process that opens the
+    manager of `generation` restarts the count at the same value."""
+    try:
+        from orbax.checkpoint._src.futures import synchronization
+
+        ids = synchronization.OperationIdGenerator
+        ids._operation_id_counter = itertools.count(generation * _OPS_PER_GENERATION)
+        ids._operation_id = next(ids._operation_id_counter)
+    except (ImportError, AttributeError) as e:
+        warnings.warn(f"this Orbax has no OperationIdGenerator to agree on ({e}): a process "
+                      "restarted into a job with checkpoints may wait at its first save",
+                      RuntimeWarning, stacklevel=3)
 
 
 class CheckpointFormatError(ConfigError):
@@ -189,20 +213,26 @@ class _AbandonedReads(logging.Filter):
 
 class Checkpointer:
     """Orbax `CheckpointManager` over the job's live processes (`processes`, None = this process
-    alone); `reopen` moves it to the survivors after a failure."""
+    alone); `reopen` moves it to the survivors after a failure, and to the grown job after an
+    admission. `generation` names its barriers: the same in every process that saves together.
+    `joining`: a restarted process admitted into the job, which opens it only in the `reopen`
+    every process calls once the admission is done (Orbax's manager is made with a barrier over
+    its processes, which the others are not at before; a newcomer that made it at its start hung
+    there), with the job's `generation`."""
 
-    def __init__(self, cfg: CheckpointConfig, processes: set[int] | None = None):
+    def __init__(self, cfg: CheckpointConfig, processes: set[int] | None = None,
+                 generation: int = 0, *, joining: bool = False):
         if cfg.dir is None:
             raise ValueError("checkpoint.dir is not set")
         self.cfg = cfg
         self.dir = Path(cfg.dir).absolute()
-        self.generation = 0
+        self.generation = generation
         self.lone: LoneWriter | None = None  # a lone survivor's writer, from its first save
         # step -> {(OCDBT database, key): the file holding that value} of the checkpoints whose
         # files were checked (`check_files`), to name the file of a value that fails later
         self._checked: dict[int, dict[tuple[str, str], Path]] = {}
         _OrbaxRecordNoise.install(self.dir)
-        self.manager = self._open(processes)
+        self.manager = None if joining else self._open(processes)
 
     def _sync(self) -> None:
         """Wait for the lone survivor's writer, if there is one, and let the manager see what
@@ -215,6 +245,7 @@ class Checkpointer:
         ocp = _ocp()
         mp = ocp.options.MultiprocessingOptions()
         if processes is not None:  # a multi-process job: exactly these take part
+            _agree_operation_ids(self.generation)
             mp = ocp.options.MultiprocessingOptions(
                 primary_host=min(processes), active_processes=set(processes),
                 barrier_sync_key_prefix=f"elasjax-ckpt-{self.generation}",
@@ -557,6 +588,8 @@ class Checkpointer:
             self.lone.close()
             self.lone = None
             self.manager.reload()
+        if self.manager is None:  # a newcomer that left before its admission was done
+            return
         self.manager.wait_until_finished()
         self.manager.close()
 
