@@ -1445,6 +1445,39 @@ def test_two_processes_killed_in_one_recovery_rejoin_and_the_job_is_whole_again(
                 assert said in logs[name], (name, said)
 
 
+@pytest.mark.slow
+def test_a_death_during_an_admission_is_recovered_like_any_other(two_back_reference, tmp_path):
+    """Process 3 is SIGKILLed in step 3 and restarted (`--worker-restarts 1`); as its admission
+    moves the state, process 1 is SIGKILLed (`phase: admission`). The admission fails on every
+    process (its guards are the job's): the newcomer, which holds nothing of the loop yet,
+    leaves (exit 1), and the survivors recover the state verified before the admission on
+    processes 0 and 2, and train on with the fault-free computation (the same sum as the
+    script's: tests/test_own_loop_launch.py's admission test)."""
+    out = tmp_path / "admission"
+    faults = ("faults=[{at_step: 3, kill_process: 3}, "
+              "{at_step: 3, kill_process: 1, phase: admission}]")
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "1",
+                         "--worker-restarts", "1", "--restart-backoff", "0.5",
+                         sets=(f"train.steps={TWO_BACK_STEPS}", *TWO_BACK, faults), timeout=600)
+    assert rc == 0, stdout
+    assert "process 1 was killed as scheduled (3:1 during the admission)" in stdout
+    summary = json.loads((out / "launch.json").read_text())
+    ends = sorted((s["process"], s["incarnation"], s["signal"] or s["returncode"])
+                  for s in summary["processes"])
+    assert ends == [(0, 0, 0), (1, 0, "SIGKILL"), (2, 0, 0), (3, 0, "SIGKILL"), (3, 1, 1)], ends
+    metrics = read_jsonl(out / "metrics.jsonl")
+    _assert_matches(metrics, two_back_reference, TWO_BACK_STEPS)
+    assert metrics[-1]["n_devices"] == 2
+    events = read_jsonl(out / "events.jsonl")
+    assert not [e for e in events if e["type"] == "join"]
+    recs = deaths(events)
+    assert (recs[0]["step"], recs[0]["failed_processes"]) == (3, [3]), recs[0]
+    # the newcomer's exit folded into the admission's recovery, or a recovery of its own
+    assert {p for r in recs[1:] for p in r["failed_processes"]} == {1, 3}, recs
+    assert all(r["verify"]["leaves"] > 0 for r in recs)
+    assert "a failure interrupted this process's admission" in (out / "worker3.r1.log").read_text()
+
+
 def test_a_schedule_may_kill_a_restarted_process_again_within_the_restart_budget():
     cfg = tiny_config("train.steps=12", "faults=[]", "recovery.worker_restarts=1")
     out = resolve_config(cfg, 4, 2, [KillSpec(3, 1), KillSpec(8, 1)])

@@ -279,7 +279,7 @@ def test_a_death_during_an_admission_is_recovered_from_the_state_before_it(tmp_p
     assert dev < 1e-5, dev
 
 
-def test_an_admission_kill_needs_a_kill_before_it():
+def test_an_admission_kill_needs_a_restarted_process_to_admit():
     from elasjax.config import ConfigError
     from elasjax.launch.process import KillSpec, resolve_config
     from elasjax.launch.script import kills_by_step
@@ -290,8 +290,16 @@ def test_an_admission_kill_needs_a_kill_before_it():
         kills_by_step([spec, KillSpec.parse("5:1")], 4)
     assert kills_by_step([KillSpec.parse("3:1"), spec], 4) == {
         3: {"step": (1,)}, 4: {"admission": (2,)}}
-    with pytest.raises(ConfigError, match="--kill 4:2:admission: the phase 'admission' is a "
-                       "launched script's"):
-        resolve_config(elasjax.config.load(None, []), 4, 2, [spec])
+    # a config's loop: the same phase in its fault schedule, with restarts and a kill before
+    cfg = elasjax.config.load("configs/multiprocess.yaml", ["recovery.worker_restarts=1"])
+    got = resolve_config(cfg, 4, 2, [KillSpec.parse("3:1"), spec])
+    assert [(f.at_step, f.kill_process, f.phase) for f in got.faults] == [
+        (3, 1, "step"), (4, 2, "admission")]
+    for bad_cfg, kills in ((elasjax.config.load("configs/multiprocess.yaml", []), ["3:1"]),
+                           (cfg, ["5:1"])):
+        with pytest.raises(ConfigError, match="'admission' needs a restarted process to admit"):
+            resolve_config(bad_cfg, 4, 2, [*map(KillSpec.parse, kills), spec])
+    with pytest.raises(ConfigError, match="'admission' kills a process as an admission moves"):
+        elasjax.config.load(None, ["faults=[{at_step: 3, hosts: [1], phase: admission}]"])
     with pytest.raises(ConfigError, match="or admission: as the first admission"):
         KillSpec.parse("4:2:admit")

@@ -110,6 +110,11 @@ def test_a_fault_that_fired_does_not_fire_again_after_a_restart():
     assert cfg.faults == kept
     # a kill of process 0 the job never reached stays
     assert remaining_faults((kill0,), 2, set()) == ((kill0,), ())
+    # an admission's kill needs a process killed (to be restarted) at or before its step
+    admit = FaultConfig(4, kill_process=1, phase="admission")
+    assert remaining_faults((kill0, admit), 3, set()) == ((kill0, admit), ())
+    kept, dropped = remaining_faults((kill0, admit), 3, {0})
+    assert kept == () and "nobody restarts to be admitted" in dict(dropped)[admit]
 
 
 def test_the_reached_step_is_the_first_unlogged_step_or_a_kill_seen_to_fire(tmp_path):

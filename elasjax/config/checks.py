@@ -357,6 +357,9 @@ def _validate_fault(f: FaultConfig, key: str, cfg: Config) -> None:
                  f"'{cfg.recovery.strategy}'); allowed values of recovery.strategy with "
                  "joins: 'elastic'")
     _require(f.kill_process >= -1, f"{key}.kill_process", "must be a process index >= 0")
+    _require(f.phase != "admission" or (f.kill_process >= 0 and not (f.devices or f.hosts)),
+             f"{key}.phase", "= 'admission' kills a process as an admission moves the state: "
+             "give 'kill_process' (and nothing else to fail)")
     _require(
         0 <= f.at_step < t.steps,
         f"{key}.at_step",

@@ -286,7 +286,9 @@ class FaultConfig:
     first step after that recovery is dispatched (the recovery goes on in the same event); `cutover` (one
     process) fails them at the first step boundary at or after `at_step` where an async
     migration cuts over, right after the new plan is installed (a run that never cuts over
-    then says so in its summary).
+    then says so in its summary); `admission` (`elasjax launch`, a `kill_process` with
+    `recovery.worker_restarts`) kills that process as the first admission of a restarted process
+    at a step boundary from `at_step` on moves the state (a restarted process never takes it).
 
     `join` (instead of a failure; `JoinConfig`): devices that failed earlier return at the
     boundary before step `at_step` (phase `step`; one process only for now). A join must come
@@ -305,7 +307,7 @@ class FaultConfig:
     stall_process: int = -1  # `elasjax launch`: this process stalls, alive, for `stall_s`
     stall_s: float = 0.0
     phase: Literal["step", "recovery", "recovery/plan", "recovery/transfer", "recovery/verify",
-                   "recovery/first_step", "cutover"] = "step"
+                   "recovery/first_step", "cutover", "admission"] = "step"
     join: Optional[JoinConfig] = None
     mtbf: Optional[MtbfConfig] = None
 

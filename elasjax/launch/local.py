@@ -427,10 +427,9 @@ def _run_attempt(job: _Job, overrides, kills, cfg: Config, deadline: float, quie
     events = (resolve_schedule(cfg.faults, topo, cfg.train.steps, MULTI_CONTROLLER,
                                cfg.recovery.worker_restarts) if job.script_args is None
               else [FaultEvent(k.at_step, (), "process", f"process {k.process}",
-                               hosts=(k.process,)) for k in kills])
+                               phase=k.phase, hosts=(k.process,)) for k in kills])
     scheduled = {
-        h: f"{e.at_step}:{h}" + (f" during the {e.phase}" if e.phase.startswith("recovery/")
-                                 else "")
+        h: f"{e.at_step}:{h}" + (f" during the {e.phase}" if e.phase != "step" else "")
         for e in events
         for h in e.hosts
     }

@@ -59,9 +59,8 @@ class KillSpec:
     the same as a config fault `{at_step, kill_process}`), or, with a phase (`--kill
     STEP:PROCESS:PHASE`, PHASE one of `KILL_PHASES`), as that phase of the recovery another kill
     at the same step started begins (`{at_step, kill_process, phase: recovery/PHASE}`). A
-    launched script's kill may also name the phase `admission`: as the first admission of a
-    restarted process at a step's start from STEP on moves the state
-    (`runtime.job.ScriptJob.kill_at_admission`)."""
+    kill may also name the phase `admission`: as the first admission of a restarted process at a
+    step's start from STEP on moves the state (`{at_step, kill_process, phase: admission}`)."""
 
     at_step: int
     process: int
@@ -76,7 +75,7 @@ class KillSpec:
                 f"--kill {text!r} must look like STEP:PROCESS (after dispatching step STEP) or "
                 f"STEP:PROCESS:PHASE (PHASE one of {', '.join(KILL_PHASES)}: in the recovery "
                 f"another kill at step STEP started; or {ADMISSION}: as the first admission of a "
-                "restarted process from step STEP on moves the state, a launched script only), "
+                "restarted process from step STEP on moves the state), "
                 "e.g. --kill 3:2 --kill 3:1:transfer")
         phase = ("step" if len(parts) == 2 else ADMISSION if parts[2] == ADMISSION
                  else f"recovery/{parts[2]}")
@@ -89,8 +88,7 @@ class KillSpec:
 
 # the recovery phases a `--kill` may name (`config.FaultConfig.phase` without `recovery/`)
 KILL_PHASES = ("plan", "transfer", "verify", "first_step")
-# the phase of a launched script's admissions (`ElasticState._grow`); the loop's fault schedule
-# (`config.FaultConfig.phase`) has none yet
+# an admission's phase (`config.FaultConfig.phase`; a script's: `runtime.job.ScriptJob`)
 ADMISSION = "admission"
 
 
@@ -150,12 +148,6 @@ def resolve_config(
             f"({n_processes - k} processes x {devices_per_process}{spares}); allowed values: "
             f"-1, {n}"
         )
-    for k in kills:
-        if k.phase == ADMISSION:
-            raise ConfigError(
-                f"--kill {k}: the phase '{ADMISSION}' is a launched script's (ElasticState); "
-                f"a config's loop takes STEP:PROCESS or a recovery's phase: "
-                f"{', '.join(KILL_PHASES)}")
     faults = list(cfg.faults) + [FaultConfig(k.at_step, kill_process=k.process, phase=k.phase)
                                  for k in kills]
     faults.sort(key=lambda f: f.at_step)  # stable: a recovery-phase fault stays after its cause

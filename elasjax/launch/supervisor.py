@@ -165,7 +165,8 @@ def remaining_faults(
     fired entry does not fire again: the restart resumes from a checkpoint at or before the
     failure and redoes those steps, and a kill that fired once is one failure, not one per
     attempt. A `phase: recovery` entry whose step's failure is dropped goes too (it needs a
-    failure at its step to act in)."""
+    failure at its step to act in), and a `phase: admission` entry with no process kill left at
+    or before its step (it needs a restarted process to admit)."""
     kept: list[FaultConfig] = []
     dropped: list[tuple[FaultConfig, str]] = []
     for f in faults:
@@ -180,6 +181,10 @@ def remaining_faults(
     for f in kept:
         if f.phase.startswith("recovery") and f.at_step not in steps_with_failure:
             dropped.append((f, f"the failure at step {f.at_step} that its recovery needs fired"))
+        elif f.phase == "admission" and not any(
+                g.kill_process >= 0 and g.phase == "step" and g.at_step <= f.at_step for g in kept):
+            dropped.append((f, f"no process is killed at or before step {f.at_step} any more: "
+                            "nobody restarts to be admitted"))
         else:
             out.append(f)
     return tuple(out), tuple(dropped)

@@ -377,6 +377,7 @@ class Trainer:
                                        ls.stood_on.values())
         t1 = time.perf_counter()
         with self.rt.guard("admit/state"):
+            self._admission_faults(ls)
             done = self.admissions.settle(pos, ls.pool, admitted, paces(ls.timeline),
                                           ls.cutover, ls.stood_on)
         ls.pos, ls.pool, ls.cutover = done.pos, done.pool, done.pending
@@ -391,6 +392,17 @@ class Trainer:
         ls.joins.append(jev)
         ls.timeline.pause(t2 - t0 + (admitted.admit_s or 0.0))
         ew.emit(jev, join_line(jev))
+
+    def _admission_faults(self, ls: LoopState) -> None:
+        """The faults of phase `admission` due now (`FaultConfig.phase`): every process drops
+        them from its schedule, and a process the job started with that one names is killed
+        here, as the state's move begins (a restarted process never is: `ScriptJob` does the
+        same for a script)."""
+        due = [e for e in ls.pending if e.phase == "admission" and e.at_step <= ls.pos.step]
+        if due:
+            ls.pending = [e for e in ls.pending if e not in due]
+            if self.rt.admission is None:
+                self.rt.inject(due, "admission")
 
     def _cutover_if_due(self, ls: LoopState, step: int, mw: JsonlWriter, ew: Emitter) -> bool:
         """Cut over to the pending optimal (or bigger) plan if every process has it ready;

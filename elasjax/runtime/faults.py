@@ -60,7 +60,7 @@ class FaultEvent:
     device_ids: tuple[int, ...]
     kind: str  # "devices" | "hosts" | "random" | "process" | "join" (devices return) | "stall"
     spec: str  # human-readable origin, e.g. "hosts [1]"
-    phase: str = "step"  # "step" | "recovery/<phase>" (`RECOVERY_PHASES`) | "cutover"
+    phase: str = "step"  # "step" | "recovery/<phase>" (`RECOVERY_PHASES`) | "cutover" | "admission"
     hosts: tuple[int, ...] = ()  # the hosts (processes) it takes down whole (or returns)
     stall_process: int = -1  # kind "stall": the process that sleeps `stall_s` (not a failure)
     stall_s: float = 0.0
@@ -163,7 +163,7 @@ def resolve_schedule(
             events.append(_resolve_stall(f, key, topo, runtime))
             continue
         ids, kind, spec, hosts = _resolve_targets(f, key, topo, live, taken, runtime)
-        _check_phase(f, key, events, runtime)
+        _check_phase(f, key, events, runtime, restarts)
         restarted = kind == "process" and 0 < len(hosts) <= restarts_left[0]
         if restarted:  # started again: its devices return (`elasjax.loop.admission`)
             restarts_left[0] -= len(hosts)
@@ -183,7 +183,8 @@ def resolve_schedule(
         phase = "recovery/transfer" if f.phase == "recovery" else f.phase
         events.append(FaultEvent(f.at_step, ids, kind, spec + (
             f" (during the {phase})" if phase.startswith("recovery/") else
-            " (at the cut-over)" if phase == "cutover" else ""), phase, hosts))
+            " (at the cut-over)" if phase == "cutover" else
+            " (during an admission)" if phase == "admission" else ""), phase, hosts))
     run_processes(steps, joins_too=False)
     for pr in procs:
         pr.annotate(events)
@@ -265,9 +266,17 @@ def _resolve_targets(f: FaultConfig, key: str, topo: Topology, live: list[int],
     return ids, kind, spec, hosts
 
 
-def _check_phase(f: FaultConfig, key: str, events: list[FaultEvent], runtime: str) -> None:
+def _check_phase(f: FaultConfig, key: str, events: list[FaultEvent], runtime: str,
+                 restarts: int) -> None:
     """`f.phase` is possible: a cut-over's only in one process; a recovery's only after a step's
-    failure at the same step (`events`: those before `f`)."""
+    failure at the same step (`events`: those before `f`); an admission's only under launch,
+    with restarts, after a process killed at or before its step."""
+    if f.phase == "admission" and (runtime != MULTI_CONTROLLER or not restarts or not any(
+            e.kind == "process" and e.at_step <= f.at_step for e in events)):
+        raise ConfigError(
+            f"config '{key}.phase' = 'admission' needs a restarted process to admit: run it "
+            "with `elasjax launch`, `recovery.worker_restarts` (--worker-restarts) > 0 and a "
+            f"process killed at or before step {f.at_step} earlier in 'faults'")
     if f.phase == "cutover" and runtime == MULTI_CONTROLLER:
         raise ConfigError(
             f"config '{key}.phase' = 'cutover' is not available under `elasjax launch` (a "
