@@ -1395,6 +1395,21 @@ TWO_BACK = ("parallel.devices=-1", "parallel.devices_per_host=1", "parallel.data
             "parallel.tensor=1")  # 4 processes x 1 device
 
 
+def _two_back_launch(out: Path, phase: str, restarts: int) -> tuple[str, list]:
+    """4 processes x 1 device: process 3 SIGKILLed in step 3, process 1 in `phase` of what
+    follows, `--worker-restarts restarts`. Returns the launcher's output and how each
+    incarnation ended, (process, incarnation, exit code or signal), sorted."""
+    faults = ("faults=[{at_step: 3, kill_process: 3}, "
+              f"{{at_step: 3, kill_process: 1, phase: {phase}}}]")
+    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "1",
+                         "--worker-restarts", str(restarts), "--restart-backoff", "0.5",
+                         sets=(f"train.steps={TWO_BACK_STEPS}", *TWO_BACK, faults), timeout=600)
+    assert rc == 0, stdout
+    summary = json.loads((out / "launch.json").read_text())
+    return stdout, sorted((s["process"], s["incarnation"], s["signal"] or s["returncode"])
+                          for s in summary["processes"])
+
+
 @pytest.fixture(scope="module")
 def two_back_reference(exe_cache):
     return trainer.run(tiny_config(f"train.steps={TWO_BACK_STEPS}", "faults=[]",
@@ -1416,15 +1431,7 @@ def test_two_processes_killed_in_one_recovery_rejoin_and_the_job_is_whole_again(
     devices alone: the processes pended different plans, never agreed on a cut-over and the job
     ended small (or, cutting over to different plans, hung)."""
     out = tmp_path / "two_back"
-    faults = ("faults=[{at_step: 3, kill_process: 3}, "
-              "{at_step: 3, kill_process: 1, phase: recovery/verify}]")
-    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "1",
-                         "--worker-restarts", "2", "--restart-backoff", "0.5",
-                         sets=(f"train.steps={TWO_BACK_STEPS}", *TWO_BACK, faults), timeout=600)
-    assert rc == 0, stdout
-    summary = json.loads((out / "launch.json").read_text())
-    ends = sorted((s["process"], s["incarnation"], s["signal"] or s["returncode"])
-                  for s in summary["processes"])
+    _, ends = _two_back_launch(out, "recovery/verify", restarts=2)
     assert ends == [(0, 0, 0), (1, 0, "SIGKILL"), (1, 1, 0), (2, 0, 0), (3, 0, "SIGKILL"),
                     (3, 1, 0)], ends
     metrics = read_jsonl(out / "metrics.jsonl")
@@ -1454,16 +1461,8 @@ def test_a_death_during_an_admission_is_recovered_like_any_other(two_back_refere
     processes 0 and 2, and train on with the fault-free computation (the same sum as the
     script's: tests/test_own_loop_launch.py's admission test)."""
     out = tmp_path / "admission"
-    faults = ("faults=[{at_step: 3, kill_process: 3}, "
-              "{at_step: 3, kill_process: 1, phase: admission}]")
-    rc, stdout = _launch(out, "--processes", "4", "--devices-per-process", "1",
-                         "--worker-restarts", "1", "--restart-backoff", "0.5",
-                         sets=(f"train.steps={TWO_BACK_STEPS}", *TWO_BACK, faults), timeout=600)
-    assert rc == 0, stdout
+    stdout, ends = _two_back_launch(out, "admission", restarts=1)
     assert "process 1 was killed as scheduled (3:1 during the admission)" in stdout
-    summary = json.loads((out / "launch.json").read_text())
-    ends = sorted((s["process"], s["incarnation"], s["signal"] or s["returncode"])
-                  for s in summary["processes"])
     assert ends == [(0, 0, 0), (1, 0, "SIGKILL"), (2, 0, 0), (3, 0, "SIGKILL"), (3, 1, 1)], ends
     metrics = read_jsonl(out / "metrics.jsonl")
     _assert_matches(metrics, two_back_reference, TWO_BACK_STEPS)

@@ -21,6 +21,7 @@ from ..plan.planner import Topology
 from ..runtime import job
 from ..runtime.attempts import Attempts, until_recovered
 from ..runtime.inprocess import DeviceFailure, InProcessRuntime, read_replicated
+from ..runtime.membership import AdmissionInterruptedError
 from ..transfer import checksum, reshard
 from ..transfer.checkpoint import Checkpointer
 from ..transfer.coverage import Coverage, coverage, explain
@@ -507,10 +508,8 @@ class ElasticState:
         mine = tuple(sorted(rt.devices_of(rt.me)))
         try:
             self._grow(ShardStore.capture(self.state), (rt.me,), mine, t0)
-        except DeviceFailure as f:  # it holds nothing of the state yet: it cannot recover
-            raise RuntimeError(
-                f"a failure interrupted this process's admission at step {self.step} "
-                f"({f.cause}); it leaves the job (a restart may ask again)") from f
+        except DeviceFailure as f:
+            raise AdmissionInterruptedError(self.step, f.cause) from f
 
     def _grow(self, store: ShardStore, processes, devices, t0: float) -> Join:
         """Every live process and the newcomers: the committed state moved onto the mesh over

@@ -73,7 +73,7 @@ from ..plan.planner import initial_plan, one_device
 from ..runtime.base import Runtime
 from ..runtime.faults import IN_PROCESS, resolve_schedule
 from ..runtime.inprocess import DeviceFailure, InProcessRuntime
-from ..runtime.membership import Admitted
+from ..runtime.membership import AdmissionInterruptedError, Admitted
 from ..transfer.checkpoint import Checkpointer, form_of
 from ..transfer.snapshot import SnapshotPool, check_coverable, prepare_checksums
 from .accounts import RunSummary, UnprotectedStateWarning, announce, conclude
@@ -359,10 +359,8 @@ class Trainer:
                     f"generation {counters.generation})")
         try:
             self._welcome(ls, admitted, ew)
-        except DeviceFailure as f:  # it holds nothing of the loop yet: it cannot recover
-            raise RuntimeError(
-                f"a failure interrupted this process's admission at step {ls.pos.step} "
-                f"({f.cause}); it leaves the job (a restart may ask again)") from f
+        except DeviceFailure as f:
+            raise AdmissionInterruptedError(ls.pos.step, f.cause) from f
         return ls
 
     def _welcome(self, ls: LoopState, admitted: Admitted, ew: Emitter) -> None:

@@ -87,6 +87,16 @@ class Admitted:
     admit_s: float | None  # the live processes' time in `admit` (None on a newcomer)
 
 
+class AdmissionInterruptedError(RuntimeError):
+    """A failure interrupted this restarted process's admission (the loop's or a user's): it
+    holds nothing of the state yet, so it cannot recover; it leaves the job, the survivors
+    recover without it, and a restart may ask again."""
+
+    def __init__(self, step: int, cause: str):
+        super().__init__(f"a failure interrupted this process's admission at step {step} "
+                         f"({cause}); it leaves the job (a restart may ask again)")
+
+
 class NotAdmittedError(RuntimeError):
     """A restarted process asked to rejoin and was not admitted within its wait."""
 
