@@ -139,7 +139,7 @@ class ElasticState:
             adm = self.rt.admission if self.job is not None else None
             self.checkpointer = Checkpointer(
                 checkpoint, self.rt.processes(), joining=adm is not None,
-                generation=adm.loop["ckpt_generation"] or 0 if adm is not None else 0)
+                generation=adm.loop["ckpt_generation"] if adm is not None else 0)
         self._standby: PiecesStandby | None = None
         self._make_step = self._batch_fn = None  # your step and batch for it (`standby`)
         self._want: list = []  # the shardings `commit` checks (`_configure_pool`)
@@ -475,7 +475,7 @@ class ElasticState:
                    "dead_hosts": sorted(self.dead_hosts),
                    # the checkpoints' barriers are named by it (`Checkpointer.reopen`)
                    "ckpt_generation": (self.checkpointer.generation
-                                       if self.checkpointer is not None else None)}
+                                       if self.checkpointer is not None else 0)}
         admitted = self.rt.admit(package)  # a new CPU client with the newcomers
         self.live |= set(admitted.devices)
         self.dead_hosts -= {self.topology.host_of(d) for d in admitted.devices}

@@ -56,8 +56,7 @@ class LoopPackage:
     stood_on: list  # the first plan of each program the run stood on (`LoopState.stood_on`)
     redo_until: int
     seen: Seen
-    # the generation of the checkpoints' barriers (`Checkpointer`), None: no checkpoints
-    ckpt_generation: int | None = None
+    ckpt_generation: int = 0  # the generation of the checkpoints' barriers (`Checkpointer`)
 
 
 @dataclasses.dataclass

@@ -172,7 +172,7 @@ class Trainer:
         check_coverable(cfg.snapshot, self.topo)
         adm = self.rt.admission  # a restarted process: opened once admitted (`_welcome`)
         self.ckpt = (Checkpointer(cfg.checkpoint, self.rt.processes(), joining=adm is not None,
-                                  generation=adm.loop.ckpt_generation or 0 if adm else 0)
+                                  generation=adm.loop.ckpt_generation if adm else 0)
                      if cfg.checkpoint.dir is not None else None)
         self.compiles = CompileCounter()
         # a runtime that admits restarted processes (`admission`) may grow at any step
