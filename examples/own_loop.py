@@ -64,7 +64,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--pace", type=float, default=0.0,
                     help="seconds each step waits after its commit (a stand-in for a bigger "
-                    "step) while the job is short of a process that died and may rejoin")
+                    "step) while the job, shrunk by its first failure, waits for a restarted "
+                    "process to rejoin (after a join or a second failure: no wait)")
     ap.add_argument("--standby", action="store_true",
                     help="compile the step for every likely failure's mesh before step 0")
     ap.add_argument("--checkpoint", default=None, metavar="DIR",
@@ -142,7 +143,7 @@ def main():
                   f"{r.bytes_cross_process} B across processes)", flush=True)
             continue
         losses[step.n] = float(elasjax.host_value(loss))
-        if es.recoveries and not es.joins:  # (a restart has this long to rejoin)
+        if len(es.recoveries) == 1 and not es.joins:  # (a restart has this long to rejoin)
             time.sleep(args.pace)
     es.close()
     digest = es.state_digest()

@@ -12,8 +12,9 @@ launch").
 the process SIGKILLs itself right after that commit was dispatched; `--kill STEP:PROCESS:PHASE`
 as that phase of the recovery begins, or with `admission` as the first admission of a
 restarted process at a step's start from STEP on moves the state. A kill whose step the
-script never committed, and a script that never committed at all while kills were scheduled,
-end the worker with a usage error (exit 2) after the script returned.
+script never committed, an admission kill that never fired (no restart admitted from its step
+on), and a script that never committed at all while kills were scheduled, end the worker with
+a usage error (exit 2) after the script returned.
 """
 
 from __future__ import annotations
@@ -125,6 +126,14 @@ def run_script(path: Path, argv: list[str], rc: RuntimeConfig,
         rt.log(f"error: --kill {', '.join(f'{s}:{list(p)}' for s, p in unmet)} never happened: "
                f"{said}; allowed kill steps: "
                + ("none" if last is None else f"0 .. {last}"))
+        _shutdown()
+        return USAGE_ERROR
+    late = state.unmet_admission_kills(rt)
+    if late:
+        rt.log(f"error: --kill {', '.join(f'{s}:{rt.me}:admission' for s in late)} never "
+               f"happened: no restarted process was admitted at a step's start from step "
+               f"{late[0]} on before the script's last commit ({state.last_commit}); give the "
+               "restart time to arrive (more steps, or an earlier kill to restart)")
         _shutdown()
         return USAGE_ERROR
     rt.log("done: the script returned")

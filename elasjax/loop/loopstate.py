@@ -121,7 +121,7 @@ class LoopState:
 
     def end_notes(self, standby: str | None = None) -> list[str]:
         """What the run did not do that it was asked or expected to (the `end` event's notes):
-        abandoned cut-overs, cut-over faults that never fired, the `standby`'s note if any, a
+        abandoned cut-overs, cut-over and admission faults that never fired, the `standby`'s note if any, a
         cut-over still pending at the end."""
         notes = [
             f"the cut-over to {a.optimal_plan} was abandoned at step {a.step}: its "
@@ -133,6 +133,11 @@ class LoopState:
             f"the fault '{e.spec}' (phase cutover, from step {e.at_step}) never fired: the run "
             "did not cut over at or after that step"
             for e in self.pending if e.phase == "cutover"
+        ]
+        notes += [
+            f"the fault '{e.spec}' (phase admission, from step {e.at_step}) never fired: no "
+            "restarted process was admitted at or after that step"
+            for e in self.pending if e.phase == "admission"
         ]
         notes += [standby] if standby is not None else []
         if self.cutover is not None:

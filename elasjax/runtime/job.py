@@ -43,6 +43,15 @@ class ScriptJob:
         return sorted((s, ph["step"]) for s, ph in self.kills.items()
                       if s > last and "step" in ph)
 
+    def unmet_admission_kills(self, rt) -> list[int]:
+        """The steps of `--kill S:PROCESS:admission` entries naming this process that never
+        fired: no restarted process was admitted from S on while it lived (the restart came
+        too late, or none was made). Only the process the job started with can tell: it is the
+        one such a kill would have ended."""
+        if rt.admission is not None:
+            return []
+        return sorted(s for s, ph in self.kills.items() if rt.me in ph.get("admission", ()))
+
     def kill(self, rt, step: int, phase: str, point: str) -> None:
         """SIGKILL this process if `--kill` scheduled it at `step` in `phase` (`rt.inject` at
         `point`: "after_dispatch", "plan", "transfer", "verify")."""
