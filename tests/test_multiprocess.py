@@ -374,6 +374,49 @@ def test_gloo_event_loops_are_found_by_their_poll_and_idled_only_under_idle():
         RuntimeConfig("h:1", 2, 0, gloo_loop="low")
 
 
+def test_a_stand_ins_communicator_is_shut_down_again_once_it_closed(monkeypatch):
+    """A stand-in (`deadranks`) makes a communicator with a dead rank after this process's
+    collectives were shut down for that death; once the stand-in has closed (`collectives.
+    stood_in` lists the clique), a collective over it that waits on a live peer would wait for
+    the collective timeout, so the block's rendezvous thread shuts the collectives down once
+    more: once per closed clique that holds this process's devices, none for another's."""
+    import threading
+    import types
+
+    from elasjax.runtime import aborts
+
+    shut: list[int] = []
+    closed: set[str] = set()
+    monkeypatch.setattr(aborts, "abort_collectives", lambda keep: shut.append(1) or 3)
+    monkeypatch.setattr(aborts, "end_rendezvous", lambda client, dead: [])
+    monkeypatch.setattr(aborts, "stood_in", lambda client: set(closed))
+    monkeypatch.setattr(aborts, "RENDEZVOUS_POLL_S", 0.001)
+    logs: list[str] = []
+    done = threading.Event()
+
+    def log(line):
+        logs.append(line)
+        done.set()
+
+    rc = RuntimeConfig("127.0.0.1:1234", 3, 0)
+    exits = types.SimpleNamespace(me=0, exited=lambda p: False)
+    ab = aborts.CollectiveAborts(rc, exits=exits, liveness=None, processes=lambda: {0, 1, 2},
+                                 log=log, running=lambda: [], client=object(),
+                                 devices_of=lambda p: {2 * p, 2 * p + 1})
+    ab.enter_block("recovery/verify")
+    ab.end_rendezvous_of(1)
+    ab.abort_when_quiet("when process 1 exited (pidfd)", lambda n, how: f"first {n}")
+    assert done.wait(60) and shut == [1] and logs == ["first 3"]
+    done.clear()
+    closed.add("cpu:gloo/4,5")  # another process's clique: nothing
+    closed.add("cpu:gloo/0,1,2,3,4,5")  # this process's: once more
+    assert done.wait(60)
+    assert shut == [1, 1] and "the stand-in for dead ranks of cpu:gloo/0,1,2,3,4,5" in logs[1]
+    assert ab.reason.count("shut down its collectives") == 2, ab.reason
+    ab.leave_block()  # the thread ends with the block; the clique is not shut down for again
+    assert len(shut) == 2
+
+
 def test_an_abort_waits_until_this_process_no_longer_computes(monkeypatch):
     """`CollectiveAborts.abort_when_quiet`: a collective posted after its sockets were shut
     down waits out gloo's timeout (the 8 s detections of experiments/RESULTS.md, "Aborts after
@@ -690,47 +733,80 @@ def test_a_survivor_ends_the_rendezvous_only_for_the_dead_ranks_that_never_publi
     assert end_rendezvous(Store([]), dead) == []
 
 
-_RENDEZVOUS_PAIR = """
+_RENDEZVOUS = """
 import os, sys, threading, time
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-pid, port = int(sys.argv[1]), int(sys.argv[2])
+pid, port, n, per, DEAD = map(int, sys.argv[1:6])
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_num_cpu_devices", per)
 jax.config.update("jax_enable_recoverability", True)
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid,
                            heartbeat_timeout_seconds=60)
-DEAD = int(sys.argv[3])  # 0: the communicator's first ranks are the dead ones; 1: its last
 if pid == DEAD:  # makes its client (the topology exchange), never enters the collective
     jax.devices()
     time.sleep(120)
     sys.exit(0)
 from jax._src import distributed
-from elasjax.runtime.collectives import GLOO_KEYS, end_rendezvous
+from elasjax.runtime.collectives import GLOO_KEYS, end_rendezvous, stood_in
 kv = distributed.global_state.client
 devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 dead = {d.id for d in devices if d.process_index == DEAD}
 mesh = Mesh(np.array(devices), ("i",))
 f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "i"), mesh=mesh, in_specs=P("i"),
                           out_specs=P("i")))
-x = jax.make_array_from_callback((4,), NamedSharding(mesh, P("i")),
+x = jax.make_array_from_callback((len(devices),), NamedSharding(mesh, P("i")),
                                  lambda i: np.ones(1, np.float32))
 written = []
 
-def end():  # once this process's ranks have published: it waits in the making
-    while len(kv.key_value_dir_get_bytes(GLOO_KEYS + "/")) < 2:
+def end():  # once the live processes' ranks have published: they wait in the making
+    while len(kv.key_value_dir_get_bytes(GLOO_KEYS + "/")) < (n - 1) * per:
         time.sleep(0.01)
-    written.extend(end_rendezvous(kv, dead.__contains__))
+    if pid == min(set(range(n)) - {DEAD}):
+        written.extend(end_rendezvous(kv, dead.__contains__))
 
 threading.Thread(target=end, daemon=True).start()
 try:
     f(x).block_until_ready()
     print("RESULT ran", flush=True)
 except Exception as e:
-    print("RESULT", written, type(e).__name__, str(e).replace(chr(10), " ")[:400], flush=True)
+    t = time.time()
+    while not stood_in(kv) and time.time() < t + 2:
+        time.sleep(0.01)
+    print("RESULT", written, sorted(stood_in(kv)), type(e).__name__,
+          str(e).replace(chr(10), " ")[:400], flush=True)
+time.sleep(1)  # the other survivor's collective fails on the stand-in's close, not this exit
 os._exit(0)
 """
+
+
+def _rendezvous(tmp_path, n: int, per: int, dead: int) -> dict[int, str]:
+    """`_RENDEZVOUS` as n processes of `per` devices, process `dead` never entering the
+    all-reduce: each live process's RESULT line."""
+    script = tmp_path / "rendezvous.py"
+    script.write_text(_RENDEZVOUS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=20"}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(n), str(per),
+                               str(dead)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for i in range(n)]
+    out = {}
+    try:
+        for i, p in enumerate(procs):
+            if i != dead:
+                text, _ = p.communicate(timeout=120)
+                assert p.returncode == 0, text[-3000:]
+                (out[i],) = [ln for ln in text.splitlines() if ln.startswith("RESULT")]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return out
 
 
 @pytest.mark.parametrize("dead, keys", [(0, "0,1"), (1, "2,3")])
@@ -742,29 +818,25 @@ def test_a_dead_ranks_rendezvous_entry_ends_the_survivors_wait_at_once(dead, key
     (`DEAD_RANK`) are written, and the all-reduce fails with gloo's address check, not a
     timeout, and the process lives on (an entry that does not parse crashed it: SIGSEGV). This
     depends on gloo's rendezvous format: a JAX whose gloo reads entries otherwise fails here."""
-    script = tmp_path / "pair.py"
-    script.write_text(_RENDEZVOUS_PAIR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=20"}
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(dead)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-             for i in range(2)]
-    live = procs[1 - dead]
-    try:
-        out, _ = live.communicate(timeout=120)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    assert live.returncode == 0, out[-3000:]
-    (line,) = [ln for ln in out.splitlines() if ln.startswith("RESULT")]
+    (line,) = _rendezvous(tmp_path, 2, 2, dead).values()
     a, b = keys.split(",")
     assert f"['cpu:gloo/0,1,2048,2049/{a}', 'cpu:gloo/0,1,2048,2049/{b}']" in line, line
     assert "Gloo context initialization failed" in line and "bytes.size()" in line, line
+
+
+def test_a_dead_rank_between_live_ones_is_stood_in_for(tmp_path):
+    """The middle one of three processes never enters an all-reduce over all three: its rank
+    lies between live ones, where a refusing entry left a live rank waiting for gloo's connect
+    timeout (150 s). A stand-in (`deadranks.StandIn`) answers gloo's handshake for it, so both
+    survivors make the communicator (every pair connected, gloo's own handshake in each
+    direction: whichever side the addresses pick) and their all-reduce then fails on the
+    stand-in's close ("closed" or "reset" by peer), not on a timeout; the stand-in's close is
+    posted for the other survivors (`collectives.stood_in`). Depends on gloo's TCP handshake:
+    a JAX whose gloo connects otherwise fails here."""
+    out = _rendezvous(tmp_path, 3, 1, 1)
+    assert "['cpu:gloo/0,2048,4096/1'] ['cpu:gloo/0,2048,4096']" in out[0], out
+    for line in out.values():
+        assert "Gloo all-reduce failed" in line and "by peer" in line, out
 
 
 def test_a_drain_waits_for_every_array_and_ignores_their_errors():

@@ -240,10 +240,10 @@ class PiecesStandby(StandbyCompiler):
         self._built(mesh, out, how, texts)
         return out
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 60.0) -> None:
         if self.shared is not None:  # a wait for another process's compile ends too
             self.shared.close()
-        super().close()
+        super().close(wait_s)
 
     def _shared_build(self, mesh: Mesh, low, texts: tuple, t0: float) -> StepExecutables:
         """The first mesh of its shape under launch: compiled by the process of the job that

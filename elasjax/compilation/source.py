@@ -459,12 +459,14 @@ class ExecutableSource:
         self._prepare(exe)
         return exe
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 60.0) -> None:
+        """Stop the background builds; `wait_s`: how long to wait for one under way in this
+        process (`StandbyCompiler.close`)."""
         if self.shared is not None:
             self.shared.close()
         if self.standby is not None:
             if self.worker is not None:
                 self.worker.kill()  # a compile under way ends now, not at its end
-            self.standby.close()
+            self.standby.close(wait_s)
         if self.worker is not None:
             self.worker.close()

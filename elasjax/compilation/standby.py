@@ -428,12 +428,17 @@ class StandbyCompiler:
                 return p
         return self._queue[0]
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 60.0) -> None:
+        """Stop: nothing more is built; the thread is waited for up to `wait_s` (a build under
+        way in this process, a plan's checksums say, cannot be cancelled). A process that
+        ends with `os._exit` (launch's workers) passes 0: waiting held a finished survivor
+        past the launcher's grace (docs/limits.md, "A finished survivor held at exit")."""
         with self._cv:
             self._stop = True
             self._queue = []
             self._cv.notify_all()
-        self._thread.join(timeout=60)
+        if wait_s > 0:
+            self._thread.join(timeout=wait_s)
 
 
 class BackgroundJobs:
@@ -490,12 +495,17 @@ class BackgroundJobs:
                     self.errors.append(err)
                 self._cv.notify_all()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 60.0) -> None:
+        """Stop: nothing more is built; the thread is waited for up to `wait_s` (a build under
+        way in this process, a plan's checksums say, cannot be cancelled). A process that
+        ends with `os._exit` (launch's workers) passes 0: waiting held a finished survivor
+        past the launcher's grace (docs/limits.md, "A finished survivor held at exit")."""
         with self._cv:
             self._stop = True
             self._queue = []
             self._cv.notify_all()
-        self._thread.join(timeout=60)
+        if wait_s > 0:
+            self._thread.join(timeout=wait_s)
 
 
 def _lower_priority(nice: int = 10) -> None:

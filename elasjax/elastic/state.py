@@ -316,7 +316,9 @@ class ElasticState:
         if self.checkpointer is not None:
             self.checkpointer.close()
         if self._standby is not None:
-            self._standby.close()
+            # under launch the worker ends with os._exit once the script returns: a build
+            # under way is dropped, not waited for (`StandbyCompiler.close`)
+            self._standby.close(0.0 if self.job is not None else 60.0)
 
     # -- standby executables --------------------------------------------------------------------
 

@@ -278,7 +278,9 @@ class Trainer:
                 tb.close()
             if self.ckpt is not None:
                 self.ckpt.close()
-            self.source.close()
+            # launch's workers end with os._exit (`launch.process._leave`): a standby build
+            # under way in this process is dropped, not waited for
+            self.source.close(wait_s=60.0 if self.rt.kind == IN_PROCESS else 0.0)
             self.transitions.close()
             self.clock.close()
             if self._owns_rt:

@@ -29,9 +29,13 @@ is then blocked in a collective, which the shutdown ends, or done: nothing is po
 plan's first collective over a device set) waits for every rank's rendezvous entry for gloo's
 30 s; no socket is open yet, so the shutdown does not reach it. When a death is proven (an exit,
 a death notice), a thread of this process fills in the dead devices' missing entries for the
-rest of the block where that is safe (`end_rendezvous_of`, `collectives.end_rendezvous`), which
-ends those waits with gloo's own error: 30.7-31.0 s recoveries of a kill as a recovery's
-verification began (experiments/RESULTS.md, "The MTTR battery")."""
+rest of the block (`end_rendezvous_of`, `collectives.end_rendezvous`): entries gloo refuses,
+which end those waits with gloo's own error, where the dead ranks come first or last; a
+stand-in's where a dead rank lies between live ones (`deadranks`): the communicator is then
+made with the stand-in, which closes its pairs, and every survivor whose devices it holds shuts
+its collectives down once more when quiet (the first shutdown came before the communicator
+existed). A kill as a recovery's verification began cost 30.7-31.0 s before either
+(experiments/RESULTS.md, "The MTTR fuzz"; "A dead rank between live ones, stood in for")."""
 
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .collectives import abort_collectives, end_rendezvous, gloo_loops
+from .collectives import abort_collectives, end_rendezvous, gloo_loops, stood_in
 from .liveness import Liveness, ProcessExits
 from .startup import RuntimeConfig
 
@@ -62,6 +66,14 @@ RENDEZVOUS_POLL_S = 0.05
 # threads that never post a collective, by name (/proc/self/task/*/comm): LLVM's (an executable's
 # load links code), gRPC's (the coordination service's channel)
 _BENIGN = (b"llvm-worker", b"grpc", b"event_engine", b"lifeguard")
+
+
+def _clique_ids(clique: str) -> set[int]:
+    """The device ids of a gloo clique's key prefix (`cpu:gloo/<ids>`)."""
+    try:
+        return {int(i) for i in clique.rpartition("/")[2].split(",")}
+    except ValueError:
+        return set()
 
 
 def running_threads() -> list[str] | None:
@@ -93,8 +105,8 @@ def running_threads() -> list[str] | None:
 
 
 class CollectiveAborts:
-    """This process's collectives, shut down at most once per guard's block (see the module
-    docstring). `enabled`: on CPU where a renewed client can replace them (`renew_collectives`
+    """This process's collectives, shut down once per guard's block, and once more after a
+    stand-in made a communicator with dead ranks (see the module docstring). `enabled`: on CPU where a renewed client can replace them (`renew_collectives`
     is not `never`); otherwise nothing is ever shut down. `reason` says why they were, until a
     new client clears it (`clear`)."""
 
@@ -180,7 +192,14 @@ class CollectiveAborts:
     def _end_rendezvous(self, block: int) -> None:
         """Until the block ends, every `RENDEZVOUS_POLL_S`: the dead processes' missing
         rendezvous entries written (`collectives.end_rendezvous`). A communicator made later in
-        the block (a program that reaches its first collective late) is caught at its making."""
+        the block (a program that reaches its first collective late) is caught at its making.
+        Where a stand-in made a communicator with dead ranks (`deadranks`) that holds this
+        process's devices, this process's collectives are shut down again once quiet, after
+        the stand-in closed: the communicator was made after any earlier shutdown, and a
+        collective over it that waits on a live peer, failed on the stand-in's close, would
+        wait for the collective timeout."""
+        mine = self._devices_of(self._exits.me)
+        seen: set[str] = set()
         while True:
             with self._lock:
                 if not self._in_body or self._block != block:
@@ -188,22 +207,34 @@ class CollectiveAborts:
                 dead = set().union(*(self._devices_of(p) for p in self._dead))
             try:
                 keys = end_rendezvous(self._client, dead.__contains__)
+                closed = stood_in(self._client) - seen
             except Exception as e:  # noqa: BLE001 (an unreadable store: gloo's wait ends as before)
                 self._log(f"could not read the gloo rendezvous entries ({type(e).__name__}: {e})")
                 return
             if keys:
                 self._log(f"ended the gloo rendezvous of dead ranks: {', '.join(keys)}")
+            seen |= closed
+            ours = sorted(c for c in closed if mine & _clique_ids(c))
+            if ours:
+                names = ", ".join(ours)
+                self.abort_when_quiet(
+                    f"when the stand-in for dead ranks of {names} closed",
+                    lambda n, how, names=names: f"the stand-in for dead ranks of {names} closed: "
+                    f"shut down {n} collective sockets of this process ({how})", again=True)
             time.sleep(RENDEZVOUS_POLL_S)
 
-    def _abort_when_quiet(self, when: str, log: Callable[[int, str], str], block: int) -> None:
+    def _abort_when_quiet(self, when: str, log: Callable[[int, str], str], block: int,
+                          again: bool = False) -> None:
         """Shut the collectives down (`abort`) once this process is quiet, or after
         `QUIET_WAIT_MAX_S` (the module docstring says why); nothing if the block ends first.
-        Runs on a thread of its own, so that no detector is held."""
+        Runs on a thread of its own, so that no detector is held. `again`: even after an
+        earlier shutdown in the block (a stand-in's communicator, `_end_rendezvous`)."""
         t0 = self._clock()
         quiet = 0
         while True:
             with self._lock:
-                if not self._in_body or self._block != block or self.reason is not None:
+                if not self._in_body or self._block != block or (
+                        self.reason is not None and not again):
                     return
             running = self._running()
             quiet = quiet + 1 if running == [] else 0
@@ -214,30 +245,37 @@ class CollectiveAborts:
         state = ("once its threads were quiet" if quiet >= QUIET_POLLS else
                  f"still running: {', '.join(sorted(set(running)))}" if running is not None
                  else "no /proc")
-        n = self.abort(f"{when}, {waited:.2f}s later ({state})")
+        n = self.abort(f"{when}, {waited:.2f}s later ({state})", again=again)
         if n is not None:
             self._log(log(n, f"{waited:.2f}s later, {state}"))
 
-    def abort_when_quiet(self, when: str, log: Callable[[int, str], str]) -> None:
+    def abort_when_quiet(self, when: str, log: Callable[[int, str], str],
+                         again: bool = False) -> None:
         """Start `_abort_when_quiet` on a thread of its own, unless one is under way in this
-        block (the first detector to call names the reason, as an immediate abort did)."""
+        block (the first detector to call names the reason, as an immediate abort did).
+        `again`: a second shutdown in the block, after the first (`_end_rendezvous`)."""
         with self._lock:
-            if not self.enabled or not self._in_body or self._waiter or self.reason is not None:
+            if not self.enabled or not self._in_body:
                 return
-            self._waiter = True
+            if not again:
+                if self._waiter or self.reason is not None:
+                    return
+                self._waiter = True
             block = self._block
-        threading.Thread(target=self._abort_when_quiet, args=(when, log, block), daemon=True,
-                         name="elasjax-abort").start()
+        threading.Thread(target=self._abort_when_quiet, args=(when, log, block, again),
+                         daemon=True, name="elasjax-abort").start()
 
-    def abort(self, when: str) -> int | None:
-        """Inside a guard's block, shut this process's collectives down, once, and record why;
-        returns the sockets shut, or None outside a block or after an abort."""
+    def abort(self, when: str, again: bool = False) -> int | None:
+        """Inside a guard's block, shut this process's collectives down, once (`again`: once
+        more), and record why; returns the sockets shut, or None outside a block or after an
+        abort."""
         with self._lock:
-            if not self._in_body or self.reason is not None:
+            if not self._in_body or (self.reason is not None and not again):
                 return None
             n = abort_collectives([self._port])
-            self.reason = (f"it shut down its collectives ({n} sockets) {when}, to end their "
-                           "waits at once")
+            why = f"it shut down its collectives ({n} sockets) {when}"
+            self.reason = (f"{why}, to end their waits at once" if self.reason is None
+                           else f"{self.reason}; {why}")
         return n
 
     def on_exit(self, p: int) -> None:

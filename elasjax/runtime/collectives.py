@@ -124,6 +124,8 @@ def reachable_cliques(client, live: Iterable[int]) -> list[str]:
         except ValueError:
             out.add(f"? ({key})")
             continue
+        if rank == STOOD_IN:  # a marker: the clique's ranks' keys are read for it
+            continue
         if not rank.isdigit():
             out.add(f"? ({key})")
         elif len(ids) > 1 and set(ids) <= live:  # a communicator of one rank sends nothing
@@ -271,14 +273,17 @@ CONTEXT_FAILED = "Gloo context initialization failed"
 # parse. Read in gloo/transport/tcp/context.cc and address.cc; checked on jax 0.10.2 and 0.12.1 by
 # tests/test_multiprocess.py::test_a_dead_ranks_rendezvous_entry_ends_the_survivors_wait_at_once.
 DEAD_RANK = struct.pack("=Q", 4) + b"dead" + struct.pack("=Q", 1) + b"\0"
+STOOD_IN = "stood-in"  # a clique's key once its dead ranks' stand-in closed (`stood_in`)
 
 
-def end_rendezvous(client, dead: Callable[[int], bool]) -> list[str]:
-    """End every wait in the making of a gloo communicator for a rank that will never come,
-    where that is safe: for each clique some of whose ranks have published their address
-    (`cpu:gloo/<ids>/<rank>`, rank r being the clique's r-th device) whose rank 0 is a `dead`
-    device (a device of a process known dead), or whose dead ranks all come after every live
-    one, publish `DEAD_RANK` for every missing dead rank. Why: a survivor that entered a
+def end_rendezvous(client, dead: Callable[[int], bool], stand_in: bool = True) -> list[str]:
+    """End every wait in the making of a gloo communicator for a rank that will never come:
+    for each clique some of whose ranks have published their address (`cpu:gloo/<ids>/<rank>`,
+    rank r being the clique's r-th device) whose rank 0 is a `dead` device (a device of a
+    process known dead), or whose dead ranks all come after every live one, publish `DEAD_RANK`
+    for every missing dead rank; where a dead rank lies between live ones, once every live rank
+    has published, a stand-in's entry (`deadranks.StandIn`; `stand_in=False`: left to gloo's
+    wait, as before). Why: a survivor that entered a
     communicator's making waits for every rank's entry for gloo's 30 s, whatever else it knows
     (shutting its sockets down does not reach that wait); a dead rank's entry makes the making
     fail with gloo's own error, which the guard reads as the collective failure it is (the MTTR
@@ -293,12 +298,14 @@ def end_rendezvous(client, dead: Callable[[int], bool]) -> list[str]:
     after connecting to the ranks before it, and a live rank above it waits for a connection
     the failed one never makes, for gloo's connect timeout (150 s, seen in 3 of 8 fuzz
     launches; in a probe of three plain-JAX processes, the dead rank between the two live ones,
-    the one above it was still waiting when the other ended); the 30 s wait is then the lesser
-    one. A rank published meanwhile keeps its own entry (the store refuses a second write).
+    the one above it was still waiting when the other ended). There the stand-in completes
+    the dead rank's pairs instead, so every live rank connects every pair, and closes them
+    after (tests/test_multiprocess.py::test_a_dead_rank_between_live_ones_is_stood_in_for). A
+    rank published meanwhile keeps its own entry (the store refuses a second write).
     Only a proven death may call this (an exit, a death notice). Entries of a client are deleted
     when a renewal or an admission replaces it (`renew_cpu_client`). Returns the keys
     written."""
-    keys = {k for k, _ in client.key_value_dir_get_bytes(GLOO_KEYS + "/")}
+    keys = dict(client.key_value_dir_get_bytes(GLOO_KEYS + "/"))
     out = []
     for clique in sorted({k.rpartition("/")[0] for k in keys}):
         try:
@@ -307,18 +314,61 @@ def end_rendezvous(client, dead: Callable[[int], bool]) -> list[str]:
             continue
         gone = [r for r, d in enumerate(ids) if dead(d)]
         live = [r for r, d in enumerate(ids) if not dead(d)]
-        if not gone or not (gone[0] == 0 or min(gone) > max(live, default=-1)):
-            continue  # a live rank would wait for a connection (the docstring says why)
+        if not gone:
+            continue
+        entry: Callable[[int], bytes | None] = lambda r: DEAD_RANK  # noqa: E731
+        if not (gone[0] == 0 or min(gone) > max(live, default=-1)):
+            # a dead rank between live ones: a stand-in, once every live rank has published
+            if not stand_in or any(f"{clique}/{r}" not in keys for r in live):
+                continue
+            entry = _stand_in_entries(client, clique, {r: keys[f"{clique}/{r}"] for r in live},
+                                      len(ids))
         for r, d in enumerate(ids):
             key = f"{clique}/{r}"
             if key in keys or not dead(d):
                 continue
+            value = entry(r)
+            if value is None:
+                break
             try:
-                client.key_value_set_bytes(key, DEAD_RANK)
+                client.key_value_set_bytes(key, value)
             except Exception:  # noqa: BLE001 (published meanwhile, or another survivor wrote it)
                 continue
             out.append(key)
     return out
+
+
+def _stand_in_entries(client, clique: str, live: dict[int, bytes], size: int
+                      ) -> Callable[[int], bytes | None]:
+    """For a clique of `size` ranks whose live ranks have all published (`live`: rank -> its
+    entry): dead rank -> a stand-in's entry for it (`deadranks.StandIn`), or None where a live
+    entry does not parse or no stand-in can listen on its family and an address of this host.
+    Once the stand-in has closed a dead rank's connections it posts `<clique>/STOOD_IN`
+    (`stood_in`)."""
+    from . import deadranks
+
+    got = {r: deadranks.parse(bytes(v)) for r, v in live.items()}
+    si = None if any(e is None for e in got.values()) else deadranks.stand_in_for(
+        list(got.values()))
+    if si is None:
+        return lambda r: None
+
+    def closed():
+        try:
+            client.key_value_set(f"{clique}/{STOOD_IN}", "closed", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 (the client renewed meanwhile: its keys are gone)
+            pass
+
+    return lambda r: si.entry(r, size, got, closed)
+
+
+def stood_in(client) -> set[str]:
+    """The cliques (`cpu:gloo/<ids>`) whose dead ranks' stand-in has closed its connections:
+    their communicators are made, and a survivor's collective over one waits on live peers
+    that may already have failed, so each survivor shuts its collectives down again
+    (`aborts.CollectiveAborts`)."""
+    return {k.rpartition("/")[0] for k, _ in client.key_value_dir_get_bytes(GLOO_KEYS + "/")
+            if k.endswith("/" + STOOD_IN)}
 
 
 def rendezvous_note(client, err: BaseException) -> str | None:
