@@ -290,6 +290,13 @@ def _report_launch(attempts: list[_Attempt], sup: SupervisorLog | None, policy: 
         )
         _say(quiet, f"the job cannot continue; {hint}")
     _say(quiet, f"outputs: {out}")
+    if last.outcome == "finished" and last.returncode == USAGE_ERROR:
+        # the run ended, but a worker refused what it was asked (a scheduled kill that never
+        # fired, `launch.script`): the launch did not do what its command said
+        bad = [s["process"] for s in last.status if s["returncode"] == USAGE_ERROR]
+        _say(quiet, f"elasjax launch: process(es) {bad} exited with a usage error (exit "
+                    f"{USAGE_ERROR}); their logs say why")
+        return USAGE_ERROR
     return {"finished": 0, "coordinator_lost": 3}.get(last.outcome, 1)
 
 

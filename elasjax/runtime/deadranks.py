@@ -126,6 +126,13 @@ GIVE_UP_S = 60.0
 _BLOCK = 1 << 20  # pair ids: entry index * _BLOCK + rank (the number names the entry)
 
 
+def _later(delay: float, fn: Callable, *args) -> None:
+    """`fn(*args)` after `delay` s on a daemon thread (a process's exit never waits for it)."""
+    t = threading.Timer(delay, fn, args=args)
+    t.daemon = True
+    t.start()
+
+
 @dataclasses.dataclass
 class _Made:
     expected: int
@@ -177,6 +184,9 @@ class StandIn:
         if len(got) < _SEQ.size:
             conn.close()
             return
+        # (where gloo numbers pairs by rank, every survivor writes its rank and every
+        # handshake counts for entry 0, so that entry closes early and the others at
+        # GIVE_UP_S: gloo numbers by rank only under GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER=1)
         idx = _SEQ.unpack(got)[0] // _BLOCK
         if not 0 <= idx < len(self._made):
             conn.close()
@@ -201,7 +211,7 @@ class StandIn:
             made.done += 1
             last = made.done == made.expected
         if last:
-            threading.Timer(SETTLE_S, self._close, args=(made,)).start()
+            _later(SETTLE_S, self._close, made)
 
     def _close(self, made: _Made) -> None:
         with self._lock:
@@ -226,7 +236,7 @@ class StandIn:
             idx = len(self._made)
             made = _Made(expected=len(live), on_closed=on_closed)
             self._made.append(made)
-        threading.Timer(GIVE_UP_S, self._close, args=(made,)).start()
+        _later(GIVE_UP_S, self._close, made)
         me = _key(self.family, self.ip, self.port)
         for r, peer in live.items():
             # the live rank's own address for this pair carries the number it waits for
