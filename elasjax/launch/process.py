@@ -300,7 +300,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-        raise
+        _fail()
+
+
+def _fail() -> NoReturn:
+    """End a worker whose run raised: the traceback, then exit 1 without the interpreter's
+    finalization, as a finished worker ends (`_leave`). Finalized beside XLA's and gloo's
+    threads, a worker declared dead after a SIGSTOP ended in SIGABRT ("FATAL: exception not
+    rethrown") after its `DeclaredDeadError` line (experiments/stop_probe.py; RESULTS.md, "A
+    dead rank between live ones, stood in for")."""
+    import traceback
+
+    traceback.print_exc()
+    _leave(1)
 
 
 if __name__ == "__main__":

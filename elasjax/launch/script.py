@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..config import ConfigError, load
 from ..runtime.startup import RuntimeConfig, add_setting_flags, resolve_settings, settings_of
-from .process import ADMISSION, KillSpec, _leave, _shutdown, join_job
+from .process import ADMISSION, KillSpec, _fail, _leave, _shutdown, join_job
 
 USAGE_ERROR = 2
 
@@ -157,7 +157,7 @@ def worker_main(args: argparse.Namespace, script_args: list[str]) -> int:
     except Exception as e:
         print(f"[elasjax p{args.process_id}] the script stopped: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)
-        raise
+        _fail()
     _leave(code)
 
 
