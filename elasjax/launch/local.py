@@ -557,6 +557,9 @@ def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet,
             _say(quiet, "the coordination process was killed as scheduled (after step "
                         f"{kill_step})")
         finished = any(p.ended_at is not None and p.returncode == 0 for p in procs)
+        # whose lines are shown, chosen before this look at the exits: a worker that ends now
+        # still has its last lines shown (its error's; it leaves at once, `process._fail`)
+        shown = next((p for p in procs if p.ended_at is None or p.returncode == 0), None)
         for p in list(procs):
             if p.ended_at is None and p.popen.poll() is not None:
                 p.ended_at = now
@@ -576,7 +579,6 @@ def _monitor(procs, coord, scheduled, deadline, heartbeat_s, quiet,
                 procs.append(p)
                 tails.append(_Tail(p.log))
                 _say(quiet, f"process {p.index} restarted (pid {p.popen.pid}, log {p.log.name})")
-        shown = next((p for p in procs if p.ended_at is None or p.returncode == 0), None)
         for p, tail in zip(procs, tails):
             for line in tail.lines():
                 if not quiet and p is shown and line.startswith("[elasjax"):
