@@ -11,9 +11,10 @@ that never came, for gloo's connect timeout (150 s).
 A stand-in removes the refusal from the middle of the pairs' connects: its entry points at a
 socket of this process that completes gloo's connection handshake for the dead rank, so every
 live rank connects every pair, the dead one included, and the communicator is made on every
-survivor. The stand-in then closes each connection: a survivor's pair with the dead rank reads
-the end at once, and a collective over it fails with gloo's "connection closed" (the other
-survivors' waits are ended by their own shutdown once quiet: `aborts.CollectiveAborts`).
+survivor. Once every live rank has made its pair with it (`SETTLE_S` later), the stand-in
+closes those connections: a survivor's pair with the dead rank reads the end at once, and a
+collective over it fails with gloo's "connection closed"; the other survivors' waits are ended
+by their own shutdown once quiet (`aborts.CollectiveAborts`, after `<clique>/stood-in`).
 
 The handshake, as gloo's TCP transport makes it (gloo/transport/tcp/context.cc, device.cc,
 listener.cc): every rank publishes (size_t hostname size, hostname, size_t address size,
