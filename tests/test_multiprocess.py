@@ -1462,7 +1462,10 @@ def test_a_worker_restarted_too_late_to_rejoin_exits_when_the_run_ends(rejoin_re
     _assert_matches(read_jsonl(out / "metrics.jsonl"), rejoin_reference, REJOIN_STEPS)
 
 
-TWO_BACK_STEPS = 22
+# steps of about 0.07 s after the first recovery: the restarted process must arrive before they
+# run out (22 were too few once in an unloaded suite run: docs/limits.md, "Rejoin tests depend
+# on a restart arriving before the run ends")
+TWO_BACK_STEPS = 80
 TWO_BACK = ("parallel.devices=-1", "parallel.devices_per_host=1", "parallel.data=4",
             "parallel.tensor=1")  # 4 processes x 1 device
 
