@@ -276,14 +276,13 @@ DEAD_RANK = struct.pack("=Q", 4) + b"dead" + struct.pack("=Q", 1) + b"\0"
 STOOD_IN = "stood-in"  # a clique's key once its dead ranks' stand-in closed (`stood_in`)
 
 
-def end_rendezvous(client, dead: Callable[[int], bool], stand_in: bool = True) -> list[str]:
+def end_rendezvous(client, dead: Callable[[int], bool]) -> list[str]:
     """End every wait in the making of a gloo communicator for a rank that will never come:
     for each clique some of whose ranks have published their address (`cpu:gloo/<ids>/<rank>`,
     rank r being the clique's r-th device) whose rank 0 is a `dead` device (a device of a
     process known dead), or whose dead ranks all come after every live one, publish `DEAD_RANK`
     for every missing dead rank; where a dead rank lies between live ones, once every live rank
-    has published, a stand-in's entry (`deadranks.StandIn`; `stand_in=False`: left to gloo's
-    wait, as before). Why: a survivor that entered a
+    has published, a stand-in's entry (`deadranks.StandIn`). Why: a survivor that entered a
     communicator's making waits for every rank's entry for gloo's 30 s, whatever else it knows
     (shutting its sockets down does not reach that wait); a dead rank's entry makes the making
     fail with gloo's own error, which the guard reads as the collective failure it is (the MTTR
@@ -316,10 +315,10 @@ def end_rendezvous(client, dead: Callable[[int], bool], stand_in: bool = True) -
         live = [r for r, d in enumerate(ids) if not dead(d)]
         if not gone:
             continue
-        entry: Callable[[int], bytes | None] = lambda r: DEAD_RANK  # noqa: E731
+        entry: Callable[[int], tuple | None] = lambda r: (DEAD_RANK, None)  # noqa: E731
         if not (gone[0] == 0 or min(gone) > max(live, default=-1)):
             # a dead rank between live ones: a stand-in, once every live rank has published
-            if not stand_in or any(f"{clique}/{r}" not in keys for r in live):
+            if any(f"{clique}/{r}" not in keys for r in live):
                 continue
             entry = _stand_in_entries(client, clique, {r: keys[f"{clique}/{r}"] for r in live},
                                       len(ids))
@@ -327,21 +326,25 @@ def end_rendezvous(client, dead: Callable[[int], bool], stand_in: bool = True) -
             key = f"{clique}/{r}"
             if key in keys or not dead(d):
                 continue
-            value = entry(r)
-            if value is None:
+            made = entry(r)
+            if made is None:
                 break
+            value, written = made
             try:
                 client.key_value_set_bytes(key, value)
             except Exception:  # noqa: BLE001 (published meanwhile, or another survivor wrote it)
                 continue
+            if written is not None:
+                written()  # the stand-in's calls, for the entry that is in
             out.append(key)
     return out
 
 
 def _stand_in_entries(client, clique: str, live: dict[int, bytes], size: int
-                      ) -> Callable[[int], bytes | None]:
+                      ) -> Callable[[int], tuple | None]:
     """For a clique of `size` ranks whose live ranks have all published (`live`: rank -> its
-    entry): dead rank -> a stand-in's entry for it (`deadranks.StandIn`), or None where a live
+    entry): dead rank -> a stand-in's entry for it and what to call once it is written
+    (`deadranks.StandIn.entry`), or None where a live
     entry does not parse or no stand-in can listen on its family and an address of this host.
     Once the stand-in has closed a dead rank's connections it posts `<clique>/STOOD_IN`
     (`stood_in`)."""

@@ -229,26 +229,31 @@ class StandIn:
         made.on_closed()
 
     def entry(self, dead_rank: int, size: int, live: dict[int, Entry],
-              on_closed: Callable[[], None]) -> bytes:
+              on_closed: Callable[[], None]) -> tuple[bytes, Callable[[], None]]:
         """Rank `dead_rank`'s entry in a communicator of `size` ranks whose live ranks have
-        all published (`live`); the connections to the live ranks that wait for it start here
-        (each pair's side is settled by the addresses, as gloo settles it)."""
+        all published (`live`), and what starts the connections to the live ranks that wait
+        for it (each pair's side settled by the addresses, as gloo settles it): called once the
+        entry is written, so that a survivor whose write lost to another's calls no one."""
         with self._lock:
             idx = len(self._made)
             made = _Made(expected=len(live), on_closed=on_closed)
             self._made.append(made)
-        _later(GIVE_UP_S, self._close, made)
         me = _key(self.family, self.ip, self.port)
-        for r, peer in live.items():
-            # the live rank's own address for this pair carries the number it waits for
-            if not _connects(_key(peer.family, peer.ip, peer.port), peer.seq_for(dead_rank),
-                             me, idx * _BLOCK + r):
+        # the live rank's own address for this pair carries the number it waits for
+        waiting = [peer for r, peer in live.items()
+                   if not _connects(_key(peer.family, peer.ip, peer.port),
+                                    peer.seq_for(dead_rank), me, idx * _BLOCK + r)]
+
+        def start() -> None:
+            _later(GIVE_UP_S, self._close, made)
+            for peer in waiting:
                 threading.Thread(target=self._call, args=(made, peer, peer.seq_for(dead_rank)),
                                  daemon=True, name="elasjax-standin").start()
+
         addr = _sockaddr(self.family, self.ip, self.port) + _SEQ.pack(-1)
         ids = b"".join(_SEQ.pack(idx * _BLOCK + r) for r in range(size))
         return (struct.pack("=Q", len(HOSTNAME)) + HOSTNAME + struct.pack("=Q", len(addr))
-                + addr + ids)
+                + addr + ids), start
 
 
 _stand_in: StandIn | None = None
